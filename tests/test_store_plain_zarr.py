@@ -1,0 +1,57 @@
+"""A committed version reads the same with plain icechunk + zarr / xarray, without vcdask."""
+
+from __future__ import annotations
+
+import icechunk
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+
+from vcdask import open_store
+from vcdask.testing.store import trained_state
+
+
+def _plain_tensors(session) -> dict[str, np.ndarray]:
+    """What the docs tell users to do: read the layout, slice the flat array."""
+    group = zarr.open_group(session.store, mode="r", path="params")
+    flat = {name: arr[:] for name, arr in group.arrays()}
+    out = {}
+    for e in group.attrs["vcdask:layout"]["entries"]:
+        start = e["offset"]
+        out[e["name"]] = flat[e["dtype"]][start:start + int(np.prod(e["shape"]))].reshape(e["shape"])
+    return out
+
+
+def _check(repo: icechunk.Repository, store, version: str) -> None:
+    expected = {k: v.numpy() for k, v in store.read(version).state_dict().items()}
+    got = _plain_tensors(repo.readonly_session(snapshot_id=version))
+    assert list(got) == list(expected)
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype, name
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    ds = xr.open_zarr(repo.readonly_session(snapshot_id=version).store, group="params", consolidated=False)
+    np.testing.assert_array_equal(ds["float32"].values, store.read(version).params.arrays["float32"].numpy())
+    assert ds["int64"].values.tolist() == [3]
+    assert ds.attrs["vcdask:layout"]["entries"][0]["name"] == "0.weight"
+
+
+def test_plain_zarr_and_xarray_read_local(tmp_path):
+    store = open_store(tmp_path / "s")
+    v1 = store.commit(trained_state(1))
+    store.commit(trained_state(2))
+    repo = icechunk.Repository.open(icechunk.local_filesystem_storage(str(tmp_path / "s")))
+    _check(repo, store, v1)
+    # the history is plain Icechunk history too
+    assert [s.id for s in repo.ancestry(branch="main")][:2] == [v.id for v in store.versions()]
+
+
+@pytest.mark.s3
+def test_plain_zarr_and_xarray_read_s3(s3):
+    bucket = s3.new_bucket()
+    store = open_store(f"s3://{bucket}/p", **s3.options())
+    v1 = store.commit(trained_state(1))
+    storage = icechunk.s3_storage(bucket=bucket, prefix="p", region="us-east-1", endpoint_url=s3.endpoint_url,
+                                  allow_http=True, force_path_style=True, access_key_id="testing",
+                                  secret_access_key="testing")
+    _check(icechunk.Repository.open(storage), store, v1)

@@ -1,0 +1,318 @@
+"""Model state <-> flat parameters.
+
+A model's state (parameters and persistent buffers, as in ``module.state_dict()``)
+is packed into one contiguous 1-D tensor per dtype, plus a :class:`Layout` that
+records each entry's name, shape, dtype and offset.  A typical model therefore
+becomes a single ``float32`` vector (and a tiny ``int64`` one for BatchNorm's
+``num_batches_tracked``): the merge is one ``lerp_`` call and a stored version is
+one array to write.  This module does no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ParameterMismatchError
+
+__all__ = ["Entry", "FlatParams", "Layout", "flatten", "load_into"]
+
+# torch dtypes a layout can hold, by the name used in layouts and store arrays.
+_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype | np.dtype | str) -> str:
+    """The layout name of a torch or numpy dtype, e.g. ``torch.float32 -> "float32"``.
+
+    Raises
+    ------
+    TypeError
+        If the dtype cannot be stored; the message lists the ones that can.
+    """
+    if isinstance(dtype, torch.dtype):
+        name = _NAMES.get(dtype)
+    else:
+        name = np.dtype(dtype).name if str(dtype) != "bfloat16" else "bfloat16"
+        name = name if name in _DTYPES else None
+    if name is None:
+        raise TypeError(f"cannot store parameters of dtype {dtype!r}; supported dtypes: {sorted(_DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a layout dtype name."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise TypeError(f"unknown parameter dtype {name!r}; supported dtypes: {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One named tensor inside a flat parameter vector.
+
+    Parameters
+    ----------
+    name : str
+        The ``state_dict`` key, e.g. ``"conv1.weight"``.
+    shape : tuple of int
+        The tensor's shape.
+    dtype : str
+        Layout dtype name (``"float32"``, ``"int64"``, ...); selects the flat vector.
+    offset : int
+        Start of the tensor inside the flat vector of its dtype.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every named tensor lives inside the per-dtype flat vectors.
+
+    Layouts compare equal exactly when two states have the same names, shapes and
+    dtypes in the same order, which is what merging two parameter sets requires.
+    """
+
+    entries: tuple[Entry, ...]
+
+    @classmethod
+    def from_shapes(cls, items: list[tuple[str, tuple[int, ...], str]]) -> Layout:
+        """Build a layout from ``(name, shape, dtype_name)`` triples, packing in order."""
+        offsets: dict[str, int] = {}
+        entries = []
+        for name, shape, dtype in items:
+            start = offsets.get(dtype, 0)
+            entries.append(Entry(name, tuple(int(s) for s in shape), dtype, start))
+            offsets[dtype] = start + math.prod(shape)
+        return cls(tuple(entries))
+
+    @property
+    def names(self) -> list[str]:
+        """Entry names in order."""
+        return [e.name for e in self.entries]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Length of the flat vector of each dtype, in first-seen order."""
+        sizes: dict[str, int] = {}
+        for e in self.entries:
+            sizes[e.dtype] = sizes.get(e.dtype, 0) + e.size
+        return sizes
+
+    def __getitem__(self, name: str) -> Entry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description (stored as Zarr attributes)."""
+        return {
+            "format": 1,
+            "entries": [
+                {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "offset": e.offset}
+                for e in self.entries
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Layout:
+        """Inverse of :meth:`to_dict`."""
+        if d.get("format") != 1:
+            raise ValueError(f"unsupported layout format {d.get('format')!r}; this vcdask reads format 1")
+        return cls(
+            tuple(Entry(e["name"], tuple(e["shape"]), e["dtype"], int(e["offset"])) for e in d["entries"])
+        )
+
+    def diff(self, other: Layout) -> list[str]:
+        """Human-readable differences between two layouts (empty when equal)."""
+        mine = {e.name: e for e in self.entries}
+        theirs = {e.name: e for e in other.entries}
+        problems = []
+        missing = [n for n in mine if n not in theirs]
+        extra = [n for n in theirs if n not in mine]
+        if missing:
+            problems.append(f"missing: {missing}")
+        if extra:
+            problems.append(f"unexpected: {extra}")
+        for name, e in mine.items():
+            o = theirs.get(name)
+            if o is None:
+                continue
+            if o.shape != e.shape:
+                problems.append(f"{name}: shape {list(o.shape)} != expected {list(e.shape)}")
+            if o.dtype != e.dtype:
+                problems.append(f"{name}: dtype {o.dtype} != expected {e.dtype}")
+        if not problems and [e.name for e in self.entries] != [e.name for e in other.entries]:
+            problems.append("same entries in a different order")
+        return problems
+
+
+class FlatParams:
+    """A model state packed into one contiguous 1-D tensor per dtype.
+
+    Parameters
+    ----------
+    layout : Layout
+        Where each named tensor lives.
+    arrays : mapping of str to torch.Tensor
+        One 1-D contiguous CPU tensor per dtype name in ``layout.sizes``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> flat = flatten(torch.nn.Linear(3, 2))
+    >>> flat.layout.names, flat.numel
+    (['weight', 'bias'], 8)
+    """
+
+    __slots__ = ("arrays", "layout")
+
+    def __init__(self, layout: Layout, arrays: Mapping[str, torch.Tensor]):
+        sizes = layout.sizes
+        if set(arrays) != set(sizes):
+            raise ParameterMismatchError(
+                f"flat arrays for dtypes {sorted(arrays)} do not match the layout's dtypes {sorted(sizes)}"
+            )
+        for dtype, n in sizes.items():
+            a = arrays[dtype]
+            if a.dim() != 1 or a.numel() != n or a.dtype != torch_dtype(dtype):
+                raise ParameterMismatchError(
+                    f"flat {dtype} array has shape {tuple(a.shape)} and dtype {a.dtype}; "
+                    f"the layout expects ({n},) {dtype}"
+                )
+        self.layout = layout
+        self.arrays = {d: arrays[d] for d in sizes}
+
+    @property
+    def numel(self) -> int:
+        """Total number of elements over all dtypes."""
+        return sum(a.numel() for a in self.arrays.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Total size in bytes."""
+        return sum(a.numel() * a.element_size() for a in self.arrays.values())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Named tensors as *views* into the flat arrays (no copy)."""
+        return {
+            e.name: self.arrays[e.dtype][e.offset : e.offset + e.size].view(e.shape) for e in self.layout.entries
+        }
+
+    def clone(self) -> FlatParams:
+        """A deep copy."""
+        return FlatParams(self.layout, {d: a.clone() for d, a in self.arrays.items()})
+
+    def equal(self, other: FlatParams) -> bool:
+        """Exact equality of layout and every value (NaNs compare unequal)."""
+        return self.layout == other.layout and all(torch.equal(a, other.arrays[d]) for d, a in self.arrays.items())
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{d}[{a.numel()}]" for d, a in self.arrays.items())
+        return f"<FlatParams {len(self.layout.entries)} tensors: {parts}>"
+
+
+def _as_state(obj: Any) -> Mapping[str, Any]:
+    if isinstance(obj, torch.nn.Module):
+        return obj.state_dict()
+    if isinstance(obj, Mapping):
+        return obj
+    raise TypeError(
+        f"expected a torch.nn.Module, a state dict or FlatParams, got {type(obj).__name__}"
+    )
+
+
+def flatten(obj: torch.nn.Module | Mapping[str, Any] | FlatParams) -> FlatParams:
+    """Pack a module's state (or a state dict of tensors / arrays) into :class:`FlatParams`.
+
+    Values are copied exactly: floats bit for bit, integer buffers unchanged, dtypes kept.
+
+    Parameters
+    ----------
+    obj : torch.nn.Module, mapping or FlatParams
+        The state to pack.  A FlatParams is returned as is.
+
+    Returns
+    -------
+    FlatParams
+
+    Raises
+    ------
+    TypeError
+        For an unsupported object or dtype (e.g. complex tensors).
+    """
+    if isinstance(obj, FlatParams):
+        return obj
+    state = _as_state(obj)
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for name, value in state.items():
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+        tensors.append((str(name), t.detach()))
+    layout = Layout.from_shapes([(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors])
+    arrays = {d: torch.empty(n, dtype=torch_dtype(d)) for d, n in layout.sizes.items()}
+    for (_, t), e in zip(tensors, layout.entries):
+        arrays[e.dtype][e.offset : e.offset + e.size].copy_(t.reshape(-1))
+    return FlatParams(layout, arrays)
+
+
+def load_into(module: torch.nn.Module, params: FlatParams | Mapping[str, Any]) -> torch.nn.Module:
+    """Copy parameters into ``module`` in place, demanding an exact name/shape/dtype match.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model to update.
+    params : FlatParams or mapping
+        Parameters as produced by :func:`flatten` or read from a store.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``module`` itself, for chaining.
+
+    Raises
+    ------
+    ParameterMismatchError
+        Listing every missing, unexpected, reshaped or retyped entry.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    flat = flatten(params)
+    expected = Layout.from_shapes(
+        [(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in module.state_dict().items()]
+    )
+    problems = expected.diff(flat.layout)
+    if problems and problems != ["same entries in a different order"]:
+        raise ParameterMismatchError(
+            f"parameters do not fit {type(module).__name__}: " + "; ".join(problems)
+        )
+    with torch.no_grad():
+        module.load_state_dict(flat.state_dict(), strict=True)
+    return module

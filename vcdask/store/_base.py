@@ -1,0 +1,155 @@
+"""The parameter-store interface shared by every backend."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..params import FlatParams
+
+__all__ = ["Checkpoint", "ParamStore", "VersionInfo"]
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One committed version, without its parameters.
+
+    Attributes
+    ----------
+    id : str
+        The version id (an Icechunk snapshot id).
+    parent : str or None
+        The version this one was committed on top of.
+    written_at : datetime
+        Commit time (UTC).
+    message : str
+        Commit message.
+    metadata : dict
+        The metadata given to :meth:`ParamStore.commit`.
+    """
+
+    id: str
+    parent: str | None
+    written_at: datetime
+    message: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A version's parameters and metadata, as returned by :meth:`ParamStore.read`."""
+
+    info: VersionInfo
+    params: FlatParams
+
+    @property
+    def version(self) -> str:
+        """The version id."""
+        return self.info.id
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The metadata stored with the version."""
+        return self.info.metadata
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters as a ``state_dict`` (views into the flat arrays)."""
+        return self.params.state_dict()
+
+    def load_into(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Copy the parameters into ``module`` (exact name/shape/dtype match required)."""
+        from ..params import load_into
+
+        return load_into(module, self.params)
+
+
+def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Validate commit metadata: a JSON-serialisable mapping with string keys."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    out = dict(metadata)
+    for key in out:
+        if not isinstance(key, str):
+            raise TypeError(f"metadata keys must be strings, got {key!r}")
+        if key.startswith("vcdask:"):
+            raise ValueError(f"metadata key {key!r} is reserved (keys starting with 'vcdask:' belong to vcdask)")
+    try:
+        json.dumps(out, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metadata must be JSON-serialisable (finite numbers, str, list, dict): {e}") from None
+    return out
+
+
+class ParamStore(ABC):
+    """A versioned store of model parameters.
+
+    Every :meth:`commit` creates a new immutable version on a branch; any version
+    can be read back, tagged, or used as the start of a new branch.
+
+    Capability flags tell callers (the training engine, tests) what a backend can do.
+    """
+
+    #: Whether other processes (Dask workers) can open the same store from ``location``.
+    shared_across_processes: bool = True
+    #: Whether the data survives the process that wrote it.
+    durable: bool = True
+
+    location: str
+    mode: str
+
+    @property
+    def writable(self) -> bool:
+        """False for stores opened with ``mode="r"``."""
+        return self.mode != "r"
+
+    @abstractmethod
+    def commit(
+        self,
+        params: FlatParams | torch.nn.Module | Mapping[str, Any],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        branch: str = "main",
+        message: str | None = None,
+        parent: str | None = None,
+    ) -> str:
+        """Commit ``params`` as a new version on ``branch`` and return its id."""
+
+    @abstractmethod
+    def read(self, version: str | None = None, *, branch: str = "main", tag: str | None = None) -> Checkpoint:
+        """Read one version (default: the newest on ``branch``)."""
+
+    @abstractmethod
+    def versions(self, branch: str = "main") -> list[VersionInfo]:
+        """The branch's history, newest first."""
+
+    @abstractmethod
+    def head(self, branch: str = "main") -> str | None:
+        """The newest version id on ``branch`` (None when it has no versions yet)."""
+
+    @abstractmethod
+    def tag(self, name: str, version: str) -> None:
+        """Give ``version`` an immutable name."""
+
+    @abstractmethod
+    def tags(self) -> dict[str, str]:
+        """Tag name -> version id."""
+
+    @abstractmethod
+    def create_branch(self, name: str, version: str | None = None) -> None:
+        """Create branch ``name`` starting at ``version`` (None: an empty branch)."""
+
+    @abstractmethod
+    def branches(self) -> dict[str, str | None]:
+        """Branch name -> newest version id (None for an empty branch)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.location!r} mode={self.mode!r}>"

@@ -1,0 +1,58 @@
+"""Turn Icechunk's errors into vcdask's, with a message that names what was asked for."""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import (
+    BranchExistsError,
+    StoreAccessDeniedError,
+    StoreConflict,
+    StoreError,
+    StoreNotFoundError,
+    StoreUnreachableError,
+    TagExistsError,
+    VersionNotFoundError,
+)
+
+_ACCESS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "Forbidden",
+           "InvalidClientTokenId", "AuthorizationHeaderMalformed", "PermissionDenied", "403")
+_UNREACHABLE = ("dispatch failure", "Connection refused", "tcp connect", "timed out", "timeout",
+                "dns error", "failed to lookup address", "Connection reset", "connection closed")
+_NOT_FOUND = ("NoSuchBucket", "NoSuchKey", "object not found", "No data in memory found", "ContainerNotFound", "bucket does not exist", "repository doesn't exist",
+              "No such file or directory")
+
+
+def root_cause(exc: BaseException) -> str:
+    """The innermost cause in an Icechunk error report (its last ``-> ...`` line), or its first line."""
+    text = str(exc)
+    causes = re.findall(r"(?:\|->|`->)\s*(.+)", text)
+    if causes:
+        return causes[-1].strip()
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first.lstrip("x ").strip()
+
+
+def translate(exc: BaseException, what: str) -> Exception:
+    """A vcdask error for ``exc``; ``what`` says what was being done ("opening 's3://b/p'")."""
+    import icechunk
+
+    text = str(exc)
+    cause = root_cause(exc)
+    if isinstance(exc, icechunk.ConflictError):
+        return StoreConflict(f"{what}: another writer committed first ({cause})")
+    if any(k in text for k in _ACCESS):
+        return StoreAccessDeniedError(f"{what}: access denied by the storage service ({cause})")
+    if "NoSuchBucket" in text or "ContainerNotFound" in text:
+        return StoreNotFoundError(f"{what}: the bucket or container does not exist ({cause})")
+    if any(k in text for k in _UNREACHABLE):
+        return StoreUnreachableError(f"{what}: the storage endpoint could not be reached ({cause})")
+    if "snapshot not found" in text or "invalid snapshot id" in text or "ref not found" in text:
+        return VersionNotFoundError(f"{what}: not found ({cause})")
+    if "tags are immutable" in text or "tag already exists" in text:
+        return TagExistsError(f"{what}: the tag already exists and tags are immutable")
+    if "branch already exists" in text:
+        return BranchExistsError(f"{what}: the branch already exists")
+    if any(k in text for k in _NOT_FOUND):
+        return StoreNotFoundError(f"{what}: not found ({cause})")
+    return StoreError(f"{what}: {cause}")

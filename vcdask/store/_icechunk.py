@@ -1,0 +1,381 @@
+"""The Icechunk-backed parameter store (every backend: local, memory, S3, GCS, Azure).
+
+On-disk layout of one version (an Icechunk snapshot; Zarr v3 inside)::
+
+    /                       attrs: {"vcdask:format": 1}
+    /params                 attrs: {"vcdask:layout": {"format": 1, "entries": [...]}}
+    /params/float32         1-D array, all float32 tensors back to back (chunked, uncompressed)
+    /params/int64           1-D array, e.g. BatchNorm's num_batches_tracked (only if present)
+
+So a version is one or two arrays: a handful of object-store requests however many
+tensors the model has.  Each layout entry gives ``name``, ``shape``, ``dtype`` and
+``offset`` into the array named by its dtype; ``bfloat16`` is stored as ``uint16``
+bits with the array attribute ``"vcdask:dtype": "bfloat16"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .. import config
+from ..errors import ReadOnlyStoreError, StoreConflict, StoreNotFoundError, VersionNotFoundError
+from ..params import FlatParams, Layout, flatten, torch_dtype
+from ._base import Checkpoint, ParamStore, VersionInfo, check_metadata
+from ._errors import translate
+
+if TYPE_CHECKING:
+    import icechunk
+
+logger = logging.getLogger(__name__)
+
+FORMAT_KEY = "vcdask:format"
+LAYOUT_KEY = "vcdask:layout"
+DTYPE_KEY = "vcdask:dtype"
+FORMAT = 1
+
+
+def _info(snap: icechunk.SnapshotInfo, parent: str | None) -> VersionInfo:
+    meta = {k: v for k, v in (snap.metadata or {}).items() if not k.startswith("vcdask:")}
+    return VersionInfo(id=snap.id, parent=parent, written_at=snap.written_at, message=snap.message, metadata=meta)
+
+
+def _is_version(snap: icechunk.SnapshotInfo) -> bool:
+    return FORMAT_KEY in (snap.metadata or {})
+
+
+class IcechunkParamStore(ParamStore):
+    """A :class:`ParamStore` in an Icechunk repository.  Create it with :func:`vcdask.open_store`.
+
+    Thread-safe: several threads may commit and read at once.  Picklable: a copy
+    sent to another process (a Dask worker) reopens the same location.
+    """
+
+    def __init__(self, backend: Any, mode: str, *, chunk_bytes: int | None = None,
+                 commit_retries: int | None = None, max_tries: int | None = None,
+                 storage_options: Mapping[str, Any] | None = None):
+        import icechunk
+
+        self._backend = backend
+        self.location = backend.location
+        self.mode = mode
+        self.shared_across_processes = backend.shared_across_processes
+        self.durable = backend.durable
+        self.chunk_bytes = int(config.get("store.chunk-bytes", chunk_bytes))
+        self.commit_retries = int(config.get("store.commit-retries", commit_retries))
+        self.max_tries = int(config.get("store.max-tries", max_tries))
+        self._open_args = dict(mode=mode, chunk_bytes=chunk_bytes, commit_retries=commit_retries,
+                               max_tries=max_tries, **(storage_options or {}))
+        what = f"opening {backend.describe()}"
+        repo_config = icechunk.RepositoryConfig(
+            storage=icechunk.StorageSettings(
+                retries=icechunk.StorageRetriesSettings(max_tries=self.max_tries)
+            )
+        )
+        backend.preflight(mode)
+        try:
+            storage = backend.storage()
+            exists = icechunk.Repository.exists(storage)
+        except icechunk.IcechunkError as e:
+            raise translate(e, what) from None
+        from ..errors import StoreExistsError
+
+        if exists and mode == "w-":
+            raise StoreExistsError(f"{backend.describe()} already holds a store and mode='w-' refuses to reuse it")
+        if not exists and mode in ("r", "r+"):
+            raise StoreNotFoundError(
+                f"no vcdask store at {backend.describe()} (mode={mode!r} opens existing stores only; "
+                "use mode='a' to create one)"
+            )
+        try:
+            if exists:
+                self._repo = icechunk.Repository.open(storage, config=repo_config)
+            else:
+                backend.check_creatable()
+                try:
+                    self._repo = icechunk.Repository.create(storage, config=repo_config)
+                    logger.info("created a new vcdask store at %s", backend.describe())
+                except icechunk.IcechunkError:
+                    if not icechunk.Repository.exists(storage):
+                        raise
+                    # another process created it in the meantime: use theirs
+                    self._repo = icechunk.Repository.open(storage, config=repo_config)
+        except icechunk.IcechunkError as e:
+            raise translate(e, what) from None
+
+    # -- pickling: reopen the same location elsewhere ---------------------------------
+    def __reduce__(self):
+        from . import open_store
+
+        return (_reopen, (open_store, self.location, self._open_args))
+
+    # -- writing ----------------------------------------------------------------------
+    def commit(self, params, metadata=None, *, branch="main", message=None, parent=None) -> str:
+        """Commit ``params`` as a new, immutable version on ``branch``.
+
+        Parameters
+        ----------
+        params : FlatParams, torch.nn.Module or mapping of str to tensor/array
+            The state to store; modules and state dicts are packed with :func:`vcdask.params.flatten`.
+        metadata : mapping, optional
+            JSON-serialisable values stored with the version (keys must not start with ``"vcdask:"``).
+        branch : str, default "main"
+            The branch to commit on; it must exist (see :meth:`create_branch`).
+        message : str, optional
+            Commit message (default ``"vcdask version"``).
+        parent : str, optional
+            Compare-and-swap: commit only if the branch's newest version is still ``parent``;
+            otherwise raise :class:`StoreConflict` and write nothing.  Without it a commit
+            that races another writer is retried on top of the new head (up to
+            ``commit_retries`` times), so both commits land.
+
+        Returns
+        -------
+        str
+            The new version id.
+
+        Raises
+        ------
+        StoreConflict
+            ``parent`` is no longer the head, or the retries ran out.
+        VersionNotFoundError
+            The branch does not exist.
+        ReadOnlyStoreError
+            The store was opened with ``mode="r"``.
+        """
+        import icechunk
+
+        if not self.writable:
+            raise ReadOnlyStoreError(f"cannot commit to {self.location!r}: it was opened with mode='r'")
+        flat = flatten(params)
+        meta = {**check_metadata(metadata), FORMAT_KEY: FORMAT}
+        what = f"committing to branch {branch!r} of {self._backend.describe()}"
+        for attempt in range(self.commit_retries + 1):
+            with self._backend.commit_lock():
+                try:
+                    session = self._repo.writable_session(branch)
+                except icechunk.IcechunkError as e:
+                    raise self._ref_error(e, branch=branch) from None
+                if parent is not None:
+                    head = self._version_or_none(session.snapshot_id)
+                    if head != parent:
+                        raise StoreConflict(
+                            f"{what}: expected the branch head to be {parent!r} but it is {head!r}; nothing was written"
+                        )
+                try:
+                    self._write(session.store, flat)
+                    return session.commit(message or "vcdask version", metadata=meta)
+                except icechunk.ConflictError as e:
+                    if parent is not None:
+                        raise translate(e, what) from None
+                    logger.debug("commit to %r lost a race (attempt %d); retrying", branch, attempt + 1)
+                except icechunk.IcechunkError as e:
+                    raise translate(e, what) from None
+        raise StoreConflict(f"{what}: lost the race to other writers {self.commit_retries + 1} times; nothing was written")
+
+    def _write(self, zstore, flat: FlatParams) -> None:
+        import zarr
+
+        root = zarr.open_group(zstore, mode="a")
+        if root.attrs.get(FORMAT_KEY) != FORMAT:
+            root.attrs[FORMAT_KEY] = FORMAT
+        group = root.require_group("params")
+        existing = dict(group.arrays())
+        for dtype, values in flat.arrays.items():
+            data, zdtype = _to_numpy(values, dtype)
+            arr = existing.pop(dtype, None)
+            if arr is None or arr.shape != data.shape or arr.dtype != zdtype:
+                chunk = max(1, min(data.size, self.chunk_bytes // zdtype.itemsize))
+                arr = group.create_array(
+                    dtype, shape=data.shape, chunks=(chunk,), dtype=zdtype, compressors=None,
+                    fill_value=0, dimension_names=[f"n_{dtype}"], overwrite=True,
+                    attributes={DTYPE_KEY: dtype},
+                )
+            if data.size:
+                arr[:] = data
+        for stale in existing:  # a dtype the new layout no longer has
+            del group[stale]
+        layout = flat.layout.to_dict()
+        if group.attrs.get(LAYOUT_KEY) != layout:
+            group.attrs[LAYOUT_KEY] = layout
+
+    # -- reading ----------------------------------------------------------------------
+    def read(self, version=None, *, branch="main", tag=None) -> Checkpoint:
+        """Read a version's parameters and metadata.
+
+        Parameters
+        ----------
+        version : str, optional
+            A version id.  Default: the newest version on ``branch`` (or the tagged one).
+        branch : str, default "main"
+            Branch whose newest version to read when neither ``version`` nor ``tag`` is given.
+        tag : str, optional
+            Read the version with this tag.
+
+        Returns
+        -------
+        Checkpoint
+
+        Raises
+        ------
+        VersionNotFoundError
+            Unknown version, tag or branch, or a branch with no versions yet.
+        """
+        import icechunk
+        import zarr
+
+        if version is not None and tag is not None:
+            raise ValueError(f"give version or tag, not both (got version={version!r}, tag={tag!r})")
+        try:
+            if tag is not None:
+                session = self._repo.readonly_session(tag=tag)
+            elif version is not None:
+                session = self._repo.readonly_session(snapshot_id=version)
+            else:
+                session = self._repo.readonly_session(branch=branch)
+            snap = self._repo.lookup_snapshot(session.snapshot_id)
+        except icechunk.IcechunkError as e:
+            raise self._ref_error(e, version=version, tag=tag, branch=branch) from None
+        if not _is_version(snap):
+            what = f"branch {branch!r}" if tag is None and version is None else repr(tag or version)
+            raise VersionNotFoundError(f"{what} in {self._backend.describe()} has no vcdask version yet")
+        try:
+            group = zarr.open_group(session.store, mode="r", path="params")
+            layout = Layout.from_dict(group.attrs[LAYOUT_KEY])
+            arrays = {dtype: _from_numpy(group[dtype][:], dtype) for dtype in layout.sizes}
+        except icechunk.IcechunkError as e:
+            raise translate(e, f"reading version {snap.id!r} from {self._backend.describe()}") from None
+        return Checkpoint(_info(snap, self._version_or_none(snap.parent_id)), FlatParams(layout, arrays))
+
+    def versions(self, branch="main") -> list[VersionInfo]:
+        """The history of ``branch``, newest first (a branch made from another includes its history).
+
+        Raises
+        ------
+        VersionNotFoundError
+            The branch does not exist.
+        """
+        import icechunk
+
+        try:
+            snaps = [s for s in self._repo.ancestry(branch=branch) if _is_version(s)]
+        except icechunk.IcechunkError as e:
+            raise self._ref_error(e, branch=branch) from None
+        return [_info(s, snaps[i + 1].id if i + 1 < len(snaps) else None) for i, s in enumerate(snaps)]
+
+    def head(self, branch="main") -> str | None:
+        """The newest version id on ``branch``, or None when the branch has no versions yet."""
+        import icechunk
+
+        try:
+            return self._version_or_none(self._repo.lookup_branch(branch))
+        except icechunk.IcechunkError as e:
+            raise self._ref_error(e, branch=branch) from None
+
+    # -- names ------------------------------------------------------------------------
+    def tag(self, name: str, version: str) -> None:
+        """Tag ``version`` as ``name`` (tags are immutable).
+
+        Raises
+        ------
+        TagExistsError
+            A tag called ``name`` exists.
+        VersionNotFoundError
+            ``version`` is not a version of this store.
+        """
+        import icechunk
+
+        self._check_writable("tag")
+        self._require_version(version)
+        try:
+            self._repo.create_tag(name, version)
+        except icechunk.IcechunkError as e:
+            raise translate(e, f"tagging version {version!r} as {name!r}") from None
+
+    def tags(self) -> dict[str, str]:
+        """Tag name -> version id."""
+        return {t: self._repo.lookup_tag(t) for t in sorted(self._repo.list_tags())}
+
+    def create_branch(self, name: str, version: str | None = None) -> None:
+        """Create branch ``name`` at ``version``; with no version the branch starts empty.
+
+        Raises
+        ------
+        BranchExistsError
+            The branch exists already.
+        VersionNotFoundError
+            ``version`` is not a version of this store.
+        """
+        import icechunk
+
+        self._check_writable("create a branch in")
+        if name in self._repo.list_branches():
+            from ..errors import BranchExistsError
+
+            raise BranchExistsError(f"branch {name!r} already exists in {self._backend.describe()}")
+        start = self._root_snapshot() if version is None else self._require_version(version)
+        try:
+            self._repo.create_branch(name, start)
+        except icechunk.IcechunkError as e:
+            raise translate(e, f"creating branch {name!r}") from None
+
+    def branches(self) -> dict[str, str | None]:
+        """Branch name -> newest version id (None for a branch with no versions)."""
+        return {b: self.head(b) for b in sorted(self._repo.list_branches())}
+
+    # -- helpers ----------------------------------------------------------------------
+    def _check_writable(self, action: str) -> None:
+        if not self.writable:
+            raise ReadOnlyStoreError(f"cannot {action} {self.location!r}: it was opened with mode='r'")
+
+    def _version_or_none(self, snapshot_id: str | None) -> str | None:
+        if snapshot_id is None:
+            return None
+        return snapshot_id if _is_version(self._repo.lookup_snapshot(snapshot_id)) else None
+
+    def _require_version(self, version: str) -> str:
+        import icechunk
+
+        try:
+            snap = self._repo.lookup_snapshot(version)
+        except icechunk.IcechunkError as e:
+            raise self._ref_error(e, version=version) from None
+        if not _is_version(snap):
+            raise VersionNotFoundError(f"{version!r} is not a vcdask version of {self._backend.describe()}")
+        return version
+
+    def _root_snapshot(self) -> str:
+        *_, root = self._repo.ancestry(branch="main")
+        return root.id
+
+    def _ref_error(self, e: Exception, *, version=None, tag=None, branch=None) -> Exception:
+        where = self._backend.describe()
+        err = translate(e, f"reading {where}")
+        if not isinstance(err, (VersionNotFoundError, StoreNotFoundError)):
+            return err
+        if tag is not None:
+            return VersionNotFoundError(f"no tag {tag!r} in {where}; tags: {sorted(self._repo.list_tags())}")
+        if version is not None:
+            return VersionNotFoundError(f"no version {version!r} in {where}")
+        return VersionNotFoundError(f"no branch {branch!r} in {where}; branches: {sorted(self._repo.list_branches())}")
+
+
+def _reopen(open_store, location, kwargs):
+    return open_store(location, **kwargs)
+
+
+def _to_numpy(values: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.dtype]:
+    if dtype == "bfloat16":
+        values = values.view(torch.uint16)
+    data = values.numpy()
+    return data, data.dtype
+
+
+def _from_numpy(data: np.ndarray, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(data))
+    return t.view(torch_dtype(dtype)) if dtype == "bfloat16" else t
+

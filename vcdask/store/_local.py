@@ -1,0 +1,86 @@
+"""Local-directory backend: an Icechunk repository in a folder, commits serialised by a file lock."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidLocationError, StoreNotFoundError
+
+__all__ = ["LocalBackend"]
+
+_LOCK_NAME = ".vcdask-commit.lock"
+_quieted = False
+
+
+def _quiet_local_warning() -> None:
+    # Icechunk warns that its LocalFileSystem storage is unsafe for concurrent commits.
+    # vcdask serialises commits with a file lock, so the warning does not apply; keep the
+    # rest of Icechunk's logging as it is, and never override a user's ICECHUNK_LOG.
+    global _quieted
+    if _quieted or "ICECHUNK_LOG" in os.environ:
+        return
+    import icechunk
+
+    icechunk.set_logs_filter("icechunk=warn,icechunk::storage::object_store=error")
+    _quieted = True
+
+
+class LocalBackend:
+    """A store in a local directory (any POSIX filesystem, including shared NFS mounts with flock)."""
+
+    scheme = "file"
+    shared_across_processes = True
+    durable = True
+
+    def __init__(self, location: str, options: dict[str, Any]):
+        if options:
+            raise InvalidLocationError(
+                f"storage options {sorted(options)} do not apply to the local directory {location!r}; "
+                "local stores take no storage options"
+            )
+        path = location[len("file://"):] if location.startswith("file://") else location
+        self.path = Path(path).expanduser().absolute()
+        self.location = str(self.path)
+
+    def describe(self) -> str:
+        return f"local directory {self.location!r}"
+
+    def storage(self):
+        import icechunk
+
+        _quiet_local_warning()
+        return icechunk.local_filesystem_storage(self.location)
+
+    def preflight(self, mode: str) -> None:
+        """Check the path before Icechunk looks at it (it panics on a file and creates missing folders)."""
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreNotFoundError(f"{self.location!r} is a file, not a vcdask store")
+        if mode in ("r", "r+") and not self.path.exists():
+            raise StoreNotFoundError(
+                f"no vcdask store at {self.describe()} (mode={mode!r} opens existing stores only; "
+                "use mode='a' to create one)"
+            )
+
+    def check_creatable(self) -> None:
+        """Refuse to create a store inside a non-empty directory that is not a store."""
+        if self.path.is_dir() and any(p.name != _LOCK_NAME for p in self.path.iterdir()):
+            raise StoreNotFoundError(
+                f"{self.location!r} exists but is not a vcdask store (it holds other files and no "
+                "Icechunk repository); give a new or empty directory, or the path of an existing store"
+            )
+
+    @contextlib.contextmanager
+    def commit_lock(self) -> Iterator[None]:
+        """An exclusive lock across threads and processes; released by the kernel if the holder dies."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock

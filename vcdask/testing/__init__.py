@@ -1,0 +1,1 @@
+"""Test helpers for vcdask and for authors of vcdask backends (imports pytest)."""

@@ -1,0 +1,226 @@
+"""A conformance suite every parameter-store backend must pass.
+
+Subclass :class:`StoreTests` and provide a ``store`` fixture returning a fresh,
+empty store (as zarr's ``zarr.testing.store.StoreTests`` does for Zarr stores)::
+
+    class TestMyBackend(StoreTests):
+        @pytest.fixture
+        def store(self, tmp_path):
+            return vcdask.open_store(tmp_path / "store")
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from vcdask import open_store
+from vcdask.errors import (
+    BranchExistsError,
+    ReadOnlyStoreError,
+    StoreConflict,
+    TagExistsError,
+    VersionNotFoundError,
+)
+from vcdask.params import flatten, load_into
+
+__all__ = ["StoreTests", "make_model", "trained_state"]
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    """A small CNN with conv, batchnorm and linear layers (float and integer state)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 6, 3, padding=1),
+        torch.nn.BatchNorm2d(6),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(6 * 8 * 8, 10),
+    )
+
+
+def trained_state(seed: int = 0) -> torch.nn.Module:
+    """``make_model`` after a few training-mode forward passes, so BatchNorm statistics are non-trivial."""
+    model = make_model(seed)
+    model.train()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(16, 1, 8, 8, generator=g))
+    return model
+
+
+def _constant_state(value: float, n: int = 1000) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((n,), float(value)), "step": torch.tensor(int(value))}
+
+
+class StoreTests:
+    """Behaviour every :class:`vcdask.ParamStore` must have."""
+
+    @pytest.fixture
+    def store(self):  # pragma: no cover - provided by subclasses
+        raise NotImplementedError
+
+    @pytest.fixture
+    def store_options(self) -> dict:
+        """Storage options needed to open ``store.location`` again (credentials, endpoint)."""
+        return {}
+
+    # -- round trips ----------------------------------------------------------------
+    def test_round_trip_module_exact(self, store):
+        model = trained_state(1)
+        version = store.commit(model, {"epoch": 3, "note": "first"})
+        fresh = make_model(2)
+        store.read(version).load_into(fresh)
+        original, loaded = model.state_dict(), fresh.state_dict()
+        assert list(original) == list(loaded)
+        for name, value in original.items():
+            assert loaded[name].dtype == value.dtype, name
+            assert torch.equal(loaded[name], value), name
+        assert int(loaded["1.num_batches_tracked"]) == 3
+        assert loaded["1.num_batches_tracked"].dtype == torch.int64
+
+    def test_round_trip_mixed_dtypes(self, store):
+        state = {
+            "f64": torch.randn(3, 2, dtype=torch.float64),
+            "f16": torch.randn(5).half(),
+            "bf16": torch.randn(7).bfloat16(),
+            "i32": torch.arange(4, dtype=torch.int32) - 2,
+            "mask": torch.tensor([True, False, True]),
+            "u8": torch.arange(250, 256, dtype=torch.uint8),
+            "nan_inf": torch.tensor([float("nan"), float("inf"), -0.0]),
+        }
+        got = store.read(store.commit(state)).state_dict()
+        assert list(got) == list(state)
+        for name, value in state.items():
+            assert got[name].dtype == value.dtype, name
+            assert got[name].shape == value.shape, name
+            assert torch.equal(got[name].view(-1).view(torch.uint8) if value.is_floating_point() else got[name],
+                               value.view(-1).view(torch.uint8) if value.is_floating_point() else value), name
+
+    def test_empty_state(self, store):
+        version = store.commit({})
+        checkpoint = store.read(version)
+        assert checkpoint.params.numel == 0
+        assert checkpoint.state_dict() == {}
+
+    # -- history ----------------------------------------------------------------------
+    def test_history_newest_first_with_metadata(self, store):
+        ids = [store.commit(_constant_state(i), {"step": i, "tags": ["a", i]}, message=f"m{i}") for i in range(3)]
+        history = store.versions()
+        assert [v.id for v in history] == ids[::-1]
+        assert [v.metadata for v in history] == [{"step": i, "tags": ["a", i]} for i in (2, 1, 0)]
+        assert [v.message for v in history] == ["m2", "m1", "m0"]
+        assert [v.parent for v in history] == [ids[1], ids[0], None]
+        assert history[0].written_at >= history[-1].written_at
+        assert store.head() == ids[-1]
+
+    def test_old_version_unchanged_by_newer_commits(self, store):
+        ids = [store.commit(_constant_state(i)) for i in range(4)]
+        for i, version in enumerate(ids):
+            checkpoint = store.read(version)
+            assert checkpoint.version == version
+            assert torch.equal(checkpoint.state_dict()["w"], torch.full((1000,), float(i)))
+        assert torch.equal(store.read().state_dict()["w"], torch.full((1000,), 3.0))
+
+    def test_layout_change_between_versions(self, store):
+        v1 = store.commit(_constant_state(1))
+        v2 = store.commit({"other": torch.arange(6.0).reshape(2, 3)})
+        assert store.read(v1).params.layout.names == ["w", "step"]
+        assert store.read(v2).params.layout.names == ["other"]
+        assert "int64" not in store.read(v2).params.arrays
+
+    # -- tags ---------------------------------------------------------------------------
+    def test_tags(self, store):
+        v1 = store.commit(_constant_state(1))
+        v2 = store.commit(_constant_state(2))
+        store.tag("release-1", v1)
+        assert store.tags() == {"release-1": v1}
+        assert store.read(tag="release-1").version == v1
+        assert torch.equal(store.read(tag="release-1").state_dict()["w"], torch.full((1000,), 1.0))
+        with pytest.raises(TagExistsError, match="release-1"):
+            store.tag("release-1", v2)
+        with pytest.raises(VersionNotFoundError, match="nosuchtag"):
+            store.read(tag="nosuchtag")
+        with pytest.raises(VersionNotFoundError, match="AAAAAAAAAAAAAAAAAAAA"):
+            store.tag("bad", "AAAAAAAAAAAAAAAAAAAA")
+
+    # -- branches -----------------------------------------------------------------------
+    def test_branches(self, store):
+        base = store.commit(_constant_state(1))
+        store.create_branch("run-a", base)
+        run_v = store.commit(_constant_state(5), branch="run-a")
+        assert store.head() == base  # main untouched
+        assert store.head("run-a") == run_v
+        assert [v.id for v in store.versions("run-a")] == [run_v, base]
+        assert store.branches() == {"main": base, "run-a": run_v}
+        assert torch.equal(store.read(branch="run-a").state_dict()["w"], torch.full((1000,), 5.0))
+        with pytest.raises(BranchExistsError, match="run-a"):
+            store.create_branch("run-a")
+
+    def test_empty_branch(self, store):
+        store.create_branch("fresh")
+        assert store.head("fresh") is None
+        assert store.versions("fresh") == []
+        with pytest.raises(VersionNotFoundError, match="fresh"):
+            store.read(branch="fresh")
+        v = store.commit(_constant_state(7), branch="fresh")
+        assert [x.id for x in store.versions("fresh")] == [v]
+
+    def test_unknown_branch(self, store):
+        with pytest.raises(VersionNotFoundError, match="nobranch") as info:
+            store.commit(_constant_state(1), branch="nobranch")
+        assert "main" in str(info.value)  # lists the branches that exist
+        with pytest.raises(VersionNotFoundError, match="nobranch"):
+            store.versions("nobranch")
+        with pytest.raises(KeyError):
+            store.read(branch="nobranch")
+
+    def test_unknown_version(self, store):
+        store.commit(_constant_state(1))
+        with pytest.raises(VersionNotFoundError, match="AAAAAAAAAAAAAAAAAAAA"):
+            store.read("AAAAAAAAAAAAAAAAAAAA")
+        with pytest.raises(VersionNotFoundError, match="not-an-id"):
+            store.read("not-an-id")
+
+    # -- writers ------------------------------------------------------------------------
+    def test_compare_and_swap(self, store):
+        v1 = store.commit(_constant_state(1))
+        v2 = store.commit(_constant_state(2), parent=v1)
+        with pytest.raises(StoreConflict, match=v1):
+            store.commit(_constant_state(3), parent=v1)
+        assert [v.id for v in store.versions()] == [v2, v1]
+
+    def test_metadata_checked(self, store):
+        with pytest.raises(TypeError, match="JSON"):
+            store.commit(_constant_state(1), {"bad": object()})
+        with pytest.raises(ValueError, match="reserved"):
+            store.commit(_constant_state(1), {"vcdask:format": 2})
+        assert store.versions() == []
+
+    def test_read_only(self, store, store_options):
+        v = store.commit(_constant_state(1))
+        ro = open_store(store.location, mode="r", **store_options)
+        assert ro.read().version == v
+        with pytest.raises(ReadOnlyStoreError, match="mode='r'"):
+            ro.commit(_constant_state(2))
+        with pytest.raises(PermissionError):
+            ro.tag("x", v)
+        assert store.versions()[0].id == v
+
+    def test_pickle_reopens_same_store(self, store):
+        v = store.commit(trained_state(3))
+        clone = pickle.loads(pickle.dumps(store))
+        assert clone.location == store.location
+        assert clone.read().version == v
+        assert clone.read(v).params.equal(flatten(trained_state(3)))
+
+    def test_load_into_checks_model(self, store):
+        v = store.commit(trained_state(0))
+        wrong = torch.nn.Linear(3, 2)
+        with pytest.raises(ValueError, match="weight"):
+            store.read(v).load_into(wrong)
+        right = load_into(make_model(5), store.read(v).params)
+        assert torch.equal(right[0].weight, trained_state(0)[0].weight)
