@@ -27,6 +27,7 @@ from ..errors import ReadOnlyStoreError, StoreConflict, StoreNotFoundError, Vers
 from ..params import FlatParams, Layout, flatten, torch_dtype
 from ._base import Checkpoint, ParamStore, VersionInfo, check_metadata
 from ._errors import translate
+from ._files import SideFiles
 
 if TYPE_CHECKING:
     import icechunk
@@ -68,6 +69,7 @@ class IcechunkParamStore(ParamStore):
         self.chunk_bytes = int(config.get("store.chunk-bytes", chunk_bytes))
         self.commit_retries = int(config.get("store.commit-retries", commit_retries))
         self.max_tries = int(config.get("store.max-tries", max_tries))
+        self._files: SideFiles | None = None
         self._open_args = dict(mode=mode, chunk_bytes=chunk_bytes, commit_retries=commit_retries,
                                max_tries=max_tries, **(storage_options or {}))
         what = f"opening {backend.describe()}"
@@ -106,6 +108,15 @@ class IcechunkParamStore(ParamStore):
                     self._repo = icechunk.Repository.open(storage, config=repo_config)
         except icechunk.IcechunkError as e:
             raise translate(e, what) from None
+
+    # -- side files: run specs, client updates (plain objects beside the repository) ----
+    @property
+    def files(self) -> SideFiles:
+        """Plain objects under ``<store>/runs/`` (outside Icechunk's own prefixes)."""
+        if self._files is None:
+            fs, root = self._backend.filesystem()
+            self._files = SideFiles(fs, f"{root}/runs", self._backend.describe(), writable=self.writable)
+        return self._files
 
     # -- pickling: reopen the same location elsewhere ---------------------------------
     def __reduce__(self):
@@ -364,8 +375,16 @@ class IcechunkParamStore(ParamStore):
         return VersionNotFoundError(f"no branch {branch!r} in {where}; branches: {sorted(self._repo.list_branches())}")
 
 
+_reopened: dict[tuple, IcechunkParamStore] = {}
+
+
 def _reopen(open_store, location, kwargs):
-    return open_store(location, **kwargs)
+    """Unpickle a store: one open store per (location, options) per process (workers reuse it)."""
+    key = (location, repr(sorted(kwargs.items())))
+    store = _reopened.get(key)
+    if store is None:
+        store = _reopened[key] = open_store(location, **kwargs)
+    return store
 
 
 def _to_numpy(values: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.dtype]:

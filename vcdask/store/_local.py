@@ -74,6 +74,12 @@ class LocalBackend:
                 "Icechunk repository); give a new or empty directory, or the path of an existing store"
             )
 
+    def filesystem(self):
+        """An fsspec filesystem and root path for the store's side files (run specs, updates)."""
+        from fsspec.implementations.local import LocalFileSystem
+
+        return LocalFileSystem(auto_mkdir=True), self.location
+
     @contextlib.contextmanager
     def commit_lock(self) -> Iterator[None]:
         """An exclusive lock across threads and processes; released by the kernel if the holder dies."""

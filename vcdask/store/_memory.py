@@ -47,6 +47,12 @@ class MemoryBackend:
     def check_creatable(self) -> None:
         return None
 
+    def filesystem(self):
+        """fsspec's process-local memory filesystem, under a folder named after the store."""
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        return MemoryFileSystem(), f"/vcdask-memory-stores/{self.name}"
+
     def commit_lock(self) -> threading.Lock:
         return self._lock
 

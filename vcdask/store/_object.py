@@ -102,6 +102,22 @@ class S3Backend(_ObjectBackend):
                 f"opening {self.describe()}: the storage endpoint could not be reached ({e.strerror or e})"
             ) from None
 
+    def filesystem(self):
+        """An s3fs filesystem with the same endpoint and credentials, and the store's root path."""
+        import s3fs
+
+        o = self.options
+        client_kwargs = {k2: o[k] for k, k2 in (("endpoint_url", "endpoint_url"), ("region", "region_name"))
+                         if k in o}
+        kwargs = {"client_kwargs": client_kwargs, "use_listings_cache": False}
+        if o.get("force_path_style"):
+            kwargs["config_kwargs"] = {"s3": {"addressing_style": "path"}}
+        for k, k2 in (("access_key_id", "key"), ("secret_access_key", "secret"), ("session_token", "token"),
+                      ("anonymous", "anon")):
+            if k in o:
+                kwargs[k2] = o[k]
+        return s3fs.S3FileSystem(**kwargs), f"{self.bucket}/{self.prefix}".rstrip("/")
+
     def storage(self):
         import icechunk
 
@@ -122,6 +138,15 @@ class GCSBackend(_ObjectBackend):
         self.location = location
         self.bucket, self.prefix = _split(location, "bucket")
         self.options = _check_options(location, options, self.valid_options)
+
+    def filesystem(self):
+        """A gcsfs filesystem (install gcsfs) and the store's root path."""
+        try:
+            import gcsfs
+        except ImportError:
+            raise ImportError("side files on gs:// need gcsfs: pip install gcsfs") from None
+        token = self.options.get("service_account_file") or ("anon" if self.options.get("anonymous") else None)
+        return gcsfs.GCSFileSystem(token=token), f"{self.bucket}/{self.prefix}".rstrip("/")
 
     def storage(self):
         import icechunk
@@ -146,6 +171,17 @@ class AzureBackend(_ObjectBackend):
             raise InvalidLocationError(
                 f"Azure location {location!r} needs the storage option account='<storage account name>'"
             )
+
+    def filesystem(self):
+        """An adlfs filesystem (install adlfs) and the store's root path."""
+        try:
+            import adlfs
+        except ImportError:
+            raise ImportError("side files on az:// need adlfs: pip install adlfs") from None
+        o = self.options
+        fs = adlfs.AzureBlobFileSystem(account_name=o["account"], account_key=o.get("access_key"),
+                                       sas_token=o.get("sas_token"))
+        return fs, f"{self.container}/{self.prefix}".rstrip("/")
 
     def storage(self):
         import icechunk

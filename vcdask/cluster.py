@@ -1,0 +1,69 @@
+"""Where runs execute: a given Dask client or cluster, or an embedded ``LocalCluster``.
+
+Cloud fleets come from dask-cloudprovider (``pip install vcdask[cloud]``); pass the
+cluster object to :func:`vcdask.fit` like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["embedded_cluster", "resolve_client"]
+
+
+def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
+    """The embedded default: one worker process per core, one thread each.
+
+    Parameters
+    ----------
+    n_workers : int, optional
+        Number of worker processes (default: the number of cores).
+    **kwargs
+        Passed to :class:`distributed.LocalCluster`.
+    """
+    from distributed import LocalCluster
+
+    n = n_workers or os.cpu_count() or 1
+    kwargs.setdefault("threads_per_worker", 1)
+    kwargs.setdefault("processes", True)
+    kwargs.setdefault("dashboard_address", ":0")
+    kwargs.setdefault("silence_logs", logging.ERROR)
+    return LocalCluster(n_workers=n, **kwargs)
+
+
+def check_client(client: Any) -> None:
+    """Reject anything that is not a Dask Client, a cluster object or None (before any cluster work)."""
+    if client is None:
+        return
+    from distributed import Client
+
+    if isinstance(client, Client) or hasattr(client, "scheduler_address"):
+        return
+    raise TypeError(
+        f"client must be a distributed.Client, a Dask cluster (LocalCluster, dask-cloudprovider ...) "
+        f"or None for the embedded LocalCluster; got {type(client).__name__}"
+    )
+
+
+@contextlib.contextmanager
+def resolve_client(client: Any) -> Iterator[Any]:
+    """Yield a Client: the given one (left open), one for a given cluster (cluster left running),
+    or one for a fresh embedded LocalCluster (closed on exit)."""
+    from distributed import Client
+
+    check_client(client)
+    if isinstance(client, Client):
+        yield client
+    elif client is not None:
+        with Client(client, set_as_default=False) as c:
+            yield c
+    else:
+        with embedded_cluster() as cluster, Client(cluster, set_as_default=False) as c:
+            logger.info("started an embedded LocalCluster: %s", cluster.dashboard_link)
+            yield c

@@ -1,0 +1,312 @@
+"""Training data inputs -> a small, picklable description of where the data lives.
+
+Accepted inputs (checked before any cluster work):
+
+* ``(X, y)`` with numpy arrays, torch tensors or dask arrays;
+* an ``xarray.Dataset`` (feature and label variables and the sample dimension named by
+  the caller or inferred);
+* a Zarr location (local path, ``s3://...``, any fsspec URL) or an Icechunk session/store
+  holding such a dataset.
+
+Zarr locations are read by the workers where they are.  In-memory and dask data is
+staged once, as a Zarr group, into the run's folder of the parameter store; workers
+then read only their shard's rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import VcdaskError
+
+__all__ = ["DataError", "DataSource", "Shards", "prepare_data"]
+
+_LABEL_NAMES = ("y", "label", "labels", "target", "targets")
+_FEATURE_NAMES = ("X", "x", "features", "image", "images", "data")
+
+
+class DataError(VcdaskError, ValueError):
+    """Training data that cannot be used: empty, mismatched lengths, unknown variables ..."""
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where a dataset lives and how to read rows of it.  Small and picklable.
+
+    Attributes
+    ----------
+    url : str or None
+        fsspec URL of a Zarr group (None when ``zarr_store`` is given).
+    storage_options : dict
+        fsspec options for ``url``.
+    zarr_store : object or None
+        A picklable Zarr store (e.g. an Icechunk session's store) holding the group.
+    features : tuple of str
+        Variables stacked into X (each flattened to (n, -1) when there are several).
+    label : str
+        The label variable.
+    sample_dim : str
+        The dimension along which samples (and shards) run.
+    n : int
+        Number of samples.
+    offset : int
+        First sample of this source in the group (validation split of a URL dataset).
+    """
+
+    url: str | None
+    features: tuple[str, ...]
+    label: str
+    sample_dim: str
+    n: int
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    zarr_store: Any = None
+    offset: int = 0
+
+    def open(self):
+        """Open the dataset lazily (no dask, no data read)."""
+        import xarray as xr
+
+        target = self.zarr_store if self.zarr_store is not None else self.url
+        kwargs = {} if self.zarr_store is not None else {"storage_options": self.storage_options or None}
+        return xr.open_zarr(target, chunks=None, consolidated=False, **kwargs)
+
+    def read(self, start: int, stop: int, ds=None) -> tuple[np.ndarray, np.ndarray]:
+        """Read samples ``[start, stop)`` as numpy ``(X, y)``."""
+        ds = self.open() if ds is None else ds
+        rows = ds.isel({self.sample_dim: slice(self.offset + start, self.offset + stop)})
+        return _to_xy(rows, self.features, self.label, self.sample_dim)
+
+    def slice(self, start: int, stop: int) -> DataSource:
+        """A source for samples ``[start, stop)`` of this one."""
+        return DataSource(self.url, self.features, self.label, self.sample_dim, stop - start,
+                          self.storage_options, self.zarr_store, self.offset + start)
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Contiguous, near-equal shard boundaries over ``n`` samples."""
+
+    n: int
+    n_shards: int
+
+    def bounds(self, shard: int) -> tuple[int, int]:
+        size, extra = divmod(self.n, self.n_shards)
+        start = shard * size + min(shard, extra)
+        return start, start + size + (1 if shard < extra else 0)
+
+
+def _to_xy(ds, features, label, sample_dim) -> tuple[np.ndarray, np.ndarray]:
+    def values(name):
+        var = ds[name].transpose(sample_dim, ...)
+        return np.asarray(var.values)
+
+    if len(features) == 1:
+        X = values(features[0])
+    else:
+        X = np.concatenate([values(f).reshape(ds.sizes[sample_dim], -1) for f in features], axis=1)
+    return X, values(label)
+
+
+def _as_numpy(a: Any, what: str) -> np.ndarray:
+    try:
+        import torch
+
+        if isinstance(a, torch.Tensor):
+            return a.detach().cpu().numpy()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "__array__") and not _is_dask(a):
+        return np.asarray(a)
+    raise DataError(f"{what} must be a numpy array, torch tensor or dask array, got {type(a).__name__}")
+
+
+def _is_dask(a: Any) -> bool:
+    return type(a).__module__.startswith("dask.array") or hasattr(a, "__dask_graph__")
+
+
+def _infer_vars(ds, features, label) -> tuple[tuple[str, ...], str]:
+    names = list(ds.data_vars)
+    if label is None:
+        found = [n for n in _LABEL_NAMES if n in ds.data_vars]
+        if not found:
+            raise DataError(f"cannot tell which variable holds the labels among {names}; pass label=<name> "
+                            f"(variables named {list(_LABEL_NAMES)} are found automatically)")
+        label = found[0]
+    if label not in ds.data_vars:
+        raise DataError(f"label variable {label!r} not in the dataset; variables: {names}")
+    if features is None:
+        features = [n for n in names if n != label]
+        if not features:
+            raise DataError(f"the dataset has no feature variables besides the label {label!r}")
+    elif isinstance(features, str):
+        features = [features]
+    missing = [f for f in features if f not in ds.data_vars]
+    if missing:
+        raise DataError(f"feature variable(s) {missing} not in the dataset; variables: {names}")
+    return tuple(features), label
+
+
+def _infer_sample_dim(ds, features, label, sample_dim) -> str:
+    if sample_dim is not None:
+        for name in (*features, label):
+            if sample_dim not in ds[name].dims:
+                raise DataError(f"sample dimension {sample_dim!r} is not a dimension of {name!r} "
+                                f"(its dimensions: {list(ds[name].dims)})")
+        return sample_dim
+    common = [d for d in ds[label].dims if all(d in ds[f].dims for f in features)]
+    if len(common) != 1:
+        raise DataError(f"cannot infer the sample dimension: candidates {common} (dimensions shared by "
+                        f"{[*features, label]}); pass sample_dim=<name>")
+    return common[0]
+
+
+@dataclass
+class PreparedData:
+    """Data checked on the client: what to stage (if anything) and how workers will read it."""
+
+    source: DataSource | None  # set for data read where it lives
+    X: Any = None  # in-memory / dask arrays to stage
+    y: Any = None
+    n: int = 0
+    x_shape: tuple[int, ...] = ()
+    x_dtype: Any = None
+    y_dtype: Any = None
+    sample_X: np.ndarray | None = None  # a few rows, for checks against the model
+    sample_y: np.ndarray | None = None
+    y_min: float | None = None
+    y_max: float | None = None
+
+    @property
+    def classification(self) -> bool:
+        return np.issubdtype(np.dtype(self.y_dtype), np.integer)
+
+
+def prepare_data(data: Any, *, features=None, label=None, sample_dim=None, storage_options=None,
+                 what: str = "data") -> PreparedData:
+    """Check ``data`` and describe it; reads at most a few rows (and the labels' range for checks).
+
+    Raises
+    ------
+    DataError
+        Empty data, X/y length mismatch, unknown variables, ambiguous sample dimension.
+    TypeError
+        An unsupported kind of input.
+    """
+    import xarray as xr
+
+    if isinstance(data, (tuple, list)):
+        if len(data) != 2:
+            raise DataError(f"{what} as a sequence must be (X, y), got {len(data)} items")
+        X, y = data
+        if _is_dask(X) or _is_dask(y):
+            import dask.array as da
+
+            X, y = da.asarray(X), da.asarray(y)
+            if any(math.isnan(s) for s in (*X.shape, *y.shape)):
+                raise DataError(f"{what}: dask arrays with unknown chunk sizes; call .compute_chunk_sizes() first")
+        else:
+            X, y = _as_numpy(X, f"{what} X"), _as_numpy(y, f"{what} y")
+        if X.ndim == 0 or y.ndim == 0:
+            raise DataError(f"{what}: X and y need a sample axis; got shapes {X.shape} and {y.shape}")
+        if X.shape[0] != y.shape[0]:
+            raise DataError(f"{what}: X has {X.shape[0]} samples but y has {y.shape[0]}; they must match")
+        if X.shape[0] == 0:
+            raise DataError(f"{what} is empty (0 samples)")
+        head = slice(0, min(4, X.shape[0]))
+        sx, sy = np.asarray(X[head]), np.asarray(y[head])
+        if np.issubdtype(y.dtype, np.integer):
+            lo, hi = (y.min(), y.max()) if not _is_dask(y) else (y.min().compute(), y.max().compute())
+        else:
+            lo = hi = None
+        return PreparedData(None, X, y, int(X.shape[0]), tuple(X.shape[1:]), X.dtype, y.dtype, sx, sy,
+                            None if lo is None else int(lo), None if hi is None else int(hi))
+    if isinstance(data, xr.Dataset):
+        features, label = _infer_vars(data, features, label)
+        dim = _infer_sample_dim(data, features, label, sample_dim)
+        n = data.sizes[dim]
+        if n == 0:
+            raise DataError(f"{what} is empty (0 samples along {dim!r})")
+        X = _stack(data, features, dim)
+        y = data[label].transpose(dim, ...).data
+        return prepare_data((X, y), what=what)
+    src = _zarr_source(data, storage_options)
+    if src is not None:
+        try:
+            ds = src.open()
+        except (FileNotFoundError, KeyError, OSError) as e:
+            raise DataError(f"cannot open {what} {data!r} as a Zarr dataset: {e}") from None
+        features, label = _infer_vars(ds, features, label)
+        dim = _infer_sample_dim(ds, features, label, sample_dim)
+        n = ds.sizes[dim]
+        if n == 0:
+            raise DataError(f"{what} {data!r} is empty (0 samples along {dim!r})")
+        src = DataSource(src.url, features, label, dim, n, src.storage_options, src.zarr_store)
+        sx, sy = src.read(0, min(4, n), ds)
+        labels = ds[label]
+        lo = hi = None
+        if np.issubdtype(labels.dtype, np.integer):
+            vals = np.asarray(labels.values)
+            lo, hi = int(vals.min()), int(vals.max())
+        return PreparedData(src, None, None, n, sx.shape[1:], sx.dtype, sy.dtype, sx, sy, lo, hi)
+    raise TypeError(
+        f"unsupported {what} type {type(data).__name__}; expected (X, y) arrays (numpy, torch or dask), "
+        "an xarray.Dataset, a Zarr URL/path, or an Icechunk session"
+    )
+
+
+def _stack(ds, features, dim):
+    if len(features) == 1:
+        return ds[features[0]].transpose(dim, ...).data
+    import dask.array as da
+
+    parts = [ds[f].transpose(dim, ...).data for f in features]
+    lazy = any(_is_dask(p) for p in parts)
+    mod = da if lazy else np
+    return mod.concatenate([p.reshape(ds.sizes[dim], -1) for p in parts], axis=1)
+
+
+def _zarr_source(data: Any, storage_options) -> DataSource | None:
+    import os
+
+    if isinstance(data, os.PathLike):
+        data = os.fspath(data)
+    if isinstance(data, str):
+        return DataSource(data, (), "", "", 0, dict(storage_options or {}))
+    mod = type(data).__module__
+    if mod.startswith("icechunk"):
+        store = data.store if hasattr(data, "snapshot_id") else data  # a Session or its store
+        return DataSource(None, (), "", "", 0, {}, store)
+    return None
+
+
+def stage(prepared: PreparedData, files, path: str, *, sample_dim: str = "sample") -> DataSource:
+    """Write in-memory or dask ``(X, y)`` as a Zarr group at ``<store>/runs/<path>``; return its source.
+
+    dask arrays are written by the cluster's workers (``to_zarr``), never through the client.
+    """
+    import xarray as xr
+
+    X, y = prepared.X, prepared.y
+    xdims = (sample_dim, *[f"x_dim_{i}" for i in range(1, X.ndim)])
+    ydims = (sample_dim, *[f"y_dim_{i}" for i in range(1, y.ndim)])
+    ds = xr.Dataset({"X": (xdims, X), "y": (ydims, y)})
+    if _is_dask(X) or _is_dask(y):
+        ds = ds.chunk({sample_dim: _rows_per_chunk(X)})
+    url = f"{files.fs.unstrip_protocol(files.root)}/{path}"
+    options = getattr(files.fs, "storage_options", {})
+    encoding = {v: {"chunks": (_rows_per_chunk(X),) + ds[v].shape[1:]} for v in ("X", "y")} if not _is_dask(X) else None
+    ds.to_zarr(url, mode="w", consolidated=False, storage_options=options or None, zarr_format=3,
+               encoding=encoding)
+    return DataSource(url, ("X",), "y", sample_dim, prepared.n, dict(options))
+
+
+def _rows_per_chunk(X) -> int:
+    row_bytes = max(1, int(np.prod(X.shape[1:])) * np.dtype(X.dtype).itemsize)
+    return max(1, min(int(X.shape[0]), (4 << 20) // row_bytes))
+
