@@ -20,3 +20,26 @@ def s3(s3_server, monkeypatch):
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     yield s3_server
     s3_server.reset()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A real LocalCluster: 2 worker processes, 1 thread each, shared by the engine tests."""
+    from distributed import Client
+
+    from vcdask.cluster import embedded_cluster
+
+    with embedded_cluster(n_workers=2) as cl, Client(cl, set_as_default=False) as c:
+        yield cl, c
+
+
+@pytest.fixture
+def client(cluster):
+    return cluster[1]
+
+
+@pytest.fixture(scope="session")
+def digits_data():
+    from vcdask.demo import digits
+
+    return digits()

@@ -278,6 +278,7 @@ def fit(
     sample_dim: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     shuffle: bool = True,
+    keep_updates: bool = False,
     progress: bool = True,
 ) -> FitResult:
     """Train ``model`` on ``data`` with VC-ASGD on a Dask cluster.
@@ -329,6 +330,9 @@ def fit(
         fsspec options for a Zarr URL given as ``data``.
     shuffle : bool, default True
         Shuffle in-memory data once (seeded) before sharding.
+    keep_updates : bool, default False
+        Keep every client update (``history.update`` gives its path under ``<store>/runs``)
+        instead of deleting it once its merge is committed: for audits and replays.
     progress : bool, default True
         Show progress (a tqdm bar).
 
@@ -403,10 +407,11 @@ def fit(
                 raise ValueError(f"store {param_store.location!r} lives in this process only, but the workers "
                                  "run in other processes; use a directory or object-store location")
         param_store.create_branch(run_id)
-        train_src = prepared.source or stage(prepared, param_store.files, f"{run_id}/train.zarr")
+        train_src = prepared.source or stage(prepared, param_store.files, f"{run_id}/train.zarr", client=c)
         val_src = None
         if val_prepared is not None:
-            val_src = val_prepared.source or stage(val_prepared, param_store.files, f"{run_id}/validation.zarr")
+            val_src = val_prepared.source or stage(val_prepared, param_store.files, f"{run_id}/validation.zarr",
+                                                    client=c)
         param_store.commit(model, {"run_id": run_id, "step": 0, "epoch": 0, "merged": []}, branch=run_id,
                            message=f"{run_id} initial parameters")
         spec = RunSpec(
@@ -414,7 +419,7 @@ def fit(
             optimizer=optimizer_fn, local_epochs=local_epochs, batch_size=batch_size, seed=seed,
             train=train_src, shards=Shards(prepared.n, n_shards), validation=val_src, metrics=metric_fns,
             classification=classification, x_dtype=x_dtype, max_epochs=max_epochs, alpha=schedule,
-            target=target, commit_every=commit_every, validate_every=validate_every,
+            target=target, commit_every=commit_every, validate_every=validate_every, keep_updates=keep_updates,
         )
         import cloudpickle
 
@@ -462,7 +467,7 @@ def _build_result(model, store: ParamStore, result: dict, wall: float) -> FitRes
 
     history = pd.DataFrame(result["history"], columns=[
         "epoch", "shard", "attempt", "worker", "base_version", "new_version", "version_id", "alpha",
-        "staleness", "train_loss", "seconds", "accepted", "reason", "time"])
+        "staleness", "train_loss", "seconds", "accepted", "reason", "time", "update"])
     epochs = pd.DataFrame(result["epochs"])
     if len(epochs):
         epochs = epochs.set_index("epoch")

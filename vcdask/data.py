@@ -285,10 +285,10 @@ def _zarr_source(data: Any, storage_options) -> DataSource | None:
     return None
 
 
-def stage(prepared: PreparedData, files, path: str, *, sample_dim: str = "sample") -> DataSource:
+def stage(prepared: PreparedData, files, path: str, *, client=None, sample_dim: str = "sample") -> DataSource:
     """Write in-memory or dask ``(X, y)`` as a Zarr group at ``<store>/runs/<path>``; return its source.
 
-    dask arrays are written by the cluster's workers (``to_zarr``), never through the client.
+    dask arrays are written by the workers of ``client`` (``to_zarr``), not through this process.
     """
     import xarray as xr
 
@@ -301,8 +301,11 @@ def stage(prepared: PreparedData, files, path: str, *, sample_dim: str = "sample
     url = f"{files.fs.unstrip_protocol(files.root)}/{path}"
     options = getattr(files.fs, "storage_options", {})
     encoding = {v: {"chunks": (_rows_per_chunk(X),) + ds[v].shape[1:]} for v in ("X", "y")} if not _is_dask(X) else None
-    ds.to_zarr(url, mode="w", consolidated=False, storage_options=options or None, zarr_format=3,
-               encoding=encoding)
+    lazy = _is_dask(X) or _is_dask(y)
+    delayed = ds.to_zarr(url, mode="w", consolidated=False, storage_options=options or None, zarr_format=3,
+                         encoding=encoding, compute=not lazy or client is None)
+    if lazy and client is not None:
+        client.compute(delayed).result()
     return DataSource(url, ("X",), "y", sample_dim, prepared.n, dict(options))
 
 

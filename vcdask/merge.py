@@ -11,7 +11,6 @@ BatchNorm's ``num_batches_tracked``) cannot be averaged and takes the client's v
 
 from __future__ import annotations
 
-import torch
 
 from .errors import ParameterMismatchError
 from .params import FlatParams

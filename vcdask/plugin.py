@@ -23,9 +23,8 @@ from typing import Any
 from distributed import SchedulerPlugin
 
 from .errors import VcdaskError
-from .merge import vc_asgd
+from .server import ServerState
 from .task import RunSpec, load_spec, train_shard, validate_version
-from .updates import read_update
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +65,9 @@ class Run:
         self.started = time.time()
         self.client = None
         self.ac = None
-        # server state (touched only by the merge thread, read by the loop between merges)
-        self.server = None
-        self.step = 0
-        self.version: str | None = None
-        self.version_step = 0
-        self.uncommitted: list[dict] = []
+        # W_s: touched only by the merge thread; the loop reads its counters between merges
+        self.state = ServerState(spec.store, spec.branch, spec.alpha, spec.run_id,
+                                 commit_every=spec.commit_every, keep_updates=spec.keep_updates)
         # scheduling state (event loop only)
         self.rng = random.Random(spec.seed)
         self.queue: dict[int, list[int]] = {}
@@ -107,9 +103,9 @@ class Run:
         try:
             self.client = await Client(self.scheduler.address, asynchronous=True, set_as_default=False,
                                        name=f"vcdask-{self.id}")
-            await self._in_thread(self._load_server)
+            await self._in_thread(self.state.load)
             self.status = "running"
-            self._event("started", version=self.version, step=self.step)
+            self._event("started", version=self.state.version, step=self.state.step)
             self.ac = as_completed([], loop=self.client.loop, with_results=False)
             self._fill(None)
             async for future in self.ac:
@@ -155,16 +151,11 @@ class Run:
 
     def _record_cancelled(self, task: _Task) -> None:
         self.history.append({"epoch": task.epoch, "shard": task.shard, "attempt": task.attempt, "worker": None,
+                             "update": None,
                              "base_version": task.step, "new_version": None, "version_id": None, "alpha": None,
                              "staleness": None, "train_loss": float("nan"), "seconds": float("nan"),
                              "accepted": False, "reason": f"cancelled: {self.stopping}",
                              "time": time.time() - self.started})
-
-    def _load_server(self) -> None:
-        checkpoint = self.store.read(branch=self.spec.branch)
-        self.server = checkpoint.params.clone()
-        self.version = checkpoint.version
-        self.step = self.version_step = int(checkpoint.metadata.get("step", 0))
 
     def _finished(self) -> bool:
         return self.stopping is not None or len(self.epochs) >= self.spec.max_epochs
@@ -198,18 +189,18 @@ class Run:
         key = f"vcdask-train-{self.id}-e{epoch}-s{shard}-a{attempt}"
         home = self.home.get(shard)
         where = {"workers": [home], "allow_other_workers": True} if home in self.scheduler.workers else {}
-        future = self.client.submit(train_shard, self.store, self.id, epoch, shard, attempt, self.version,
-                                    self.version_step, key=key, **where)
-        self._track(future, _Task("update", epoch, shard, attempt, self.version_step))
+        future = self.client.submit(train_shard, self.store, self.id, epoch, shard, attempt, self.state.version,
+                                    self.state.version_step, key=key, **where)
+        self._track(future, _Task("update", epoch, shard, attempt, self.state.version_step))
         return key
 
     def _submit_validation(self) -> None:
-        key = f"vcdask-validate-{self.id}-v{self.version_step}"
-        if key in self.futures or self.version_step in self.validations:
+        key = f"vcdask-validate-{self.id}-v{self.state.version_step}"
+        if key in self.futures or self.state.version_step in self.validations:
             return
-        future = self.client.submit(validate_version, self.store, self.id, self.version, self.version_step,
+        future = self.client.submit(validate_version, self.store, self.id, self.state.version, self.state.version_step,
                                     key=key, priority=10)
-        self._track(future, _Task("validation", step=self.version_step))
+        self._track(future, _Task("validation", step=self.state.version_step))
 
     def _track(self, future, task: _Task) -> None:
         self.in_flight[future.key] = task
@@ -226,6 +217,7 @@ class Run:
     async def _on_update(self, rec: dict) -> None:
         epoch, shard = rec["epoch"], rec["shard"]
         row = {"epoch": epoch, "shard": shard, "attempt": rec["attempt"], "worker": rec["worker"],
+               "update": rec["update"],
                "base_version": rec["base_step"], "new_version": None, "version_id": None, "alpha": None,
                "staleness": None, "train_loss": rec["train_loss"], "seconds": rec["seconds"],
                "accepted": False, "reason": None, "time": time.time() - self.started}
@@ -236,11 +228,11 @@ class Run:
             await self._in_thread(self.store.files.delete, rec["update"])
         else:
             epoch_complete = len(merged) + 1 == self.spec.shards.n_shards
-            row.update(await self._in_thread(self._merge, rec, epoch_complete))
+            row.update(await self._in_thread(self.state.merge, rec, epoch_complete))
             merged.add(shard)
             self.home[shard] = rec["worker"]
             if epoch_complete:
-                self.epoch_end[epoch] = (self.step, time.time() - self.started)
+                self.epoch_end[epoch] = (self.state.step, time.time() - self.started)
         self.history.append(row)
         self._event("update", **{k: row[k] for k in ("epoch", "shard", "worker", "accepted", "new_version",
                                                     "staleness", "alpha", "train_loss", "reason")})
@@ -249,39 +241,9 @@ class Run:
         if self.spec.validation is None:
             self._close_epochs()
             return
-        committed = self.version_step == self.step
-        due = epoch_complete or self.step % self.spec.validate_every == 0
-        if committed and due:
+        due = epoch_complete or self.state.step % self.spec.validate_every == 0
+        if self.state.committed and due:
             self._submit_validation()
-
-    def _merge(self, rec: dict, force_commit: bool) -> dict:
-        """In the merge thread: read W_c, merge into W_s in place, commit when due."""
-        client = read_update(self.store.files, rec["update"])
-        alpha = float(self.spec.alpha(rec["epoch"]))
-        vc_asgd(self.server, client, alpha)
-        self.step += 1
-        self.uncommitted.append(rec)
-        if force_commit or len(self.uncommitted) >= self.spec.commit_every:
-            self._commit()
-        return {"accepted": True, "alpha": alpha, "new_version": self.step,
-                "staleness": self.step - 1 - rec["base_step"],
-                "version_id": self.version if self.version_step == self.step else None}
-
-    def _commit(self) -> None:
-        if not self.uncommitted:
-            return
-        merged = [[r["epoch"], r["shard"], r["attempt"]] for r in self.uncommitted]
-        last = self.uncommitted[-1]
-        self.version = self.store.commit(
-            self.server,
-            {"run_id": self.id, "step": self.step, "epoch": last["epoch"], "merged": merged,
-             "alpha": float(self.spec.alpha(last["epoch"]))},
-            branch=self.spec.branch, message=f"{self.id} step {self.step}", parent=self.version,
-        )
-        self.version_step = self.step
-        for r in self.uncommitted:  # merged and committed: the update has done its job
-            self.store.files.delete(r["update"])
-        self.uncommitted = []
 
     def _on_validation(self, rec: dict) -> None:
         self.validations[rec["step"]] = rec["metrics"]
@@ -297,12 +259,13 @@ class Run:
             end_step, wall = self.epoch_end[epoch]
             if self.spec.validation is not None and end_step not in self.validations:
                 return
-            prev = self.epoch_end.get(epoch - 1, (0, 0.0))[0]
+            merges = [h for h in self.history if h["epoch"] == epoch and h["accepted"]]
             row = {"epoch": epoch, "version": end_step, "wall_time": wall,
-                   "train_loss": _mean([h["train_loss"] for h in self.history if h["epoch"] == epoch and h["accepted"]])}
+                   "train_loss": _mean([h["train_loss"] for h in merges])}
             if self.spec.validation is not None:
+                # the band: every validated version that merged one of this epoch's updates
                 end = self.validations[end_step]
-                seen = [m for s, m in self.validations.items() if prev < s <= end_step]
+                seen = [self.validations[h["new_version"]] for h in merges if h["new_version"] in self.validations]
                 for name in end:
                     values = [m[name] for m in seen]
                     row[name] = end[name]
@@ -334,16 +297,18 @@ class Run:
             for key in leftover:
                 self._record_cancelled(self.in_flight.pop(key))
                 self.futures.pop(key, None)
-        await self._in_thread(self._commit)
-        if self.spec.validation is not None and self.version_step not in self.validations:
-            rec = await self.client.submit(validate_version, self.store, self.id, self.version, self.version_step,
+        await self._in_thread(self.state.commit)
+        if self.spec.validation is not None and self.state.version_step not in self.validations:
+            rec = await self.client.submit(validate_version, self.store, self.id, self.state.version, self.state.version_step,
                                            key=f"vcdask-validate-{self.id}-final", priority=10)
             self.validations[rec["step"]] = rec["metrics"]
         await self._in_thread(self._drop_leftover_updates)
         self.status = "finished"
-        self._event("finished", version=self.version, step=self.step, reason=self.stopping or "max_epochs")
+        self._event("finished", version=self.state.version, step=self.state.step, reason=self.stopping or "max_epochs")
 
     def _drop_leftover_updates(self) -> None:
+        if self.spec.keep_updates:
+            return
         for path in self.store.files.list(f"{self.id}/updates"):
             self.store.files.delete(path)
 
@@ -359,8 +324,8 @@ class Run:
     # -- views ----------------------------------------------------------------------------
     def status_dict(self) -> dict:
         last = self.epochs[-1] if self.epochs else {}
-        return {"run_id": self.id, "status": self.status, "error": self.error, "step": self.step,
-                "version": self.version, "epochs_done": len(self.epochs), "max_epochs": self.spec.max_epochs,
+        return {"run_id": self.id, "status": self.status, "error": self.error, "step": self.state.step,
+                "version": self.state.version, "epochs_done": len(self.epochs), "max_epochs": self.spec.max_epochs,
                 "n_shards": self.spec.shards.n_shards,
                 "merged_in_epoch": len(self.merged.get(len(self.epochs) + 1, ())),
                 "in_flight": self._n_training(), "last_epoch": last, "stopping": self.stopping,
@@ -368,7 +333,7 @@ class Run:
 
     def result_dict(self) -> dict:
         return {**self.status_dict(), "history": self.history, "epochs": self.epochs,
-                "final_metrics": self.validations.get(self.version_step), "branch": self.spec.branch}
+                "final_metrics": self.validations.get(self.state.version_step), "branch": self.spec.branch}
 
 
 def shard_not_merged(run: Run, task: _Task) -> bool:

@@ -49,6 +49,7 @@ class RunSpec:
     target: dict[str, float] | None
     commit_every: int
     validate_every: int
+    keep_updates: bool = False
     torch_threads: int = 1
     started_at: float = field(default_factory=time.time)
 

@@ -1,0 +1,30 @@
+"""The README's first command: `vcdask demo` trains on the embedded default and reports accuracy."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_console_command(tmp_path):
+    store = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "vcdask.cli", "demo", "--store", str(store), "--no-progress"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", proc.stdout).group(1))
+    assert accuracy >= 0.95
+    seconds = float(re.search(r"merges in ([0-9.]+) s", proc.stdout).group(1))
+    assert seconds < 120
+    folder = Path(re.search(r"history, epochs and plot: (.+)/\n", proc.stdout).group(1))
+    folder = folder if folder.is_absolute() else tmp_path / folder
+    history = pd.read_csv(folder / "history.csv")
+    assert history.accepted.sum() == 20 * 10
+    assert (folder / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"store: {store}" in proc.stdout

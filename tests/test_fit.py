@@ -1,0 +1,164 @@
+"""vcdask.fit end to end on a real LocalCluster (2 worker processes)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import vcdask
+from vcdask.demo import accuracy_on, digits_cnn
+from vcdask.updates import read_update
+
+pytestmark = pytest.mark.slow
+
+
+def _linear(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+
+
+def test_fit_digits_reaches_accuracy(client, digits_data, tmp_path):
+    (X, y), (X_test, y_test) = digits_data
+    model = digits_cnn(0)
+    result = vcdask.fit(model, (X, y), validation=0.1, max_epochs=12, n_shards=10, local_epochs=4, alpha=0.7,
+                        client=client, store=tmp_path / "store", progress=False)
+    # stated accuracy: >= 0.95 on the held-out test set
+    assert accuracy_on(result.model, X_test, y_test) >= 0.95
+    assert result.model is model
+    h = result.history
+    accepted = h[h.accepted]
+    # one accepted update per (epoch, shard), versions 1..N in arrival order
+    assert len(accepted) == 12 * 10
+    assert sorted(map(tuple, accepted[["epoch", "shard"]].values.tolist())) == [
+        (e, s) for e in range(1, 13) for s in range(10)]
+    assert accepted.new_version.tolist() == list(range(1, 121))
+    assert (accepted.staleness >= 0).all() and (accepted.staleness <= 2).all()
+    assert (accepted.alpha == 0.7).all()
+    assert set(accepted.worker) == set(client.scheduler_info()["workers"])
+    # sticky shards: a shard mostly goes back to the worker that already caches its rows
+    last_worker, same, again = {}, 0, 0
+    for row in accepted.itertuples():
+        if row.shard in last_worker:
+            again += 1
+            same += row.worker == last_worker[row.shard]
+        last_worker[row.shard] = row.worker
+    assert same / again >= 0.6
+    # epochs table: one row per epoch, with the min/max band around the mean
+    e = result.epochs
+    assert e.index.tolist() == list(range(1, 13))
+    assert (e.accuracy_min <= e.accuracy_mean).all() and (e.accuracy_mean <= e.accuracy_max).all()
+    assert e.wall_time.is_monotonic_increasing
+    # every merge is a version on the run's branch; the result is the newest one
+    versions = result.store.versions(result.run_id)
+    assert len(versions) == 121  # initial + 120 merges
+    assert versions[0].id == result.version
+    assert versions[0].metadata["step"] == 120
+    assert result.store.read(result.version).params.equal(vcdask.flatten(model))
+    assert result.metrics["accuracy"] == pytest.approx(e.accuracy.iloc[-1])
+    # nothing left in transit
+    assert result.store.files.list(f"{result.run_id}/updates") == []
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.95, "epoch"])
+def test_merge_arithmetic_end_to_end(client, digits_data, tmp_path, alpha):
+    """Each stored version equals alpha * previous + (1 - alpha) * the client update, in arrival order."""
+    (X, y), _ = digits_data
+    result = vcdask.fit(_linear(), (X[:300], y[:300]), max_epochs=2, n_shards=3, alpha=alpha, client=client,
+                        store=tmp_path / "s", keep_updates=True, progress=False)
+    store = result.store
+    history = result.history[result.history.accepted]
+    assert len(history) == 6
+    by_step = {v.metadata["step"]: v.id for v in store.versions(result.run_id)}
+    prev = store.read(by_step[0]).params
+    for row in history.itertuples():
+        expected_alpha = row.epoch / (row.epoch + 1) if alpha == "epoch" else alpha
+        assert row.alpha == pytest.approx(expected_alpha)
+        wc = read_update(store.files, row.update)
+        got = store.read(row.version_id).params
+        want = expected_alpha * prev.arrays["float32"] + (1 - expected_alpha) * wc.arrays["float32"]
+        torch.testing.assert_close(got.arrays["float32"], want, rtol=1e-5, atol=1e-6)
+        if alpha == 0.0:
+            assert got.equal(wc)  # alpha = 0 takes the client's copy exactly
+        prev = got
+
+
+def _start_in_thread(**kwargs):
+    out = {}
+
+    def target():
+        try:
+            out["result"] = vcdask.fit(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            out["error"] = e
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, out
+
+
+def _wait_for_run(client, min_step=1, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = client.sync(client.scheduler.vcdask_runs) if _has_plugin(client) else {}
+        running = [r for r, s in runs.items() if s == "running"]
+        if running:
+            status = client.sync(client.scheduler.vcdask_status, run_id=running[-1])
+            if status["step"] >= min_step:
+                return running[-1], status
+        time.sleep(0.05)
+    raise TimeoutError("no run started")
+
+
+def _has_plugin(client):
+    return client.run_on_scheduler(lambda dask_scheduler: "vcdask" in dask_scheduler.plugins)
+
+
+def test_duplicate_result_is_merged_once(client, digits_data, tmp_path):
+    (X, y), _ = digits_data
+    thread, out = _start_in_thread(model=_linear(), data=(X, y), max_epochs=6, n_shards=4, local_epochs=3,
+                                   client=client, store=tmp_path / "s", progress=False)
+    run_id, _ = _wait_for_run(client, min_step=1)
+    client.sync(client.scheduler.vcdask_reissue, run_id=run_id, epoch=1, shard=0)  # a second copy
+    thread.join(120)
+    assert "error" not in out, out.get("error")
+    h = out["result"].history
+    rows = h[(h.epoch == 1) & (h.shard == 0)]
+    assert len(rows) == 2
+    assert rows.accepted.sum() == 1
+    assert rows[~rows.accepted].reason.iloc[0].startswith("duplicate")
+    accepted = h[h.accepted]
+    assert len(accepted) == 6 * 4
+    assert not accepted.duplicated(["epoch", "shard"]).any()
+
+
+def test_scheduler_answers_while_merging_5m_params(client, digits_data, tmp_path):
+    """Merges of a 5M-parameter model run off the event loop: the scheduler keeps answering fast."""
+    (X, y), _ = digits_data
+
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(64, 10)
+            self.table = torch.nn.Parameter(torch.zeros(5_000_000))  # 20 MB merged on every update
+
+        def forward(self, x):
+            return self.head(x.flatten(1)) + 0.0 * self.table[:1]
+
+    thread, out = _start_in_thread(model=Big(), data=(X, y), max_epochs=3, n_shards=6, client=client,
+                                   store=tmp_path / "s", progress=False)
+    run_id, start = _wait_for_run(client, min_step=1)
+    latencies = []
+    while thread.is_alive() and len(latencies) < 400:
+        t = time.perf_counter()
+        client.sync(client.scheduler.identity)
+        latencies.append(time.perf_counter() - t)
+        time.sleep(0.01)
+    thread.join(300)
+    assert "error" not in out, out.get("error")
+    merges_during = out["result"].history.accepted.sum() - start["step"]
+    assert merges_during >= 5, "the pings must overlap real merges"
+    assert len(latencies) >= 20
+    assert max(latencies) < 0.1, f"scheduler took {max(latencies) * 1e3:.0f} ms to answer"
