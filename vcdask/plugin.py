@@ -91,7 +91,8 @@ class Run:
         self.scheduler.log_event(f"vcdask-run-{self.id}", {"type": kind, "run_id": self.id, **data})
 
     def _slots(self) -> int:
-        return max(1, sum(ws.nthreads for ws in self.scheduler.workers.values()))
+        threads = sum(ws.nthreads for ws in self.scheduler.workers.values())
+        return max(1, self.spec.tasks_per_slot * threads)
 
     def _n_training(self) -> int:
         return sum(t.kind == "update" for t in self.in_flight.values())
@@ -146,8 +147,13 @@ class Run:
         if task.kind == "validation":
             self._on_validation(record)
             return None
+        # The worker is free now: give it its next shard before merging this result, so
+        # training never waits for the merge thread (the new task starts from the newest
+        # committed version, one merge staler than after the merge).
+        if not self._finished():
+            self._fill(record["worker"])
         await self._on_update(record)
-        return record["worker"]
+        return None
 
     def _record_cancelled(self, task: _Task) -> None:
         self.history.append({"epoch": task.epoch, "shard": task.shard, "attempt": task.attempt, "worker": None,
@@ -189,18 +195,19 @@ class Run:
         key = f"vcdask-train-{self.id}-e{epoch}-s{shard}-a{attempt}"
         home = self.home.get(shard)
         where = {"workers": [home], "allow_other_workers": True} if home in self.scheduler.workers else {}
-        future = self.client.submit(train_shard, self.store, self.id, epoch, shard, attempt, self.state.version,
-                                    self.state.version_step, key=key, **where)
-        self._track(future, _Task("update", epoch, shard, attempt, self.state.version_step))
+        version, step = self.state.head
+        future = self.client.submit(train_shard, self.store, self.id, epoch, shard, attempt, version, step,
+                                    key=key, **where)
+        self._track(future, _Task("update", epoch, shard, attempt, step))
         return key
 
     def _submit_validation(self) -> None:
-        key = f"vcdask-validate-{self.id}-v{self.state.version_step}"
-        if key in self.futures or self.state.version_step in self.validations:
+        version, step = self.state.head
+        key = f"vcdask-validate-{self.id}-v{step}"
+        if key in self.futures or step in self.validations:
             return
-        future = self.client.submit(validate_version, self.store, self.id, self.state.version, self.state.version_step,
-                                    key=key, priority=10)
-        self._track(future, _Task("validation", step=self.state.version_step))
+        future = self.client.submit(validate_version, self.store, self.id, version, step, key=key, priority=10)
+        self._track(future, _Task("validation", step=step))
 
     def _track(self, future, task: _Task) -> None:
         self.in_flight[future.key] = task
@@ -298,8 +305,9 @@ class Run:
                 self._record_cancelled(self.in_flight.pop(key))
                 self.futures.pop(key, None)
         await self._in_thread(self.state.commit)
-        if self.spec.validation is not None and self.state.version_step not in self.validations:
-            rec = await self.client.submit(validate_version, self.store, self.id, self.state.version, self.state.version_step,
+        version, step = self.state.head
+        if self.spec.validation is not None and step not in self.validations:
+            rec = await self.client.submit(validate_version, self.store, self.id, version, step,
                                            key=f"vcdask-validate-{self.id}-final", priority=10)
             self.validations[rec["step"]] = rec["metrics"]
         await self._in_thread(self._drop_leftover_updates)

@@ -43,16 +43,27 @@ class ServerState:
         self.keep_updates = keep_updates
         self.params: FlatParams | None = None
         self.step = 0
-        self.version: str | None = None
-        self.version_step = 0
+        #: (newest committed version id, its step), replaced as one object so that the
+        #: event loop never reads a version with another version's step.
+        self.head: tuple[str | None, int] = (None, 0)
         self.uncommitted: list[dict[str, Any]] = []
 
     def load(self) -> None:
         """Start from the newest version on the branch."""
         checkpoint = self.store.read(branch=self.branch)
         self.params = checkpoint.params.clone()
-        self.version = checkpoint.version
-        self.step = self.version_step = int(checkpoint.metadata.get("step", 0))
+        self.step = int(checkpoint.metadata.get("step", 0))
+        self.head = (checkpoint.version, self.step)
+
+    @property
+    def version(self) -> str | None:
+        """The newest committed version id."""
+        return self.head[0]
+
+    @property
+    def version_step(self) -> int:
+        """The step of the newest committed version."""
+        return self.head[1]
 
     @property
     def committed(self) -> bool:
@@ -80,14 +91,14 @@ class ServerState:
         if not self.uncommitted:
             return
         last = self.uncommitted[-1]
-        self.version = self.store.commit(
+        version = self.store.commit(
             self.params,
             {"run_id": self.run_id, "step": self.step, "epoch": last["epoch"],
              "merged": [[r["epoch"], r["shard"], r["attempt"]] for r in self.uncommitted],
              "alpha": float(self.alpha(last["epoch"]))},
             branch=self.branch, message=f"{self.run_id} step {self.step}", parent=self.version,
         )
-        self.version_step = self.step
+        self.head = (version, self.step)
         if not self.keep_updates:
             for r in self.uncommitted:  # merged and committed: the update has done its job
                 self.store.files.delete(r["update"])

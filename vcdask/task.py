@@ -50,6 +50,7 @@ class RunSpec:
     commit_every: int
     validate_every: int
     keep_updates: bool = False
+    tasks_per_slot: int = 2
     torch_threads: int = 1
     started_at: float = field(default_factory=time.time)
 
