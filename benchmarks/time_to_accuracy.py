@@ -23,7 +23,17 @@ from vcdask.cluster import embedded_cluster
 from vcdask.demo import accuracy_on, digits, digits_cnn
 
 
-def torch_baseline(seed: int, X, y, Xt, yt, passes: int, every: int, target: float) -> tuple[float, float, float]:
+def torch_baseline(seed: int, X, y, Xt, yt, passes: int, every: int, target: float,
+                   threads: int) -> tuple[float, float, float]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _torch_loop(seed, X, y, Xt, yt, passes, every, target)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _torch_loop(seed, X, y, Xt, yt, passes, every, target):
     model = digits_cnn(seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     Xb, yb = torch.from_numpy(X), torch.from_numpy(y)
@@ -61,21 +71,22 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.97)
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--local-epochs", type=int, default=4)
-    ap.add_argument("--alpha", default="0.7")
+    ap.add_argument("--alpha", default="0.5")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--store", default="/tmp/vcdask-bench-tta")
     args = ap.parse_args()
     alpha = args.alpha if args.alpha == "epoch" else float(args.alpha)
     (X, y), (Xt, yt) = digits()
-    rows = {"torch": [], "vcdask": []}
+    rows = {"torch": [], "torch1": [], "vcdask": []}
     t = time.perf_counter()
     with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
         startup = time.perf_counter() - t
         for seed in range(args.repeat):
             rows["vcdask"].append(vcdask_run(seed, client, X, y, Xt, yt, args.epochs, args.local_epochs, alpha,
                                              args.target, args.store))
-            rows["torch"].append(torch_baseline(seed, X, y, Xt, yt, args.epochs * args.local_epochs,
-                                                args.local_epochs, args.target))
+            for key, threads in (("torch", 2), ("torch1", 1)):
+                rows[key].append(torch_baseline(seed, X, y, Xt, yt, args.epochs * args.local_epochs,
+                                                args.local_epochs, args.target, threads))
     med = {k: [statistics.median(c) for c in zip(*v)] for k, v in rows.items()}
     print(f"\ndigits ({len(X)} train / {len(Xt)} test), demo CNN, Adam 1e-3, batch 32, "
           f"{args.epochs * args.local_epochs} passes over the data; vcdask: {args.epochs} epochs x "
@@ -83,12 +94,16 @@ def main() -> None:
           f"median of {args.repeat} seeds; LocalCluster start-up {startup:.1f} s (not included)\n")
     print(f"| trainer | time to {args.target} test acc (s) | total time (s) | final test accuracy |")
     print("| --- | --- | --- | --- |")
-    for name, label in (("torch", "single-process torch loop (2 threads)"), ("vcdask", "vcdask.fit, 2 workers")):
+    for name, label in (("torch", "single-process torch loop, 2 threads"),
+                        ("torch1", "single-process torch loop, 1 thread"),
+                        ("vcdask", "vcdask.fit, 2 worker processes x 1 thread")):
         r, tot, acc = med[name]
         print(f"| {label} | {r:.1f} | {tot:.1f} | {acc:.4f} |")
-    (rt, tt, at), (rv, tv, av) = med["torch"], med["vcdask"]
-    print(f"\nratios vcdask / torch: time to target {rv / rt:.2f}, total time {tv / tt:.2f}; "
-          f"accuracy difference {100 * (av - at):+.2f} points")
+    rv, tv, av = med["vcdask"]
+    for key, label in (("torch", "2-thread"), ("torch1", "1-thread")):
+        rt, tt, at = med[key]
+        print(f"ratios vcdask / {label} torch: time to target {rv / rt:.2f}, total time {tv / tt:.2f}; "
+              f"accuracy difference {100 * (av - at):+.2f} points")
     print("per-seed (time to target, total, final acc):", {k: [tuple(round(x, 3) for x in r) for r in v]
                                                           for k, v in rows.items()})
 

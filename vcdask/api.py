@@ -224,7 +224,9 @@ class FitResult:
         The model, holding the final server parameters.
     history : pandas.DataFrame
         One row per update: epoch, shard, attempt, worker, base_version, new_version,
-        version_id, alpha, staleness, train_loss, seconds, accepted, reason, time.
+        version_id, alpha, staleness, train_loss, seconds (of the task: read_seconds for the
+        version and rows, train_seconds, upload_seconds), accepted, reason, time (since the
+        run started), update (path of W_c under ``<store>/runs``).
     epochs : pandas.DataFrame
         One row per epoch: validation metrics of the epoch's last version, their mean,
         min and max over the epoch's validated versions, train loss, wall time.
@@ -474,7 +476,8 @@ def _build_result(model, store: ParamStore, result: dict, wall: float) -> FitRes
 
     history = pd.DataFrame(result["history"], columns=[
         "epoch", "shard", "attempt", "worker", "base_version", "new_version", "version_id", "alpha",
-        "staleness", "train_loss", "seconds", "accepted", "reason", "time", "update"])
+        "staleness", "train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds", "accepted",
+        "reason", "time", "update"])
     epochs = pd.DataFrame(result["epochs"])
     if len(epochs):
         epochs = epochs.set_index("epoch")

@@ -27,6 +27,7 @@ def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
     **kwargs
         Passed to :class:`distributed.LocalCluster`.
     """
+    import dask.config
     from distributed import LocalCluster
 
     n = n_workers or os.cpu_count() or 1
@@ -34,7 +35,24 @@ def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
     kwargs.setdefault("processes", True)
     kwargs.setdefault("dashboard_address", ":0")
     kwargs.setdefault("silence_logs", logging.ERROR)
-    return LocalCluster(n_workers=n, **kwargs)
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": torch_friendly_environ()}):
+        return LocalCluster(n_workers=n, **kwargs)
+
+
+def torch_friendly_environ() -> dict[str, Any]:
+    """distributed's worker environment without ``MALLOC_TRIM_THRESHOLD_``.
+
+    distributed sets ``MALLOC_TRIM_THRESHOLD_=65536`` in every worker so that freed memory
+    goes back to the OS at once.  PyTorch's many short-lived allocations then page-fault on
+    every step: the digits shard task trained in 46 ms instead of 27 ms (1.7x slower).  The
+    embedded cluster leaves glibc's default; give your own clusters the same setting with
+    ``distributed.nanny.pre-spawn-environ``.
+    """
+    import dask.config
+
+    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
+    environ.pop("MALLOC_TRIM_THRESHOLD_", None)
+    return environ
 
 
 def check_client(client: Any) -> None:

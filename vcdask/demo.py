@@ -54,7 +54,7 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
           f"on an embedded LocalCluster ({os.cpu_count()} worker processes)")
     t0 = time.perf_counter()
     result = vcdask.fit(digits_cnn(), (X, y), validation=0.1, max_epochs=max_epochs, n_shards=10, local_epochs=4,
-                        alpha=0.7, store=store, progress=progress)
+                        alpha=0.5, store=store, progress=progress)
     wall = time.perf_counter() - t0
     acc = accuracy_on(result.model, X_test, y_test)
     folder = Path(store) / "runs" / result.run_id

@@ -227,6 +227,8 @@ class Run:
                "update": rec["update"],
                "base_version": rec["base_step"], "new_version": None, "version_id": None, "alpha": None,
                "staleness": None, "train_loss": rec["train_loss"], "seconds": rec["seconds"],
+               "read_seconds": rec["read_seconds"], "train_seconds": rec["train_seconds"],
+               "upload_seconds": rec["upload_seconds"],
                "accepted": False, "reason": None, "time": time.time() - self.started}
         merged = self.merged.setdefault(epoch, set())
         epoch_complete = False

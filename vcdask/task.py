@@ -158,6 +158,7 @@ def train_shard(store, run_id: str, epoch: int, shard: int, attempt: int, base_v
     load_into(model, _version(store, base_version))
     start, stop = spec.shards.bounds(shard)
     X, y = _data(spec, spec.train, start, stop, "train")
+    t_read = time.perf_counter()
     optimizer = spec.optimizer(model.parameters())  # fresh optimizer state for every shard
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 10_007 + shard * 101 + attempt)
 
@@ -173,13 +174,16 @@ def train_shard(store, run_id: str, epoch: int, shard: int, attempt: int, base_v
             optimizer.step()
             losses.append(loss.item())
 
+    t_train = time.perf_counter()
     path = update_path(run_id, epoch, shard, attempt)
     nbytes = write_update(store.files, path, flatten(model))
+    t_end = time.perf_counter()
     return {
         "kind": "update", "run_id": run_id, "epoch": epoch, "shard": shard, "attempt": attempt,
         "base_version": base_version, "base_step": base_step, "update": path, "nbytes": nbytes,
         "n_samples": stop - start, "train_loss": float(np.mean(losses)) if losses else float("nan"),
-        "seconds": time.perf_counter() - t0, "worker": _worker_address(),
+        "seconds": t_end - t0, "read_seconds": t_read - t0, "train_seconds": t_train - t_read,
+        "upload_seconds": t_end - t_train, "worker": _worker_address(),
     }
 
 
