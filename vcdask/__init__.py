@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from . import config as _config  # noqa: F401  (loads vcdask.yaml into dask.config)
-from .api import FitResult, RunFailedError, fit
+from .api import fit
+from .cluster import preempt
 from .errors import VcdaskError
+from .handle import FitResult, RunFailedError, RunHandle, attach
+from .resilience import Resilience
 from .params import FlatParams, Layout, flatten, load_into
 from .store import Checkpoint, ParamStore, VersionInfo, open_store
 
@@ -14,13 +17,17 @@ __all__ = [
     "FlatParams",
     "Layout",
     "ParamStore",
+    "Resilience",
     "RunFailedError",
+    "RunHandle",
     "VcdaskError",
     "VersionInfo",
+    "attach",
     "fit",
     "flatten",
     "load_into",
     "open_store",
+    "preempt",
 ]
 
 __version__ = "0.1.0"

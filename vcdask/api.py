@@ -11,7 +11,7 @@ import pickle
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -20,22 +20,17 @@ import torch
 
 from .cluster import check_client, resolve_client
 from .data import DataError, PreparedData, Shards, prepare_data, stage
-from .errors import VcdaskError
-from .params import load_into
-from .plugin import PLUGIN_NAME, VcdaskPlugin
+from .handle import FitResult, RunHandle, ensure_plugin
+from .resilience import Resilience
 from .schedules import get_schedule
 from .store import ParamStore, open_store
 from .task import RunSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FitResult", "RunFailedError", "Schedule", "Training", "fit"]
+__all__ = ["Schedule", "Training", "fit"]
 
 DEFAULT_STORE = "vcdask-runs"
-
-
-class RunFailedError(VcdaskError, RuntimeError):
-    """A run stopped with an error on the cluster (the message carries the worker's traceback)."""
 
 
 # -- options -----------------------------------------------------------------------------
@@ -213,47 +208,6 @@ def _split(prepared: PreparedData, validation, seed: int, shuffle: bool):
     return train, val
 
 
-# -- result ------------------------------------------------------------------------------
-@dataclass
-class FitResult:
-    """What :func:`fit` returns.
-
-    Attributes
-    ----------
-    model : torch.nn.Module
-        The model, holding the final server parameters.
-    history : pandas.DataFrame
-        One row per update: epoch, shard, attempt, worker, base_version, new_version,
-        version_id, alpha, staleness, train_loss, seconds (of the task: read_seconds for the
-        version and rows, train_seconds, upload_seconds), accepted, reason, time (since the
-        run started), update (path of W_c under ``<store>/runs``).
-    epochs : pandas.DataFrame
-        One row per epoch: validation metrics of the epoch's last version, their mean,
-        min and max over the epoch's validated versions, train loss, wall time.
-    run_id : str
-    store : ParamStore
-    version : str
-        The final version id (on branch ``run_id``).
-    metrics : dict
-        Validation metrics of the final version (empty without validation data).
-    """
-
-    model: torch.nn.Module
-    history: Any
-    epochs: Any
-    run_id: str
-    store: ParamStore
-    version: str
-    metrics: dict[str, float] = field(default_factory=dict)
-    stop_reason: str | None = None
-    wall_time: float = float("nan")
-
-    def __repr__(self) -> str:
-        metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
-        return (f"<FitResult {self.run_id}: {len(self.epochs)} epochs, {int(self.history['accepted'].sum())} "
-                f"merges, version {self.version}{', ' + metrics if metrics else ''}>")
-
-
 # -- fit ---------------------------------------------------------------------------------
 def fit(
     model: torch.nn.Module,
@@ -282,6 +236,7 @@ def fit(
     shuffle: bool = True,
     keep_updates: bool = False,
     tasks_per_slot: int = 2,
+    resilience: Resilience | None = None,
     progress: bool = True,
 ) -> FitResult:
     """Train ``model`` on ``data`` with VC-ASGD on a Dask cluster.
@@ -340,6 +295,8 @@ def fit(
         Shard tasks kept in flight per worker thread (the paper's "simultaneous subtasks").
         2 keeps every worker busy while its last result travels and merges: on digits with
         2 workers it cut the run time by a third at equal accuracy (benchmarks/time_to_accuracy.py).
+    resilience : Resilience, optional
+        Deadlines, update checks and failure policies (see :class:`vcdask.Resilience`).
     progress : bool, default True
         Show progress (a tqdm bar).
 
@@ -365,6 +322,10 @@ def fit(
     commit_every = _positive_int("commit_every", commit_every)
     validate_every = _positive_int("validate_every", validate_every)
     tasks_per_slot = _positive_int("tasks_per_slot", tasks_per_slot)
+    if resilience is None:
+        resilience = Resilience()
+    elif not isinstance(resilience, Resilience):
+        raise TypeError(f"resilience must be a vcdask.Resilience, got {type(resilience).__name__}")
     if not isinstance(lr, (int, float)) or not lr > 0 or math.isinf(lr):
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     if validation is not None and isinstance(validation, (int, float)) and not isinstance(validation, bool):
@@ -428,61 +389,13 @@ def fit(
             train=train_src, shards=Shards(prepared.n, n_shards), validation=val_src, metrics=metric_fns,
             classification=classification, x_dtype=x_dtype, max_epochs=max_epochs, alpha=schedule,
             target=target, commit_every=commit_every, validate_every=validate_every, keep_updates=keep_updates,
-            tasks_per_slot=tasks_per_slot,
+            tasks_per_slot=tasks_per_slot, resilience=resilience,
         )
         import cloudpickle
 
         param_store.files.put(spec.spec_path, cloudpickle.dumps(spec))
         ensure_plugin(c)
         c.sync(c.scheduler.vcdask_start, store=pickle.dumps(param_store), run_id=run_id)
-        _watch(c, run_id, spec, progress)
-        result = c.sync(c.scheduler.vcdask_result, run_id=run_id)
-    if result["status"] != "finished":
-        raise RunFailedError(f"run {run_id} ended with status {result['status']!r}:\n{result['error']}")
-    return _build_result(model, param_store, result, time.perf_counter() - t0)
-
-
-def ensure_plugin(client) -> None:
-    """Register the vcdask scheduler plugin unless the scheduler already has it."""
-    present = client.run_on_scheduler(_has_plugin)
-    if not present:
-        client.register_plugin(VcdaskPlugin(), name=PLUGIN_NAME)
-
-
-def _has_plugin(dask_scheduler=None) -> bool:
-    return PLUGIN_NAME in dask_scheduler.plugins
-
-
-def _watch(client, run_id: str, spec: RunSpec, progress: bool) -> dict:
-    """Poll the run's status until it ends, showing progress; Ctrl-C stops the run."""
-    from .widgets import console_progress
-
-    bar = console_progress(spec, enabled=progress)
-    try:
-        while True:
-            status = client.sync(client.scheduler.vcdask_wait, run_id=run_id, timeout=0.5)
-            bar.update(status)
-            if status["status"] in ("finished", "error", "cancelled"):
-                return status
-    except KeyboardInterrupt:
-        client.sync(client.scheduler.vcdask_stop, run_id=run_id, reason="interrupted")
-        raise
-    finally:
-        bar.close()
-
-
-def _build_result(model, store: ParamStore, result: dict, wall: float) -> FitResult:
-    import pandas as pd
-
-    history = pd.DataFrame(result["history"], columns=[
-        "epoch", "shard", "attempt", "worker", "base_version", "new_version", "version_id", "alpha",
-        "staleness", "train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds", "accepted",
-        "reason", "time", "update"])
-    epochs = pd.DataFrame(result["epochs"])
-    if len(epochs):
-        epochs = epochs.set_index("epoch")
-    load_into(model, store.read(result["version"]).params)
-    return FitResult(model=model, history=history, epochs=epochs, run_id=result["run_id"], store=store,
-                     version=result["version"], metrics=result.get("final_metrics") or {},
-                     stop_reason=result.get("stopping"), wall_time=wall)
-
+        handle = RunHandle(run_id, c)
+        handle.wait(progress=progress)
+        return handle.result(model=model, wall_time=time.perf_counter() - t0)

@@ -14,7 +14,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["embedded_cluster", "resolve_client"]
+__all__ = ["embedded_cluster", "preempt", "preemption_notice", "resolve_client"]
 
 
 def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
@@ -85,3 +85,27 @@ def resolve_client(client: Any) -> Iterator[Any]:
         with embedded_cluster() as cluster, Client(cluster, set_as_default=False) as c:
             logger.info("started an embedded LocalCluster: %s", cluster.dashboard_link)
             yield c
+
+
+def preempt(client: Any, worker: str, *, retire: bool = True) -> dict[str, list[str]]:
+    """Tell every vcdask run that ``worker`` is about to be reclaimed (a spot/preemptible notice).
+
+    The runs stop giving it shards and re-issue the shards queued on it elsewhere (not counted
+    as failures); with ``retire=True`` the worker is then retired gracefully.  The cloud layer
+    calls this when the provider's notice arrives (AWS: two minutes ahead).
+
+    Returns
+    -------
+    dict
+        run id -> keys of the shard copies re-issued.
+    """
+    return client.sync(client.scheduler.vcdask_preempt, worker=worker, retire=retire)
+
+
+def preemption_notice(*, retire: bool = True) -> dict[str, list[str]]:
+    """:func:`preempt` for the worker this code runs on (call it from a task or a worker plugin)."""
+    from distributed import get_worker
+    from distributed.utils import sync
+
+    worker = get_worker()
+    return sync(worker.loop, worker.scheduler.vcdask_preempt, worker=worker.address, retire=retire)

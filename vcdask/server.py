@@ -10,6 +10,7 @@ from typing import Any
 
 from .merge import vc_asgd
 from .params import FlatParams
+from .resilience import check_update
 from .updates import read_update
 
 __all__ = ["ServerState"]
@@ -34,13 +35,16 @@ class ServerState:
     """
 
     def __init__(self, store, branch: str, alpha: Callable[[int], float], run_id: str, *,
-                 commit_every: int = 1, keep_updates: bool = False):
+                 commit_every: int = 1, keep_updates: bool = False, max_staleness: int | None = None,
+                 max_update_norm: float | None = None):
         self.store = store
         self.branch = branch
         self.alpha = alpha
         self.run_id = run_id
         self.commit_every = commit_every
         self.keep_updates = keep_updates
+        self.max_staleness = max_staleness
+        self.max_update_norm = max_update_norm
         self.params: FlatParams | None = None
         self.step = 0
         #: (newest committed version id, its step), replaced as one object so that the
@@ -73,9 +77,19 @@ class ServerState:
     def merge(self, record: dict[str, Any], force_commit: bool = False) -> dict[str, Any]:
         """Merge the update described by ``record`` (epoch, shard, attempt, base_step, update path).
 
-        Returns the history fields of the merge: alpha, new_version, staleness, version_id.
+        Returns the history fields of the merge: accepted, alpha, new_version, staleness, version_id;
+        or, for an update that fails :func:`~vcdask.resilience.check_update`, ``accepted=False``
+        with the ``reason`` and ``fault`` kind — ``W_s`` is then untouched.
         """
-        client = read_update(self.store.files, record["update"])
+        staleness = self.step - record["base_step"]
+        try:
+            client = read_update(self.store.files, record["update"])
+        except (ValueError, KeyError, OSError) as e:  # an unreadable object is a rejected update, not a crash
+            return self._reject(record, staleness, "unreadable", f"unreadable update: {e}")
+        problem = check_update(self.params, client, staleness=staleness, max_staleness=self.max_staleness,
+                               max_norm=self.max_update_norm)
+        if problem is not None:
+            return self._reject(record, staleness, *problem)
         alpha = float(self.alpha(record["epoch"]))
         vc_asgd(self.params, client, alpha)
         self.step += 1
@@ -85,6 +99,11 @@ class ServerState:
         return {"accepted": True, "alpha": alpha, "new_version": self.step,
                 "staleness": self.step - 1 - record["base_step"],
                 "version_id": self.version if self.committed else None}
+
+    def _reject(self, record: dict[str, Any], staleness: int, fault: str, reason: str) -> dict[str, Any]:
+        if not self.keep_updates:
+            self.store.files.delete(record["update"])
+        return {"accepted": False, "staleness": staleness, "reason": reason, "fault": fault}
 
     def commit(self) -> None:
         """Commit the merges not yet in a version (no-op when there are none)."""

@@ -51,6 +51,7 @@ class RunSpec:
     validate_every: int
     keep_updates: bool = False
     tasks_per_slot: int = 2
+    resilience: Any = None  # vcdask.Resilience
     torch_threads: int = 1
     started_at: float = field(default_factory=time.time)
 

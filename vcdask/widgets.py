@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = ["console_progress"]
 
 
@@ -18,10 +16,10 @@ class _NoProgress:
 class ConsoleProgress:
     """A tqdm bar: one unit per epoch; the postfix shows merges in the epoch and the last metrics."""
 
-    def __init__(self, spec: Any):
+    def __init__(self, status: dict):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=spec.max_epochs, unit="epoch", desc=spec.run_id, leave=True)
+        self.bar = tqdm(total=status["max_epochs"], unit="epoch", desc=status["run_id"], leave=True)
         self.done = 0
 
     def update(self, status: dict) -> None:
@@ -40,6 +38,6 @@ class ConsoleProgress:
         self.bar.close()
 
 
-def console_progress(spec: Any, enabled: bool = True):
-    """A progress display for ``spec``'s run, or a no-op one when ``enabled`` is false."""
-    return ConsoleProgress(spec) if enabled else _NoProgress()
+def console_progress(status: dict, enabled: bool = True):
+    """A progress display for the run whose first status is ``status``, or a no-op one."""
+    return ConsoleProgress(status) if enabled else _NoProgress()

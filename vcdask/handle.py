@@ -1,0 +1,201 @@
+"""Handles on runs that live on a scheduler: watch, wait, stop, and collect a :class:`FitResult`.
+
+A run outlives the process that started it; :func:`attach` gives any process that can
+reach the scheduler the same handle ``fit`` uses.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import VcdaskError
+from .params import load_into
+from .plugin import PLUGIN_NAME, VcdaskPlugin
+
+__all__ = ["FitResult", "RunFailedError", "RunHandle", "attach", "ensure_plugin"]
+
+HISTORY_COLUMNS = ["epoch", "shard", "attempt", "worker", "base_version", "new_version", "version_id", "alpha",
+                   "staleness", "train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds",
+                   "accepted", "reason", "time", "update"]
+_ENDED = ("finished", "error", "cancelled")
+
+
+class RunFailedError(VcdaskError, RuntimeError):
+    """A run stopped with an error on the cluster (the message carries the scheduler-side traceback)."""
+
+
+@dataclass
+class FitResult:
+    """What :func:`vcdask.fit` (and :meth:`RunHandle.result`) returns.
+
+    Attributes
+    ----------
+    model : torch.nn.Module
+        The model, holding the final server parameters.
+    history : pandas.DataFrame
+        One row per update: epoch, shard, attempt, worker, base_version, new_version,
+        version_id, alpha, staleness, train_loss, seconds (of the task: read_seconds for the
+        version and rows, train_seconds, upload_seconds), accepted, reason (why an update was
+        not merged: duplicate, late, rejected, lost, skipped, cancelled), time (since the run
+        started), update (path of W_c under ``<store>/runs``).
+    epochs : pandas.DataFrame
+        One row per epoch: validation metrics of the epoch's last version, their mean, min
+        and max over the epoch's validated versions, train loss, shards skipped, wall time.
+    workers : pandas.DataFrame
+        One row per worker: shards done, failed, timed out, rejected, mean shard seconds,
+        preempted, and why it was excluded (if it was).
+    run_id : str
+    store : ParamStore
+    version : str
+        The final version id (on branch ``run_id``).
+    metrics : dict
+        Validation metrics of the final version (empty without validation data).
+    """
+
+    model: torch.nn.Module
+    history: Any
+    epochs: Any
+    run_id: str
+    store: Any
+    version: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    workers: Any = None
+    stop_reason: str | None = None
+    wall_time: float = float("nan")
+
+    def __repr__(self) -> str:
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
+        return (f"<FitResult {self.run_id}: {len(self.epochs)} epochs, {int(self.history['accepted'].sum())} "
+                f"merges, version {self.version}{', ' + metrics if metrics else ''}>")
+
+
+def ensure_plugin(client) -> None:
+    """Register the vcdask scheduler plugin unless the scheduler already has it."""
+    if not client.run_on_scheduler(_has_plugin):
+        client.register_plugin(VcdaskPlugin(), name=PLUGIN_NAME)
+
+
+def _has_plugin(dask_scheduler=None) -> bool:
+    return PLUGIN_NAME in dask_scheduler.plugins
+
+
+class RunHandle:
+    """A run on a scheduler, seen from a client.
+
+    Parameters
+    ----------
+    run_id : str
+    client : distributed.Client
+    """
+
+    def __init__(self, run_id: str, client):
+        self.run_id = run_id
+        self.client = client
+
+    def __repr__(self) -> str:
+        return f"<RunHandle {self.run_id} on {self.client.scheduler.address}>"
+
+    def status(self) -> dict:
+        """Progress counters: status, step, epochs done, merged in the current epoch, last epoch's metrics."""
+        return self.client.sync(self.client.scheduler.vcdask_status, run_id=self.run_id)
+
+    def stop(self, reason: str = "stopped by the user") -> dict:
+        """Stop dispatching; the run commits what it merged and finishes."""
+        return self.client.sync(self.client.scheduler.vcdask_stop, run_id=self.run_id, reason=reason)
+
+    def wait(self, timeout: float | None = None, progress: bool = False) -> dict:
+        """Block until the run ends (or ``timeout`` seconds pass); Ctrl-C stops the run.
+
+        Returns
+        -------
+        dict
+            The last status.
+        """
+        import time
+
+        from .widgets import console_progress
+
+        bar = console_progress(self.status(), enabled=progress)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                status = self.client.sync(self.client.scheduler.vcdask_wait, run_id=self.run_id, timeout=0.5)
+                bar.update(status)
+                if status["status"] in _ENDED or (deadline is not None and time.monotonic() > deadline):
+                    return status
+        except KeyboardInterrupt:
+            self.stop("interrupted")
+            raise
+        finally:
+            bar.close()
+
+    def result(self, model: torch.nn.Module | None = None, wall_time: float = float("nan")) -> FitResult:
+        """Wait for the run and return its :class:`FitResult`.
+
+        Parameters
+        ----------
+        model : torch.nn.Module, optional
+            Module to load the final parameters into; default a copy of the run's model.
+
+        Raises
+        ------
+        RunFailedError
+            The run ended with an error or was cancelled.
+        """
+        import pandas as pd
+
+        from .task import load_spec
+
+        self.wait()
+        res = self.client.sync(self.client.scheduler.vcdask_result, run_id=self.run_id)
+        if res["status"] != "finished":
+            raise RunFailedError(f"run {self.run_id} ended with status {res['status']!r}:\n{res['error']}")
+        store = pickle.loads(res["store"])
+        if model is None:
+            import copy
+
+            model = copy.deepcopy(load_spec(store, self.run_id).model)
+        load_into(model, store.read(res["version"]).params)
+        epochs = pd.DataFrame(res["epochs"])
+        return FitResult(
+            model=model, history=pd.DataFrame(res["history"], columns=HISTORY_COLUMNS),
+            epochs=epochs.set_index("epoch") if len(epochs) else epochs, run_id=self.run_id, store=store,
+            version=res["version"], metrics=res.get("final_metrics") or {},
+            workers=pd.DataFrame(res["workers"]), stop_reason=res.get("stopping"), wall_time=wall_time,
+        )
+
+
+def attach(run_id: str, client: Any = None) -> RunHandle:
+    """A handle on a run that lives on a scheduler, from any process that can reach it.
+
+    Parameters
+    ----------
+    run_id : str
+        The run's id (``FitResult.run_id``, or the progress bar's label).
+    client : distributed.Client or str, optional
+        A client, or a scheduler address; default: the current default client.
+
+    Raises
+    ------
+    RunNotFoundError
+        The scheduler has no such run (the message lists those it has).
+    """
+    from distributed import Client, default_client
+
+    from .plugin import RunNotFoundError
+
+    if client is None:
+        client = default_client()
+    elif isinstance(client, str):
+        client = Client(client, set_as_default=False)
+    if not client.run_on_scheduler(_has_plugin):
+        raise RunNotFoundError(f"no vcdask run {run_id!r}: the scheduler at {client.scheduler.address} has never "
+                               "run vcdask")
+    runs = client.sync(client.scheduler.vcdask_runs)
+    if run_id not in runs:
+        raise RunNotFoundError(f"no vcdask run {run_id!r} on {client.scheduler.address}; runs: {sorted(runs)}")
+    return RunHandle(run_id, client)

@@ -1,0 +1,145 @@
+"""Resilience options and the bookkeeping behind them: deadlines, worker records, update checks.
+
+Pure Python and torch: nothing here talks to Dask or the store.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import VcdaskError
+from .params import FlatParams
+
+__all__ = ["FAILURE_POLICIES", "Resilience", "UnknownPolicyError", "WorkerRecord", "check_update"]
+
+#: What to do with a shard that failed ``max_attempts`` times (killed its workers, or was rejected).
+FAILURE_POLICIES = ("stop", "skip")
+
+
+class UnknownPolicyError(VcdaskError, ValueError):
+    """An ``on_shard_failure`` policy that does not exist."""
+
+
+@dataclass(frozen=True)
+class Resilience:
+    """How a run copes with slow, failing, vanishing and misbehaving workers.
+
+    Parameters
+    ----------
+    deadline : float, optional
+        Seconds a shard task may take (from dispatch) before a copy is re-issued to another
+        worker.  Default: ``max(deadline_floor, deadline_factor * tasks_per_slot * median shard time)``.
+    deadline_factor, deadline_floor : float
+        The automatic deadline's multiple of the running median, and its lower bound (seconds).
+    max_staleness : int, optional
+        Reject an update whose base version is more than this many merges old.
+    max_update_norm : float, optional
+        Reject an update whose distance ``||W_c - W_s||_2`` from the server copy exceeds this.
+    max_attempts : int, default 4
+        Attempts per (epoch, shard) — lost with a worker, rejected, timed out — before ``on_shard_failure``.
+    on_shard_failure : {"stop", "skip"}, default "stop"
+        ``"stop"`` ends the run with an error naming the shard; ``"skip"`` leaves the shard out of
+        that epoch (recorded in the history) and goes on.
+    max_worker_failures : int, default 3
+        A worker with this many failures, timeouts and rejected updates gets no more shards.
+    """
+
+    deadline: float | None = None
+    deadline_factor: float = 4.0
+    deadline_floor: float = 5.0
+    max_staleness: int | None = None
+    max_update_norm: float | None = None
+    max_attempts: int = 4
+    on_shard_failure: str = "stop"
+    max_worker_failures: int = 3
+
+    def __post_init__(self):
+        for name in ("deadline", "deadline_factor", "deadline_floor", "max_update_norm"):
+            value = getattr(self, name)
+            if value is None and name in ("deadline", "max_update_norm"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.max_staleness is not None and (
+            isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0
+        ):
+            raise ValueError(f"max_staleness must be an integer >= 0 (or None), got {self.max_staleness!r}")
+        for name in ("max_attempts", "max_worker_failures"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.on_shard_failure not in FAILURE_POLICIES:
+            raise UnknownPolicyError(
+                f"unknown on_shard_failure policy {self.on_shard_failure!r}; valid policies: {list(FAILURE_POLICIES)}"
+            )
+
+    def deadline_for(self, shard_seconds: list[float], tasks_per_slot: int) -> float:
+        """The deadline in force, given the shard times seen so far."""
+        if self.deadline is not None:
+            return float(self.deadline)
+        if not shard_seconds:
+            return max(self.deadline_floor, 60.0)  # nothing measured yet: be patient with the first shards
+        return max(self.deadline_floor, self.deadline_factor * tasks_per_slot * statistics.median(shard_seconds))
+
+
+@dataclass
+class WorkerRecord:
+    """What a run has seen of one worker."""
+
+    address: str
+    done: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    rejected: int = 0
+    seconds: float = 0.0
+    preempted: bool = False
+    excluded: str | None = None
+    recent: list[float] = field(default_factory=list)
+
+    @property
+    def faults(self) -> int:
+        return self.failed + self.timed_out + self.rejected
+
+    @property
+    def mean_seconds(self) -> float:
+        return self.seconds / self.done if self.done else float("nan")
+
+    def rank(self) -> tuple:
+        """Sort key: reliable first, then fast."""
+        mean = self.mean_seconds
+        return (self.faults, math.inf if math.isnan(mean) else mean)
+
+    def as_row(self) -> dict:
+        return {"worker": self.address, "done": self.done, "failed": self.failed, "timed_out": self.timed_out,
+                "rejected": self.rejected, "mean_seconds": self.mean_seconds, "preempted": self.preempted,
+                "excluded": self.excluded}
+
+
+def check_update(server: FlatParams, client: FlatParams, *, staleness: int, max_staleness: int | None,
+                 max_norm: float | None) -> tuple[str, str] | None:
+    """Why an update must not be merged, as ``(kind, reason)``, or None when it is fine.
+
+    ``kind`` is ``"layout"``, ``"non-finite"``, ``"stale"`` or ``"norm"``; all but ``"stale"`` are the
+    worker's fault.
+    """
+    if client.layout != server.layout:
+        return "layout", "layout mismatch: " + "; ".join(server.layout.diff(client.layout)[:4])
+    bad = []
+    for name, value in client.state_dict().items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            bad.append(name)
+    if bad:
+        return "non-finite", f"non-finite values (NaN/inf) in {bad[:4]}{' ...' if len(bad) > 4 else ''}"
+    if max_staleness is not None and staleness > max_staleness:
+        return "stale", f"stale: based on a version {staleness} merges old (max_staleness={max_staleness})"
+    if max_norm is not None:
+        sq = sum(float(torch.sum((c.double() - s.double()) ** 2)) for d, c in client.arrays.items()
+                 if c.is_floating_point() for s in [server.arrays[d]])
+        norm = math.sqrt(sq)
+        if norm > max_norm:
+            return "norm", f"update norm ||W_c - W_s|| = {norm:.4g} > max_update_norm={max_norm:.4g}"
+    return None

@@ -1,0 +1,493 @@
+"""One training run, driven from inside the scheduler: queue, deadlines, dedup, merges, history.
+
+The driver runs on the scheduler's event loop and only ever handles small records; the
+server parameters live in a :class:`~vcdask.server.ServerState` that only the run's merge
+thread touches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .resilience import WorkerRecord
+from .server import ServerState
+from .task import RunSpec, train_shard, validate_version
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Run"]
+
+WATCH_INTERVAL = 0.2  # seconds between deadline checks
+
+
+@dataclass
+class _Task:
+    kind: str  # "update" or "validation"
+    epoch: int = 0
+    shard: int = 0
+    attempt: int = 0
+    step: int = 0
+    submitted: float = 0.0
+    overdue: bool = False  # a copy was re-issued because this one missed its deadline
+
+
+def _row(epoch, shard, attempt, **kw) -> dict:
+    row = {"epoch": epoch, "shard": shard, "attempt": attempt, "worker": None, "update": None,
+           "base_version": None, "new_version": None, "version_id": None, "alpha": None, "staleness": None,
+           "train_loss": float("nan"), "seconds": float("nan"), "read_seconds": float("nan"),
+           "train_seconds": float("nan"), "upload_seconds": float("nan"), "accepted": False, "reason": None,
+           "time": None}
+    row.update(kw)
+    return row
+
+
+class Run:
+    """One training run on a scheduler (see :mod:`vcdask.plugin` for how clients reach it)."""
+
+    def __init__(self, scheduler, spec: RunSpec):
+        self.scheduler = scheduler
+        self.spec = spec
+        self.res = spec.resilience
+        self.store = spec.store
+        self.id = spec.run_id
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"vcdask-merge-{self.id[-6:]}")
+        self.status = "starting"
+        self.error: str | None = None
+        self.done = asyncio.Event()
+        self.started = time.time()
+        self.client = None
+        self.ac = None
+        # W_s: touched only by the merge thread; the loop reads its counters between merges
+        self.state = ServerState(spec.store, spec.branch, spec.alpha, spec.run_id, commit_every=spec.commit_every,
+                                 keep_updates=spec.keep_updates, max_staleness=self.res.max_staleness,
+                                 max_update_norm=self.res.max_update_norm)
+        # scheduling state (event loop only)
+        self.rng = random.Random(spec.seed)
+        self.queue: dict[int, list[int]] = {}
+        self.dispatch_epoch = 0
+        self.merged: dict[int, set[int]] = {}
+        self.skipped: dict[int, set[int]] = {}
+        self.attempts: dict[tuple[int, int], int] = {}  # copies submitted (names their keys)
+        self.failures: dict[tuple[int, int], int] = {}  # lost, timed out or rejected copies
+        self.home: dict[int, str] = {}  # shard -> worker that last trained it (and caches its rows)
+        self.workers: dict[str, WorkerRecord] = {}
+        self.draining: set[str] = set()  # preempted workers: no new shards
+        self.in_flight: dict[str, _Task] = {}
+        self.futures: dict[str, Any] = {}
+        self.history: list[dict] = []
+        self.shard_seconds: list[float] = []
+        self.validations: dict[int, dict] = {}
+        self.epoch_end: dict[int, tuple[int, float]] = {}  # epoch -> (step, wall seconds)
+        self.epochs: list[dict] = []
+        self.stopping: str | None = None
+
+    # -- helpers ------------------------------------------------------------------------------
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _event(self, kind: str, **data) -> None:
+        self.scheduler.log_event(f"vcdask-run-{self.id}", {"type": kind, "run_id": self.id, **data})
+
+    def _worker(self, address: str) -> WorkerRecord:
+        rec = self.workers.get(address)
+        if rec is None:
+            rec = self.workers[address] = WorkerRecord(address)
+        return rec
+
+    def _usable(self) -> list[str]:
+        """Workers that may get shards: alive, not excluded, not draining; most reliable and fastest first."""
+        alive = [a for a in self.scheduler.workers if a not in self.draining
+                 and not self._worker(a).excluded]
+        return sorted(alive, key=lambda a: self._worker(a).rank())
+
+    def _slots(self) -> int:
+        threads = sum(self.scheduler.workers[a].nthreads for a in self._usable())
+        return max(1, self.spec.tasks_per_slot * threads)
+
+    def _n_training(self) -> int:
+        return sum(t.kind == "update" and not t.overdue for t in self.in_flight.values())
+
+    def _now(self) -> float:
+        return time.time() - self.started
+
+    # -- the driver -------------------------------------------------------------------------
+    async def drive(self) -> None:
+        from distributed import Client, as_completed
+
+        watchdog = None
+        try:
+            self.client = await Client(self.scheduler.address, asynchronous=True, set_as_default=False,
+                                       name=f"vcdask-{self.id}")
+            await self._in_thread(self.state.load)
+            self.status = "running"
+            self._event("started", version=self.state.version, step=self.state.step)
+            self.ac = as_completed([], loop=self.client.loop, with_results=False)
+            watchdog = asyncio.ensure_future(self._watch_deadlines())
+            while not self._finished():
+                self._fill(None)
+                if not self.in_flight:
+                    await self._wait_for_workers()
+                    continue
+                await self._on_done(await self.ac.__anext__())
+            await self._finish()
+        except asyncio.CancelledError:
+            self.status = "cancelled"
+            raise
+        except Exception:
+            self.status = "error"
+            self.error = traceback.format_exc()
+            logger.error("vcdask run %s failed:\n%s", self.id, self.error)
+            self._event("failed", error=self.error)
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            await self._cleanup()
+            self.done.set()
+
+    async def _wait_for_workers(self) -> None:
+        """Nothing in flight and nothing dispatchable: wait for workers to join, or fail if none ever can."""
+        if self.scheduler.workers and not self._usable() and not self.draining.intersection(self.scheduler.workers):
+            excluded = {a: self._worker(a).excluded for a in self.scheduler.workers}
+            raise RuntimeError(f"every worker is excluded from run {self.id}: {excluded}")
+        if self.dispatch_epoch >= self.spec.max_epochs and not self.queue.get(self.dispatch_epoch):
+            raise RuntimeError(f"run {self.id} has nothing left to run or wait for, but epoch "
+                               f"{len(self.epochs) + 1} is not complete")
+        await asyncio.sleep(WATCH_INTERVAL)
+
+    async def _on_done(self, future) -> None:
+        task = self.in_flight.pop(future.key, None)
+        self.futures.pop(future.key, None)
+        if task is None:
+            return
+        if future.status == "cancelled":
+            if task.kind == "update":
+                self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
+                                         reason=f"cancelled: {self.stopping}", time=self._now()))
+            return
+        try:
+            record = await future
+        except Exception as exc:  # noqa: BLE001 - a task's error is data for the failure policy
+            await self._task_failed(task, exc, future)
+            return
+        finally:
+            future.release()
+        if task.kind == "validation":
+            self._on_validation(record)
+            return
+        # The worker is free: give it its next shard before merging this result, so training never
+        # waits for the merge thread (the new task starts from the newest committed version).
+        if not self._finished():
+            self._fill(record["worker"])
+        await self._on_update(record, task)
+
+    def _finished(self) -> bool:
+        return self.stopping is not None or len(self.epochs) >= self.spec.max_epochs
+
+    # -- dispatch -------------------------------------------------------------------------------
+    def _next_shard(self, worker: str | None) -> tuple[int, int] | None:
+        while not self.queue.get(self.dispatch_epoch):
+            if self.dispatch_epoch >= self.spec.max_epochs:
+                return None
+            self.dispatch_epoch += 1
+            order = list(range(self.spec.shards.n_shards))
+            self.rng.shuffle(order)
+            self.queue[self.dispatch_epoch] = order
+            self.merged.setdefault(self.dispatch_epoch, set())
+        queue = self.queue[self.dispatch_epoch]
+        pick = next((s for s in queue if worker is not None and self.home.get(s) == worker), queue[0])
+        queue.remove(pick)
+        return self.dispatch_epoch, pick
+
+    def _fill(self, freed_worker: str | None) -> None:
+        if not self._usable():
+            return  # nobody to run on: wait for workers to (re)join
+        while self.stopping is None and self._n_training() < self._slots():
+            nxt = self._next_shard(freed_worker)
+            if nxt is None:
+                return
+            self._submit_shard(*nxt)
+            freed_worker = None
+
+    def _submit_shard(self, epoch: int, shard: int, avoid: str | None = None) -> str:
+        attempt = self.attempts.get((epoch, shard), 0)
+        self.attempts[(epoch, shard)] = attempt + 1
+        key = f"vcdask-train-{self.id}-e{epoch}-s{shard}-a{attempt}"
+        usable = [a for a in self._usable() if a != avoid] or self._usable()
+        home = self.home.get(shard)
+        if len(usable) < len(self.scheduler.workers):
+            where = {"workers": usable}  # strict: keep away from excluded, draining or late workers
+        elif home in usable:
+            where = {"workers": [home], "allow_other_workers": True}  # sticky, yet free to move
+        else:
+            where = {}
+        version, step = self.state.head
+        future = self.client.submit(train_shard, self.store, self.id, epoch, shard, attempt, version, step,
+                                    key=key, **where)
+        self._track(future, _Task("update", epoch, shard, attempt, step, submitted=time.monotonic()))
+        return key
+
+    def _submit_validation(self) -> None:
+        version, step = self.state.head
+        key = f"vcdask-validate-{self.id}-v{step}"
+        if key in self.futures or step in self.validations:
+            return
+        future = self.client.submit(validate_version, self.store, self.id, version, step, key=key, priority=10)
+        self._track(future, _Task("validation", step=step, submitted=time.monotonic()))
+
+    def _track(self, future, task: _Task) -> None:
+        self.in_flight[future.key] = task
+        self.futures[future.key] = future
+        self.ac.add(future)
+
+    def reissue(self, epoch: int, shard: int) -> str:
+        """Train (epoch, shard) once more from the current version; the first valid result wins."""
+        if self.ac is None or self.done.is_set():
+            raise RuntimeError(f"run {self.id} is not running")
+        self.merged.setdefault(epoch, set())
+        return self._submit_shard(epoch, shard)
+
+    async def _watch_deadlines(self) -> None:
+        """Re-issue a copy of every shard task that has run past its deadline, to another worker."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            deadline = self.res.deadline_for(self.shard_seconds, self.spec.tasks_per_slot)
+            now = time.monotonic()
+            for key, task in list(self.in_flight.items()):
+                if task.kind != "update" or task.overdue or now - task.submitted <= deadline:
+                    continue
+                if task.shard in self.merged.get(task.epoch, ()) or self.stopping:
+                    continue
+                task.overdue = True
+                ts = self.scheduler.tasks.get(key)
+                where = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
+                if where is not None:
+                    self._worker(where).timed_out += 1
+                    self._maybe_exclude(where)
+                logger.warning("run %s: shard %d of epoch %d passed its %.1f s deadline on %s; re-issuing",
+                               self.id, task.shard, task.epoch, deadline, where)
+                self._event("reissue", epoch=task.epoch, shard=task.shard, worker=where, deadline=deadline)
+                self._retry_or_give_up(task.epoch, task.shard, f"deadline of {deadline:.1f} s passed", avoid=where)
+
+    def _maybe_exclude(self, address: str) -> None:
+        rec = self._worker(address)
+        if rec.excluded is None and rec.faults >= self.res.max_worker_failures:
+            rec.excluded = (f"{rec.failed} failed, {rec.timed_out} timed out, {rec.rejected} rejected "
+                            f"(max_worker_failures={self.res.max_worker_failures})")
+            logger.warning("run %s: excluding worker %s: %s", self.id, address, rec.excluded)
+            self._event("excluded", worker=address, reason=rec.excluded)
+
+    def preempt(self, address: str) -> list[str]:
+        """A notice that ``address`` will be reclaimed: no new shards for it; its queued shards go elsewhere.
+
+        Returns the keys of the copies re-issued.  Not counted as failures.
+        """
+        self.draining.add(address)
+        self._worker(address).preempted = True
+        moved = []
+        for key, task in list(self.in_flight.items()):
+            ts = self.scheduler.tasks.get(key)
+            on = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
+            if task.kind == "update" and on == address and not task.overdue:
+                task.overdue = True  # its slot is free; if it still finishes, the first result wins
+                moved.append(self._submit_shard(task.epoch, task.shard, avoid=address))
+        self._event("preempted", worker=address, reissued=len(moved))
+        return moved
+
+    # -- results ------------------------------------------------------------------------------
+    async def _on_update(self, rec: dict, task: _Task) -> None:
+        epoch, shard, worker = rec["epoch"], rec["shard"], rec["worker"]
+        row = _row(epoch, shard, rec["attempt"], worker=worker, update=rec["update"], base_version=rec["base_step"],
+                   train_loss=rec["train_loss"], seconds=rec["seconds"], read_seconds=rec["read_seconds"],
+                   train_seconds=rec["train_seconds"], upload_seconds=rec["upload_seconds"], time=self._now())
+        wrec = self._worker(worker)
+        wrec.done += 1
+        wrec.seconds += rec["seconds"]
+        merged = self.merged.setdefault(epoch, set())
+        epoch_complete = False
+        if shard in merged or shard in self.skipped.get(epoch, ()):
+            row["reason"] = ("late: (epoch, shard) already merged from a re-issued copy" if task.overdue
+                             else "duplicate: (epoch, shard) already merged")
+            if not self.spec.keep_updates:
+                await self._in_thread(self.store.files.delete, rec["update"])
+        else:
+            epoch_complete = len(merged) + len(self.skipped.get(epoch, ())) + 1 == self.spec.shards.n_shards
+            outcome = await self._in_thread(self.state.merge, rec, epoch_complete)
+            fault = outcome.pop("fault", None)
+            row.update(outcome)
+            if row["accepted"]:
+                merged.add(shard)
+                self.home[shard] = worker
+                self.shard_seconds.append(rec["seconds"])
+                if epoch_complete:
+                    self.epoch_end[epoch] = (self.state.step, self._now())
+            else:
+                epoch_complete = False
+                if fault != "stale":
+                    wrec.rejected += 1
+                    self._maybe_exclude(worker)
+                logger.warning("run %s: rejected the update of shard %d, epoch %d from %s: %s", self.id, shard,
+                               epoch, worker, row["reason"])
+                self._retry_or_give_up(epoch, shard, row["reason"], avoid=worker)
+        self.history.append(row)
+        self._event("update", **{k: row[k] for k in ("epoch", "shard", "worker", "accepted", "new_version",
+                                                    "staleness", "alpha", "train_loss", "reason")})
+        if not row["accepted"]:
+            return
+        if self.spec.validation is None:
+            self._close_epochs()
+            return
+        due = epoch_complete or self.state.step % self.spec.validate_every == 0
+        if self.state.committed and due:
+            self._submit_validation()
+
+    def _retry_or_give_up(self, epoch: int, shard: int, why: str, avoid: str | None = None) -> None:
+        """Re-issue (epoch, shard) unless it has used up its attempts; then apply ``on_shard_failure``."""
+        failures = self.failures[(epoch, shard)] = self.failures.get((epoch, shard), 0) + 1
+        if any(t.kind == "update" and (t.epoch, t.shard) == (epoch, shard) and not t.overdue
+               for t in self.in_flight.values()):
+            return  # another copy is still running
+        if failures < self.res.max_attempts:
+            self._submit_shard(epoch, shard, avoid=avoid)
+            return
+        message = f"shard {shard} of epoch {epoch} failed {failures} times (last: {why})"
+        if self.res.on_shard_failure == "stop":
+            raise RuntimeError(message + "; on_shard_failure='stop'")
+        logger.warning("run %s: %s; skipping it for this epoch (on_shard_failure='skip')", self.id, message)
+        self.history.append(_row(epoch, shard, self.attempts[(epoch, shard)] - 1, reason=f"skipped: {message}",
+                                 time=self._now()))
+        skipped = self.skipped.setdefault(epoch, set())
+        skipped.add(shard)
+        if len(self.merged.get(epoch, ())) + len(skipped) == self.spec.shards.n_shards:
+            self.epoch_end[epoch] = (self.state.step, self._now())
+            if self.spec.validation is None or self.state.version_step in self.validations:
+                self._close_epochs()
+            else:
+                self._submit_validation()
+
+    def _on_validation(self, rec: dict) -> None:
+        self.validations[rec["step"]] = rec["metrics"]
+        self._event("validation", step=rec["step"], metrics=rec["metrics"])
+        self._close_epochs()
+
+    def _close_epochs(self) -> None:
+        """Record every epoch whose shards are all merged (and whose end version is validated)."""
+        while True:
+            epoch = len(self.epochs) + 1
+            if epoch not in self.epoch_end:
+                return
+            end_step, wall = self.epoch_end[epoch]
+            if self.spec.validation is not None and end_step not in self.validations:
+                return
+            merges = [h for h in self.history if h["epoch"] == epoch and h["accepted"]]
+            row = {"epoch": epoch, "version": end_step, "wall_time": wall,
+                   "train_loss": _mean([h["train_loss"] for h in merges]),
+                   "skipped": len(self.skipped.get(epoch, ()))}
+            if self.spec.validation is not None:
+                # the band: every validated version that merged one of this epoch's updates
+                end = self.validations[end_step]
+                seen = [self.validations[h["new_version"]] for h in merges if h["new_version"] in self.validations]
+                seen = seen or [end]
+                for name in end:
+                    values = [m[name] for m in seen]
+                    row[name] = end[name]
+                    row[f"{name}_mean"] = _mean(values)
+                    row[f"{name}_min"] = min(values)
+                    row[f"{name}_max"] = max(values)
+            self.epochs.append(row)
+            self._event("epoch", **row)
+            target = self.spec.target
+            if target and all(_reached(name, goal, row.get(name)) for name, goal in target.items()):
+                self.stopping = f"target {target} reached at epoch {epoch}"
+
+    async def _task_failed(self, task: _Task, exc: BaseException, future) -> None:
+        from distributed.scheduler import KilledWorker
+
+        if task.kind == "update" and isinstance(exc, (KilledWorker, OSError)):
+            # Dask already retried it on other workers (allowed-failures); each loss is a worker failure
+            for address in _suspects(exc):
+                self._worker(address).failed += 1
+                self._maybe_exclude(address)
+            self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
+                                     reason=f"lost: {type(exc).__name__}: {exc}", time=self._now()))
+            if task.shard not in self.merged.get(task.epoch, ()):
+                self._retry_or_give_up(task.epoch, task.shard, f"{type(exc).__name__}")
+            return
+        if task.kind == "validation" and isinstance(exc, (KilledWorker, OSError)):
+            if task.step == self.state.version_step:
+                self._submit_validation()  # the version still needs its numbers
+            return
+        raise RuntimeError(f"{task.kind} task (epoch {task.epoch}, shard {task.shard}) failed: {exc!r}") from exc
+
+    # -- the end ------------------------------------------------------------------------------
+    async def _finish(self) -> None:
+        leftover = [k for k, t in self.in_flight.items() if t.kind == "update"]
+        if leftover:
+            await self.client.cancel([self.futures[k] for k in leftover])
+            for key in leftover:
+                task = self.in_flight.pop(key)
+                self.futures.pop(key, None)
+                self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
+                                         reason=f"cancelled: {self.stopping or 'run finished'}", time=self._now()))
+        await self._in_thread(self.state.commit)
+        version, step = self.state.head
+        if self.spec.validation is not None and step not in self.validations:
+            rec = await self.client.submit(validate_version, self.store, self.id, version, step,
+                                           key=f"vcdask-validate-{self.id}-final", priority=10)
+            self.validations[rec["step"]] = rec["metrics"]
+        await self._in_thread(self._drop_leftover_updates)
+        self.status = "finished"
+        self._event("finished", version=version, step=step, reason=self.stopping or "max_epochs")
+
+    def _drop_leftover_updates(self) -> None:
+        if self.spec.keep_updates:
+            return
+        for path in self.store.files.list(f"{self.id}/updates"):
+            self.store.files.delete(path)
+
+    async def _cleanup(self) -> None:
+        if self.client is not None:
+            try:
+                await self.client.cancel(list(self.futures.values()))
+                await self.client.close()
+            except Exception:  # noqa: BLE001 - closing after a failure; the failure is already recorded
+                logger.debug("closing the client of run %s", self.id, exc_info=True)
+        self.executor.shutdown(wait=False)
+
+    # -- views --------------------------------------------------------------------------------
+    def status_dict(self) -> dict:
+        last = self.epochs[-1] if self.epochs else {}
+        return {"run_id": self.id, "status": self.status, "error": self.error, "step": self.state.step,
+                "version": self.state.version, "epochs_done": len(self.epochs), "max_epochs": self.spec.max_epochs,
+                "n_shards": self.spec.shards.n_shards,
+                "merged_in_epoch": len(self.merged.get(len(self.epochs) + 1, ())),
+                "in_flight": self._n_training(), "last_epoch": last, "stopping": self.stopping,
+                "elapsed": time.time() - self.started}
+
+    def result_dict(self) -> dict:
+        return {**self.status_dict(), "history": self.history, "epochs": self.epochs,
+                "workers": [w.as_row() for w in self.workers.values()],
+                "final_metrics": self.validations.get(self.state.version_step), "branch": self.spec.branch}
+
+
+def _suspects(exc: BaseException) -> list[str]:
+    """Worker addresses a KilledWorker names (the last one that died running the task)."""
+    worker = getattr(exc, "last_worker", None)
+    address = getattr(worker, "address", worker)
+    return [address] if isinstance(address, str) else []
+
+
+def _mean(values: list[float]) -> float:
+    return float(sum(values) / len(values)) if values else float("nan")
+
+
+def _reached(name: str, goal: float, value: float | None) -> bool:
+    if value is None:
+        return False
+    return value <= goal if name == "loss" or name.endswith("error") or name in ("mse", "mae") else value >= goal
