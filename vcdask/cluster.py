@@ -30,7 +30,7 @@ def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
     import dask.config
     from distributed import LocalCluster
 
-    n = n_workers or os.cpu_count() or 1
+    n = (os.cpu_count() or 1) if n_workers is None else n_workers
     kwargs.setdefault("threads_per_worker", 1)
     kwargs.setdefault("processes", True)
     kwargs.setdefault("dashboard_address", ":0")

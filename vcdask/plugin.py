@@ -54,6 +54,7 @@ class VcdaskPlugin(SchedulerPlugin):
             "vcdask_reissue": self.handle_reissue,
             "vcdask_runs": self.handle_runs,
             "vcdask_preempt": self.handle_preempt,
+            "vcdask_started": self.handle_started,
         })
 
     async def close(self) -> None:
@@ -114,3 +115,9 @@ class VcdaskPlugin(SchedulerPlugin):
             asyncio.ensure_future(self.scheduler.retire_workers(workers=[worker], close_workers=True,
                                                                 stimulus_id=f"vcdask-preempt-{worker}"))
         return moved
+
+    def handle_started(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> None:
+        """A shard task began to run on ``worker`` (sent by the task itself)."""
+        run = self.runs.get(run_id)
+        if run is not None:
+            run.task_started(key, worker)

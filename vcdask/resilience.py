@@ -46,6 +46,9 @@ class Resilience:
         that epoch (recorded in the history) and goes on.
     max_worker_failures : int, default 3
         A worker with this many failures, timeouts and rejected updates gets no more shards.
+    no_worker_timeout : float, default 300
+        Seconds a run waits with no usable worker (none connected, or all excluded) for new
+        workers to join, before it stops with an error.
     """
 
     deadline: float | None = None
@@ -56,9 +59,10 @@ class Resilience:
     max_attempts: int = 4
     on_shard_failure: str = "stop"
     max_worker_failures: int = 3
+    no_worker_timeout: float = 300.0
 
     def __post_init__(self):
-        for name in ("deadline", "deadline_factor", "deadline_floor", "max_update_norm"):
+        for name in ("deadline", "deadline_factor", "deadline_floor", "max_update_norm", "no_worker_timeout"):
             value = getattr(self, name)
             if value is None and name in ("deadline", "max_update_norm"):
                 continue

@@ -34,8 +34,11 @@ class _Task:
     shard: int = 0
     attempt: int = 0
     step: int = 0
+    version: str | None = None  # the version a validation task measures
     submitted: float = 0.0
-    overdue: bool = False  # a copy was re-issued because this one missed its deadline
+    started: float | None = None  # reported by the task when it begins to run
+    worker: str | None = None
+    overdue: bool = False  # a copy was re-issued because this one missed its deadline (or was stuck)
 
 
 def _row(epoch, shard, attempt, **kw) -> dict:
@@ -87,6 +90,7 @@ class Run:
         self.epoch_end: dict[int, tuple[int, float]] = {}  # epoch -> (step, wall seconds)
         self.epochs: list[dict] = []
         self.stopping: str | None = None
+        self.idle_since: float | None = None
 
     # -- helpers ------------------------------------------------------------------------------
     async def _in_thread(self, fn, *args):
@@ -152,10 +156,20 @@ class Run:
             self.done.set()
 
     async def _wait_for_workers(self) -> None:
-        """Nothing in flight and nothing dispatchable: wait for workers to join, or fail if none ever can."""
-        if self.scheduler.workers and not self._usable() and not self.draining.intersection(self.scheduler.workers):
-            excluded = {a: self._worker(a).excluded for a in self.scheduler.workers}
-            raise RuntimeError(f"every worker is excluded from run {self.id}: {excluded}")
+        """Nothing in flight and nothing dispatchable: wait for usable workers to join, for a while."""
+        if not self._usable():
+            if self.idle_since is None:
+                self.idle_since = time.monotonic()
+                logger.warning("run %s: no usable worker (connected: %s); waiting up to %.0f s", self.id,
+                               {a: self._worker(a).excluded or "draining" for a in self.scheduler.workers},
+                               self.res.no_worker_timeout)
+            elif time.monotonic() - self.idle_since > self.res.no_worker_timeout:
+                states = {a: self._worker(a).excluded or "draining" for a in self.scheduler.workers}
+                raise RuntimeError(f"run {self.id} had no usable worker for {self.res.no_worker_timeout:.0f} s "
+                                   f"(connected workers: {states or 'none'})")
+            await asyncio.sleep(WATCH_INTERVAL)
+            return
+        self.idle_since = None
         if self.dispatch_epoch >= self.spec.max_epochs and not self.queue.get(self.dispatch_epoch):
             raise RuntimeError(f"run {self.id} has nothing left to run or wait for, but epoch "
                                f"{len(self.epochs) + 1} is not complete")
@@ -233,13 +247,16 @@ class Run:
         self._track(future, _Task("update", epoch, shard, attempt, step, submitted=time.monotonic()))
         return key
 
-    def _submit_validation(self) -> None:
-        version, step = self.state.head
-        key = f"vcdask-validate-{self.id}-v{step}"
+    def _submit_validation(self, version: str | None = None, step: int | None = None, retry: int = 0) -> None:
+        """Validate ``version`` (default: the newest committed one), once."""
+        if version is None:
+            version, step = self.state.head
+        key = f"vcdask-validate-{self.id}-v{step}" + (f"-r{retry}" if retry else "")
         if key in self.futures or step in self.validations:
             return
         future = self.client.submit(validate_version, self.store, self.id, version, step, key=key, priority=10)
-        self._track(future, _Task("validation", step=step, submitted=time.monotonic()))
+        self._track(future, _Task("validation", attempt=retry, step=step, version=version,
+                                  submitted=time.monotonic()))
 
     def _track(self, future, task: _Task) -> None:
         self.in_flight[future.key] = task
@@ -253,27 +270,46 @@ class Run:
         self.merged.setdefault(epoch, set())
         return self._submit_shard(epoch, shard)
 
+    def task_started(self, key: str, worker: str) -> None:
+        task = self.in_flight.get(key)
+        if task is not None:
+            task.started, task.worker = time.monotonic(), worker
+
     async def _watch_deadlines(self) -> None:
-        """Re-issue a copy of every shard task that has run past its deadline, to another worker."""
+        """Re-issue shard tasks that run past their deadline, and the ones queued behind them."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
+            if self.stopping:
+                continue
             deadline = self.res.deadline_for(self.shard_seconds, self.spec.tasks_per_slot)
             now = time.monotonic()
             for key, task in list(self.in_flight.items()):
-                if task.kind != "update" or task.overdue or now - task.submitted <= deadline:
+                if task.kind != "update" or task.overdue or task.shard in self.merged.get(task.epoch, ()):
                     continue
-                if task.shard in self.merged.get(task.epoch, ()) or self.stopping:
-                    continue
-                task.overdue = True
-                ts = self.scheduler.tasks.get(key)
-                where = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
-                if where is not None:
-                    self._worker(where).timed_out += 1
-                    self._maybe_exclude(where)
-                logger.warning("run %s: shard %d of epoch %d passed its %.1f s deadline on %s; re-issuing",
-                               self.id, task.shard, task.epoch, deadline, where)
-                self._event("reissue", epoch=task.epoch, shard=task.shard, worker=where, deadline=deadline)
-                self._retry_or_give_up(task.epoch, task.shard, f"deadline of {deadline:.1f} s passed", avoid=where)
+                if task.started is not None and now - task.started > deadline:
+                    await self._overdue(key, task, f"ran past its {deadline:.1f} s deadline", task.worker)
+                elif task.started is None and now - task.submitted > deadline * (self.spec.tasks_per_slot + 2):
+                    await self._overdue(key, task, "never started", self._processing_on(key))
+
+    def _processing_on(self, key: str) -> str | None:
+        ts = self.scheduler.tasks.get(key)
+        return ts.processing_on.address if ts is not None and ts.processing_on is not None else None
+
+    async def _overdue(self, key: str, task: _Task, why: str, worker: str | None) -> None:
+        """Re-issue ``task`` elsewhere; a worker whose running task is late also loses its queue."""
+        task.overdue = True
+        logger.warning("run %s: shard %d of epoch %d %s on %s; re-issuing", self.id, task.shard, task.epoch,
+                       why, worker)
+        self._event("reissue", epoch=task.epoch, shard=task.shard, worker=worker, why=why)
+        if worker is not None and task.started is not None:
+            self._worker(worker).timed_out += 1
+            self._maybe_exclude(worker)
+            for other_key, other in list(self.in_flight.items()):  # stuck behind it: move, no blame
+                if (other.kind == "update" and not other.overdue and other.started is None
+                        and self._processing_on(other_key) == worker):
+                    other.overdue = True
+                    self._submit_shard(other.epoch, other.shard, avoid=worker)
+        await self._retry_or_give_up(task.epoch, task.shard, why, avoid=worker)
 
     def _maybe_exclude(self, address: str) -> None:
         rec = self._worker(address)
@@ -292,9 +328,7 @@ class Run:
         self._worker(address).preempted = True
         moved = []
         for key, task in list(self.in_flight.items()):
-            ts = self.scheduler.tasks.get(key)
-            on = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
-            if task.kind == "update" and on == address and not task.overdue:
+            if task.kind == "update" and self._processing_on(key) == address and not task.overdue:
                 task.overdue = True  # its slot is free; if it still finishes, the first result wins
                 moved.append(self._submit_shard(task.epoch, task.shard, avoid=address))
         self._event("preempted", worker=address, reissued=len(moved))
@@ -334,7 +368,7 @@ class Run:
                     self._maybe_exclude(worker)
                 logger.warning("run %s: rejected the update of shard %d, epoch %d from %s: %s", self.id, shard,
                                epoch, worker, row["reason"])
-                self._retry_or_give_up(epoch, shard, row["reason"], avoid=worker)
+                await self._retry_or_give_up(epoch, shard, row["reason"], avoid=worker)
         self.history.append(row)
         self._event("update", **{k: row[k] for k in ("epoch", "shard", "worker", "accepted", "new_version",
                                                     "staleness", "alpha", "train_loss", "reason")})
@@ -347,7 +381,7 @@ class Run:
         if self.state.committed and due:
             self._submit_validation()
 
-    def _retry_or_give_up(self, epoch: int, shard: int, why: str, avoid: str | None = None) -> None:
+    async def _retry_or_give_up(self, epoch: int, shard: int, why: str, avoid: str | None = None) -> None:
         """Re-issue (epoch, shard) unless it has used up its attempts; then apply ``on_shard_failure``."""
         failures = self.failures[(epoch, shard)] = self.failures.get((epoch, shard), 0) + 1
         if any(t.kind == "update" and (t.epoch, t.shard) == (epoch, shard) and not t.overdue
@@ -368,7 +402,10 @@ class Run:
             self.epoch_end[epoch] = (self.state.step, self._now())
             if self.spec.validation is None or self.state.version_step in self.validations:
                 self._close_epochs()
-            else:
+            elif self.state.committed:
+                self._submit_validation()
+            else:  # the epoch's end version must exist to be validated
+                await self._in_thread(self.state.commit)
                 self._submit_validation()
 
     def _on_validation(self, rec: dict) -> None:
@@ -417,12 +454,12 @@ class Run:
             self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
                                      reason=f"lost: {type(exc).__name__}: {exc}", time=self._now()))
             if task.shard not in self.merged.get(task.epoch, ()):
-                self._retry_or_give_up(task.epoch, task.shard, f"{type(exc).__name__}")
+                await self._retry_or_give_up(task.epoch, task.shard, f"{type(exc).__name__}")
             return
         if task.kind == "validation" and isinstance(exc, (KilledWorker, OSError)):
-            if task.step == self.state.version_step:
-                self._submit_validation()  # the version still needs its numbers
-            return
+            if task.attempt + 1 < self.res.max_attempts:  # an epoch may be waiting for these numbers
+                self._submit_validation(task.version, task.step, retry=task.attempt + 1)
+                return
         raise RuntimeError(f"{task.kind} task (epoch {task.epoch}, shard {task.shard}) failed: {exc!r}") from exc
 
     # -- the end ------------------------------------------------------------------------------

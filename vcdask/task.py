@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import ParameterMismatchError
 from .params import FlatParams, flatten, load_into
 from .updates import update_path, write_update
 
@@ -134,6 +135,31 @@ def _model(spec: RunSpec) -> torch.nn.Module:
     return model
 
 
+def _loaded_model(spec: RunSpec, store, version: str) -> torch.nn.Module:
+    """This thread's copy of the model holding ``version``."""
+    model = _model(spec)
+    try:
+        load_into(model, _version(store, version))
+    except ParameterMismatchError:  # user code reshaped this copy last time: start afresh
+        _models.by_run[spec.run_id] = model = copy.deepcopy(spec.model)
+        load_into(model, _version(store, version))
+    return model
+
+
+def _notify_started(run_id: str) -> None:
+    """Tell the run this task has started (deadlines count from here, not from dispatch)."""
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:
+        return  # not on a Dask worker (called directly)
+    from distributed.utils import sync
+
+    sync(worker.loop, worker.scheduler.vcdask_started, run_id=run_id, key=worker.get_current_task(),
+         worker=worker.address)
+
+
 def _worker_address() -> str:
     try:
         from distributed import get_worker
@@ -153,10 +179,10 @@ def train_shard(store, run_id: str, epoch: int, shard: int, attempt: int, base_v
         A small record for the scheduler plugin: where the update is, loss, timing, worker.
     """
     t0 = time.perf_counter()
+    _notify_started(run_id)
     spec = load_spec(store, run_id)
     torch.set_num_threads(spec.torch_threads)
-    model = _model(spec)
-    load_into(model, _version(store, base_version))
+    model = _loaded_model(spec, store, base_version)
     start, stop = spec.shards.bounds(shard)
     X, y = _data(spec, spec.train, start, stop, "train")
     t_read = time.perf_counter()
@@ -207,8 +233,7 @@ def validate_version(store, run_id: str, version: str, step: int) -> dict[str, A
     t0 = time.perf_counter()
     spec = load_spec(store, run_id)
     torch.set_num_threads(spec.torch_threads)
-    model = _model(spec)
-    load_into(model, _version(store, version))
+    model = _loaded_model(spec, store, version)
     X, y = _data(spec, spec.validation, 0, spec.validation.n, "validation")
     metrics = evaluate(spec, model, X, y)
     return {"kind": "validation", "run_id": run_id, "version": version, "step": step, "metrics": metrics,

@@ -1,0 +1,164 @@
+"""Helpers for the chaos suite: real faults in real processes, no mocks of vcdask."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+import vcdask
+
+
+def busy_workers(client) -> list[str]:
+    """Workers processing a vcdask training task right now."""
+    return [a for a, keys in client.processing().items() if any(str(k).startswith("vcdask-train-") for k in keys)]
+
+
+def worker_pid(client, address: str) -> int:
+    return client.run(os.getpid, workers=[address])[address]
+
+
+def wait_for_busy_worker(client, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = busy_workers(client)
+        if busy:
+            return busy[0]
+        time.sleep(0.02)
+    raise TimeoutError("no worker was training")
+
+
+def _executing_training(dask_worker=None) -> bool:
+    return any(str(ts.key).startswith("vcdask-train-") for ts in dask_worker.state.executing)
+
+
+def wait_for_executing_worker(client, timeout: float = 60) -> str:
+    """A worker whose thread is running a training task right now (not merely holding one queued)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for address, executing in client.run(_executing_training).items():
+            if executing:
+                return address
+        time.sleep(0.01)
+    raise TimeoutError("no worker was executing a training task")
+
+
+class Killer(threading.Thread):
+    """SIGKILLs a random busy worker process every ``period`` seconds, keeping at least one alive."""
+
+    def __init__(self, client, period: float, seed: int = 0):
+        super().__init__(daemon=True)
+        self.client, self.period, self.rng = client, period, random.Random(seed)
+        self.stop_event = threading.Event()
+        self.kills: list[str] = []
+
+    def run(self):
+        while not self.stop_event.wait(self.period):
+            try:
+                busy = busy_workers(self.client)
+                if busy and len(self.client.scheduler_info()["workers"]) > 1:
+                    victim = self.rng.choice(busy)
+                    os.kill(worker_pid(self.client, victim), signal.SIGKILL)
+                    self.kills.append(victim)
+            except Exception:  # noqa: BLE001 - the victim may already be gone; try again next period
+                continue
+
+    def stop(self):
+        self.stop_event.set()
+        self.join(10)
+
+
+def fit_in_thread(**kwargs):
+    out: dict = {}
+
+    def target():
+        try:
+            out["result"] = vcdask.fit(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def running_run(client, timeout: float = 60, min_step: int = 0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            runs = client.sync(client.scheduler.vcdask_runs) or {}
+        except Exception:  # noqa: BLE001 - the plugin is not registered yet
+            runs = {}
+        for run_id, status in runs.items():
+            if status == "running" and client.sync(client.scheduler.vcdask_status, run_id=run_id)["step"] >= min_step:
+                return run_id
+        time.sleep(0.05)
+    raise TimeoutError("no run is running")
+
+
+def start_worker(scheduler_address: str, env: dict[str, str]) -> subprocess.Popen:
+    """A separate `dask worker` process (1 thread, no nanny) with extra environment variables."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", scheduler_address, "--nthreads", "1", "--no-nanny",
+         "--name", "bad-worker", "--no-dashboard"],
+        env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class ChaosNet(torch.nn.Module):
+    """The demo CNN plus a spare parameter that forward never uses (a faulty optimizer reshapes it).
+
+    ``parameters()`` yields the module's own parameters before its children's: spare comes first."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        from vcdask.demo import digits_cnn
+
+        self.net = digits_cnn(seed)
+        self.spare = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class FaultyAdam(torch.optim.Adam):
+    """Adam, except on a worker whose VCDASK_TEST_FAULT is set: each shard's update comes back broken,
+    in turn with NaN values, a wrong-shaped tensor, and a huge norm.  A real misbehaving worker, made
+    through user code (the optimizer), not by patching vcdask."""
+
+    tasks = 0
+
+    def __init__(self, params, lr=1e-3):
+        params = list(params)
+        super().__init__(params, lr=lr)
+        self.kind, self.broken = None, False
+        if os.environ.get("VCDASK_TEST_FAULT"):
+            self.kind = ["nan", "shape", "norm"][FaultyAdam.tasks % 3]
+            FaultyAdam.tasks += 1
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        if self.kind is not None and not self.broken:
+            self.broken = True  # once per shard: x1e4 every step would overflow into inf
+            params = self.param_groups[0]["params"]  # ChaosNet: [spare, net.0.weight, ...]
+            with torch.no_grad():
+                if self.kind == "nan":
+                    params[1].fill_(float("nan"))
+                elif self.kind == "norm":
+                    for q in params:
+                        q.mul_(1e4)
+                else:  # the spare parameter changes shape: forward is unaffected
+                    params[0].data = torch.zeros(params[0].shape[0] + 1)
+        return out
+
+
+def warm_up() -> bool:
+    """Import what a shard task needs, so a fresh worker takes its first shard at full speed."""
+    import vcdask.task  # noqa: F401
+
+    return True

@@ -1,0 +1,182 @@
+"""The chaos suite: real worker kills, stops, bad workers and dead callers; nothing lost, nothing twice.
+
+Seeded; every fault is real (SIGKILL/SIGSTOP of worker processes, a worker process whose user code
+returns broken updates, a killed client process).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import cloudpickle
+import pytest
+import torch
+from distributed import Client
+
+import vcdask
+from vcdask.cluster import embedded_cluster
+from vcdask.demo import accuracy_on, digits_cnn
+
+import chaos_helpers
+from chaos_helpers import (ChaosNet, FaultyAdam, Killer, fit_in_thread, running_run, start_worker,
+                           wait_for_busy_worker, wait_for_executing_worker, worker_pid)
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+cloudpickle.register_pickle_by_value(chaos_helpers)  # workers cannot import the tests folder
+
+
+def assert_every_shard_once(result, epochs: int, shards: int) -> None:
+    accepted = result.history[result.history.accepted]
+    assert sorted(map(tuple, accepted[["epoch", "shard"]].values.tolist())) == [
+        (e, s) for e in range(1, epochs + 1) for s in range(shards)]
+    assert accepted.new_version.tolist() == list(range(1, epochs * shards + 1))
+    merged = [tuple(m[:2]) for v in result.store.versions(result.run_id) for m in v.metadata["merged"]]
+    assert sorted(merged) == sorted(map(tuple, accepted[["epoch", "shard"]].values.tolist()))
+
+
+FIT = dict(validation=0.1, max_epochs=8, n_shards=8, local_epochs=4, alpha=0.5, seed=7, progress=False)
+
+
+def test_a_repeated_worker_kills(digits_data, tmp_path):
+    (X, y), (Xt, yt) = digits_data
+    fit = {**FIT, "max_epochs": 14}
+    with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
+        clean = vcdask.fit(digits_cnn(7), (X, y), client=client, store=tmp_path / "clean", **fit)
+        killer = Killer(client, period=1.5, seed=1)
+        thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", **fit)
+        running_run(client)
+        killer.start()
+        thread.join(240)
+        killer.stop()
+        assert not thread.is_alive(), f"the run did not finish; status {client.sync(client.scheduler.vcdask_runs)}"
+    assert "error" not in out, out.get("error")
+    assert len(killer.kills) >= 3, f"only {len(killer.kills)} kills landed"
+    result = out["result"]
+    assert_every_shard_once(result, 14, 8)
+    assert abs(accuracy_on(result.model, Xt, yt) - accuracy_on(clean.model, Xt, yt)) <= 0.02
+
+
+def test_b_stopped_worker_is_reissued_and_its_late_result_recorded(digits_data, tmp_path):
+    (X, y), _ = digits_data
+    fit = {**FIT, "max_epochs": 12, "local_epochs": 12}  # ~0.2 s shards: easy to catch one running
+    with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
+        thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s",
+                                    resilience=vcdask.Resilience(deadline=1.0), **fit)
+        running_run(client, min_step=2)
+        victim = wait_for_executing_worker(client)
+        pid = worker_pid(client, victim)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(5.0)  # past the deadline of its running shard and of the ones queued behind it
+        os.kill(pid, signal.SIGCONT)
+        thread.join(300)
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, 12, 8)
+    late = result.history[result.history.reason.fillna("").str.startswith("late")]
+    assert victim in set(late.worker)  # its results came back after SIGCONT: discarded and recorded
+    assert not late.accepted.any()
+    assert result.workers.set_index("worker").loc[victim].timed_out >= 1
+
+
+def test_c_caller_killed_run_finishes_and_attach_gets_result(digits_data, tmp_path):
+    (X, y), _ = digits_data
+    data = tmp_path / "digits.pt"
+    torch.save((torch.from_numpy(X), torch.from_numpy(y)), data)
+    store = tmp_path / "s"
+    with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+        caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import torch, vcdask
+            from distributed import Client
+            from vcdask.demo import digits_cnn
+            X, y = torch.load({str(data)!r})
+            vcdask.fit(digits_cnn(7), (X.numpy(), y.numpy()), client=Client({cluster.scheduler_address!r}),
+                       store={str(store)!r}, validation=0.1, max_epochs=10, n_shards=8, local_epochs=4,
+                       alpha=0.5, progress=False)
+        """)])
+        run_id = running_run(client, timeout=120, min_step=3)
+        caller.kill()
+        caller.wait(30)
+        assert caller.returncode == -signal.SIGKILL
+        attached = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+            import vcdask
+            r = vcdask.attach({run_id!r}, {cluster.scheduler_address!r}).result()
+            print(r.version, len(r.epochs), int(r.history.accepted.sum()), r.metrics["accuracy"])
+        """)], capture_output=True, text=True, timeout=300)
+        assert attached.returncode == 0, attached.stderr
+    version, epochs, merges, accuracy = attached.stdout.split()
+    assert (int(epochs), int(merges)) == (10, 80)
+    assert version == vcdask.open_store(store).head(run_id)
+    assert float(accuracy) > 0.9
+
+
+def test_e_bad_worker_updates_rejected(digits_data, tmp_path):
+    (X, y), (Xt, yt) = digits_data
+    res = vcdask.Resilience(max_update_norm=100.0, max_worker_failures=3)
+    fit = dict(FIT, optimizer=FaultyAdam, resilience=res, max_epochs=20)
+    with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+        clean = vcdask.fit(ChaosNet(7), (X, y), client=client, store=tmp_path / "clean", **fit)
+    # The bad worker is alone when the run starts, so it gets the first shards; good workers join next.
+    with embedded_cluster(n_workers=0) as cluster, Client(cluster, set_as_default=False) as client:
+        bad = start_worker(cluster.scheduler_address, {"VCDASK_TEST_FAULT": "cycle"})
+        try:
+            client.wait_for_workers(1, timeout=60)
+            bad_address = next(iter(client.scheduler_info()["workers"]))
+            client.run(chaos_helpers.warm_up, workers=[bad_address])
+            thread, out = fit_in_thread(model=ChaosNet(7), data=(X, y), client=client, store=tmp_path / "s", **fit)
+            running_run(client)
+            cluster.scale(3)  # two good workers join the bad one
+            thread.join(300)
+        finally:
+            bad.terminate()
+            bad.wait(30)
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, 20, 8)
+    from_bad = result.history[(result.history.worker == bad_address) & ~result.history.accepted]
+    reasons = from_bad.reason.tolist()
+    assert len(reasons) >= 3, reasons
+    assert reasons[0].startswith("non-finite values (NaN/inf) in ['net.0.weight'")
+    assert reasons[1] == "layout mismatch: spare: shape [5] != expected [4]"
+    assert reasons[2].startswith("update norm ||W_c - W_s|| = ") and reasons[2].endswith("> max_update_norm=100")
+    workers = result.workers.set_index("worker")
+    assert workers.loc[bad_address].excluded.startswith("0 failed, 0 timed out, 3 rejected")
+    assert not result.history[result.history.worker == bad_address].accepted.any()
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
+    assert abs(accuracy_on(result.model, Xt, yt) - accuracy_on(clean.model, Xt, yt)) <= 0.02
+
+
+def test_preemption_notice_moves_work_without_failures(digits_data, tmp_path):
+    (X, y), _ = digits_data
+    with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
+        thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", **FIT)
+        running_run(client, min_step=2)
+        victim = wait_for_busy_worker(client)
+        moved = vcdask.preempt(client, victim)
+        thread.join(300)
+        assert victim not in client.scheduler_info()["workers"]  # retired
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, 8, 8)
+    assert list(moved.values())[0]  # its queued shards were re-issued
+    stats = result.workers.set_index("worker").loc[victim]
+    assert stats.preempted and stats.failed == 0 and stats.excluded is None
+
+
+def test_g_bad_resilience_options_fail_before_cluster_work(tmp_path):
+    with pytest.raises(ValueError, match="deadline must be a positive number, got 0"):
+        vcdask.Resilience(deadline=0)
+    with pytest.raises(ValueError, match="deadline must be a positive number, got -5"):
+        vcdask.Resilience(deadline=-5)
+    with pytest.raises(ValueError, match=r"max_staleness must be an integer >= 0 \(or None\), got -1"):
+        vcdask.Resilience(max_staleness=-1)
+    with pytest.raises(ValueError, match=r"unknown on_shard_failure policy 'retry'; valid policies: \['stop', 'skip'\]"):
+        vcdask.Resilience(on_shard_failure="retry")
+    with pytest.raises(TypeError, match="resilience must be a vcdask.Resilience, got dict"):
+        vcdask.fit(torch.nn.Linear(64, 10), (torch.zeros(10, 64), torch.zeros(10, dtype=torch.long)),
+                   resilience={"deadline": 1}, store=tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
