@@ -19,6 +19,7 @@ import torch
 from distributed import Client
 
 import vcdask
+import vcdask.updates
 from vcdask.cluster import embedded_cluster
 from vcdask.demo import accuracy_on, digits_cnn
 
@@ -44,7 +45,7 @@ FIT = dict(validation=0.1, max_epochs=8, n_shards=8, local_epochs=4, alpha=0.5, 
 
 def test_a_repeated_worker_kills(digits_data, tmp_path):
     (X, y), (Xt, yt) = digits_data
-    fit = {**FIT, "max_epochs": 14}
+    fit = {**FIT, "max_epochs": 20}
     with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
         clean = vcdask.fit(digits_cnn(7), (X, y), client=client, store=tmp_path / "clean", **fit)
         killer = Killer(client, period=1.5, seed=1)
@@ -57,7 +58,7 @@ def test_a_repeated_worker_kills(digits_data, tmp_path):
     assert "error" not in out, out.get("error")
     assert len(killer.kills) >= 3, f"only {len(killer.kills)} kills landed"
     result = out["result"]
-    assert_every_shard_once(result, 14, 8)
+    assert_every_shard_once(result, 20, 8)
     assert abs(accuracy_on(result.model, Xt, yt) - accuracy_on(clean.model, Xt, yt)) <= 0.02
 
 
@@ -180,3 +181,58 @@ def test_g_bad_resilience_options_fail_before_cluster_work(tmp_path):
         vcdask.fit(torch.nn.Linear(64, 10), (torch.zeros(10, 64), torch.zeros(10, dtype=torch.long)),
                    resilience={"deadline": 1}, store=tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()
+
+
+def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path):
+    """Kill the scheduler (with its workers) mid-run; resume on a new cluster from the store."""
+    (X, y), _ = digits_data
+    data = tmp_path / "digits.pt"
+    torch.save((torch.from_numpy(X), torch.from_numpy(y)), data)
+    store_path = tmp_path / "s"
+    # The first cluster lives in its own process group: killing it kills scheduler, nannies and workers.
+    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import torch, vcdask
+        from vcdask.demo import digits_cnn
+        X, y = torch.load({str(data)!r})
+        vcdask.fit(digits_cnn(7), (X.numpy(), y.numpy()), store={str(store_path)!r}, validation=0.1,
+                   max_epochs=8, n_shards=8, local_epochs=4, alpha=0.5, commit_every=6, progress=False)
+    """)], start_new_session=True)
+    store = vcdask.open_store(store_path)
+    deadline = time.monotonic() + 120
+    run_id = None
+    while time.monotonic() < deadline:
+        runs = [b for b in store.branches() if b.startswith("run-")]
+        if runs and len(store.versions(runs[0])) >= 3:
+            run_id = runs[0]
+            time.sleep(0.15)  # between two commits: merged-but-uncommitted updates exist
+            break
+        time.sleep(0.05)
+    assert run_id is not None, "the first run never got going"
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(30)
+    time.sleep(0.5)  # let the killed processes' last writes settle
+    store = vcdask.open_store(store_path)
+    committed = {(e, s) for v in store.versions(run_id) for e, s, _ in v.metadata["merged"]}
+    uploaded = {}
+    for path in store.files.list(f"{run_id}/updates"):
+        meta = vcdask.updates.read_update_meta(store.files, path)
+        if meta and (meta["epoch"], meta["shard"]) not in committed:
+            uploaded[(meta["epoch"], meta["shard"])] = meta["attempt"]
+    assert len(committed) < 8 * 8, "the run finished before the kill"
+    assert uploaded, "nothing was uploaded-but-uncommitted at the kill"
+
+    with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+        result = vcdask.resume(run_id, store=store_path, client=client, progress=False)
+    versions = store.versions(run_id)
+    merged = [(e, s, a) for v in versions for e, s, a in v.metadata["merged"]]
+    pairs = [(e, s) for e, s, _ in merged]
+    assert len(pairs) == len(set(pairs)), "an (epoch, shard) was merged twice"
+    assert sorted(pairs) == [(e, s) for e in range(1, 9) for s in range(8)]
+    for (e, s), attempt in uploaded.items():  # uploads nobody had committed were merged, not retrained
+        assert (e, s, attempt) in merged
+    steps = [v.metadata["step"] for v in reversed(versions)]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    assert result.version == versions[0].id
+    assert result.epochs.index.tolist() == list(range(1, 9))
+    assert result.metrics["accuracy"] > 0.85
+    assert store.files.list(f"{run_id}/updates") == []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import config as _config  # noqa: F401  (loads vcdask.yaml into dask.config)
-from .api import fit
+from .api import fit, resume
 from .cluster import preempt
 from .errors import VcdaskError
 from .handle import FitResult, RunFailedError, RunHandle, attach
@@ -28,6 +28,7 @@ __all__ = [
     "load_into",
     "open_store",
     "preempt",
+    "resume",
 ]
 
 __version__ = "0.1.0"

@@ -399,3 +399,46 @@ def fit(
         handle = RunHandle(run_id, c)
         handle.wait(progress=progress)
         return handle.result(model=model, wall_time=time.perf_counter() - t0)
+
+
+def resume(run_id: str, *, store: str | os.PathLike | ParamStore | None = None, client: Any = None,
+           progress: bool = True) -> FitResult:
+    """Continue a run whose scheduler died, on any cluster that can reach its store.
+
+    The run restarts from the newest committed version on its branch, first merges the client
+    updates that were uploaded but never committed, merges none twice (the versions' metadata
+    lists every merged (epoch, shard)), and trains the shards and epochs that are left.
+
+    Parameters
+    ----------
+    run_id : str
+    store : str, path or ParamStore, optional
+        The run's store (default ``./vcdask-runs``).
+    client : distributed.Client or cluster, optional
+        Default: an embedded LocalCluster.
+    progress : bool, default True
+
+    Returns
+    -------
+    FitResult
+        Its ``history`` lists the updates merged after the restart.
+
+    Raises
+    ------
+    VersionNotFoundError
+        The store has no branch ``run_id`` (the message lists the runs it has).
+    """
+    from .errors import VersionNotFoundError
+
+    check_client(client)
+    param_store = open_store(DEFAULT_STORE if store is None else store, mode="r+")
+    if run_id not in param_store.branches() or not param_store.files.exists(f"{run_id}/spec.pkl"):
+        runs = sorted(b for b in param_store.branches() if param_store.files.exists(f"{b}/spec.pkl"))
+        raise VersionNotFoundError(f"no run {run_id!r} in {param_store.location!r}; runs: {runs}")
+    t0 = time.perf_counter()
+    with resolve_client(client) as c:
+        ensure_plugin(c)
+        c.sync(c.scheduler.vcdask_start, store=pickle.dumps(param_store), run_id=run_id, resume=True)
+        handle = RunHandle(run_id, c)
+        handle.wait(progress=progress)
+        return handle.result(wall_time=time.perf_counter() - t0)

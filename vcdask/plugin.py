@@ -67,14 +67,17 @@ class VcdaskPlugin(SchedulerPlugin):
         except KeyError:
             raise RunNotFoundError(f"no vcdask run {run_id!r} on this scheduler; runs: {sorted(self.runs)}") from None
 
-    async def handle_start(self, comm=None, store: bytes = b"", run_id: str = "") -> str:
-        """Load the run's spec from the store (off the loop) and start driving it."""
-        if run_id in self.runs:
+    async def handle_start(self, comm=None, store: bytes = b"", run_id: str = "", resume: bool = False) -> str:
+        """Load the run's spec from the store (off the loop) and start driving it.
+
+        With ``resume=True`` the run continues from its branch and folder in the store (after
+        the scheduler that drove it died)."""
+        if run_id in self.runs and not self.runs[run_id].done.is_set():
             return run_id
         store_obj = pickle.loads(store)
         loop = asyncio.get_running_loop()
         spec = await loop.run_in_executor(None, load_spec, store_obj, run_id)
-        run = self.runs[run_id] = Run(self.scheduler, spec)
+        run = self.runs[run_id] = Run(self.scheduler, spec, resume=resume)
         self.tasks[run_id] = asyncio.ensure_future(run.drive())
         return run_id
 

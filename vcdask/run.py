@@ -54,8 +54,9 @@ def _row(epoch, shard, attempt, **kw) -> dict:
 class Run:
     """One training run on a scheduler (see :mod:`vcdask.plugin` for how clients reach it)."""
 
-    def __init__(self, scheduler, spec: RunSpec):
+    def __init__(self, scheduler, spec: RunSpec, resume: bool = False):
         self.scheduler = scheduler
+        self.resume = resume
         self.spec = spec
         self.res = spec.resilience
         self.store = spec.store
@@ -129,10 +130,13 @@ class Run:
         try:
             self.client = await Client(self.scheduler.address, asynchronous=True, set_as_default=False,
                                        name=f"vcdask-{self.id}")
-            await self._in_thread(self.state.load)
+            self.ac = as_completed([], loop=self.client.loop, with_results=False)
+            if self.resume:
+                await self._recover()
+            else:
+                await self._in_thread(self.state.load)
             self.status = "running"
             self._event("started", version=self.state.version, step=self.state.step)
-            self.ac = as_completed([], loop=self.client.loop, with_results=False)
             watchdog = asyncio.ensure_future(self._watch_deadlines())
             while not self._finished():
                 self._fill(None)
@@ -204,15 +208,68 @@ class Run:
     def _finished(self) -> bool:
         return self.stopping is not None or len(self.epochs) >= self.spec.max_epochs
 
+    # -- resuming after the scheduler died --------------------------------------------------------
+    async def _recover(self) -> None:
+        """Rebuild the run from its branch and its folder: ``W_s`` and the merged (epoch, shard) from
+        the versions' metadata, then merge the uploads that no committed version contains."""
+        merged, ends, attempts, pending = await self._in_thread(self._read_back)
+        self.merged, self.attempts = merged, attempts
+        last = max([*merged, *(m["epoch"] for m in pending), 0])
+        for epoch in range(1, last + 1):
+            todo = [s for s in range(self.spec.shards.n_shards) if s not in merged.setdefault(epoch, set())]
+            self.rng.shuffle(todo)
+            self.queue[epoch] = todo
+        for epoch, (step, version) in ends.items():  # epochs finished before the restart
+            self.epoch_end[epoch] = (step, float("nan"))
+            if self.spec.validation is not None:
+                self._submit_validation(version, step)
+        logger.info("run %s resumed at step %d: %d updates merged before, %d uploaded but unmerged", self.id,
+                    self.state.step, sum(map(len, merged.values())), len(pending))
+        for meta in pending:
+            queue = self.queue.get(meta["epoch"], [])
+            if meta["shard"] in queue:
+                queue.remove(meta["shard"])
+            rec = {"seconds": float("nan"), "upload_seconds": float("nan"), **meta}
+            await self._on_update(rec, _Task("update", meta["epoch"], meta["shard"], meta["attempt"],
+                                             meta["base_step"]))
+        self._close_epochs()
+
+    def _read_back(self):
+        """In the merge thread: what the store says about the run."""
+        from .updates import read_update_meta
+
+        self.state.load()
+        merged: dict[int, set[int]] = {}
+        attempts: dict[tuple[int, int], int] = {}
+        ends: dict[int, tuple[int, str]] = {}
+        for info in reversed(self.store.versions(self.spec.branch)):  # oldest first
+            for epoch, shard, attempt in info.metadata.get("merged", []):
+                merged.setdefault(epoch, set()).add(shard)
+                attempts[(epoch, shard)] = max(attempts.get((epoch, shard), 0), attempt + 1)
+                if len(merged[epoch]) == self.spec.shards.n_shards and epoch not in ends:
+                    ends[epoch] = (info.metadata["step"], info.id)
+        pending = []
+        for path in self.store.files.list(f"{self.id}/updates"):
+            meta = read_update_meta(self.store.files, path)
+            key = (meta.get("epoch"), meta.get("shard"))
+            attempts[key] = max(attempts.get(key, 0), meta.get("attempt", 0) + 1)
+            if not meta or meta["shard"] in merged.get(meta["epoch"], ()):
+                self.store.files.delete(path)  # merged and committed before the crash
+            else:
+                pending.append(meta)
+        pending.sort(key=lambda m: (m["epoch"], m["base_step"], m["shard"]))
+        return merged, ends, attempts, pending
+
     # -- dispatch -------------------------------------------------------------------------------
     def _next_shard(self, worker: str | None) -> tuple[int, int] | None:
         while not self.queue.get(self.dispatch_epoch):
             if self.dispatch_epoch >= self.spec.max_epochs:
                 return None
             self.dispatch_epoch += 1
-            order = list(range(self.spec.shards.n_shards))
-            self.rng.shuffle(order)
-            self.queue[self.dispatch_epoch] = order
+            if self.dispatch_epoch not in self.queue:  # (a resumed run has its earlier queues already)
+                order = list(range(self.spec.shards.n_shards))
+                self.rng.shuffle(order)
+                self.queue[self.dispatch_epoch] = order
             self.merged.setdefault(self.dispatch_epoch, set())
         queue = self.queue[self.dispatch_epoch]
         pick = next((s for s in queue if worker is not None and self.home.get(s) == worker), queue[0])

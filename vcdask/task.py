@@ -203,15 +203,17 @@ def train_shard(store, run_id: str, epoch: int, shard: int, attempt: int, base_v
 
     t_train = time.perf_counter()
     path = update_path(run_id, epoch, shard, attempt)
-    nbytes = write_update(store.files, path, flatten(model))
-    t_end = time.perf_counter()
-    return {
+    record = {
         "kind": "update", "run_id": run_id, "epoch": epoch, "shard": shard, "attempt": attempt,
-        "base_version": base_version, "base_step": base_step, "update": path, "nbytes": nbytes,
+        "base_version": base_version, "base_step": base_step, "update": path,
         "n_samples": stop - start, "train_loss": float(np.mean(losses)) if losses else float("nan"),
-        "seconds": t_end - t0, "read_seconds": t_read - t0, "train_seconds": t_train - t_read,
-        "upload_seconds": t_end - t_train, "worker": _worker_address(),
+        "read_seconds": t_read - t0, "train_seconds": t_train - t_read, "worker": _worker_address(),
     }
+    # the record travels with the update, so a resumed run can merge an upload nobody reported
+    record["nbytes"] = write_update(store.files, path, flatten(model), meta=record)
+    t_end = time.perf_counter()
+    record.update(seconds=t_end - t0, upload_seconds=t_end - t_train)
+    return record
 
 
 def evaluate(spec: RunSpec, model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor) -> dict[str, float]:

@@ -15,7 +15,7 @@ import torch
 
 from .params import FlatParams, Layout, torch_dtype
 
-__all__ = ["read_update", "update_path", "write_update"]
+__all__ = ["read_update", "read_update_meta", "update_path", "write_update"]
 
 
 def update_path(run_id: str, epoch: int, shard: int, attempt: int) -> str:
@@ -23,12 +23,13 @@ def update_path(run_id: str, epoch: int, shard: int, attempt: int) -> str:
     return f"{run_id}/updates/e{epoch:05d}-s{shard:05d}-a{attempt:03d}.npz"
 
 
-def write_update(files, path: str, params: FlatParams) -> int:
-    """Write ``params`` to ``path`` in one request; return the number of bytes written."""
+def write_update(files, path: str, params: FlatParams, meta: dict | None = None) -> int:
+    """Write ``params`` (and a small JSON ``meta`` record) to ``path`` in one request; return the bytes written."""
     arrays = {}
     for dtype, a in params.arrays.items():
         arrays[dtype] = (a.view(torch.uint16) if dtype == "bfloat16" else a).numpy()
     arrays["__layout__"] = np.frombuffer(json.dumps(params.layout.to_dict()).encode(), dtype=np.uint8)
+    arrays["__meta__"] = np.frombuffer(json.dumps(meta or {}).encode(), dtype=np.uint8)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     data = buf.getvalue()
@@ -45,3 +46,9 @@ def read_update(files, path: str) -> FlatParams:
             t = torch.from_numpy(z[dtype].copy())
             arrays[dtype] = t.view(torch_dtype(dtype)) if dtype == "bfloat16" else t
     return FlatParams(layout, arrays)
+
+
+def read_update_meta(files, path: str) -> dict:
+    """The ``meta`` record stored with an update (epoch, shard, attempt, base_step, ...)."""
+    with np.load(io.BytesIO(files.get(path)), allow_pickle=False) as z:
+        return json.loads(z["__meta__"].tobytes()) if "__meta__" in z.files else {}
