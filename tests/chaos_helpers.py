@@ -162,3 +162,17 @@ def warm_up() -> bool:
     import vcdask.task  # noqa: F401
 
     return True
+
+
+class PoisonNet(torch.nn.Module):
+    """A model that kills the worker process running it when it sees a poisoned sample (value 999)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+
+    def forward(self, x):
+        if bool((x > 100).any()):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)

@@ -14,11 +14,13 @@ import textwrap
 import time
 
 import cloudpickle
+import dask
 import pytest
 import torch
 from distributed import Client
 
 import vcdask
+import vcdask.data
 import vcdask.updates
 from vcdask.cluster import embedded_cluster
 from vcdask.demo import accuracy_on, digits_cnn
@@ -236,3 +238,33 @@ def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path)
     assert result.epochs.index.tolist() == list(range(1, 9))
     assert result.metrics["accuracy"] > 0.85
     assert store.files.list(f"{run_id}/updates") == []
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_shard_that_keeps_killing_workers(policy, digits_data, tmp_path):
+    (X, y), (Xv, yv) = digits_data
+    X = X.copy()
+    poisoned = 3
+    start, stop = vcdask.data.Shards(len(X), 6).bounds(poisoned)
+    X[start:stop] = 999.0  # every worker that trains this shard dies
+    res = vcdask.Resilience(max_attempts=2, on_shard_failure=policy)
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
+            embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+        run = lambda: vcdask.fit(chaos_helpers.PoisonNet(), (X, y), validation=(Xv, yv), max_epochs=2,  # noqa: E731
+                                 n_shards=6, shuffle=False, tasks_per_slot=1, resilience=res, client=client,
+                                 store=tmp_path / "s", progress=False)
+        if policy == "stop":
+            with pytest.raises(vcdask.RunFailedError,
+                               match=rf"shard {poisoned} of epoch 1 failed 2 times .*on_shard_failure='stop'"):
+                run()
+            return
+        result = run()
+    h = result.history
+    accepted = h[h.accepted]
+    assert sorted(map(tuple, accepted[["epoch", "shard"]].values.tolist())) == [
+        (e, s) for e in (1, 2) for s in range(6) if s != poisoned]
+    skipped = h[h.reason.fillna("").str.startswith("skipped")]
+    assert sorted(skipped.epoch) == [1, 2] and set(skipped.shard) == {poisoned}
+    assert result.epochs.skipped.tolist() == [1, 1]
+    lost = h[h.reason.fillna("").str.startswith("lost: KilledWorker")]
+    assert len(lost[lost.shard == poisoned]) == 4  # 2 attempts x 2 epochs, each killed a worker

@@ -438,9 +438,10 @@ class Run:
         if self.state.committed and due:
             self._submit_validation()
 
-    async def _retry_or_give_up(self, epoch: int, shard: int, why: str, avoid: str | None = None) -> None:
+    async def _retry_or_give_up(self, epoch: int, shard: int, why: str, avoid: str | None = None,
+                                count: bool = True) -> None:
         """Re-issue (epoch, shard) unless it has used up its attempts; then apply ``on_shard_failure``."""
-        failures = self.failures[(epoch, shard)] = self.failures.get((epoch, shard), 0) + 1
+        failures = self.failures[(epoch, shard)] = self.failures.get((epoch, shard), 0) + int(count)
         if any(t.kind == "update" and (t.epoch, t.shard) == (epoch, shard) and not t.overdue
                for t in self.in_flight.values()):
             return  # another copy is still running
@@ -511,7 +512,9 @@ class Run:
             self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
                                      reason=f"lost: {type(exc).__name__}: {exc}", time=self._now()))
             if task.shard not in self.merged.get(task.epoch, ()):
-                await self._retry_or_give_up(task.epoch, task.shard, f"{type(exc).__name__}")
+                # A task that never started was only queued on the dead worker: not its fault.
+                await self._retry_or_give_up(task.epoch, task.shard, f"{type(exc).__name__}",
+                                             count=task.started is not None)
             return
         if task.kind == "validation" and isinstance(exc, (KilledWorker, OSError)):
             if task.attempt + 1 < self.res.max_attempts:  # an epoch may be waiting for these numbers
