@@ -49,6 +49,9 @@ class Resilience:
     no_worker_timeout : float, default 300
         Seconds a run waits with no usable worker (none connected, or all excluded) for new
         workers to join, before it stops with an error.
+    store_outage_timeout : float, default 600
+        Seconds a run stays paused, retrying a commit, while the store is unreachable (beyond
+        the storage client's own retries) before it stops with an error.
     """
 
     deadline: float | None = None
@@ -60,9 +63,11 @@ class Resilience:
     on_shard_failure: str = "stop"
     max_worker_failures: int = 3
     no_worker_timeout: float = 300.0
+    store_outage_timeout: float = 600.0
 
     def __post_init__(self):
-        for name in ("deadline", "deadline_factor", "deadline_floor", "max_update_norm", "no_worker_timeout"):
+        for name in ("deadline", "deadline_factor", "deadline_floor", "max_update_norm", "no_worker_timeout",
+                     "store_outage_timeout"):
             value = getattr(self, name)
             if value is None and name in ("deadline", "max_update_norm"):
                 continue

@@ -71,7 +71,8 @@ class Run:
         # W_s: touched only by the merge thread; the loop reads its counters between merges
         self.state = ServerState(spec.store, spec.branch, spec.alpha, spec.run_id, commit_every=spec.commit_every,
                                  keep_updates=spec.keep_updates, max_staleness=self.res.max_staleness,
-                                 max_update_norm=self.res.max_update_norm)
+                                 max_update_norm=self.res.max_update_norm,
+                                 outage_timeout=self.res.store_outage_timeout)
         # scheduling state (event loop only)
         self.rng = random.Random(spec.seed)
         self.queue: dict[int, list[int]] = {}
@@ -138,12 +139,22 @@ class Run:
             self.status = "running"
             self._event("started", version=self.state.version, step=self.state.step)
             watchdog = asyncio.ensure_future(self._watch_deadlines())
+            nxt = None
             while not self._finished():
                 self._fill(None)
                 if not self.in_flight:
                     await self._wait_for_workers()
                     continue
-                await self._on_done(await self.ac.__anext__())
+                nxt = nxt or asyncio.ensure_future(self.ac.__anext__())
+                # wake up now and then even if nothing completes: workers may have joined
+                await asyncio.wait({nxt, watchdog}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                if watchdog.done():
+                    watchdog.result()  # the deadline watchdog failed (e.g. on_shard_failure="stop"): raise it
+                if nxt.done():
+                    future, nxt = nxt.result(), None
+                    await self._on_done(future)
+            if nxt is not None:
+                nxt.cancel()
             await self._finish()
         except asyncio.CancelledError:
             self.status = "cancelled"
@@ -186,8 +197,10 @@ class Run:
             return
         if future.status == "cancelled":
             if task.kind == "update":
+                why = ("superseded: another copy of this shard was merged"
+                       if task.shard in self.merged.get(task.epoch, ()) else self.stopping)
                 self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
-                                         reason=f"cancelled: {self.stopping}", time=self._now()))
+                                         reason=f"cancelled: {why}", time=self._now()))
             return
         try:
             record = await future
@@ -340,10 +353,18 @@ class Run:
                 continue
             deadline = self.res.deadline_for(self.shard_seconds, self.spec.tasks_per_slot)
             now = time.monotonic()
+            redundant = [k for k, t in self.in_flight.items() if t.kind == "update"
+                         and t.shard in self.merged.get(t.epoch, ()) and self._processing_on(k) is None]
+            if redundant:  # copies of merged shards that no worker is running (e.g. theirs died)
+                await self.client.cancel([self.futures[k] for k in redundant])
             for key, task in list(self.in_flight.items()):
                 if task.kind != "update" or task.overdue or task.shard in self.merged.get(task.epoch, ()):
                     continue
                 if task.started is not None and now - task.started > deadline:
+                    if self._processing_on(key) != task.worker:
+                        task.started = None  # its worker died: Dask is moving it, it starts afresh
+                        task.submitted = now
+                        continue
                     await self._overdue(key, task, f"ran past its {deadline:.1f} s deadline", task.worker)
                 elif task.started is None and now - task.submitted > deadline * (self.spec.tasks_per_slot + 2):
                     await self._overdue(key, task, "never started", self._processing_on(key))
@@ -415,6 +436,7 @@ class Run:
             if row["accepted"]:
                 merged.add(shard)
                 self.home[shard] = worker
+                await self._cancel_other_copies(epoch, shard)
                 self.shard_seconds.append(rec["seconds"])
                 if epoch_complete:
                     self.epoch_end[epoch] = (self.state.step, self._now())
@@ -437,6 +459,16 @@ class Run:
         due = epoch_complete or self.state.step % self.spec.validate_every == 0
         if self.state.committed and due:
             self._submit_validation()
+
+    async def _cancel_other_copies(self, epoch: int, shard: int) -> None:
+        """The first valid result won: cancel the copies of (epoch, shard) that have not started.
+
+        A copy already running is left to finish (cancelling cannot stop a running task); if its
+        result arrives it is discarded and recorded as late."""
+        queued = [k for k, t in self.in_flight.items()
+                  if t.kind == "update" and (t.epoch, t.shard) == (epoch, shard) and t.started is None]
+        if queued:
+            await self.client.cancel([self.futures[k] for k in queued])
 
     async def _retry_or_give_up(self, epoch: int, shard: int, why: str, avoid: str | None = None,
                                 count: bool = True) -> None:
@@ -565,7 +597,20 @@ class Run:
                 "n_shards": self.spec.shards.n_shards,
                 "merged_in_epoch": len(self.merged.get(len(self.epochs) + 1, ())),
                 "in_flight": self._n_training(), "last_epoch": last, "stopping": self.stopping,
+                "paused": self.state.paused, "tasks": self._task_table(),
                 "elapsed": time.time() - self.started}
+
+    def _task_table(self) -> list[dict]:
+        """Shard tasks in flight: where they run and what state Dask has them in."""
+        rows = []
+        for key, t in self.in_flight.items():
+            if t.kind != "update":
+                continue
+            ts = self.scheduler.tasks.get(key)
+            rows.append({"epoch": t.epoch, "shard": t.shard, "attempt": t.attempt, "overdue": t.overdue,
+                         "started": t.started is not None, "worker": self._processing_on(key),
+                         "state": ts.state if ts is not None else "forgotten"})
+        return rows
 
     def result_dict(self) -> dict:
         return {**self.status_dict(), "history": self.history, "epochs": self.epochs,

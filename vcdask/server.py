@@ -5,15 +5,20 @@ Everything here runs in the run's merge thread, never on the scheduler's event l
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+from .errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError
 from .merge import vc_asgd
 from .params import FlatParams
 from .resilience import check_update
 from .updates import read_update
 
 __all__ = ["ServerState"]
+
+logger = logging.getLogger(__name__)
 
 
 class ServerState:
@@ -36,7 +41,7 @@ class ServerState:
 
     def __init__(self, store, branch: str, alpha: Callable[[int], float], run_id: str, *,
                  commit_every: int = 1, keep_updates: bool = False, max_staleness: int | None = None,
-                 max_update_norm: float | None = None):
+                 max_update_norm: float | None = None, outage_timeout: float = 600.0):
         self.store = store
         self.branch = branch
         self.alpha = alpha
@@ -45,6 +50,8 @@ class ServerState:
         self.keep_updates = keep_updates
         self.max_staleness = max_staleness
         self.max_update_norm = max_update_norm
+        self.outage_timeout = outage_timeout
+        self.paused: str | None = None  # why the run waits for the store, while it does
         self.params: FlatParams | None = None
         self.step = 0
         #: (newest committed version id, its step), replaced as one object so that the
@@ -106,19 +113,61 @@ class ServerState:
         return {"accepted": False, "staleness": staleness, "reason": reason, "fault": fault}
 
     def commit(self) -> None:
-        """Commit the merges not yet in a version (no-op when there are none)."""
+        """Commit the merges not yet in a version (no-op when there are none).
+
+        A commit is never applied twice: when the store reports a conflict, the branch head is
+        checked first — if it is this very commit (the store took it but its answer was lost),
+        it is adopted.  While the store is unreachable past its own retries, the run pauses
+        here (``paused`` says why) and tries again with backoff, up to ``outage_timeout`` seconds.
+        """
         if not self.uncommitted:
             return
         last = self.uncommitted[-1]
-        version = self.store.commit(
-            self.params,
-            {"run_id": self.run_id, "step": self.step, "epoch": last["epoch"],
-             "merged": [[r["epoch"], r["shard"], r["attempt"]] for r in self.uncommitted],
-             "alpha": float(self.alpha(last["epoch"]))},
-            branch=self.branch, message=f"{self.run_id} step {self.step}", parent=self.version,
-        )
+        metadata = {"run_id": self.run_id, "step": self.step, "epoch": last["epoch"],
+                    "merged": [[r["epoch"], r["shard"], r["attempt"]] for r in self.uncommitted],
+                    "alpha": float(self.alpha(last["epoch"]))}
+        version = self._commit_through_outages(metadata)
         self.head = (version, self.step)
         if not self.keep_updates:
             for r in self.uncommitted:  # merged and committed: the update has done its job
                 self.store.files.delete(r["update"])
         self.uncommitted = []
+
+    def _commit_through_outages(self, metadata: dict[str, Any]) -> str:
+        delay, started = 0.5, time.monotonic()
+        while True:
+            try:
+                version = self.store.commit(self.params, metadata, branch=self.branch, parent=self.version,
+                                            message=f"{self.run_id} step {self.step}")
+            except StoreConflict:
+                version = self._landed(metadata)
+                if version is None:
+                    raise  # somebody else writes to this run's branch: never interleave
+                logger.warning("run %s: commit of step %d had landed although the store reported a "
+                               "conflict (a lost response); adopting version %s", self.run_id, self.step, version)
+            except (StoreNotFoundError, StoreAccessDeniedError):
+                raise  # not transient: a person has to act
+            except StoreError as e:
+                version = self._landed(metadata, quiet=True)
+                if version is None:
+                    if time.monotonic() - started > self.outage_timeout:
+                        raise
+                    self.paused = f"store unavailable for {time.monotonic() - started:.0f} s: {e}"
+                    logger.warning("run %s paused: %s; retrying in %.1f s", self.run_id, self.paused, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+                    continue
+            self.paused = None
+            return version
+
+    def _landed(self, metadata: dict[str, Any], quiet: bool = False) -> str | None:
+        """The id of the branch head if it is exactly the commit described by ``metadata``, else None."""
+        try:
+            head = self.store.versions(self.branch)[0]
+        except (StoreError, IndexError):
+            if quiet:
+                return None
+            raise
+        same = (head.parent == self.version and head.metadata.get("run_id") == self.run_id
+                and head.metadata.get("step") == metadata["step"] and head.metadata.get("merged") == metadata["merged"])
+        return head.id if same else None

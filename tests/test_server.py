@@ -1,0 +1,68 @@
+"""The server side of a run (vcdask.server.ServerState) on a real store."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vcdask import open_store
+from vcdask.errors import StoreConflict
+from vcdask.params import flatten
+from vcdask.schedules import Constant
+from vcdask.server import ServerState
+from vcdask.updates import update_path, write_update
+
+
+def _state(tmp_path, **kw):
+    store = open_store(tmp_path / "s")
+    store.create_branch("run-x")
+    store.commit(flatten({"w": torch.zeros(4)}), {"run_id": "run-x", "step": 0, "merged": []}, branch="run-x")
+    state = ServerState(store, "run-x", Constant(0.5), "run-x", **kw)
+    state.load()
+    return store, state
+
+
+def _upload(store, shard, value, base_step=0):
+    path = update_path("run-x", 1, shard, 0)
+    write_update(store.files, path, flatten({"w": torch.full((4,), float(value))}))
+    return {"epoch": 1, "shard": shard, "attempt": 0, "base_step": base_step, "update": path}
+
+
+def test_merge_commits_with_metadata_and_drops_the_upload(tmp_path):
+    store, state = _state(tmp_path)
+    out = state.merge(_upload(store, 0, 2.0))
+    assert out == {"accepted": True, "alpha": 0.5, "new_version": 1, "staleness": 0, "version_id": state.version}
+    head = store.read(branch="run-x")
+    assert head.state_dict()["w"].tolist() == [1.0] * 4
+    assert head.metadata == {"run_id": "run-x", "step": 1, "epoch": 1, "merged": [[1, 0, 0]], "alpha": 0.5}
+    assert store.files.list("run-x/updates") == []
+
+
+def test_commit_whose_answer_was_lost_is_adopted_not_repeated(tmp_path):
+    """The store took the commit but its answer never came back: the retry sees a conflict, finds
+    its own commit at the head, and adopts it — one version, not two."""
+    store, state = _state(tmp_path, commit_every=2)
+    state.merge(_upload(store, 0, 2.0))
+    state.merge(_upload(store, 1, 4.0), force_commit=False)  # commit_every=2: this one commits
+    before = store.versions("run-x")
+    assert len(before) == 2
+    state.merge(_upload(store, 2, 6.0))  # merged, not yet committed
+    pending = state.uncommitted[-1]
+    # What the store received from the first attempt whose answer was lost:
+    landed = store.commit(state.params, {"run_id": "run-x", "step": state.step, "epoch": 1,
+                                         "merged": [[1, 2, 0]], "alpha": 0.5},
+                          branch="run-x", parent=state.version, message="run-x step 3")
+    state.commit()
+    assert state.version == landed
+    history = store.versions("run-x")
+    assert [v.metadata["step"] for v in history] == [3, 2, 0]
+    assert not store.files.exists(pending["update"])
+
+
+def test_a_foreign_commit_on_the_branch_is_a_conflict(tmp_path):
+    store, state = _state(tmp_path, commit_every=5)
+    state.merge(_upload(store, 0, 2.0))
+    store.commit({"w": torch.ones(4)}, {"run_id": "someone-else", "step": 1, "merged": []}, branch="run-x")
+    with pytest.raises(StoreConflict):
+        state.commit()
+    assert state.uncommitted, "nothing is dropped: the merge is still pending"
