@@ -11,7 +11,6 @@ import pickle
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -28,35 +27,12 @@ from .task import RunSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Schedule", "Training", "fit"]
+__all__ = ["fit", "resume"]
 
 DEFAULT_STORE = "vcdask-runs"
 
 
-# -- options -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Training:
-    """How each shard is trained on a worker."""
-
-    loss: Callable | None = None  # None: cross-entropy for integer labels, MSE otherwise
-    optimizer: Callable | None = None  # None: Adam(lr)
-    lr: float = 1e-3
-    local_epochs: int = 1
-    batch_size: int = 32
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How the run proceeds: shards, epochs, the merge weight, when to stop, how often to commit."""
-
-    max_epochs: int = 10
-    n_shards: int | None = None  # None: min(10, samples)
-    alpha: Any = "epoch"
-    target: Mapping[str, float] | None = None
-    commit_every: int = 1
-    validate_every: int = 1
-
-
+# -- options ---------------------------------------------------------------------------------
 LOSSES: dict[str, Callable] = {
     "cross_entropy": torch.nn.functional.cross_entropy,
     "mse": torch.nn.functional.mse_loss,

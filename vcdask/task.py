@@ -99,7 +99,7 @@ def _version(store, version: str) -> FlatParams:
     return params
 
 
-def _data(spec: RunSpec, source, start: int, stop: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(spec: RunSpec, source, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [start, stop) of ``source`` as tensors, cached (the paper's "sticky files")."""
     key = (source.url, id(source.zarr_store) if source.zarr_store is not None else None, source.offset, start, stop)
     with _lock:
@@ -184,7 +184,7 @@ def train_shard(store, run_id: str, epoch: int, shard: int, attempt: int, base_v
     torch.set_num_threads(spec.torch_threads)
     model = _loaded_model(spec, store, base_version)
     start, stop = spec.shards.bounds(shard)
-    X, y = _data(spec, spec.train, start, stop, "train")
+    X, y = _data(spec, spec.train, start, stop)
     t_read = time.perf_counter()
     optimizer = spec.optimizer(model.parameters())  # fresh optimizer state for every shard
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 10_007 + shard * 101 + attempt)
@@ -236,7 +236,7 @@ def validate_version(store, run_id: str, version: str, step: int) -> dict[str, A
     spec = load_spec(store, run_id)
     torch.set_num_threads(spec.torch_threads)
     model = _loaded_model(spec, store, version)
-    X, y = _data(spec, spec.validation, 0, spec.validation.n, "validation")
+    X, y = _data(spec, spec.validation, 0, spec.validation.n)
     metrics = evaluate(spec, model, X, y)
     return {"kind": "validation", "run_id": run_id, "version": version, "step": step, "metrics": metrics,
             "seconds": time.perf_counter() - t0, "worker": _worker_address()}
