@@ -268,3 +268,37 @@ def test_shard_that_keeps_killing_workers(policy, digits_data, tmp_path):
     assert result.epochs.skipped.tolist() == [1, 1]
     lost = h[h.reason.fillna("").str.startswith("lost: KilledWorker")]
     assert len(lost[lost.shard == poisoned]) == 4  # 2 attempts x 2 epochs, each killed a worker
+
+
+@pytest.mark.s3
+def test_f_object_store_faults(s3, client, digits_data):
+    """An S3 proxy on loopback answers 503s, stalls and resets, and loses one commit's answer after the write."""
+    from vcdask.testing.faulty_proxy import FaultyProxy
+
+    (X, y), _ = digits_data
+    with FaultyProxy(s3.endpoint_url, seed=3) as proxy:
+        location = f"s3://{s3.new_bucket()}/runs"
+        options = {"endpoint_url": proxy.endpoint_url, "access_key_id": "testing", "secret_access_key": "testing"}
+        store = vcdask.open_store(location, **options)
+        thread, out = fit_in_thread(model=digits_cnn(7), data=(X[:600], y[:600]), client=client, store=store,
+                                    validation=0.2, max_epochs=4, n_shards=4, local_epochs=2, alpha=0.5,
+                                    progress=False)
+        running_run(client, min_step=1, timeout=120)
+        proxy.set_faults(p_503=0.10, p_reset=0.03, p_stall=0.03, stall_seconds=0.5)
+        proxy.lose_next_ref_answer()
+        thread.join(300)
+        proxy.set_faults()  # the checks below read through the proxy, now well-behaved
+        counts = dict(proxy.faults.counts)
+        assert "error" not in out, out.get("error")
+        result = out["result"]
+        assert_every_shard_once(result, 4, 4)
+    assert counts["503"] > 0 and counts["reset"] > 0 and counts["stall"] > 0
+    assert counts["lost_answer"] == 1
+    store = vcdask.open_store(location, endpoint_url=s3.endpoint_url, access_key_id="testing",
+                              secret_access_key="testing")
+    versions = store.versions(result.run_id)
+    steps = [v.metadata["step"] for v in reversed(versions)]
+    assert steps == list(range(len(steps))), "a version is missing or duplicated"
+    for info in versions:  # none torn: every version reads back whole and finite
+        params = store.read(info.id).params
+        assert all(torch.isfinite(a).all() for a in params.arrays.values() if a.is_floating_point())

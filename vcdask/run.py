@@ -442,7 +442,7 @@ class Run:
                     self.epoch_end[epoch] = (self.state.step, self._now())
             else:
                 epoch_complete = False
-                if fault != "stale":
+                if fault not in ("stale", "unreadable"):  # not the worker's fault: its base was old / the store
                     wrec.rejected += 1
                     self._maybe_exclude(worker)
                 logger.warning("run %s: rejected the update of shard %d, epoch %d from %s: %s", self.id, shard,
