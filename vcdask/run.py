@@ -549,7 +549,9 @@ class Run:
                                              count=task.started is not None)
             return
         if task.kind == "validation" and isinstance(exc, (KilledWorker, OSError)):
-            if task.attempt + 1 < self.res.max_attempts:  # an epoch may be waiting for these numbers
+            # an epoch may be waiting for these numbers; a validation dies mostly as collateral of a
+            # shard that killed its worker, so it gets more attempts than a shard does
+            if task.attempt + 1 < max(10, self.res.max_attempts):
                 self._submit_validation(task.version, task.step, retry=task.attempt + 1)
                 return
         raise RuntimeError(f"{task.kind} task (epoch {task.epoch}, shard {task.shard}) failed: {exc!r}") from exc
