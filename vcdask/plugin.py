@@ -99,9 +99,7 @@ class VcdaskPlugin(SchedulerPlugin):
     async def handle_stop(self, comm=None, run_id: str = "", reason: str = "stopped by the user") -> dict:
         """Stop dispatching, cancel the shards in flight, commit what is merged, and finish."""
         run = self._run(run_id)
-        if not run.done.is_set() and run.stopping is None:
-            run.stopping = reason
-            await run.client.cancel([f for k, f in run.futures.items() if run.in_flight[k].kind == "update"])
+        await run.stop(reason)
         return run.status_dict()
 
     async def handle_reissue(self, comm=None, run_id: str = "", epoch: int = 0, shard: int = 0) -> str:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .recovery import read_back
 from .resilience import WorkerRecord
 from .server import ServerState
 from .task import RunSpec, train_shard, validate_version
@@ -225,7 +226,8 @@ class Run:
     async def _recover(self) -> None:
         """Rebuild the run from its branch and its folder: ``W_s`` and the merged (epoch, shard) from
         the versions' metadata, then merge the uploads that no committed version contains."""
-        merged, ends, attempts, pending = await self._in_thread(self._read_back)
+        merged, ends, attempts, pending = await self._in_thread(
+            read_back, self.state, self.store, self.spec.branch, self.id, self.spec.shards.n_shards)
         self.merged, self.attempts = merged, attempts
         last = max([*merged, *(m["epoch"] for m in pending), 0])
         for epoch in range(1, last + 1):
@@ -246,32 +248,6 @@ class Run:
             await self._on_update(rec, _Task("update", meta["epoch"], meta["shard"], meta["attempt"],
                                              meta["base_step"]))
         self._close_epochs()
-
-    def _read_back(self):
-        """In the merge thread: what the store says about the run."""
-        from .updates import read_update_meta
-
-        self.state.load()
-        merged: dict[int, set[int]] = {}
-        attempts: dict[tuple[int, int], int] = {}
-        ends: dict[int, tuple[int, str]] = {}
-        for info in reversed(self.store.versions(self.spec.branch)):  # oldest first
-            for epoch, shard, attempt in info.metadata.get("merged", []):
-                merged.setdefault(epoch, set()).add(shard)
-                attempts[(epoch, shard)] = max(attempts.get((epoch, shard), 0), attempt + 1)
-                if len(merged[epoch]) == self.spec.shards.n_shards and epoch not in ends:
-                    ends[epoch] = (info.metadata["step"], info.id)
-        pending = []
-        for path in self.store.files.list(f"{self.id}/updates"):
-            meta = read_update_meta(self.store.files, path)
-            key = (meta.get("epoch"), meta.get("shard"))
-            attempts[key] = max(attempts.get(key, 0), meta.get("attempt", 0) + 1)
-            if not meta or meta["shard"] in merged.get(meta["epoch"], ()):
-                self.store.files.delete(path)  # merged and committed before the crash
-            else:
-                pending.append(meta)
-        pending.sort(key=lambda m: (m["epoch"], m["base_step"], m["shard"]))
-        return merged, ends, attempts, pending
 
     # -- dispatch -------------------------------------------------------------------------------
     def _next_shard(self, worker: str | None) -> tuple[int, int] | None:
@@ -332,6 +308,12 @@ class Run:
         self.in_flight[future.key] = task
         self.futures[future.key] = future
         self.ac.add(future)
+
+    async def stop(self, reason: str) -> None:
+        """Stop dispatching and cancel the shards in flight; the driver then commits and finishes."""
+        if not self.done.is_set() and self.stopping is None:
+            self.stopping = reason
+            await self.client.cancel([f for k, f in self.futures.items() if self.in_flight[k].kind == "update"])
 
     def reissue(self, epoch: int, shard: int) -> str:
         """Train (epoch, shard) once more from the current version; the first valid result wins."""
