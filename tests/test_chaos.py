@@ -302,3 +302,66 @@ def test_f_object_store_faults(s3, client, digits_data):
     for info in versions:  # none torn: every version reads back whole and finite
         params = store.read(info.id).params
         assert all(torch.isfinite(a).all() for a in params.arrays.values() if a.is_floating_point())
+
+
+@pytest.mark.s3
+def test_f_store_outage_longer_than_retries_pauses_then_continues(s3, client, digits_data):
+    """Every request to the store fails for several seconds, far past the store's own retries: the run
+    pauses (says so), no worker is blamed, and it continues when the store is back — no merge lost."""
+    from vcdask.testing.faulty_proxy import FaultyProxy
+
+    (X, y), _ = digits_data
+    with FaultyProxy(s3.endpoint_url, seed=4) as proxy:
+        location = f"s3://{s3.new_bucket()}/runs"
+        options = {"endpoint_url": proxy.endpoint_url, "access_key_id": "testing", "secret_access_key": "testing"}
+        store = vcdask.open_store(location, max_tries=2, **options)
+        thread, out = fit_in_thread(model=digits_cnn(7), data=(X[:600], y[:600]), client=client, store=store,
+                                    validation=0.2, max_epochs=3, n_shards=4, local_epochs=2, alpha=0.5,
+                                    progress=False,
+                                    resilience=vcdask.Resilience(store_outage_timeout=120))
+        run_id = running_run(client, min_step=2, timeout=120)
+        proxy.set_faults(p_503=1.0)  # the store is down, far longer than the storage clients retry
+        seen_paused = False
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline:
+            status = vcdask.attach(run_id, client=client).status()
+            seen_paused = seen_paused or bool(status["paused"])
+            time.sleep(0.5)
+        down = proxy.faults.counts["503"]
+        proxy.set_faults()  # back
+        thread.join(300)
+        assert "error" not in out, out.get("error")
+        result = out["result"]
+        assert_every_shard_once(result, 3, 4)
+    assert down > 0 and seen_paused
+    faults = result.history[result.history.reason.fillna("").str.startswith("store fault")]
+    assert len(faults) > 0
+    assert not any(w["excluded"] for w in result.workers.to_dict("records"))
+    assert result.workers.failed.sum() == 0
+
+
+@pytest.mark.s3
+def test_f_store_outage_past_the_outage_timeout_fails_clearly(s3, client, digits_data):
+    """An outage longer than ``store_outage_timeout`` ends the run with an error that says so; the store
+    stays readable at its last commit."""
+    from vcdask.testing.faulty_proxy import FaultyProxy
+
+    (X, y), _ = digits_data
+    with FaultyProxy(s3.endpoint_url, seed=5) as proxy:
+        location = f"s3://{s3.new_bucket()}/runs"
+        options = {"endpoint_url": proxy.endpoint_url, "access_key_id": "testing", "secret_access_key": "testing"}
+        store = vcdask.open_store(location, max_tries=2, **options)
+        thread, out = fit_in_thread(model=digits_cnn(7), data=(X[:600], y[:600]), client=client, store=store,
+                                    validation=0.2, max_epochs=20, n_shards=4, local_epochs=2, alpha=0.5,
+                                    progress=False,
+                                    resilience=vcdask.Resilience(store_outage_timeout=3))
+        run_id = running_run(client, min_step=2, timeout=120)
+        proxy.set_faults(p_503=1.0)
+        thread.join(300)
+        proxy.set_faults()
+    assert "store_outage_timeout" in str(out.get("error")), out
+    store = vcdask.open_store(location, endpoint_url=s3.endpoint_url, access_key_id="testing",
+                              secret_access_key="testing")
+    last = store.read(branch=run_id)  # readable at its last commit, whole and finite
+    assert last.metadata["step"] >= 1
+    assert all(torch.isfinite(a).all() for a in last.params.arrays.values() if a.is_floating_point())

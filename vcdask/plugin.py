@@ -55,6 +55,7 @@ class VcdaskPlugin(SchedulerPlugin):
             "vcdask_runs": self.handle_runs,
             "vcdask_preempt": self.handle_preempt,
             "vcdask_started": self.handle_started,
+            "vcdask_panel": self.handle_panel,
         })
 
     async def close(self) -> None:
@@ -83,6 +84,10 @@ class VcdaskPlugin(SchedulerPlugin):
 
     async def handle_status(self, comm=None, run_id: str = "") -> dict:
         return self._run(run_id).status_dict()
+
+    async def handle_panel(self, comm=None, run_id: str = "") -> dict:
+        """What a progress panel shows, now (then it follows the run's events, topic ``vcdask-run-<id>``)."""
+        return self._run(run_id).panel_state()
 
     async def handle_result(self, comm=None, run_id: str = "") -> dict:
         run = self._run(run_id)

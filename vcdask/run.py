@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import StoreAccessDeniedError, StoreError, StoreNotFoundError
 from .recovery import read_back
 from .resilience import WorkerRecord
 from .server import ServerState
@@ -94,6 +95,15 @@ class Run:
         self.epochs: list[dict] = []
         self.stopping: str | None = None
         self.idle_since: float | None = None
+        # store outages seen by tasks: their shards wait in `returned` until `hold_until`
+        self.outage_since: float | None = None
+        self.outage: str | None = None
+        self.hold_until = 0.0
+        self.store_faults = 0
+        self.returned: list[tuple[int, int]] = []
+        self.parked_validations: list[tuple[str, int, int]] = []
+        # what the progress panel's shard grid shows: (epoch, shard) -> state
+        self.shard_state: dict[tuple[int, int], str] = {}
 
     # -- helpers ------------------------------------------------------------------------------
     async def _in_thread(self, fn, *args):
@@ -101,6 +111,15 @@ class Run:
 
     def _event(self, kind: str, **data) -> None:
         self.scheduler.log_event(f"vcdask-run-{self.id}", {"type": kind, "run_id": self.id, **data})
+
+    def _set_shard(self, epoch: int, shard: int, state: str) -> None:
+        """Move (epoch, shard) to ``state`` for the panel's grid (merged and skipped are final; a
+        rejection stays visible until a copy is merged) and push the change as an event."""
+        old = self.shard_state.get((epoch, shard))
+        if old == state or old in ("merged", "skipped") or (old == "rejected" and state in _ACTIVE):
+            return
+        self.shard_state[(epoch, shard)] = state
+        self._event("shard", epoch=epoch, shard=shard, state=state)
 
     def _worker(self, address: str) -> WorkerRecord:
         rec = self.workers.get(address)
@@ -186,6 +205,9 @@ class Run:
             await asyncio.sleep(WATCH_INTERVAL)
             return
         self.idle_since = None
+        if self._holding() or self.returned or self.parked_validations:
+            await asyncio.sleep(WATCH_INTERVAL)  # shards wait for the store to come back
+            return
         if self.dispatch_epoch >= self.spec.max_epochs and not self.queue.get(self.dispatch_epoch):
             raise RuntimeError(f"run {self.id} has nothing left to run or wait for, but epoch "
                                f"{len(self.epochs) + 1} is not complete")
@@ -210,6 +232,7 @@ class Run:
             return
         finally:
             future.release()
+        self._store_back()
         if task.kind == "validation":
             self._on_validation(record)
             return
@@ -265,10 +288,21 @@ class Run:
         queue.remove(pick)
         return self.dispatch_epoch, pick
 
+    def _holding(self) -> bool:
+        """Whether dispatch waits for the store to come back (after tasks failed on a store fault)."""
+        return time.monotonic() < self.hold_until
+
     def _fill(self, freed_worker: str | None) -> None:
-        if not self._usable():
-            return  # nobody to run on: wait for workers to (re)join
+        if not self._usable() or self._holding():
+            return  # nobody to run on (wait for workers to (re)join), or the store is out
+        while self.parked_validations:
+            self._submit_validation(*self.parked_validations.pop(0))
         while self.stopping is None and self._n_training() < self._slots():
+            if self.returned:
+                epoch, shard = self.returned.pop(0)
+                if shard not in self.merged.get(epoch, ()) and not self._copy_running(epoch, shard):
+                    self._submit_shard(epoch, shard)
+                continue
             nxt = self._next_shard(freed_worker)
             if nxt is None:
                 return
@@ -291,6 +325,7 @@ class Run:
         future = self.client.submit(train_shard, self.store, self.id, epoch, shard, attempt, version, step,
                                     key=key, **where)
         self._track(future, _Task("update", epoch, shard, attempt, step, submitted=time.monotonic()))
+        self._set_shard(epoch, shard, "queued" if attempt == 0 else "re-issued")
         return key
 
     def _submit_validation(self, version: str | None = None, step: int | None = None, retry: int = 0) -> None:
@@ -326,6 +361,8 @@ class Run:
         task = self.in_flight.get(key)
         if task is not None:
             task.started, task.worker = time.monotonic(), worker
+            if task.kind == "update":
+                self._set_shard(task.epoch, task.shard, "running" if task.attempt == 0 else "re-issued")
 
     async def _watch_deadlines(self) -> None:
         """Re-issue shard tasks that run past their deadline, and the ones queued behind them."""
@@ -364,6 +401,7 @@ class Run:
         if worker is not None and task.started is not None:
             self._worker(worker).timed_out += 1
             self._maybe_exclude(worker)
+            self._event("worker", worker_row=self._worker(worker).as_row())
             for other_key, other in list(self.in_flight.items()):  # stuck behind it: move, no blame
                 if (other.kind == "update" and not other.overdue and other.started is None
                         and self._processing_on(other_key) == worker):
@@ -377,7 +415,7 @@ class Run:
             rec.excluded = (f"{rec.failed} failed, {rec.timed_out} timed out, {rec.rejected} rejected "
                             f"(max_worker_failures={self.res.max_worker_failures})")
             logger.warning("run %s: excluding worker %s: %s", self.id, address, rec.excluded)
-            self._event("excluded", worker=address, reason=rec.excluded)
+            self._event("excluded", worker=address, reason=rec.excluded, worker_row=rec.as_row())
 
     def preempt(self, address: str) -> list[str]:
         """A notice that ``address`` will be reclaimed: no new shards for it; its queued shards go elsewhere.
@@ -391,7 +429,7 @@ class Run:
             if task.kind == "update" and self._processing_on(key) == address and not task.overdue:
                 task.overdue = True  # its slot is free; if it still finishes, the first result wins
                 moved.append(self._submit_shard(task.epoch, task.shard, avoid=address))
-        self._event("preempted", worker=address, reissued=len(moved))
+        self._event("preempted", worker=address, reissued=len(moved), worker_row=self._worker(address).as_row())
         return moved
 
     # -- results ------------------------------------------------------------------------------
@@ -417,6 +455,7 @@ class Run:
             row.update(outcome)
             if row["accepted"]:
                 merged.add(shard)
+                self._set_shard(epoch, shard, "merged")
                 self.home[shard] = worker
                 await self._cancel_other_copies(epoch, shard)
                 self.shard_seconds.append(rec["seconds"])
@@ -424,6 +463,7 @@ class Run:
                     self.epoch_end[epoch] = (self.state.step, self._now())
             else:
                 epoch_complete = False
+                self._set_shard(epoch, shard, "rejected")
                 if fault not in ("stale", "unreadable"):  # not the worker's fault: its base was old / the store
                     wrec.rejected += 1
                     self._maybe_exclude(worker)
@@ -431,8 +471,9 @@ class Run:
                                epoch, worker, row["reason"])
                 await self._retry_or_give_up(epoch, shard, row["reason"], avoid=worker)
         self.history.append(row)
-        self._event("update", **{k: row[k] for k in ("epoch", "shard", "worker", "accepted", "new_version",
-                                                    "staleness", "alpha", "train_loss", "reason")})
+        self._event("update", worker_row=wrec.as_row(), version=self.state.version,
+                    **{k: row[k] for k in ("epoch", "shard", "worker", "accepted", "new_version", "staleness",
+                                           "alpha", "train_loss", "reason")})
         if not row["accepted"]:
             return
         if self.spec.validation is None:
@@ -456,8 +497,7 @@ class Run:
                                 count: bool = True) -> None:
         """Re-issue (epoch, shard) unless it has used up its attempts; then apply ``on_shard_failure``."""
         failures = self.failures[(epoch, shard)] = self.failures.get((epoch, shard), 0) + int(count)
-        if any(t.kind == "update" and (t.epoch, t.shard) == (epoch, shard) and not t.overdue
-               for t in self.in_flight.values()):
+        if self._copy_running(epoch, shard):
             return  # another copy is still running
         if failures < self.res.max_attempts:
             self._submit_shard(epoch, shard, avoid=avoid)
@@ -470,6 +510,7 @@ class Run:
                                  time=self._now()))
         skipped = self.skipped.setdefault(epoch, set())
         skipped.add(shard)
+        self._set_shard(epoch, shard, "skipped")
         if len(self.merged.get(epoch, ())) + len(skipped) == self.spec.shards.n_shards:
             self.epoch_end[epoch] = (self.state.step, self._now())
             if self.spec.validation is None or self.state.version_step in self.validations:
@@ -518,11 +559,16 @@ class Run:
     async def _task_failed(self, task: _Task, exc: BaseException, future) -> None:
         from distributed.scheduler import KilledWorker
 
+        if isinstance(exc, StoreError) and not isinstance(exc, (StoreNotFoundError, StoreAccessDeniedError)):
+            self._store_fault(task, exc)
+            return
         if task.kind == "update" and isinstance(exc, (KilledWorker, OSError)):
             # Dask already retried it on other workers (allowed-failures); each loss is a worker failure
             for address in _suspects(exc):
                 self._worker(address).failed += 1
                 self._maybe_exclude(address)
+                self._event("lost", epoch=task.epoch, shard=task.shard, worker=address,
+                            worker_row=self._worker(address).as_row(), why=f"{type(exc).__name__}")
             self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
                                      reason=f"lost: {type(exc).__name__}: {exc}", time=self._now()))
             if task.shard not in self.merged.get(task.epoch, ()):
@@ -538,6 +584,42 @@ class Run:
                 return
         raise RuntimeError(f"{task.kind} task (epoch {task.epoch}, shard {task.shard}) failed: {exc!r}") from exc
 
+    def _store_fault(self, task: _Task, exc: BaseException) -> None:
+        """A task failed because the store (parameters or data) did not answer: not the worker's fault,
+        not the shard's.  Its work goes back to wait; dispatch holds off with backoff, and the run
+        fails only once the store has been out longer than ``store_outage_timeout``."""
+        now = time.monotonic()
+        if self.outage_since is None:
+            self.outage_since = now
+            self._event("paused", why=str(exc))
+            logger.warning("run %s paused: a task could not reach the store: %s", self.id, exc)
+        waited = now - self.outage_since
+        if waited > self.res.store_outage_timeout:
+            raise RuntimeError(f"the store was unavailable for {waited:.0f} s, longer than store_outage_timeout="
+                               f"{self.res.store_outage_timeout:g} s; last fault: {exc}") from exc
+        self.store_faults += 1
+        self.outage = f"store unavailable for {waited:.0f} s: {exc}"
+        self.hold_until = now + min(0.5 * 2 ** min(self.store_faults - 1, 6), 15.0)
+        if task.kind == "update":
+            self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
+                                     worker=task.worker, reason=f"store fault: {exc}", time=self._now()))
+            if task.shard not in self.merged.get(task.epoch, ()) and not self._copy_running(task.epoch, task.shard):
+                self.returned.append((task.epoch, task.shard))
+        else:
+            self.parked_validations.append((task.version, task.step, task.attempt + 1))
+
+    def _store_back(self) -> None:
+        """A task got through to the store: the outage (if any) is over."""
+        if self.outage_since is not None:
+            logger.warning("run %s: the store answers again after %.0f s; continuing", self.id,
+                           time.monotonic() - self.outage_since)
+            self._event("resumed", after=time.monotonic() - self.outage_since)
+        self.outage_since, self.outage, self.store_faults = None, None, 0
+
+    def _copy_running(self, epoch: int, shard: int) -> bool:
+        return any(t.kind == "update" and (t.epoch, t.shard) == (epoch, shard) and not t.overdue
+                   for t in self.in_flight.values())
+
     # -- the end ------------------------------------------------------------------------------
     async def _finish(self) -> None:
         leftover = [k for k, t in self.in_flight.items() if t.kind == "update"]
@@ -551,18 +633,34 @@ class Run:
         await self._in_thread(self.state.commit)
         version, step = self.state.head
         if self.spec.validation is not None and step not in self.validations:
-            rec = await self.client.submit(validate_version, self.store, self.id, version, step,
-                                           key=f"vcdask-validate-{self.id}-final", priority=10)
-            self.validations[rec["step"]] = rec["metrics"]
+            await self._final_validation(version, step)
         await self._in_thread(self._drop_leftover_updates)
         self.status = "finished"
         self._event("finished", version=version, step=step, reason=self.stopping or "max_epochs")
 
+    async def _final_validation(self, version: str, step: int) -> None:
+        for attempt in range(1000):
+            future = self.client.submit(validate_version, self.store, self.id, version, step,
+                                        key=f"vcdask-validate-{self.id}-final-{attempt}", priority=10)
+            try:
+                rec = await future
+            except StoreError as exc:  # wait for the store, within store_outage_timeout
+                self._store_fault(_Task("validation", step=step, version=version, attempt=attempt), exc)
+                self.parked_validations.clear()
+                await asyncio.sleep(max(0.0, self.hold_until - time.monotonic()))
+                continue
+            self._store_back()
+            self.validations[rec["step"]] = rec["metrics"]
+            return
+
     def _drop_leftover_updates(self) -> None:
         if self.spec.keep_updates:
             return
-        for path in self.store.files.list(f"{self.id}/updates"):
-            self.store.files.delete(path)
+        try:
+            for path in self.store.files.list(f"{self.id}/updates"):
+                self.store.files.delete(path)
+        except OSError as e:  # best effort: the run's result does not depend on it
+            logger.warning("run %s: could not remove its leftover update objects: %s", self.id, e)
 
     async def _cleanup(self) -> None:
         if self.client is not None:
@@ -581,8 +679,26 @@ class Run:
                 "n_shards": self.spec.shards.n_shards,
                 "merged_in_epoch": len(self.merged.get(len(self.epochs) + 1, ())),
                 "in_flight": self._n_training(), "last_epoch": last, "stopping": self.stopping,
-                "paused": self.state.paused, "tasks": self._task_table(),
-                "elapsed": time.time() - self.started}
+                "paused": self.state.stalled() or self.outage, "tasks": self._task_table(),
+                "elapsed": time.time() - self.started, "alpha": self._alpha_now(),
+                "staleness": next((h["staleness"] for h in reversed(self.history) if h["accepted"]), None),
+                "store": self.store.location, "branch": self.spec.branch}
+
+    def _alpha_now(self) -> float | None:
+        try:
+            return float(self.spec.alpha(max(1, self.dispatch_epoch)))
+        except Exception:  # noqa: BLE001 - a user's schedule; the panel shows nothing rather than fail
+            return None
+
+    def panel_state(self, recent_epochs: int = 50) -> dict:
+        """Everything the progress panel shows, for a panel that starts (or re-attaches) mid-run;
+        events keep it current from there."""
+        first = max(1, self.dispatch_epoch - recent_epochs + 1)
+        metrics = list(self.spec.metrics) or ["loss"]
+        return {"status": self.status_dict(), "epochs": list(self.epochs),
+                "workers": [w.as_row() for w in self.workers.values()],
+                "shards": [[e, s, st] for (e, s), st in self.shard_state.items() if e >= first],
+                "metric": metrics[0] if self.spec.validation is not None else "train_loss"}
 
     def _task_table(self) -> list[dict]:
         """Shard tasks in flight: where they run and what state Dask has them in."""
@@ -600,6 +716,9 @@ class Run:
         return {**self.status_dict(), "history": self.history, "epochs": self.epochs,
                 "workers": [w.as_row() for w in self.workers.values()],
                 "final_metrics": self.validations.get(self.state.version_step), "branch": self.spec.branch}
+
+
+_ACTIVE = ("queued", "running", "re-issued")
 
 
 def _suspects(exc: BaseException) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,7 @@ class ServerState:
         self.max_update_norm = max_update_norm
         self.outage_timeout = outage_timeout
         self.paused: str | None = None  # why the run waits for the store, while it does
+        self.waiting: tuple[str, float] | None = None  # the store request under way, since when
         self.params: FlatParams | None = None
         self.step = 0
         #: (newest committed version id, its step), replaced as one object so that the
@@ -90,8 +92,10 @@ class ServerState:
         """
         staleness = self.step - record["base_step"]
         try:
-            client = read_update(self.store.files, record["update"])
-        except (ValueError, KeyError, OSError) as e:  # an unreadable object is a rejected update, not a crash
+            client = self._through_outages(lambda: read_update(self.store.files, record["update"]),
+                                           f"reading the update of shard {record['shard']}")
+        except (ValueError, KeyError, FileNotFoundError, EOFError, zipfile.BadZipFile) as e:
+            # unreadable (missing, truncated, not an update): a rejected update, not a crash
             return self._reject(record, staleness, "unreadable", f"unreadable update: {e}")
         problem = check_update(self.params, client, staleness=staleness, max_staleness=self.max_staleness,
                                max_norm=self.max_update_norm)
@@ -109,7 +113,7 @@ class ServerState:
 
     def _reject(self, record: dict[str, Any], staleness: int, fault: str, reason: str) -> dict[str, Any]:
         if not self.keep_updates:
-            self.store.files.delete(record["update"])
+            self._drop(record["update"])
         return {"accepted": False, "staleness": staleness, "reason": reason, "fault": fault}
 
     def commit(self) -> None:
@@ -126,39 +130,77 @@ class ServerState:
         metadata = {"run_id": self.run_id, "step": self.step, "epoch": last["epoch"],
                     "merged": [[r["epoch"], r["shard"], r["attempt"]] for r in self.uncommitted],
                     "alpha": float(self.alpha(last["epoch"]))}
-        version = self._commit_through_outages(metadata)
+        version = self._through_outages(lambda: self._commit_once(metadata), f"committing step {self.step}")
         self.head = (version, self.step)
         if not self.keep_updates:
             for r in self.uncommitted:  # merged and committed: the update has done its job
-                self.store.files.delete(r["update"])
+                self._drop(r["update"])
         self.uncommitted = []
 
-    def _commit_through_outages(self, metadata: dict[str, Any]) -> str:
+    def _commit_once(self, metadata: dict[str, Any]) -> str:
+        try:
+            return self.store.commit(self.params, metadata, branch=self.branch, parent=self.version,
+                                     message=f"{self.run_id} step {self.step}")
+        except StoreConflict:
+            version = self._landed(metadata)
+            if version is None:
+                raise  # somebody else writes to this run's branch: never interleave
+            logger.warning("run %s: commit of step %d had landed although the store reported a "
+                           "conflict (a lost response); adopting version %s", self.run_id, self.step, version)
+            return version
+        except (StoreNotFoundError, StoreAccessDeniedError):
+            raise
+        except StoreError:
+            version = self._landed(metadata, quiet=True)  # the store may have taken it before failing
+            if version is None:
+                raise
+            return version
+
+    def _through_outages(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()``, retried with backoff while the store is unavailable, for up to ``outage_timeout`` s.
+
+        The store's own retries (``max_tries``) cover short faults; past them the run pauses here
+        (``paused`` says why) and continues when the store answers again.  A missing object or a
+        refused credential is not transient and is raised at once.
+        """
         delay, started = 0.5, time.monotonic()
         while True:
+            self.waiting = (what, time.monotonic())
             try:
-                version = self.store.commit(self.params, metadata, branch=self.branch, parent=self.version,
-                                            message=f"{self.run_id} step {self.step}")
-            except StoreConflict:
-                version = self._landed(metadata)
-                if version is None:
-                    raise  # somebody else writes to this run's branch: never interleave
-                logger.warning("run %s: commit of step %d had landed although the store reported a "
-                               "conflict (a lost response); adopting version %s", self.run_id, self.step, version)
-            except (StoreNotFoundError, StoreAccessDeniedError):
-                raise  # not transient: a person has to act
+                out = fn()
+            except (StoreNotFoundError, StoreAccessDeniedError, StoreConflict):
+                raise  # not transient: a person has to act (or another writer is on the branch)
             except StoreError as e:
-                version = self._landed(metadata, quiet=True)
-                if version is None:
-                    if time.monotonic() - started > self.outage_timeout:
-                        raise
-                    self.paused = f"store unavailable for {time.monotonic() - started:.0f} s: {e}"
-                    logger.warning("run %s paused: %s; retrying in %.1f s", self.run_id, self.paused, delay)
-                    time.sleep(delay)
-                    delay = min(delay * 2, 30.0)
-                    continue
+                waited = time.monotonic() - started
+                if waited > self.outage_timeout:
+                    raise StoreError(f"{what}: the store was unavailable for {waited:.0f} s, longer than "
+                                     f"store_outage_timeout={self.outage_timeout:g} s: {e}") from e
+                self.paused = f"store unavailable for {waited:.0f} s ({what}): {e}"
+                logger.warning("run %s paused: %s; retrying in %.1f s", self.run_id, self.paused, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            finally:
+                self.waiting = None
             self.paused = None
-            return version
+            return out
+
+    def stalled(self, after: float = 5.0) -> str | None:
+        """Why the run waits for the store, if it does: a failed store request past the store's own
+        retries, or one still running after ``after`` seconds."""
+        if self.paused:
+            return self.paused
+        waiting = self.waiting
+        if waiting is not None and time.monotonic() - waiting[1] > after:
+            return f"waiting {time.monotonic() - waiting[1]:.0f} s for the store ({waiting[0]})"
+        return None
+
+    def _drop(self, path: str) -> None:
+        """Delete an update object that has done its job; best effort (leftovers go at the run's end)."""
+        try:
+            self.store.files.delete(path)
+        except OSError as e:
+            logger.warning("run %s: could not delete %s (left for the end of the run): %s", self.run_id, path, e)
 
     def _landed(self, metadata: dict[str, Any], quiet: bool = False) -> str | None:
         """The id of the branch head if it is exactly the commit described by ``metadata``, else None."""

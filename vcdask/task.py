@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ParameterMismatchError
+from .errors import ParameterMismatchError, StoreError
 from .params import FlatParams, flatten, load_into
 from .updates import update_path, write_update
 
@@ -107,7 +107,12 @@ def _data(spec: RunSpec, source, start: int, stop: int) -> tuple[torch.Tensor, t
         if hit is not None:
             _rows.move_to_end(key)
             return hit
-    X, y = source.read(start, stop)
+    try:
+        X, y = source.read(start, stop)
+    except (FileNotFoundError, PermissionError):
+        raise  # not transient: the data is not there, or not for us
+    except OSError as e:  # the storage holding the data failed (e.g. a 503): a store fault, not the worker's
+        raise StoreError(f"reading rows {start}:{stop} of {source.url or 'the data'}: {e}") from e
     Xt = torch.as_tensor(np.ascontiguousarray(X)).to(spec.x_dtype)
     yt = torch.as_tensor(np.ascontiguousarray(y))
     yt = yt.long() if spec.classification else yt.to(spec.x_dtype)

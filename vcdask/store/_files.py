@@ -7,9 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ReadOnlyStoreError, StoreError
+from ..errors import ReadOnlyStoreError, StoreAccessDeniedError, StoreError
 
 __all__ = ["SideFiles"]
+
+
+def _fault(e: OSError, what: str) -> StoreError:
+    """A store error for a storage request that failed (a refused credential is not transient)."""
+    if isinstance(e, StoreError):
+        return e
+    if isinstance(e, PermissionError):
+        return StoreAccessDeniedError(f"{what}: {e}")
+    return StoreError(f"{what}: {e}")
 
 
 class SideFiles:
@@ -31,7 +40,7 @@ class SideFiles:
         try:
             self.fs.pipe_file(self._path(path), data)
         except OSError as e:
-            raise StoreError(f"writing {path!r} to {self.where}: {e}") from e
+            raise _fault(e, f"writing {path!r} to {self.where}") from e
 
     def get(self, path: str) -> bytes:
         """Read the object at ``path``; FileNotFoundError if it does not exist."""
@@ -39,9 +48,14 @@ class SideFiles:
             return self.fs.cat_file(self._path(path))
         except FileNotFoundError:
             raise FileNotFoundError(f"no object {path!r} in {self.where}") from None
+        except OSError as e:
+            raise _fault(e, f"reading {path!r} from {self.where}") from e
 
     def exists(self, path: str) -> bool:
-        return self.fs.exists(self._path(path))
+        try:
+            return self.fs.exists(self._path(path))
+        except OSError as e:
+            raise _fault(e, f"looking for {path!r} in {self.where}") from e
 
     def delete(self, path: str) -> None:
         """Remove ``path`` if it exists."""
@@ -49,6 +63,8 @@ class SideFiles:
             self.fs.rm_file(self._path(path))
         except FileNotFoundError:
             pass
+        except OSError as e:
+            raise _fault(e, f"deleting {path!r} from {self.where}") from e
 
     def list(self, prefix: str) -> list[str]:
         """Paths (relative to ``<store>/runs``) of the objects under ``prefix``."""
@@ -57,5 +73,7 @@ class SideFiles:
             found = self.fs.find(base)
         except FileNotFoundError:
             return []
+        except OSError as e:
+            raise _fault(e, f"listing {prefix!r} in {self.where}") from e
         strip = len(self.root.strip("/")) + 1
         return sorted(p.strip("/")[strip:] for p in found)

@@ -114,7 +114,7 @@ class IcechunkParamStore(ParamStore):
     def files(self) -> SideFiles:
         """Plain objects under ``<store>/runs/`` (outside Icechunk's own prefixes)."""
         if self._files is None:
-            fs, root = self._backend.filesystem()
+            fs, root = self._backend.filesystem(max_tries=self.max_tries)
             self._files = SideFiles(fs, f"{root}/runs", self._backend.describe(), writable=self.writable)
         return self._files
 
@@ -241,16 +241,21 @@ class IcechunkParamStore(ParamStore):
 
         if version is not None and tag is not None:
             raise ValueError(f"give version or tag, not both (got version={version!r}, tag={tag!r})")
-        try:
-            if tag is not None:
-                session = self._repo.readonly_session(tag=tag)
-            elif version is not None:
-                session = self._repo.readonly_session(snapshot_id=version)
-            else:
-                session = self._repo.readonly_session(branch=branch)
-            snap = self._repo.lookup_snapshot(session.snapshot_id)
-        except icechunk.IcechunkError as e:
-            raise self._ref_error(e, version=version, tag=tag, branch=branch) from None
+        for attempt in (1, 2):
+            try:
+                if tag is not None:
+                    session = self._repo.readonly_session(tag=tag)
+                elif version is not None:
+                    session = self._repo.readonly_session(snapshot_id=version)
+                else:
+                    session = self._repo.readonly_session(branch=branch)
+                snap = self._repo.lookup_snapshot(session.snapshot_id)
+                break
+            except icechunk.IcechunkError as e:
+                err = self._ref_error(e, version=version, tag=tag, branch=branch)
+                if attempt == 1 and isinstance(err, VersionNotFoundError):
+                    continue  # ask once more: Icechunk says "not found" for a fetch that failed, too
+                raise err from None
         if not _is_version(snap):
             what = f"branch {branch!r}" if tag is None and version is None else repr(tag or version)
             raise VersionNotFoundError(f"{what} in {self._backend.describe()} has no vcdask version yet")
@@ -364,10 +369,20 @@ class IcechunkParamStore(ParamStore):
         return root.id
 
     def _ref_error(self, e: Exception, *, version=None, tag=None, branch=None) -> Exception:
+        import icechunk
+
         where = self._backend.describe()
         err = translate(e, f"reading {where}")
         if not isinstance(err, (VersionNotFoundError, StoreNotFoundError)):
             return err
+        # Icechunk reports "snapshot not found" also when fetching the snapshot failed (e.g. the
+        # object store answered 503 past its retries): only a store that answers can say "no such".
+        try:
+            self._repo.lookup_branch("main")
+        except icechunk.IcechunkError as probe:
+            fault = translate(probe, f"reading {where}")
+            if not isinstance(fault, (VersionNotFoundError, StoreNotFoundError)):
+                return fault
         if tag is not None:
             return VersionNotFoundError(f"no tag {tag!r} in {where}; tags: {sorted(self._repo.list_tags())}")
         if version is not None:

@@ -74,7 +74,7 @@ class LocalBackend:
                 "Icechunk repository); give a new or empty directory, or the path of an existing store"
             )
 
-    def filesystem(self):
+    def filesystem(self, max_tries: int = 5):  # noqa: ARG002 - no retry knob here
         """An fsspec filesystem and root path for the store's side files (run specs, updates)."""
         from fsspec.implementations.local import LocalFileSystem
 

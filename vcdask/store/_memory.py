@@ -47,7 +47,7 @@ class MemoryBackend:
     def check_creatable(self) -> None:
         return None
 
-    def filesystem(self):
+    def filesystem(self, max_tries: int = 5):  # noqa: ARG002 - no retry knob here
         """fsspec's process-local memory filesystem, under a folder named after the store."""
         from fsspec.implementations.memory import MemoryFileSystem
 

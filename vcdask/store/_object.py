@@ -102,21 +102,26 @@ class S3Backend(_ObjectBackend):
                 f"opening {self.describe()}: the storage endpoint could not be reached ({e.strerror or e})"
             ) from None
 
-    def filesystem(self):
+    def filesystem(self, max_tries: int = 5):
         """An s3fs filesystem with the same endpoint and credentials, and the store's root path."""
         import s3fs
 
         o = self.options
         client_kwargs = {k2: o[k] for k, k2 in (("endpoint_url", "endpoint_url"), ("region", "region_name"))
                          if k in o}
-        kwargs = {"client_kwargs": client_kwargs, "use_listings_cache": False}
+        # s3fs and botocore each retry; together they held a failing request for ~40 s in a
+        # store outage.  One layer of retries (s3fs's, with backoff) is enough.
+        kwargs = {"client_kwargs": client_kwargs, "use_listings_cache": False,
+                  "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
         if o.get("force_path_style"):
-            kwargs["config_kwargs"] = {"s3": {"addressing_style": "path"}}
+            kwargs["config_kwargs"]["s3"] = {"addressing_style": "path"}
         for k, k2 in (("access_key_id", "key"), ("secret_access_key", "secret"), ("session_token", "token"),
                       ("anonymous", "anon")):
             if k in o:
                 kwargs[k2] = o[k]
-        return s3fs.S3FileSystem(**kwargs), f"{self.bucket}/{self.prefix}".rstrip("/")
+        fs = s3fs.S3FileSystem(**kwargs)
+        fs.retries = max_tries  # s3fs's attempts per request (a class attribute, default 5)
+        return fs, f"{self.bucket}/{self.prefix}".rstrip("/")
 
     def storage(self):
         import icechunk
@@ -139,7 +144,7 @@ class GCSBackend(_ObjectBackend):
         self.bucket, self.prefix = _split(location, "bucket")
         self.options = _check_options(location, options, self.valid_options)
 
-    def filesystem(self):
+    def filesystem(self, max_tries: int = 5):  # noqa: ARG002 - gcsfs keeps its own retry policy
         """A gcsfs filesystem (install gcsfs) and the store's root path."""
         try:
             import gcsfs
@@ -172,7 +177,7 @@ class AzureBackend(_ObjectBackend):
                 f"Azure location {location!r} needs the storage option account='<storage account name>'"
             )
 
-    def filesystem(self):
+    def filesystem(self, max_tries: int = 5):  # noqa: ARG002 - adlfs keeps its own retry policy
         """An adlfs filesystem (install adlfs) and the store's root path."""
         try:
             import adlfs
