@@ -7,6 +7,7 @@ from .api import fit, resume
 from .cluster import preempt
 from .errors import VcdaskError
 from .handle import FitResult, RunFailedError, RunHandle, attach
+from .loading import load
 from .resilience import Resilience
 from .params import FlatParams, Layout, flatten, load_into
 from .store import Checkpoint, ParamStore, VersionInfo, open_store
@@ -25,6 +26,7 @@ __all__ = [
     "attach",
     "fit",
     "flatten",
+    "load",
     "load_into",
     "open_store",
     "preempt",

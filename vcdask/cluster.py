@@ -103,7 +103,7 @@ def preempt(client: Any, worker: str, *, retire: bool = True) -> dict[str, list[
 
 
 def preemption_notice(*, retire: bool = True) -> dict[str, list[str]]:
-    """:func:`preempt` for the worker this code runs on (call it from a task or a worker plugin)."""
+    """:func:`vcdask.preempt` for the worker this code runs on (call it from a task or a worker plugin)."""
     from distributed import get_worker
     from distributed.utils import sync
 

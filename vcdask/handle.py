@@ -54,6 +54,8 @@ class FitResult:
         The final version id (on branch ``run_id``).
     metrics : dict
         Validation metrics of the final version (empty without validation data).
+    panel : vcdask.panel.RunPanel or None
+        The live panel shown while the run trained (in a Jupyter kernel; None elsewhere).
     """
 
     model: torch.nn.Module
@@ -66,6 +68,43 @@ class FitResult:
     workers: Any = None
     stop_reason: str | None = None
     wall_time: float = float("nan")
+    panel: Any = field(default=None, repr=False)
+
+    def _repr_html_(self) -> str:
+        from .reports import fit_result_html
+
+        return fit_result_html(self)
+
+    def plot(self, show: bool | None = None):
+        """Validation metrics and loss against wall time and against epoch (bokeh).
+
+        Parameters
+        ----------
+        show : bool, optional
+            Display the plot now (default: when running in a Jupyter kernel).
+
+        Returns
+        -------
+        bokeh.models.GridPlot or None
+            The plot, when it is not shown (save it with ``bokeh.io.save``); None once shown.
+        """
+        from .reports import fit_result_plot
+
+        layout = fit_result_plot(self)
+        if show is None:
+            from .panel import in_kernel
+
+            show = in_kernel()
+        if not show:
+            return layout
+        from IPython.display import display
+        from jupyter_bokeh import BokehModel
+
+        from .panel import load_bokehjs
+
+        load_bokehjs()
+        display(BokehModel(layout))
+        return None
 
     def __repr__(self) -> str:
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
@@ -95,6 +134,7 @@ class RunHandle:
     def __init__(self, run_id: str, client):
         self.run_id = run_id
         self.client = client
+        self.display = None  # the progress display of the last wait()
 
     def __repr__(self) -> str:
         return f"<RunHandle {self.run_id} on {self.client.scheduler.address}>"
@@ -102,6 +142,18 @@ class RunHandle:
     def status(self) -> dict:
         """Progress counters: status, step, epochs done, merged in the current epoch, last epoch's metrics."""
         return self.client.sync(self.client.scheduler.vcdask_status, run_id=self.run_id)
+
+    def panel(self):
+        """Display the live progress panel of this run in a notebook (also after re-attaching to a
+        running run); it follows the run's events until the run ends.
+
+        Returns
+        -------
+        vcdask.panel.RunPanel
+        """
+        from .panel import RunPanel
+
+        return RunPanel(self)
 
     def stop(self, reason: str = "stopped by the user") -> dict:
         """Stop dispatching; the run commits what it merged and finishes."""
@@ -117,9 +169,12 @@ class RunHandle:
         """
         import time
 
-        from .widgets import console_progress
+        from .widgets import make_progress
 
-        bar = console_progress(self.status(), enabled=progress)
+        bar = make_progress(self, enabled=progress)
+        if progress:
+            self.display = bar
+        status = None
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
@@ -131,7 +186,7 @@ class RunHandle:
             self.stop("interrupted")
             raise
         finally:
-            bar.close()
+            bar.close(status)
 
     def result(self, model: torch.nn.Module | None = None, wall_time: float = float("nan")) -> FitResult:
         """Wait for the run and return its :class:`FitResult`.
@@ -166,6 +221,7 @@ class RunHandle:
             epochs=epochs.set_index("epoch") if len(epochs) else epochs, run_id=self.run_id, store=store,
             version=res["version"], metrics=res.get("final_metrics") or {},
             workers=pd.DataFrame(res["workers"]), stop_reason=res.get("stopping"), wall_time=wall_time,
+            panel=self.display if type(self.display).__name__ == "RunPanel" else None,
         )
 
 

@@ -33,7 +33,7 @@ class Resilience:
     deadline : float, optional
         Seconds a shard task may take (from dispatch) before a copy is re-issued to another
         worker.  Default: ``max(deadline_floor, deadline_factor * tasks_per_slot * median shard time)``.
-    deadline_factor, deadline_floor : float
+    deadline_factor, deadline_floor : float, default 4.0 and 5.0
         The automatic deadline's multiple of the running median, and its lower bound (seconds).
     max_staleness : int, optional
         Reject an update whose base version is more than this many merges old.
@@ -86,13 +86,21 @@ class Resilience:
                 f"unknown on_shard_failure policy {self.on_shard_failure!r}; valid policies: {list(FAILURE_POLICIES)}"
             )
 
-    def deadline_for(self, shard_seconds: list[float], tasks_per_slot: int) -> float:
-        """The deadline in force, given the shard times seen so far."""
+    def deadline_for(self, shard_seconds: list[float], tasks_per_slot: int, cold: bool = False) -> float:
+        """The deadline in force, given the shard times seen so far.
+
+        ``cold``: the worker has not finished a shard of this run yet (its first task also imports
+        torch, reads the run's spec and its rows), so a derived deadline is at least
+        ``COLD_START_SECONDS``.  An explicit ``deadline`` holds for every task."""
         if self.deadline is not None:
             return float(self.deadline)
         if not shard_seconds:
             return max(self.deadline_floor, 60.0)  # nothing measured yet: be patient with the first shards
-        return max(self.deadline_floor, self.deadline_factor * tasks_per_slot * statistics.median(shard_seconds))
+        derived = max(self.deadline_floor, self.deadline_factor * tasks_per_slot * statistics.median(shard_seconds))
+        return max(derived, COLD_START_SECONDS) if cold else derived
+
+
+COLD_START_SECONDS = 30.0
 
 
 @dataclass

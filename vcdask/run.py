@@ -379,12 +379,15 @@ class Run:
             for key, task in list(self.in_flight.items()):
                 if task.kind != "update" or task.overdue or task.shard in self.merged.get(task.epoch, ()):
                     continue
-                if task.started is not None and now - task.started > deadline:
+                limit = deadline
+                if task.worker is not None and self._worker(task.worker).done == 0:
+                    limit = self.res.deadline_for(self.shard_seconds, self.spec.tasks_per_slot, cold=True)
+                if task.started is not None and now - task.started > limit:
                     if self._processing_on(key) != task.worker:
                         task.started = None  # its worker died: Dask is moving it, it starts afresh
                         task.submitted = now
                         continue
-                    await self._overdue(key, task, f"ran past its {deadline:.1f} s deadline", task.worker)
+                    await self._overdue(key, task, f"ran past its {limit:.1f} s deadline", task.worker)
                 elif task.started is None and now - task.submitted > deadline * (self.spec.tasks_per_slot + 2):
                     await self._overdue(key, task, "never started", self._processing_on(key))
 

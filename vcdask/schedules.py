@@ -45,7 +45,10 @@ class Constant:
 
 @dataclass(frozen=True)
 class EpochSchedule:
-    """``alpha_e = e / (e + 1)`` for epoch ``e`` = 1, 2, ... (the paper's "Var" run: 0.5, 0.67, ...)."""
+    """``alpha_e = e / (e + 1)`` for the 1-based epoch ``e``: 0.5, 0.67, 0.75, rising toward 1.
+
+    The paper's "Var" run.
+    """
 
     def __call__(self, epoch: int) -> float:
         return epoch / (epoch + 1)

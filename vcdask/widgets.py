@@ -1,26 +1,55 @@
-"""Progress display.  The console form is a tqdm bar over epochs with the latest metrics."""
+"""Progress display of a run: the live notebook panel in Jupyter, tqdm and log lines elsewhere.
+
+:func:`make_progress` picks one.  Both follow the run's events (Dask topic ``vcdask-run-<id>``);
+the console form prints the notable ones (re-issues, lost or excluded workers, store pauses)
+as concise lines above its bar.
+"""
 
 from __future__ import annotations
 
-__all__ = ["console_progress"]
+import logging
+
+__all__ = ["ConsoleProgress", "make_progress"]
+
+logger = logging.getLogger(__name__)
 
 
 class _NoProgress:
     def update(self, status: dict) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, status: dict | None = None) -> None:
         pass
 
 
 class ConsoleProgress:
-    """A tqdm bar: one unit per epoch; the postfix shows merges in the epoch and the last metrics."""
+    """A tqdm bar (one unit per epoch; the postfix shows merges in the epoch and the last metrics),
+    with a line for each notable event of the run."""
 
-    def __init__(self, status: dict):
+    def __init__(self, handle):
         from tqdm.auto import tqdm
 
+        from .panel import PanelState
+
+        status = handle.status()
         self.bar = tqdm(total=status["max_epochs"], unit="epoch", desc=status["run_id"], leave=True)
         self.done = 0
+        self.client = handle.client
+        self.topic = f"vcdask-run-{handle.run_id}"
+        self.state = PanelState(handle.run_id)
+        self._subscribed = False
+        try:
+            self.client.subscribe_topic(self.topic, self._on_event)
+            self._subscribed = True
+        except Exception:  # noqa: BLE001 - the bar still works without event lines
+            logger.debug("could not subscribe to %s", self.topic, exc_info=True)
+
+    def _on_event(self, event) -> None:
+        before = list(self.state.notes)
+        self.state.apply(event[1])
+        for note in self.state.notes:
+            if note not in before:
+                self.bar.write(f"vcdask {self.state.run_id}: {note}")
 
     def update(self, status: dict) -> None:
         done = status["epochs_done"]
@@ -29,15 +58,33 @@ class ConsoleProgress:
             self.done = done
         post = {"merged": f"{status['merged_in_epoch']}/{status['n_shards']}", "v": status["step"]}
         for k, v in (status.get("last_epoch") or {}).items():
-            if k in ("epoch", "version", "wall_time") or k.endswith(("_mean", "_min", "_max")):
+            if k in ("epoch", "version", "wall_time", "skipped") or k.endswith(("_mean", "_min", "_max")):
                 continue
             post[k] = f"{v:.4f}"
+        if status.get("paused"):
+            post["paused"] = "store"
         self.bar.set_postfix(post, refresh=True)
 
-    def close(self) -> None:
+    def close(self, status: dict | None = None) -> None:
+        if self._subscribed:
+            try:
+                self.client.unsubscribe_topic(self.topic)
+            except (ValueError, KeyError):
+                pass
         self.bar.close()
 
 
-def console_progress(status: dict, enabled: bool = True):
-    """A progress display for the run whose first status is ``status``, or a no-op one."""
-    return ConsoleProgress(status) if enabled else _NoProgress()
+def make_progress(handle, enabled: bool = True):
+    """The progress display for ``handle``'s run: a :class:`~vcdask.panel.RunPanel` in a Jupyter
+    kernel, a :class:`ConsoleProgress` elsewhere, nothing when ``enabled`` is False."""
+    if not enabled:
+        return _NoProgress()
+    from .panel import RunPanel, in_kernel
+
+    if in_kernel():
+        try:
+            return RunPanel(handle)
+        except ImportError as e:  # ipywidgets / bokeh / jupyter_bokeh missing: fall back to the bar
+            logger.warning("the notebook panel needs ipywidgets, bokeh and jupyter_bokeh (%s); "
+                           "showing a progress bar instead", e)
+    return ConsoleProgress(handle)

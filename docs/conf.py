@@ -1,0 +1,58 @@
+"""Sphinx configuration for the vcdask documentation.
+
+Build: ``make docs`` (or ``sphinx-build -W --keep-going -b html docs docs/_build/html``).
+"""
+
+from __future__ import annotations
+
+import vcdask
+
+project = "vcdask"
+author = "the vcdask developers"
+copyright = "the vcdask developers"
+version = release = vcdask.__version__
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.mathjax",
+    "numpydoc",
+]
+
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+root_doc = "index"
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+templates_path = ["_templates"]
+
+# -- MyST (markdown pages) ------------------------------------------------------------
+myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+# -- API reference ----------------------------------------------------------------------
+autosummary_generate = True
+autosummary_imported_members = False
+autodoc_typehints = "none"  # numpydoc's Parameters sections carry the types
+autodoc_member_order = "bysource"
+numpydoc_show_class_members = False  # members come from the autosummary class template
+numpydoc_class_members_toctree = False
+numpydoc_attributes_as_param_list = True
+
+# -- HTML -----------------------------------------------------------------------------
+html_theme = "pydata_sphinx_theme"
+html_title = "vcdask"
+html_static_path = ["_static"]
+html_theme_options = {
+    "github_url": "https://github.com/vcdask/vcdask",
+    "navbar_align": "left",
+    "show_toc_level": 2,
+    "navigation_with_keys": False,
+    "icon_links": [
+        {
+            "name": "Binder",
+            "url": "https://mybinder.org/v2/gh/vcdask/vcdask/main?labpath=notebooks%2Fquickstart.ipynb",
+            "icon": "fa-solid fa-rocket",
+        },
+    ],
+}
+html_context = {"default_mode": "auto"}

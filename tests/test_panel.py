@@ -1,0 +1,119 @@
+"""The notebook panel, in a real Jupyter kernel (nbclient), fed by the run's events."""
+
+from __future__ import annotations
+
+import json
+
+import nbformat
+import pytest
+
+from vcdask.panel import PanelState
+
+pytestmark = pytest.mark.slow
+
+SETUP = """\
+import json, threading, time
+import vcdask
+from distributed import Client, LocalCluster
+from vcdask.demo import digits, digits_cnn
+(X, y), _ = digits()
+"""
+
+FIT = """\
+result = vcdask.fit(digits_cnn(0), (X, y), validation=0.1, max_epochs=3, n_shards=6, alpha=0.5, store="store",
+                    seed=0)
+"""
+
+CHECK_FIT = """\
+p = result.panel
+print(json.dumps({"progress": p.progress.value, "max": p.progress.max, "points": len(p.source.data["epoch"]),
+                  "workers": [r["worker"] for r in p.state.worker_rows()], "events": p.state.events,
+                  "grid": {e: p.state.grid(e) for e in p.state.grid_epochs()}, "epochs": len(result.epochs),
+                  "result_workers": sorted(result.workers.worker), "header": p.header.value}))
+"""
+
+REATTACH = """\
+client = Client(LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None))
+out = {}
+t = threading.Thread(target=lambda: out.update(r=vcdask.fit(digits_cnn(1), (X, y), client=client, validation=0.1,
+                     max_epochs=4, n_shards=6, alpha=0.5, store="store", seed=1, progress=False)))
+t.start()
+while True:  # a notebook re-attaching to a run that is already running
+    runs = client.sync(client.scheduler.vcdask_runs) if client.run_on_scheduler(
+        lambda dask_scheduler: "vcdask" in dask_scheduler.plugins) else {}
+    if runs:
+        break
+    time.sleep(0.05)
+(run_id,) = runs
+panel = vcdask.attach(run_id, client).panel()
+t.join()
+deadline = time.monotonic() + 30
+while not panel._closed and time.monotonic() < deadline:  # it lets go when the run's "finished" event arrives
+    time.sleep(0.1)
+print(json.dumps({"progress": panel.progress.value, "epochs": len(out["r"].epochs), "closed": panel._closed,
+                  "points": len(panel.source.data["epoch"]),
+                  "merged": all(s == "merged" for e in panel.state.grid_epochs() for s in panel.state.grid(e))}))
+client.close()
+"""
+
+
+def _run(tmp_path, cells: list[str]) -> list[dict]:
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    return [o for c in nb.cells for o in c.get("outputs", [])]
+
+
+def _printed(outputs: list[dict]) -> list[dict]:
+    return [json.loads(line) for o in outputs if o.get("output_type") == "stream"
+            for line in o["text"].splitlines() if line.startswith("{")]
+
+
+def test_panel_in_a_kernel_after_fit(tmp_path):
+    outputs = _run(tmp_path, [SETUP, FIT, CHECK_FIT, "result", "result.plot()"])
+    widgets = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(widgets) == 2  # the live panel during fit, and the plot
+    (state,) = _printed(outputs)
+    assert state["progress"] == state["max"] == state["epochs"] == 3
+    assert state["points"] == 3  # the metric plot: one point per epoch
+    assert sorted(state["workers"]) == state["result_workers"] and len(state["workers"]) == 2
+    assert state["events"] > 0  # fed by the run's events, not only by snapshots
+    assert state["grid"] and all(s == "merged" for row in state["grid"].values() for s in row)
+    assert all(len(row) == 6 for row in state["grid"].values())
+    assert "finished" in state["header"] and "alpha" in state["header"]
+    html = next(o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {}))
+    assert "vcdask.FitResult" in html and "accuracy" in html and "store" in html
+
+
+def test_panel_reattached_to_a_running_run_keeps_updating(tmp_path):
+    (state,) = _printed(_run(tmp_path, [SETUP, REATTACH]))
+    assert state["closed"] and state["merged"]
+    assert state["progress"] == state["epochs"] == state["points"] == 4
+
+
+def test_panel_state_folds_events_idempotently():
+    st = PanelState("r")
+    st.apply_snapshot({"status": {"n_shards": 2, "max_epochs": 2, "status": "running"}, "epochs": [],
+                       "workers": [], "shards": [[1, 0, "running"]], "metric": "accuracy"})
+    events = [{"type": "shard", "epoch": 1, "shard": 1, "state": "queued"},
+              {"type": "update", "epoch": 1, "shard": 0, "accepted": True, "new_version": 1, "alpha": 0.5,
+               "staleness": 0, "version": "V1", "worker": "w1",
+               "worker_row": {"worker": "w1", "done": 1, "failed": 0, "timed_out": 0, "rejected": 0,
+                              "mean_seconds": 0.1, "preempted": False, "excluded": None}},
+              {"type": "shard", "epoch": 1, "shard": 0, "state": "merged"},
+              {"type": "lost", "epoch": 1, "shard": 1, "worker": "w2", "why": "KilledWorker",
+               "worker_row": {"worker": "w2", "done": 0, "failed": 1, "timed_out": 0, "rejected": 0,
+                              "mean_seconds": float("nan"), "preempted": False, "excluded": None}},
+              {"type": "epoch", "run_id": "r", "epoch": 1, "wall_time": 1.5, "accuracy": 0.5,
+               "accuracy_min": 0.4, "accuracy_max": 0.6, "version": 2}]
+    for event in events + events:  # twice: folding again changes nothing
+        st.apply(event)
+    assert st.grid(1) == ["merged", "queued"]
+    assert st.epochs_done == 1
+    assert st.metric_series() == {"epoch": [1], "time": [1.5], "value": [0.5], "lo": [0.4], "hi": [0.6]}
+    assert [(r["worker"], r["state"]) for r in st.worker_rows()] == [("w1", "active"), ("w2", "lost")]
+    assert st.status["step"] == 1 and st.status["alpha"] == 0.5
+    assert any("w2 lost" in n for n in st.notes)

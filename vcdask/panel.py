@@ -1,0 +1,370 @@
+"""The live progress panel of a run in Jupyter: ipywidgets + bokeh, fed by the run's events.
+
+The scheduler plugin pushes small event records on the Dask topic ``vcdask-run-<run_id>``
+(shard states, merges, epochs, worker changes, pauses).  A panel subscribes to that topic,
+takes one snapshot of the run (so it can start, or re-attach, mid-run) and folds every
+event into :class:`PanelState`; the widgets render that state.  Nothing here polls the store.
+ipywidgets, bokeh and jupyter_bokeh are imported only when a panel is made.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from typing import Any
+
+__all__ = ["PanelState", "RunPanel", "in_kernel", "load_bokehjs"]
+
+SHARD_COLORS = {"queued": "#d9d9d9", "running": "#4c9be8", "re-issued": "#f0a630", "merged": "#3aa35b",
+                "rejected": "#d9534f", "skipped": "#7f7f7f"}
+_MAX_GRID_EPOCHS = 8
+_RENDER_INTERVAL = 0.25  # seconds: events are folded at once, the widgets redrawn at most this often
+
+
+def in_kernel() -> bool:
+    """Whether the code runs in a Jupyter kernel (where widgets can display)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+_bokehjs_loaded = False
+
+
+def load_bokehjs() -> None:
+    """Load BokehJS into the notebook page, once per kernel, from the installed bokeh package
+    (inline: no CDN, which offline machines and some JupyterHubs cannot reach).  The bokeh
+    widgets (jupyter_bokeh) draw with it."""
+    global _bokehjs_loaded
+    if _bokehjs_loaded:
+        return
+    from bokeh.io import output_notebook
+    from bokeh.resources import INLINE
+
+    output_notebook(INLINE, hide_banner=True)
+    _bokehjs_loaded = True
+
+
+class PanelState:
+    """The panel's model: a fold of one snapshot of the run and the events that follow it.
+
+    Every event carries absolute values (a shard's new state, a worker's whole row, an epoch's
+    whole row), so applying an event twice, or one the snapshot already includes, is harmless.
+    """
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self.status: dict[str, Any] = {"status": "starting"}
+        self.epochs: dict[int, dict] = {}
+        self.workers: dict[str, dict] = {}
+        self.lost: set[str] = set()
+        self.shards: dict[tuple[int, int], str] = {}
+        self.metric = "accuracy"
+        self.last_update: dict[str, Any] = {}
+        self.paused: str | None = None
+        self.notes: list[str] = []  # recent notable events, newest last
+        self.events = 0  # events folded in so far
+
+    @property
+    def n_shards(self) -> int:
+        return int(self.status.get("n_shards") or 0)
+
+    @property
+    def epochs_done(self) -> int:
+        return len(self.epochs)
+
+    def apply_snapshot(self, snap: dict) -> None:
+        self.status.update(snap["status"])
+        self.metric = snap.get("metric", self.metric)
+        for row in snap["epochs"]:
+            self.epochs[int(row["epoch"])] = row
+        for row in snap["workers"]:
+            self.workers[row["worker"]] = row
+        for epoch, shard, state in snap["shards"]:
+            self.shards[(int(epoch), int(shard))] = state
+        self.paused = snap["status"].get("paused")
+
+    def apply(self, event: dict) -> None:
+        kind = event.get("type")
+        self.events += 1
+        if "worker_row" in event:
+            row = event["worker_row"]
+            self.workers[row["worker"]] = row
+        if kind == "shard":
+            self.shards[(int(event["epoch"]), int(event["shard"]))] = event["state"]
+        elif kind == "update":
+            self.last_update = event
+            if event.get("accepted"):
+                self.status["step"] = event["new_version"]
+                self.status["version"] = event.get("version") or self.status.get("version")
+                self.status["alpha"] = event.get("alpha")
+                self.status["staleness"] = event.get("staleness")
+        elif kind == "epoch":
+            self.epochs[int(event["epoch"])] = {k: v for k, v in event.items() if k not in ("type", "run_id")}
+            self.status["epochs_done"] = len(self.epochs)
+        elif kind == "lost":
+            self.lost.add(event["worker"])
+            self._note(f"worker {event['worker']} lost while training shard {event['shard']} "
+                       f"of epoch {event['epoch']}: shard re-queued")
+        elif kind == "reissue":
+            self._note(f"shard {event['shard']} of epoch {event['epoch']} {event['why']} on "
+                       f"{event['worker']}: re-issued")
+        elif kind == "excluded":
+            self._note(f"worker {event['worker']} excluded: {event['reason']}")
+        elif kind == "preempted":
+            self._note(f"worker {event['worker']} preempted: {event['reissued']} shard(s) moved")
+        elif kind == "paused":
+            self.paused = f"store unavailable: {event['why']}"
+            self._note(f"paused: {self.paused}")
+        elif kind == "resumed":
+            self.paused = None
+            self._note(f"store back after {event['after']:.0f} s: continuing")
+        elif kind in ("finished", "failed", "started"):
+            self.status["status"] = {"finished": "finished", "failed": "error", "started": "running"}[kind]
+            if kind == "failed":
+                self._note("run failed: " + str(event.get("error", "")).strip().splitlines()[-1])
+
+    def apply_status(self, status: dict) -> None:
+        """A status polled by a waiting ``fit`` (cheap counters; the panel's content comes from events)."""
+        self.status.update(status)
+        self.paused = status.get("paused")
+
+    def _note(self, text: str) -> None:
+        self.notes = [*self.notes[-4:], text]
+
+    # -- views of the state (what the widgets draw; also what tests check) -----------------
+    def grid_epochs(self) -> list[int]:
+        epochs = sorted({e for e, _ in self.shards})
+        return epochs[-_MAX_GRID_EPOCHS:]
+
+    def grid(self, epoch: int) -> list[str]:
+        """The state of each shard of ``epoch``, in shard order."""
+        return [self.shards.get((epoch, s), "queued") for s in range(self.n_shards)]
+
+    def metric_series(self) -> dict[str, list]:
+        """One point per finished epoch: wall time, the metric of its last version, and its band."""
+        m = self.metric
+        # epochs overlap (a straggler may end epoch e after epoch e+1): the line runs in time order
+        rows = sorted(self.epochs.values(), key=lambda r: (float(r.get("wall_time", 0.0)), int(r["epoch"])))
+        value = [float(r.get(m, float("nan"))) for r in rows]
+        return {"epoch": [int(r["epoch"]) for r in rows], "time": [float(r.get("wall_time", 0.0)) for r in rows],
+                "value": value,
+                "lo": [float(r.get(f"{m}_min", v)) for r, v in zip(rows, value)],
+                "hi": [float(r.get(f"{m}_max", v)) for r, v in zip(rows, value)]}
+
+    def worker_rows(self) -> list[dict]:
+        rows = []
+        for address, row in sorted(self.workers.items()):
+            state = ("excluded" if row.get("excluded") else "preempted" if row.get("preempted")
+                     else "lost" if address in self.lost else "active")
+            rows.append({**row, "state": state})
+        return rows
+
+
+class RunPanel:
+    """The live panel of one run, as ipywidgets (with a bokeh plot).
+
+    Parameters
+    ----------
+    handle : RunHandle
+        The run to follow.
+    display : bool, default True
+        Display the panel at once (in a notebook cell's output).
+
+    Attributes
+    ----------
+    state : PanelState
+        What the panel shows.
+    progress : ipywidgets.IntProgress
+        Epochs done out of ``max_epochs``.
+    source : bokeh.models.ColumnDataSource
+        The metric plot's data: one row per finished epoch (``time``, ``value``, ``lo``, ``hi``).
+    widget : ipywidgets.VBox
+        The whole panel.
+    """
+
+    def __init__(self, handle, display: bool = True):
+        import ipywidgets as w
+        from bokeh.models import ColumnDataSource
+        from bokeh.plotting import figure
+        from jupyter_bokeh import BokehModel
+
+        if display:
+            load_bokehjs()
+        self.handle = handle
+        self.client = handle.client
+        self.topic = f"vcdask-run-{handle.run_id}"
+        self.state = PanelState(handle.run_id)
+        self._lock = threading.RLock()
+        self._last_render = 0.0
+        self._render_pending = False
+        self._subscribed = False
+        self._closed = False
+        # subscribe, then snapshot: events racing the snapshot are harmless (absolute values)
+        self.client.subscribe_topic(self.topic, self._on_event)
+        self._subscribed = True
+        self.state.apply_snapshot(self._snapshot())
+        metric = self.state.metric
+
+        self.header = w.HTML()
+        self.progress = w.IntProgress(value=0, min=0, max=1, description="epochs", bar_style="info",
+                                      layout=w.Layout(width="80%"))
+        self.progress_label = w.HTML()
+        self.grid_html = w.HTML()
+        self.workers_html = w.HTML()
+        self.notes_html = w.HTML()
+        self.source = ColumnDataSource(data={"epoch": [], "time": [], "value": [], "lo": [], "hi": []})
+        fig = figure(height=240, width=460, x_axis_label="wall time (s)", y_axis_label=metric,
+                     title=f"validation {metric} by epoch (band: min/max in the epoch)", toolbar_location=None)
+        fig.varea(x="time", y1="lo", y2="hi", source=self.source, fill_alpha=0.25, fill_color="#4c9be8")
+        fig.line(x="time", y="value", source=self.source, line_width=2, color="#1f5fa8")
+        fig.scatter(x="time", y="value", source=self.source, size=6, color="#1f5fa8")
+        fig.title.text_font_size = "10pt"
+        self.figure = fig
+        self.plot = BokehModel(fig)
+        left = w.VBox([self.grid_html, self.workers_html], layout=w.Layout(width="50%"))
+        right = w.VBox([self.plot], layout=w.Layout(width="50%"))
+        self.widget = w.VBox([self.header, w.HBox([self.progress, self.progress_label]), w.HBox([left, right]),
+                              self.notes_html])
+        self.render()
+        if display:
+            from IPython.display import display as show
+
+            show(self.widget)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+    # -- feeding ----------------------------------------------------------------------------
+    def _snapshot(self) -> dict:
+        return self.client.sync(self.client.scheduler.vcdask_panel, run_id=self.handle.run_id)
+
+    def refresh(self) -> None:
+        """Take a fresh snapshot of the run from the scheduler and redraw."""
+        snap = self._snapshot()
+        with self._lock:
+            self.state.apply_snapshot(snap)
+        self.render()
+
+    def _on_event(self, event) -> None:
+        _, msg = event
+        with self._lock:
+            self.state.apply(msg)
+        if msg.get("type") in ("finished", "failed"):  # the run ended: draw its final state, then let go
+            threading.Thread(target=self.close, daemon=True, name="vcdask-panel-close").start()
+            return
+        now = time.monotonic()
+        if now - self._last_render >= _RENDER_INTERVAL:
+            self.render()
+        elif not self._render_pending:
+            self._render_pending = True
+            threading.Timer(_RENDER_INTERVAL, self.render).start()
+
+    def update(self, status: dict) -> None:
+        """Counters polled by a waiting ``fit``; the rest arrives as events."""
+        with self._lock:
+            self.state.apply_status(status)
+        self.render()
+
+    def close(self, status: dict | None = None) -> None:
+        """Stop following events; draw the run's final state."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._subscribed:
+            try:
+                self.client.unsubscribe_topic(self.topic)
+            except (ValueError, KeyError):
+                pass
+            self._subscribed = False
+        try:
+            self.refresh()
+        except Exception:  # noqa: BLE001 - the scheduler may be gone; keep what the panel shows
+            self.render()
+
+    # -- drawing ----------------------------------------------------------------------------
+    def render(self) -> None:
+        with self._lock:
+            self._render_pending = False
+            self._last_render = time.monotonic()
+            st = self.state
+            status = st.status
+            max_epochs = int(status.get("max_epochs") or 1)
+            self.progress.max = max_epochs
+            self.progress.value = st.epochs_done
+            self.progress.bar_style = {"finished": "success", "error": "danger"}.get(status.get("status"), "info")
+            self.progress_label.value = f"&nbsp;{st.epochs_done} / {max_epochs}"
+            self.header.value = _header_html(st)
+            self.grid_html.value = _grid_html(st)
+            self.workers_html.value = _workers_html(st.worker_rows())
+            self.notes_html.value = "".join(f"<div style='font-size:90%;color:#555'>{html.escape(n)}</div>"
+                                            for n in st.notes)
+            series = st.metric_series()
+        if series["epoch"] != list(self.source.data["epoch"]):
+            self.source.data = series
+
+
+def _fmt(value, spec: str = ".4g") -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "–"
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return html.escape(str(value))
+
+
+def _header_html(st: PanelState) -> str:
+    s = st.status
+    version = s.get("version") or ""
+    last = st.epochs[max(st.epochs)] if st.epochs else {}
+    metric = last.get(st.metric)
+    parts = [f"<b>{html.escape(st.run_id)}</b> &middot; {html.escape(str(s.get('status', '')))}",
+             f"version {s.get('step', 0)} <code>{html.escape(str(version)[:12])}</code>",
+             f"alpha {_fmt(s.get('alpha'), '.3g')}", f"staleness {_fmt(s.get('staleness'), 'd')}",
+             f"{html.escape(st.metric)} {_fmt(metric)}",
+             f"store <code>{html.escape(str(s.get('store', '')))}</code>"]
+    out = " &nbsp;|&nbsp; ".join(parts)
+    if st.paused:
+        out += f"<div style='color:#b30000'><b>paused</b>: {html.escape(st.paused)}</div>"
+    return f"<div style='font-family:sans-serif;font-size:95%'>{out}</div>"
+
+
+def _grid_html(st: PanelState) -> str:
+    rows = []
+    size = "12px" if st.n_shards <= 64 else "6px"
+    for epoch in st.grid_epochs():
+        cells = "".join(f"<span title='shard {i}: {state}' style='display:inline-block;width:{size};"
+                        f"height:{size};margin:1px;background:{SHARD_COLORS.get(state, '#ccc')}'></span>"
+                        for i, state in enumerate(st.grid(epoch)))
+        rows.append(f"<div style='white-space:nowrap'><span style='display:inline-block;width:58px;"
+                    f"font-size:85%'>epoch {epoch}</span>{cells}</div>")
+    counts: dict[str, int] = {}
+    for epoch in st.grid_epochs():
+        for state in st.grid(epoch):
+            counts[state] = counts.get(state, 0) + 1
+    legend = " ".join(f"<span style='font-size:80%'><span style='display:inline-block;width:9px;height:9px;"
+                      f"background:{c}'></span> {name} {counts.get(name, 0)}</span>"
+                      for name, c in SHARD_COLORS.items())
+    return f"<div style='font-family:sans-serif'><b>shards</b><br>{''.join(rows)}<div>{legend}</div></div>"
+
+
+def _workers_html(rows: list[dict]) -> str:
+    head = "".join(f"<th style='padding:1px 6px;text-align:right'>{h}</th>"
+                   for h in ("worker", "state", "done", "failed", "timed out", "rejected", "mean s"))
+    body = []
+    for r in rows:
+        color = {"active": "#3aa35b", "lost": "#d9534f", "excluded": "#d9534f", "preempted": "#f0a630"}[r["state"]]
+        cells = [html.escape(str(r["worker"]).removeprefix("tcp://")),
+                 f"<span style='color:{color}'>{r['state']}</span>", r["done"], r["failed"], r["timed_out"],
+                 r["rejected"], _fmt(r.get("mean_seconds"), ".2f")]
+        body.append("<tr>" + "".join(f"<td style='padding:1px 6px;text-align:right'>{c}</td>" for c in cells)
+                    + "</tr>")
+    return (f"<div style='font-family:sans-serif;font-size:90%'><b>workers</b><table>"
+            f"<tr>{head}</tr>{''.join(body)}</table></div>")
