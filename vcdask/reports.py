@@ -53,7 +53,7 @@ def fit_result_plot(result):
     epochs = result.epochs.reset_index() if len(result.epochs) else result.epochs
     if not len(epochs):
         raise ValueError(f"run {result.run_id} finished no epoch: there is nothing to plot")
-    source = ColumnDataSource(epochs)
+    source = ColumnDataSource({c: epochs[c].to_numpy() for c in epochs.columns})
     names = [c for c in epochs.columns if f"{c}_min" in epochs.columns]
     metrics = [c for c in names if not c.endswith(_LOWER_IS_BETTER)]
     losses = [c for c in names if c.endswith(_LOWER_IS_BETTER)] + ["train_loss"]

@@ -1,0 +1,69 @@
+"""vcdask.load: any stored version back into a model, by id, tag or branch; FitResult's notebook views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vcdask
+from vcdask.demo import digits_cnn
+from vcdask.errors import ParameterMismatchError, VersionNotFoundError
+
+
+@pytest.fixture(scope="module")
+def run(cluster, digits_data, tmp_path_factory):
+    (X, y), _ = digits_data
+    store = tmp_path_factory.mktemp("load") / "store"
+    result = vcdask.fit(digits_cnn(3), (X[:400], y[:400]), validation=0.2, max_epochs=2, n_shards=4,
+                        local_epochs=1, alpha=0.5, client=cluster[1], store=store, progress=False)
+    return result, store
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sb = b.state_dict()
+    return all(torch.equal(t, sb[k]) for k, t in a.state_dict().items())
+
+
+def test_load_by_version_tag_and_branch(run):
+    result, store = run
+    final = vcdask.load(result.store, version=result.version)
+    assert _same(final, result.model) and not final.training
+    assert final.vcdask_version["id"] == result.version and final.vcdask_version["run_id"] == result.run_id
+    first = result.store.versions(result.run_id)[-2]  # the first merge (the last entry is the initial weights)
+    result.store.tag("first-merge", first.id)
+    early = vcdask.load(str(store), tag="first-merge")  # a location: opened read-only
+    assert early.vcdask_version["id"] == first.id and not _same(early, final)
+    newest = vcdask.load(str(store), branch=result.run_id)
+    assert _same(newest, final)
+
+
+def test_load_into_a_given_model(run):
+    result, _ = run
+    model = digits_cnn(99)
+    assert vcdask.load(result.store, model, version=result.version) is model
+    assert _same(model, result.model)
+    with pytest.raises(ParameterMismatchError, match="missing|unexpected|shape"):
+        vcdask.load(result.store, torch.nn.Linear(3, 2), version=result.version)
+
+
+def test_load_errors_name_what_exists(run, tmp_path):
+    result, store = run
+    with pytest.raises(VersionNotFoundError, match="first-merge|tags"):
+        vcdask.load(result.store, tag="no-such-tag")
+    with pytest.raises(TypeError, match="storage options"):
+        vcdask.load(result.store, version=result.version, endpoint_url="http://x")
+    plain = vcdask.open_store(tmp_path / "plain")
+    v = plain.commit(vcdask.flatten(torch.nn.Linear(2, 2)), {"note": "not from a run"})
+    with pytest.raises(ValueError, match="pass model="):
+        vcdask.load(plain, version=v)
+
+
+def test_fit_result_html_and_plot(run):
+    result, _ = run
+    html = result._repr_html_()
+    assert result.run_id in html and result.version in html and "accuracy" in html and "merges" in html
+    layout = result.plot(show=False)
+    from bokeh.models import ColumnDataSource, GlyphRenderer
+
+    sources = {id(r.data_source): r.data_source for r in layout.select({"type": GlyphRenderer})}
+    assert sources and all(isinstance(s, ColumnDataSource) and len(s.data["epoch"]) == 2 for s in sources.values())
