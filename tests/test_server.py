@@ -34,7 +34,8 @@ def test_merge_commits_with_metadata_and_drops_the_upload(tmp_path):
     assert out == {"accepted": True, "alpha": 0.5, "new_version": 1, "staleness": 0, "version_id": state.version}
     head = store.read(branch="run-x")
     assert head.state_dict()["w"].tolist() == [1.0] * 4
-    assert head.metadata == {"run_id": "run-x", "step": 1, "epoch": 1, "merged": [[1, 0, 0]], "alpha": 0.5}
+    assert head.metadata == {"run_id": "run-x", "step": 1, "epoch": 1, "merged": [[1, 0, 0]], "alpha": 0.5,
+                             "merge": {"name": "vc-asgd", "alpha": 0.5}}
     assert store.files.list("run-x/updates") == []
 
 
@@ -50,7 +51,7 @@ def test_commit_whose_answer_was_lost_is_adopted_not_repeated(tmp_path):
     pending = state.uncommitted[-1]
     # What the store received from the first attempt whose answer was lost:
     landed = store.commit(state.params, {"run_id": "run-x", "step": state.step, "epoch": 1,
-                                         "merged": [[1, 2, 0]], "alpha": 0.5},
+                                         "merged": [[1, 2, 0]], "alpha": 0.5, "merge": {"name": "vc-asgd", "alpha": 0.5}},
                           branch="run-x", parent=state.version, message="run-x step 3")
     state.commit()
     assert state.version == landed

@@ -21,7 +21,7 @@ from .cluster import check_client, resolve_client
 from .data import DataError, PreparedData, Shards, prepare_data, stage
 from .handle import FitResult, RunHandle, ensure_plugin
 from .resilience import Resilience
-from .schedules import get_schedule
+from .rules import Nesterov, get_rule
 from .store import ParamStore, open_store
 from .task import RunSpec
 
@@ -196,7 +196,8 @@ def fit(
     n_shards: int | None = None,
     local_epochs: int = 1,
     batch_size: int = 32,
-    alpha: float | str | Callable[[int], float] = "epoch",
+    merge: str | Any = "vc-asgd",
+    alpha: float | str | Callable[[int], float] | None = None,
     target: Mapping[str, float] | None = None,
     validation: Any = None,
     metrics: Sequence[str | Callable] | Mapping[str, Callable] | None = None,
@@ -239,9 +240,14 @@ def fit(
     local_epochs : int, default 1
         Passes over its shard that each task makes.
     batch_size : int, default 32
-    alpha : float, "epoch" or callable, default "epoch"
-        Merge weight of the server copy: a constant in [0, 1], ``"epoch"`` for
-        ``alpha_e = e / (e + 1)``, or a callable ``epoch -> alpha``.
+    merge : {"vc-asgd", "staleness", "nesterov", "sync"} or vcdask.rules.MergeRule, default "vc-asgd"
+        How the server folds each update in (see :mod:`vcdask.rules`): the paper's rule,
+        FedAsync's staleness-aware mixing, an outer Nesterov step per arrival (DiLoCo), or
+        synchronous large-batch averaging (one merge per epoch's samples).  Configure a rule
+        with an instance, e.g. ``vcdask.rules.Nesterov(lr=0.5)``.
+    alpha : float, "epoch" or callable, optional
+        For ``"vc-asgd"`` and ``"staleness"``: the server copy's weight, a constant in [0, 1],
+        ``"epoch"`` for ``alpha_e = e / (e + 1)`` (vc-asgd's default), or ``epoch -> alpha``.
     target : dict, optional
         Stop once the validation metrics of an epoch's last version reach it, e.g. ``{"accuracy": 0.95}``.
     validation : float, (X, y) or same kinds as ``data``, optional
@@ -291,7 +297,7 @@ def fit(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_client(client)
-    schedule = get_schedule(alpha)
+    rule = get_rule(merge, alpha)
     max_epochs = _positive_int("max_epochs", max_epochs)
     local_epochs = _positive_int("local_epochs", local_epochs)
     batch_size = _positive_int("batch_size", batch_size)
@@ -336,6 +342,7 @@ def fit(
         raise ValueError(f"n_shards={n_shards} is more than the {prepared.n} training samples; "
                          f"choose 1 <= n_shards <= {prepared.n}")
     optimizer_fn = _resolve_optimizer(optimizer, lr)
+    rule = get_rule(merge, alpha, samples_per_epoch=prepared.n)
     param_store = open_store(DEFAULT_STORE if store is None else store)
     if not param_store.shared_across_processes and client is None:
         raise ValueError(f"store {param_store.location!r} lives in this process only, but the embedded cluster "
@@ -359,11 +366,14 @@ def fit(
                                                     client=c)
         param_store.commit(model, {"run_id": run_id, "step": 0, "epoch": 0, "merged": []}, branch=run_id,
                            message=f"{run_id} initial parameters")
+        if isinstance(rule, Nesterov):  # its default delay: one momentum step per tasks-in-flight arrivals
+            threads = sum(c.nthreads().values()) or 1
+            rule = rule.in_flight(tasks_per_slot * threads)
         spec = RunSpec(
             run_id=run_id, store=param_store, branch=run_id, model=copy.deepcopy(model).cpu(), loss=loss_fn,
             optimizer=optimizer_fn, local_epochs=local_epochs, batch_size=batch_size, seed=seed,
             train=train_src, shards=Shards(prepared.n, n_shards), validation=val_src, metrics=metric_fns,
-            classification=classification, x_dtype=x_dtype, max_epochs=max_epochs, alpha=schedule,
+            classification=classification, x_dtype=x_dtype, max_epochs=max_epochs, merge=rule,
             target=target, commit_every=commit_every, validate_every=validate_every, keep_updates=keep_updates,
             tasks_per_slot=tasks_per_slot, resilience=resilience,
         )

@@ -11,8 +11,6 @@ BatchNorm's ``num_batches_tracked``) cannot be averaged and takes the client's v
 
 from __future__ import annotations
 
-
-from .errors import ParameterMismatchError
 from .params import FlatParams
 
 __all__ = ["vc_asgd"]
@@ -36,17 +34,8 @@ def vc_asgd(server: FlatParams, client: FlatParams, alpha: float) -> FlatParams:
     ParameterMismatchError
         The two layouts differ (names, shapes or dtypes).
     """
-    if server.layout != client.layout:
-        raise ParameterMismatchError("client update does not match the server parameters: "
-                                     + "; ".join(server.layout.diff(client.layout)))
-    weight = 1.0 - alpha
-    for dtype, ws in server.arrays.items():
-        wc = client.arrays[dtype]
-        if ws.is_floating_point():
-            if weight == 1.0:  # exact replacement, as the formula says, without rounding
-                ws.copy_(wc)
-            elif weight != 0.0:
-                ws.lerp_(wc, weight)
-        else:
-            ws.copy_(wc)
+    from .rules import _check, lerp
+
+    _check(server, client)
+    lerp(server, client, 1.0 - alpha)
     return server

@@ -71,7 +71,7 @@ class Run:
         self.client = None
         self.ac = None
         # W_s: touched only by the merge thread; the loop reads its counters between merges
-        self.state = ServerState(spec.store, spec.branch, spec.alpha, spec.run_id, commit_every=spec.commit_every,
+        self.state = ServerState(spec.store, spec.branch, spec.merge, spec.run_id, commit_every=spec.commit_every,
                                  keep_updates=spec.keep_updates, max_staleness=self.res.max_staleness,
                                  max_update_norm=self.res.max_update_norm,
                                  outage_timeout=self.res.store_outage_timeout)
@@ -689,7 +689,8 @@ class Run:
 
     def _alpha_now(self) -> float | None:
         try:
-            return float(self.spec.alpha(max(1, self.dispatch_epoch)))
+            schedule = getattr(self.spec.merge, "schedule", None)
+            return None if schedule is None else float(schedule(max(1, self.dispatch_epoch)))
         except Exception:  # noqa: BLE001 - a user's schedule; the panel shows nothing rather than fail
             return None
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError
-from .merge import vc_asgd
 from .params import FlatParams
 from .resilience import check_update
+from .rules import VCASGD, Arrival, MergeRule, RuleState
 from .updates import read_update
 
 __all__ = ["ServerState"]
@@ -31,8 +31,8 @@ class ServerState:
     branch : str
         The run's branch; commits are compare-and-swap on its head, so a second
         writer on the branch is detected, never silently interleaved.
-    alpha : callable
-        ``epoch -> alpha``.
+    rule : MergeRule or callable
+        The merge rule (a callable ``epoch -> alpha`` means :class:`~vcdask.rules.VCASGD` with it).
     run_id : str
     commit_every : int
         Commit after this many merges (``merge(..., force_commit=True)`` commits at once).
@@ -40,12 +40,13 @@ class ServerState:
         Keep update objects after their merge is committed.
     """
 
-    def __init__(self, store, branch: str, alpha: Callable[[int], float], run_id: str, *,
+    def __init__(self, store, branch: str, rule: MergeRule | Callable[[int], float], run_id: str, *,
                  commit_every: int = 1, keep_updates: bool = False, max_staleness: int | None = None,
                  max_update_norm: float | None = None, outage_timeout: float = 600.0):
         self.store = store
         self.branch = branch
-        self.alpha = alpha
+        self.rule = rule if isinstance(rule, MergeRule) else VCASGD(alpha=rule)
+        self.rule_state: RuleState | None = None
         self.run_id = run_id
         self.commit_every = commit_every
         self.keep_updates = keep_updates
@@ -67,6 +68,18 @@ class ServerState:
         self.params = checkpoint.params.clone()
         self.step = int(checkpoint.metadata.get("step", 0))
         self.head = (checkpoint.version, self.step)
+        meta = checkpoint.metadata
+        saved = meta.get("merge", {}).get("name") if isinstance(meta.get("merge"), dict) else None
+        if meta.get("run_id") == self.run_id and saved == self.rule.name:  # this run's own version: resume
+            self.rule_state = RuleState(arrays=self.store.read_state(checkpoint.version),
+                                        scalars=dict(meta.get("rule_state", {})))
+            fresh = self.rule.init_state(self.params)
+            if set(self.rule_state.arrays) != set(fresh.arrays):
+                raise ValueError(f"version {checkpoint.version!r} holds {self.rule.name} state "
+                                 f"{sorted(self.rule_state.arrays)}, expected {sorted(fresh.arrays)}")
+            self.rule_state.scalars = {**fresh.scalars, **self.rule_state.scalars}
+        else:  # a new run (possibly from another run's version): a fresh outer optimizer
+            self.rule_state = self.rule.init_state(self.params)
 
     @property
     def version(self) -> str | None:
@@ -101,8 +114,9 @@ class ServerState:
                                max_norm=self.max_update_norm)
         if problem is not None:
             return self._reject(record, staleness, *problem)
-        alpha = float(self.alpha(record["epoch"]))
-        vc_asgd(self.params, client, alpha)
+        outcome = self.rule.apply(self.params, client, self.rule_state,
+                                  Arrival(record["epoch"], staleness, int(record.get("n_samples", 1))))
+        alpha = outcome.get("alpha")
         self.step += 1
         self.uncommitted.append(record)
         if force_commit or len(self.uncommitted) >= self.commit_every:
@@ -129,7 +143,12 @@ class ServerState:
         last = self.uncommitted[-1]
         metadata = {"run_id": self.run_id, "step": self.step, "epoch": last["epoch"],
                     "merged": [[r["epoch"], r["shard"], r["attempt"]] for r in self.uncommitted],
-                    "alpha": float(self.alpha(last["epoch"]))}
+                    "merge": self.rule.describe()}
+        schedule = getattr(self.rule, "schedule", None)
+        if schedule is not None:
+            metadata["alpha"] = float(schedule(last["epoch"]))
+        if self.rule_state.scalars:
+            metadata["rule_state"] = dict(self.rule_state.scalars)
         version = self._through_outages(lambda: self._commit_once(metadata), f"committing step {self.step}")
         self.head = (version, self.step)
         if not self.keep_updates:
@@ -140,7 +159,7 @@ class ServerState:
     def _commit_once(self, metadata: dict[str, Any]) -> str:
         try:
             return self.store.commit(self.params, metadata, branch=self.branch, parent=self.version,
-                                     message=f"{self.run_id} step {self.step}")
+                                     message=f"{self.run_id} step {self.step}", state=self.rule_state.arrays)
         except StoreConflict:
             version = self._landed(metadata)
             if version is None:

@@ -46,7 +46,7 @@ class RunSpec:
     classification: bool
     x_dtype: torch.dtype
     max_epochs: int
-    alpha: Any  # schedule: epoch -> alpha
+    merge: Any  # vcdask.rules.MergeRule
     target: dict[str, float] | None
     commit_every: int
     validate_every: int

@@ -120,8 +120,13 @@ class ParamStore(ABC):
         branch: str = "main",
         message: str | None = None,
         parent: str | None = None,
+        state: Mapping[str, FlatParams] | None = None,
     ) -> str:
-        """Commit ``params`` as a new version on ``branch`` and return its id."""
+        """Commit ``params`` (and a merge rule's ``state``) as a new version on ``branch``; return its id."""
+
+    @abstractmethod
+    def read_state(self, version: str) -> dict[str, FlatParams]:
+        """The merge rule's state committed with ``version`` (empty when there is none)."""
 
     @abstractmethod
     def read(self, version: str | None = None, *, branch: str = "main", tag: str | None = None) -> Checkpoint:

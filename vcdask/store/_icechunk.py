@@ -125,7 +125,7 @@ class IcechunkParamStore(ParamStore):
         return (_reopen, (open_store, self.location, self._open_args))
 
     # -- writing ----------------------------------------------------------------------
-    def commit(self, params, metadata=None, *, branch="main", message=None, parent=None) -> str:
+    def commit(self, params, metadata=None, *, branch="main", message=None, parent=None, state=None) -> str:
         """Commit ``params`` as a new, immutable version on ``branch``.
 
         Parameters
@@ -143,6 +143,9 @@ class IcechunkParamStore(ParamStore):
             otherwise raise :class:`StoreConflict` and write nothing.  Without it a commit
             that races another writer is retried on top of the new head (up to
             ``commit_retries`` times), so both commits land.
+        state : mapping of str to FlatParams, optional
+            A merge rule's state (e.g. momentum buffers), committed in the same version under
+            ``/rule/<name>`` so that a resumed run continues exactly; see :meth:`read_state`.
 
         Returns
         -------
@@ -179,6 +182,7 @@ class IcechunkParamStore(ParamStore):
                         )
                 try:
                     self._write(session.store, flat)
+                    self._write_state(session.store, state)
                     return session.commit(message or "vcdask version", metadata=meta)
                 except icechunk.ConflictError as e:
                     if parent is not None:
@@ -188,13 +192,28 @@ class IcechunkParamStore(ParamStore):
                     raise translate(e, what) from None
         raise StoreConflict(f"{what}: lost the race to other writers {self.commit_retries + 1} times; nothing was written")
 
-    def _write(self, zstore, flat: FlatParams) -> None:
+    def _write_state(self, zstore, state: Mapping[str, FlatParams] | None) -> None:
+        """The merge rule's state (e.g. momentum) in ``/rule/<name>``, versioned with the parameters."""
+        import zarr
+
+        root = zarr.open_group(zstore, mode="a")
+        if not state:
+            if "rule" in root:
+                del root["rule"]
+            return
+        rule = root.require_group("rule")
+        for stale in set(rule.group_keys()) - set(state):
+            del rule[stale]
+        for name, flat in state.items():
+            self._write(zstore, flat, path=f"rule/{name}")
+
+    def _write(self, zstore, flat: FlatParams, path: str = "params") -> None:
         import zarr
 
         root = zarr.open_group(zstore, mode="a")
         if root.attrs.get(FORMAT_KEY) != FORMAT:
             root.attrs[FORMAT_KEY] = FORMAT
-        group = root.require_group("params")
+        group = root.require_group(path)
         existing = dict(group.arrays())
         for dtype, values in flat.arrays.items():
             data, zdtype = _to_numpy(values, dtype)
@@ -266,6 +285,33 @@ class IcechunkParamStore(ParamStore):
         except icechunk.IcechunkError as e:
             raise translate(e, f"reading version {snap.id!r} from {self._backend.describe()}") from None
         return Checkpoint(_info(snap, self._version_or_none(snap.parent_id)), FlatParams(layout, arrays))
+
+    def read_state(self, version: str) -> dict[str, FlatParams]:
+        """The merge rule's state committed with ``version`` (empty when the rule keeps none).
+
+        Raises
+        ------
+        VersionNotFoundError
+            Unknown version.
+        """
+        import icechunk
+        import zarr
+
+        try:
+            session = self._repo.readonly_session(snapshot_id=version)
+        except icechunk.IcechunkError as e:
+            raise self._ref_error(e, version=version) from None
+        try:
+            root = zarr.open_group(session.store, mode="r")
+            if "rule" not in root:
+                return {}
+            out = {}
+            for name, group in root["rule"].groups():
+                layout = Layout.from_dict(group.attrs[LAYOUT_KEY])
+                out[name] = FlatParams(layout, {d: _from_numpy(group[d][:], d) for d in layout.sizes})
+            return out
+        except icechunk.IcechunkError as e:
+            raise translate(e, f"reading the rule state of {version!r} from {self._backend.describe()}") from None
 
     def versions(self, branch="main") -> list[VersionInfo]:
         """The history of ``branch``, newest first (a branch made from another includes its history).

@@ -1,0 +1,214 @@
+"""Merge rules against hand-computed arrays; rule state versioned with the parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vcdask
+from vcdask.params import flatten
+from vcdask.rules import (VCASGD, Arrival, Nesterov, Staleness, Sync, UnknownMergeRuleError, get_rule)
+from vcdask.server import ServerState
+from vcdask.updates import update_path, write_update
+
+
+def flat(*values, steps=None):
+    d = {"w": torch.tensor(values, dtype=torch.float64)}
+    if steps is not None:
+        d["n"] = torch.tensor(steps, dtype=torch.int64)
+    return flatten(d)
+
+
+def w(params):
+    return params.state_dict()["w"].tolist()
+
+
+def test_vc_asgd_constant_and_epoch_schedule():
+    server, state = flat(0.0, 0.0), None
+    rule = VCASGD(alpha=0.5)
+    out = rule.apply(server, flat(2.0, 4.0), rule.init_state(server), Arrival(epoch=1))
+    assert w(server) == [1.0, 2.0] and out == {"alpha": 0.5, "applied": True}
+    rule = VCASGD()  # alpha_e = e / (e + 1): epoch 3 -> 0.75
+    rule.apply(server, flat(5.0, 6.0), state, Arrival(epoch=3))
+    assert w(server) == [0.75 * 1 + 0.25 * 5, 0.75 * 2 + 0.25 * 6]
+
+
+@pytest.mark.parametrize("function,staleness,expected_weight", [
+    ("polynomial", 0, 0.5),          # s = 1
+    ("polynomial", 3, 0.5 * 4 ** -0.5),  # s = (3 + 1) ** -0.5 = 0.5
+    ("hinge", 2, 0.5),               # t <= b: s = 1
+    ("hinge", 6, 0.5 / (0.5 * 4 + 1)),   # s = 1 / (a (t - b) + 1) = 1/3
+])
+def test_staleness_weights(function, staleness, expected_weight):
+    rule = Staleness(alpha=0.5, function=function, a=0.5, b=2)
+    server = flat(0.0)
+    out = rule.apply(server, flat(3.0), rule.init_state(server), Arrival(epoch=1, staleness=staleness))
+    assert w(server) == pytest.approx([3.0 * expected_weight])
+    assert out["alpha"] == pytest.approx(1 - expected_weight)
+
+
+def test_nesterov_momentum_over_three_arrivals():
+    rule = Nesterov(lr=0.7, momentum=0.9, delay=1)
+    server = flat(1.0)
+    state = rule.init_state(server)
+    expected = []
+    # by hand: g = W_s - W_c;  m = 0.9 m + g;  W_s -= 0.7 (g + 0.9 m)
+    ws, m = 1.0, 0.0
+    for wc in (0.0, 0.5, 0.2):
+        g = ws - wc
+        m = 0.9 * m + g
+        ws = ws - 0.7 * (g + 0.9 * m)
+        expected.append((ws, m))
+        rule.apply(server, flat(wc), state, Arrival(epoch=1))
+        assert w(server) == pytest.approx([ws], abs=1e-12)
+        assert state.arrays["momentum"].state_dict()["w"].tolist() == pytest.approx([m], abs=1e-12)
+    assert [round(e[0], 6) for e in expected] == [-0.33, 0.2069, 0.158033]
+    # the same as PyTorch's SGD(nesterov=True) fed the pseudo-gradients
+    p = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+    opt = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+    for wc in (0.0, 0.5, 0.2):
+        p.grad = p.detach() - wc
+        opt.step()
+    assert p.item() == pytest.approx(w(server)[0], abs=1e-12)
+
+
+def test_sync_averages_by_samples_once_the_target_is_reached():
+    rule = Sync(target_samples=30)
+    server = flat(0.0, steps=[5])
+    state = rule.init_state(server)
+    out = rule.apply(server, flat(1.0, steps=[7]), state, Arrival(epoch=1, n_samples=10))
+    assert out["applied"] is False and w(server) == [0.0] and state.scalars == {"samples": 10, "updates": 1}
+    out = rule.apply(server, flat(4.0, steps=[9]), state, Arrival(epoch=1, n_samples=20))
+    assert out["applied"] is True
+    assert w(server) == [(10 * 1.0 + 20 * 4.0) / 30]  # 3.0
+    assert server.state_dict()["n"].tolist() == [9]  # integer state: the client's value
+    assert state.scalars == {"samples": 0, "updates": 0}
+    assert state.arrays["sum"].state_dict()["w"].tolist() == [0.0]
+
+
+def test_integer_state_takes_the_clients_value_in_every_rule():
+    for rule in (VCASGD(alpha=0.9), Staleness(), Nesterov(delay=1), Nesterov(delay=3)):
+        server = flat(1.0, steps=[1])
+        rule.apply(server, flat(1.0, steps=[42]), rule.init_state(server), Arrival(epoch=1))
+        assert server.state_dict()["n"].tolist() == [42]
+
+
+def test_registry_and_bad_options():
+    assert isinstance(get_rule("nesterov"), Nesterov)
+    assert get_rule("vc-asgd", 0.7).describe() == {"name": "vc-asgd", "alpha": 0.7}
+    assert get_rule("sync", samples_per_epoch=123).target_samples == 123
+    with pytest.raises(UnknownMergeRuleError, match="'nesterov'.*'staleness'.*'sync'.*'vc-asgd'"):
+        get_rule("fedavg")
+    with pytest.raises(ValueError, match="alpha=0.5 does not apply to merge='nesterov'"):
+        get_rule("nesterov", 0.5)
+    with pytest.raises(ValueError, match="lr=-1"):
+        Nesterov(lr=-1)
+    with pytest.raises(ValueError, match="momentum=1.0"):
+        Nesterov(momentum=1.0)
+    with pytest.raises(ValueError, match="function='cubic'"):
+        Staleness(function="cubic")
+    with pytest.raises(TypeError, match="merge must be"):
+        get_rule(3)
+    with pytest.raises(ValueError, match="delay=0"):
+        Nesterov(delay=0)
+    assert Nesterov().in_flight(6).delay == 6 and Nesterov(delay=2).in_flight(6).delay == 2
+
+
+def _upload(store, run, epoch, shard, value, base_step):
+    path = update_path(run, epoch, shard, 0)
+    write_update(store.files, path, flatten({"w": torch.full((3,), float(value))}))
+    return {"epoch": epoch, "shard": shard, "attempt": 0, "base_step": base_step, "update": path, "n_samples": 10}
+
+
+def test_momentum_state_survives_a_restart(tmp_path):
+    """Two merges, the server dies, a new ServerState resumes from the store: the third merge gives
+    exactly what an uninterrupted server gives."""
+    def start(store_path, run):
+        store = vcdask.open_store(store_path)
+        if run not in store.branches():
+            store.create_branch(run)
+            store.commit(flatten({"w": torch.ones(3)}), {"run_id": run, "step": 0, "merged": []}, branch=run)
+        state = ServerState(store, run, Nesterov(lr=0.7, momentum=0.9, delay=1), run)
+        state.load()
+        return store, state
+
+    store, a = start(tmp_path / "a", "run-a")
+    store_b, b = start(tmp_path / "b", "run-b")
+    for i, value in enumerate((0.0, 0.5)):
+        a.merge(_upload(store, "run-a", 1, i, value, i))
+        b.merge(_upload(store_b, "run-b", 1, i, value, i))
+    saved = store_b.read_state(b.version)
+    assert saved["momentum"].state_dict()["w"].tolist() == b.rule_state.arrays["momentum"].state_dict()["w"].tolist()
+    assert store_b.read(b.version).metadata["merge"] == {"name": "nesterov", "lr": 0.7, "momentum": 0.9, "delay": 1}
+    del b  # the server dies; a new one resumes from the branch
+    _, b2 = start(tmp_path / "b", "run-b")
+    assert b2.step == 2
+    assert torch.equal(b2.rule_state.arrays["momentum"].arrays["float32"], a.rule_state.arrays["momentum"].arrays["float32"])
+    a.merge(_upload(store, "run-a", 1, 2, 0.2, 2))
+    b2.merge(_upload(store_b, "run-b", 1, 2, 0.2, 2))
+    assert torch.equal(a.params.arrays["float32"], b2.params.arrays["float32"])
+    # a new run started from this version gets a fresh outer optimizer
+    store_b.create_branch("run-c", b2.version)
+    c = ServerState(store_b, "run-c", Nesterov(delay=1), "run-c")
+    c.load()
+    assert not c.rule_state.arrays["momentum"].arrays["float32"].any()
+
+
+def test_sync_buffer_survives_a_restart(tmp_path):
+    store = vcdask.open_store(tmp_path / "s")
+    store.create_branch("run-s")
+    store.commit(flatten({"w": torch.zeros(3)}), {"run_id": "run-s", "step": 0, "merged": []}, branch="run-s")
+    s1 = ServerState(store, "run-s", Sync(target_samples=20), "run-s")
+    s1.load()
+    s1.merge(_upload(store, "run-s", 1, 0, 1.0, 0))  # collected, W_s unchanged; buffer committed
+    assert store.read(s1.version).metadata["rule_state"] == {"samples": 10, "updates": 1}
+    s2 = ServerState(store, "run-s", Sync(target_samples=20), "run-s")
+    s2.load()
+    s2.merge(_upload(store, "run-s", 1, 1, 3.0, 1))
+    assert s2.params.state_dict()["w"].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_fit_rejects_bad_merge_options_before_cluster_work(digits_data, tmp_path):
+    from vcdask.demo import digits_cnn
+
+    (X, y), _ = digits_data
+    with pytest.raises(UnknownMergeRuleError, match="fedavg.*choose one of"):
+        vcdask.fit(digits_cnn(0), (X, y), merge="fedavg", store=tmp_path / "s")
+    with pytest.raises(ValueError, match="does not apply to merge='sync'"):
+        vcdask.fit(digits_cnn(0), (X, y), merge="sync", alpha=0.5, store=tmp_path / "s")
+    assert not (tmp_path / "s").exists()  # nothing was written: the errors came first
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("merge", ["nesterov", "sync", Staleness(alpha=0.5)])
+def test_fit_with_each_rule(merge, client, digits_data, tmp_path):
+    from vcdask.demo import digits_cnn
+
+    (X, y), _ = digits_data
+    result = vcdask.fit(digits_cnn(0), (X[:600], y[:600]), validation=0.2, max_epochs=3, n_shards=4, merge=merge,
+                        client=client, store=tmp_path / "s", progress=False)
+    accepted = result.history[result.history.accepted]
+    assert len(accepted) == 12 and len(result.epochs) == 3
+    head = result.store.read(result.version)
+    name = merge if isinstance(merge, str) else merge.name
+    assert head.metadata["merge"]["name"] == name
+    if name == "nesterov":  # delay: the 4 tasks in flight (2 workers x 1 thread x tasks_per_slot 2)
+        assert head.metadata["merge"]["delay"] == 4
+        assert set(result.store.read_state(result.version)) == {"momentum", "pending"}
+    if name == "sync":  # one merge per epoch's samples: W_s changes only at the end of each epoch
+        assert head.metadata["rule_state"] == {"samples": 0, "updates": 0}
+    assert result.metrics["accuracy"] > 0.15  # better than chance (0.1) after 3 short epochs
+
+
+def test_delayed_nesterov_window_equals_one_step_on_the_mean():
+    """N arrivals from the same base make one Nesterov step on their mean pseudo-gradient, spread out."""
+    rule = Nesterov(lr=0.7, momentum=0.9, delay=2)
+    server = flat(1.0)
+    state = rule.init_state(server)
+    rule.apply(server, flat(0.0), state, Arrival(epoch=1))  # g1 = 1: W = 1 - 0.35 = 0.65, momentum waits
+    assert w(server) == pytest.approx([0.65]) and state.scalars == {"arrivals": 1}
+    rule.apply(server, flat(0.45), state, Arrival(epoch=1))  # g2 = 0.65 - 0.45 = 0.2
+    # W = 0.65 - 0.35 * 0.2 = 0.58; m = mean(1, 0.2) = 0.6; W -= 0.7 * 0.9 * 0.6 = 0.378 -> 0.202
+    assert w(server) == pytest.approx([0.202])
+    assert state.arrays["momentum"].state_dict()["w"].tolist() == pytest.approx([0.6])
+    assert state.scalars == {"arrivals": 0} and state.arrays["pending"].state_dict()["w"].tolist() == [0.0]
