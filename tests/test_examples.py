@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import subprocess
 import sys
@@ -35,3 +37,76 @@ def test_retrain_from_tag_twice(tmp_path):
     before, after = map(float, re.search(r"test accuracy ([0-9.]+) -> ([0-9.]+)", second).groups())
     assert before > 0.5  # it really started from the released model (a fresh one scores ~0.1)
     assert after > 0.8
+
+
+def _job(script: str, *args: str, cwd: Path, expect: int = 0) -> str:
+    """Run a job script; check its exit code; return its output (stdout and the log on stderr)."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == expect, f"exit code {proc.returncode}, expected {expect}:\n{output}"
+    return output
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """A store holding one release, nightly-1, made by the nightly job from a fresh model."""
+    cwd = tmp_path_factory.mktemp("nightly")
+    store = cwd / "store"
+    out = _job("nightly_retrain.py", "--store", str(store), "--epochs", "4", cwd=cwd)
+    assert "no release tagged nightly-<N> yet" in out
+    v1 = re.search(r"released nightly-1 = version (\w+)", out).group(1)
+    return store, v1
+
+
+def test_nightly_retrain_releases_only_when_not_worse(released, tmp_path):
+    store, v1 = released
+    # a gate that any candidate passes: the job starts from nightly-1 and releases nightly-2
+    out = _job("nightly_retrain.py", "--store", str(store), "--epochs", "2", "--seed", "1", "--min-gain", "-1",
+               cwd=tmp_path)
+    baseline = float(re.search(rf"release nightly-1 \(version {v1}\): holdout accuracy ([0-9.]+)", out).group(1))
+    assert baseline > 0.5  # the released model, not a fresh one (~0.1)
+    v2 = re.search(r"released nightly-2 = version (\w+)", out).group(1)
+    assert vcdask.open_store(store, mode="r").tags() == {"nightly-1": v1, "nightly-2": v2}
+
+    # a gate no candidate can pass: exit 3, nightly-2 stays the newest release, the candidate stays on its branch
+    out = _job("nightly_retrain.py", "--store", str(store), "--epochs", "1", "--seed", "2", "--min-gain", "1",
+               cwd=tmp_path, expect=3)
+    assert f"release nightly-2 (version {v2})" in out
+    candidate, run_id = re.search(r"candidate version (\w+) \(run ([\w-]+),", out).groups()
+    assert "not released" in out and "nightly-2 stays the newest release" in out
+    after = vcdask.open_store(store, mode="r")
+    assert after.tags() == {"nightly-1": v1, "nightly-2": v2}
+    assert after.head(run_id) == candidate
+
+
+def test_export_version_both_formats(released, tmp_path):
+    import torch
+
+    from vcdask.demo import digits, digits_cnn
+
+    store, v1 = released
+    stored = vcdask.load(str(store), tag="nightly-1")
+    _, (X_test, _) = digits()
+    X_test = torch.from_numpy(X_test)
+
+    _job("export_version.py", "--store", str(store), "--tag", "nightly-1", "--out", "model.pt2", cwd=tmp_path)
+    meta = json.loads((tmp_path / "model.pt2.json").read_text())
+    assert (meta["version"], meta["tag"], meta["format"]) == (v1, "nightly-1", "export")
+    assert meta["sha256"] == hashlib.sha256((tmp_path / "model.pt2").read_bytes()).hexdigest()
+    exported = torch.export.load(tmp_path / "model.pt2").module()
+    with torch.no_grad():
+        expected, got = stored(X_test), exported(X_test)  # batch size 359: the batch dimension is dynamic
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got.argmax(1), expected.argmax(1))
+
+    _job("export_version.py", "--store", str(store), "--version", v1, "--out", "weights.pt", "--format",
+         "state_dict", cwd=tmp_path)
+    model = digits_cnn(seed=123)
+    model.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True))
+    assert all(torch.equal(t, stored.state_dict()[name]) for name, t in model.state_dict().items())
+
+    out = _job("export_version.py", "--store", str(store), "--tag", "nightly-99", "--out", "x.pt2", cwd=tmp_path,
+               expect=4)
+    assert "nightly-99" in out and "nightly-1" in out  # names the missing tag and lists those there are
+    assert not (tmp_path / "x.pt2").exists()
