@@ -44,6 +44,8 @@ MODELS = {"digits": digits_cnn, "wide": wide_cnn}
 
 def rule_from(spec: str):
     name, _, arg = spec.partition(":")
+    if name == "default":
+        return None  # vcdask.fit's default rule
     if name == "vc-asgd":
         return VCASGD(alpha=arg if arg == "epoch" else float(arg or 0.5))
     if name == "staleness":
@@ -156,6 +158,8 @@ def main() -> None:
     store = tempfile.mkdtemp(prefix="vcdask-bench-strategies-")
     baselines = [b for b in args.baselines.split(",") if b]
     with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+        # warm-up: worker processes import torch and fill their caches once, outside the measurements
+        vcdask.fit(make(0), (X, y), max_epochs=1, n_shards=10, client=client, store=store, progress=False)
         for seed in range(args.repeat):
             for b in baselines:
                 if b == "torch":

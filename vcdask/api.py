@@ -21,7 +21,7 @@ from .cluster import check_client, resolve_client
 from .data import DataError, PreparedData, Shards, prepare_data, stage
 from .handle import FitResult, RunHandle, ensure_plugin
 from .resilience import Resilience
-from .rules import Nesterov, get_rule
+from .rules import DEFAULT_RULE, Nesterov, get_rule
 from .store import ParamStore, open_store
 from .task import RunSpec
 
@@ -196,7 +196,7 @@ def fit(
     n_shards: int | None = None,
     local_epochs: int = 1,
     batch_size: int = 32,
-    merge: str | Any = "vc-asgd",
+    merge: str | Any = None,
     alpha: float | str | Callable[[int], float] | None = None,
     target: Mapping[str, float] | None = None,
     validation: Any = None,
@@ -240,8 +240,9 @@ def fit(
     local_epochs : int, default 1
         Passes over its shard that each task makes.
     batch_size : int, default 32
-    merge : {"vc-asgd", "staleness", "nesterov", "sync"} or vcdask.rules.MergeRule, default "vc-asgd"
-        How the server folds each update in (see :mod:`vcdask.rules`): the paper's rule,
+    merge : {"vc-asgd", "staleness", "nesterov", "sync"} or vcdask.rules.MergeRule, optional
+        How the server folds each update in (see :mod:`vcdask.rules`).  Default:
+        :data:`vcdask.rules.DEFAULT_RULE`, or ``"vc-asgd"`` when ``alpha`` is given.  The paper's rule,
         FedAsync's staleness-aware mixing, an outer Nesterov step per arrival (DiLoCo), or
         synchronous large-batch averaging (one merge per epoch's samples).  Configure a rule
         with an instance, e.g. ``vcdask.rules.Nesterov(lr=0.5)``.
@@ -297,6 +298,8 @@ def fit(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_client(client)
+    if merge is None:
+        merge = "vc-asgd" if alpha is not None else DEFAULT_RULE
     rule = get_rule(merge, alpha)
     max_epochs = _positive_int("max_epochs", max_epochs)
     local_epochs = _positive_int("local_epochs", local_epochs)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+
+import dask.system
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +32,7 @@ def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
     import dask.config
     from distributed import LocalCluster
 
-    n = (os.cpu_count() or 1) if n_workers is None else n_workers
+    n = dask.system.CPU_COUNT if n_workers is None else n_workers  # honours affinity and cgroup limits
     kwargs.setdefault("threads_per_worker", 1)
     kwargs.setdefault("processes", True)
     kwargs.setdefault("dashboard_address", ":0")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
+import dask.system
 import numpy as np
 import torch
 
@@ -51,7 +51,7 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
 
     (X, y), (X_test, y_test) = digits()
     print(f"digits: {len(X)} training and {len(X_test)} test images; training a small CNN with VC-ASGD "
-          f"on an embedded LocalCluster ({os.cpu_count()} worker processes)")
+          f"on an embedded LocalCluster ({dask.system.CPU_COUNT} worker processes)")
     t0 = time.perf_counter()
     result = vcdask.fit(digits_cnn(), (X, y), validation=0.1, max_epochs=max_epochs, n_shards=10, local_epochs=4,
                         alpha=0.5, store=store, progress=progress)

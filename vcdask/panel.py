@@ -327,7 +327,9 @@ def _header_html(st: PanelState) -> str:
     metric = last.get(st.metric)
     parts = [f"<b>{html.escape(st.run_id)}</b> &middot; {html.escape(str(s.get('status', '')))}",
              f"version {s.get('step', 0)} <code>{html.escape(str(version)[:12])}</code>",
-             f"alpha {_fmt(s.get('alpha'), '.3g')}", f"staleness {_fmt(s.get('staleness'), 'd')}",
+             (f"merge {html.escape(str(s.get('merge') or 'vc-asgd'))}"
+              + (f" (alpha {_fmt(s.get('alpha'), '.3g')})" if s.get("alpha") is not None else "")),
+             f"staleness {_fmt(s.get('staleness'), 'd')}",
              f"{html.escape(st.metric)} {_fmt(metric)}",
              f"store <code>{html.escape(str(s.get('store', '')))}</code>"]
     out = " &nbsp;|&nbsp; ".join(parts)

@@ -38,7 +38,7 @@ from .errors import ParameterMismatchError, VcdaskError
 from .params import FlatParams
 from .schedules import Constant, EpochSchedule, check_alpha, get_schedule
 
-__all__ = ["Arrival", "MergeRule", "Nesterov", "RuleState", "Staleness", "Sync", "UnknownMergeRuleError",
+__all__ = ["DEFAULT_RULE", "Arrival", "MergeRule", "Nesterov", "RuleState", "Staleness", "Sync", "UnknownMergeRuleError",
            "VCASGD", "get_rule", "rules"]
 
 
@@ -343,6 +343,12 @@ class Sync(MergeRule):
 
 
 rules: dict[str, type[MergeRule]] = {r.name: r for r in (VCASGD, Staleness, Nesterov, Sync)}
+
+#: The rule ``vcdask.fit`` uses when neither ``merge`` nor ``alpha`` is given: delayed Nesterov
+#: (one momentum step per tasks-in-flight arrivals) with lr 0.5, momentum 0.8.  Chosen by
+#: ``benchmarks/strategies.py``: the one configuration within 1 point of single-process torch on
+#: both tasks (digits -0.84, wide CNN -0.70 points); see the docs' merge-rules page.
+DEFAULT_RULE = Nesterov(lr=0.5, momentum=0.8)
 
 
 def get_rule(merge: str | MergeRule, alpha: float | str | Callable[[int], float] | None = None,

@@ -567,7 +567,8 @@ class Run:
             return
         if task.kind == "update" and isinstance(exc, (KilledWorker, OSError)):
             # Dask already retried it on other workers (allowed-failures); each loss is a worker failure
-            for address in _suspects(exc):
+            for address in _suspects(exc) if task.started is not None else ():
+                # only a task that was running counts against its worker; queued ones were collateral
                 self._worker(address).failed += 1
                 self._maybe_exclude(address)
                 self._event("lost", epoch=task.epoch, shard=task.shard, worker=address,
@@ -685,7 +686,8 @@ class Run:
                 "paused": self.state.stalled() or self.outage, "tasks": self._task_table(),
                 "elapsed": time.time() - self.started, "alpha": self._alpha_now(),
                 "staleness": next((h["staleness"] for h in reversed(self.history) if h["accepted"]), None),
-                "store": self.store.location, "branch": self.spec.branch}
+                "store": self.store.location, "branch": self.spec.branch,
+                "merge": getattr(self.spec.merge, "name", None)}
 
     def _alpha_now(self) -> float | None:
         try:
