@@ -304,22 +304,27 @@ def test_f_object_store_faults(s3, client, digits_data):
         assert all(torch.isfinite(a).all() for a in params.arrays.values() if a.is_floating_point())
 
 
+def _fit_behind_proxy(proxy, s3, client, digits_data, max_epochs: int, outage_timeout: float):
+    """A run whose store (S3 on loopback, max_tries=2) is reached through ``proxy``; returns
+    (location, thread, out, run_id) once it has merged two updates."""
+    (X, y), _ = digits_data
+    location = f"s3://{s3.new_bucket()}/runs"
+    options = {"endpoint_url": proxy.endpoint_url, "access_key_id": "testing", "secret_access_key": "testing"}
+    store = vcdask.open_store(location, max_tries=2, **options)
+    thread, out = fit_in_thread(model=digits_cnn(7), data=(X[:600], y[:600]), client=client, store=store,
+                                validation=0.2, max_epochs=max_epochs, n_shards=4, local_epochs=2, alpha=0.5,
+                                progress=False, resilience=vcdask.Resilience(store_outage_timeout=outage_timeout))
+    return location, thread, out, running_run(client, min_step=2, timeout=120)
+
+
 @pytest.mark.s3
 def test_f_store_outage_longer_than_retries_pauses_then_continues(s3, client, digits_data):
     """Every request to the store fails for several seconds, far past the store's own retries: the run
     pauses (says so), no worker is blamed, and it continues when the store is back — no merge lost."""
     from vcdask.testing.faulty_proxy import FaultyProxy
 
-    (X, y), _ = digits_data
     with FaultyProxy(s3.endpoint_url, seed=4) as proxy:
-        location = f"s3://{s3.new_bucket()}/runs"
-        options = {"endpoint_url": proxy.endpoint_url, "access_key_id": "testing", "secret_access_key": "testing"}
-        store = vcdask.open_store(location, max_tries=2, **options)
-        thread, out = fit_in_thread(model=digits_cnn(7), data=(X[:600], y[:600]), client=client, store=store,
-                                    validation=0.2, max_epochs=3, n_shards=4, local_epochs=2, alpha=0.5,
-                                    progress=False,
-                                    resilience=vcdask.Resilience(store_outage_timeout=120))
-        run_id = running_run(client, min_step=2, timeout=120)
+        _, thread, out, run_id = _fit_behind_proxy(proxy, s3, client, digits_data, max_epochs=3, outage_timeout=120)
         proxy.set_faults(p_503=1.0)  # the store is down, far longer than the storage clients retry
         seen_paused = False
         deadline = time.monotonic() + 45
@@ -346,16 +351,9 @@ def test_f_store_outage_past_the_outage_timeout_fails_clearly(s3, client, digits
     stays readable at its last commit."""
     from vcdask.testing.faulty_proxy import FaultyProxy
 
-    (X, y), _ = digits_data
     with FaultyProxy(s3.endpoint_url, seed=5) as proxy:
-        location = f"s3://{s3.new_bucket()}/runs"
-        options = {"endpoint_url": proxy.endpoint_url, "access_key_id": "testing", "secret_access_key": "testing"}
-        store = vcdask.open_store(location, max_tries=2, **options)
-        thread, out = fit_in_thread(model=digits_cnn(7), data=(X[:600], y[:600]), client=client, store=store,
-                                    validation=0.2, max_epochs=20, n_shards=4, local_epochs=2, alpha=0.5,
-                                    progress=False,
-                                    resilience=vcdask.Resilience(store_outage_timeout=3))
-        run_id = running_run(client, min_step=2, timeout=120)
+        location, thread, out, run_id = _fit_behind_proxy(proxy, s3, client, digits_data, max_epochs=20,
+                                                          outage_timeout=3)
         proxy.set_faults(p_503=1.0)
         thread.join(300)
         proxy.set_faults()
