@@ -346,8 +346,8 @@ rules: dict[str, type[MergeRule]] = {r.name: r for r in (VCASGD, Staleness, Nest
 
 #: The rule ``vcdask.fit`` uses when neither ``merge`` nor ``alpha`` is given: delayed Nesterov
 #: (one momentum step per tasks-in-flight arrivals) with lr 0.5, momentum 0.8.  Chosen by
-#: ``benchmarks/strategies.py``: the one configuration within 1 point of single-process torch on
-#: both tasks (digits -0.84, wide CNN -0.70 points); see the docs' merge-rules page.
+#: ``benchmarks/strategies.py``: the best final accuracy on both tasks, within 1 point of
+#: single-process torch (digits -0.84, wide CNN +0.14 points); see the docs' merge-rules page.
 DEFAULT_RULE = Nesterov(lr=0.5, momentum=0.8)
 
 
