@@ -410,7 +410,8 @@ class Run:
                         and self._processing_on(other_key) == worker):
                     other.overdue = True
                     self._submit_shard(other.epoch, other.shard, avoid=worker)
-        await self._retry_or_give_up(task.epoch, task.shard, why, avoid=worker)
+        # a copy that never started (queued while workers died and restarted) is not the shard's failure
+        await self._retry_or_give_up(task.epoch, task.shard, why, avoid=worker, count=task.started is not None)
 
     def _maybe_exclude(self, address: str) -> None:
         rec = self._worker(address)
