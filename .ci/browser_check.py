@@ -14,7 +14,6 @@ import argparse
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,12 +25,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage"]
 PANEL = ".jp-OutputArea-output:has(.widget-html-content :text('shards'))"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_lab(root: Path, port: int, token: str, log: Path) -> subprocess.Popen:
@@ -58,6 +51,8 @@ def check(notebook: Path, out: Path, chromium: str, timeout: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="vcdask-browser-"))
     shutil.copy(notebook, root / notebook.name)
+    from vcdask.testing.s3 import free_port
+
     port, token = free_port(), secrets.token_hex(16)
     lab = start_lab(root, port, token, root / "lab.log")
     report: dict = {}
