@@ -61,7 +61,10 @@ def test_a_repeated_worker_kills(digits_data, tmp_path):
     assert len(killer.kills) >= 3, f"only {len(killer.kills)} kills landed"
     result = out["result"]
     assert_every_shard_once(result, 20, 8)
-    assert abs(accuracy_on(result.model, Xt, yt) - accuracy_on(clean.model, Xt, yt)) <= 0.02
+    # the runs' own final accuracy (their validation split) within 2 points; on the 359 test images, where one
+    # image is 0.28 points and the last merges of an alpha-0.5 run move the model most, within 3
+    assert abs(result.metrics["accuracy"] - clean.metrics["accuracy"]) <= 0.02
+    assert abs(accuracy_on(result.model, Xt, yt) - accuracy_on(clean.model, Xt, yt)) <= 0.03
 
 
 def test_b_stopped_worker_is_reissued_and_its_late_result_recorded(digits_data, tmp_path):
