@@ -18,6 +18,8 @@ import statistics
 import threading
 import time
 
+import dask
+from _scratch import add_store_argument, scratch_store
 from distributed import Client
 
 import vcdask
@@ -93,15 +95,20 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--kill-every", type=float, default=1.5)
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--store", default="/tmp/vcdask-bench-chaos")
-    ap.add_argument("--max-staleness", type=int, default=None)
+    add_store_argument(ap)
+    ap.add_argument("--max-staleness", default="auto", type=lambda v: None if v == "none" else v if v == "auto" else int(v),
+                    help='an integer, "auto" (the default) or "none" (merge every update, as the paper does)')
     args = ap.parse_args()
     data = digits()
     rows = {k: [] for k in ("none", "kills", "straggler")}
-    for seed in range(args.repeat):
-        for kind in rows:
-            with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
-                rows[kind].append(scenario(client, kind, args, data, seed, args.store))
+    # LocalCluster closes a nanny whose worker is still down 15 s after a death (lost-worker-timeout); with a
+    # kill every 1.5 s that retires the pool one nanny at a time.  Here every nanny keeps restarting its worker.
+    with scratch_store(args.store, "chaos") as store, \
+            dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}):
+        for seed in range(args.repeat):
+            for kind in rows:
+                with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
+                    rows[kind].append(scenario(client, kind, args, data, seed, store))
     base_wall = statistics.median(r["wall"] for r in rows["none"])
     base_acc = statistics.median(r["acc"] for r in rows["none"])
     print(f"\ndigits, demo CNN, 3 worker processes, {args.epochs} epochs x 8 shards, alpha 0.5; "

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 
+from _scratch import add_store_argument, scratch_store
 from distributed import Client
 
 import vcdask
@@ -31,11 +31,12 @@ def main() -> None:
     ap.add_argument("--local-epochs", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--png", default="docs/_static/paper_alpha.png")
+    add_store_argument(ap)
     args = ap.parse_args()
     (X, y), (Xt, yt) = digits()
-    store = tempfile.mkdtemp(prefix="vcdask-bench-alpha-")
     runs: dict[str, list] = {name: [] for name in ALPHAS}
-    with embedded_cluster(n_workers=4, threads_per_worker=1) as cluster, Client(cluster, set_as_default=False) as c:
+    with scratch_store(args.store, "alpha") as store, \
+            embedded_cluster(n_workers=4, threads_per_worker=1) as cluster, Client(cluster, set_as_default=False) as c:
         # warm-up: worker processes import torch and fill their caches once, outside the measurements
         vcdask.fit(digits_cnn(0), (X, y), max_epochs=1, n_shards=10, merge="vc-asgd", alpha=0.5, tasks_per_slot=1,
                    client=c, store=store, progress=False)

@@ -21,16 +21,16 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
+from _scratch import add_store_argument, scratch_store
 from distributed import Client
 
 import vcdask
 from vcdask.cluster import embedded_cluster
 from vcdask.demo import accuracy_on, digits, digits_cnn
-from vcdask.rules import Nesterov, Staleness, Sync, VCASGD
+from vcdask.rules import VCASGD, Nesterov, Staleness
 
 
 def wide_cnn(seed: int = 0) -> torch.nn.Module:
@@ -153,14 +153,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rules", default="vc-asgd:epoch,vc-asgd:0.5,staleness:0.5,nesterov:0.7/0.9,sync")
     ap.add_argument("--baselines", default="torch,ddp")
+    add_store_argument(ap)
     args = ap.parse_args()
     make = MODELS[args.task]
     (X, y), (Xt, yt) = digits()
     passes = args.epochs * args.local_epochs
     rows: dict[str, list] = {}
-    store = tempfile.mkdtemp(prefix="vcdask-bench-strategies-")
     baselines = [b for b in args.baselines.split(",") if b]
-    with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+    with scratch_store(args.store, "strategies") as store, embedded_cluster(n_workers=2) as cluster, \
+            Client(cluster, set_as_default=False) as client:
         # warm-up: worker processes import torch and fill their caches once, outside the measurements
         vcdask.fit(make(0), (X, y), max_epochs=1, n_shards=10, client=client, store=store, progress=False)
         for seed in range(args.repeat):

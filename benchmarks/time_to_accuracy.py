@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from _scratch import add_store_argument, scratch_store
 from distributed import Client
 
 import vcdask
@@ -73,17 +74,18 @@ def main() -> None:
     ap.add_argument("--local-epochs", type=int, default=4)
     ap.add_argument("--alpha", default="0.5")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--store", default="/tmp/vcdask-bench-tta")
+    add_store_argument(ap)
     args = ap.parse_args()
     alpha = args.alpha if args.alpha == "epoch" else float(args.alpha)
     (X, y), (Xt, yt) = digits()
     rows = {"torch": [], "torch1": [], "vcdask": []}
     t = time.perf_counter()
-    with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+    with scratch_store(args.store, "tta") as store, embedded_cluster(n_workers=2) as cluster, \
+            Client(cluster, set_as_default=False) as client:
         startup = time.perf_counter() - t
         for seed in range(args.repeat):
             rows["vcdask"].append(vcdask_run(seed, client, X, y, Xt, yt, args.epochs, args.local_epochs, alpha,
-                                             args.target, args.store))
+                                             args.target, store))
             for key, threads in (("torch", 2), ("torch1", 1)):
                 rows[key].append(torch_baseline(seed, X, y, Xt, yt, args.epochs * args.local_epochs,
                                                 args.local_epochs, args.target, threads))

@@ -102,12 +102,13 @@ def running_run(client, timeout: float = 60, min_step: int = 0) -> str:
     raise TimeoutError("no run is running")
 
 
-def start_worker(scheduler_address: str, env: dict[str, str]) -> subprocess.Popen:
-    """A separate `dask worker` process (1 thread, no nanny) with extra environment variables."""
+def start_worker(scheduler_address: str, env: dict[str, str] | None = None,
+                 name: str = "bad-worker") -> subprocess.Popen:
+    """A separate `dask worker` process (1 thread, no nanny: a SIGKILL ends it) with extra environment variables."""
     return subprocess.Popen(
         [sys.executable, "-m", "distributed.cli.dask_worker", scheduler_address, "--nthreads", "1", "--no-nanny",
-         "--name", "bad-worker", "--no-dashboard"],
-        env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--name", name, "--no-dashboard"],
+        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 class ChaosNet(torch.nn.Module):

@@ -48,7 +48,10 @@ FIT = dict(validation=0.1, max_epochs=8, n_shards=8, local_epochs=4, alpha=0.5, 
 def test_a_repeated_worker_kills(digits_data, tmp_path):
     (X, y), (Xt, yt) = digits_data
     fit = {**FIT, "max_epochs": 20}
-    with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
+    # LocalCluster closes a nanny whose worker is still down 15 s after a death (lost-worker-timeout): with a
+    # kill every 1.5 s that retires the pool one nanny at a time.  Here every nanny keeps restarting its worker.
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}), \
+            embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
         clean = vcdask.fit(digits_cnn(7), (X, y), client=client, store=tmp_path / "clean", **fit)
         killer = Killer(client, period=1.5, seed=1)
         thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", **fit)
@@ -87,6 +90,38 @@ def test_b_stopped_worker_is_reissued_and_its_late_result_recorded(digits_data, 
     assert victim in set(late.worker)  # its results came back after SIGCONT: discarded and recorded
     assert not late.accepted.any()
     assert result.workers.set_index("worker").loc[victim].timed_out >= 1
+
+
+def test_straggler_too_far_behind_is_reissued_without_blame(digits_data, tmp_path):
+    """Under a deadline it never reaches, a frozen worker's shards are re-issued once the run has merged
+    max_staleness versions past their base: no stale update is merged and nobody is charged a failure."""
+    (X, y), _ = digits_data
+    fit = {**FIT, "max_epochs": 12, "local_epochs": 12}
+    res = vcdask.Resilience(deadline=600, max_staleness=6)
+    with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
+        thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s",
+                                    resilience=res, **fit)
+        run_id = running_run(client, min_step=2)
+        victim = wait_for_executing_worker(client)
+        pid = worker_pid(client, victim)
+        os.kill(pid, signal.SIGSTOP)
+        start = client.sync(client.scheduler.vcdask_status, run_id=run_id)["step"]
+        deadline = time.monotonic() + 60
+        while client.sync(client.scheduler.vcdask_status, run_id=run_id)["step"] < start + 30:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGCONT)
+        thread.join(300)
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, 12, 8)
+    h = result.history
+    assert h[h.accepted].staleness.max() <= 6
+    # its result came back after SIGCONT, long after a fresh copy (re-issued at 6 behind) had been merged
+    back = h[(h.worker == victim) & h.reason.fillna("").str.startswith("late")]
+    assert len(back) >= 1 and not back.accepted.any()
+    stats = result.workers.set_index("worker").loc[victim]
+    assert (stats.timed_out, stats.failed, stats.excluded) == (0, 0, None)
 
 
 def test_c_caller_killed_run_finishes_and_attach_gets_result(digits_data, tmp_path):
@@ -156,6 +191,84 @@ def test_e_bad_worker_updates_rejected(digits_data, tmp_path):
     assert abs(accuracy_on(result.model, Xt, yt) - accuracy_on(clean.model, Xt, yt)) <= 0.02
 
 
+def _kill_pool(client, workers: list) -> None:
+    """SIGKILL every worker process (no nannies: they stay dead) and wait until the scheduler saw them go."""
+    for proc in workers:
+        proc.kill()
+        proc.wait(30)
+    deadline = time.monotonic() + 30
+    while client.scheduler_info()["workers"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not client.scheduler_info()["workers"]
+
+
+def _status(client, run_id: str) -> dict:
+    return client.sync(client.scheduler.vcdask_status, run_id=run_id)
+
+
+def test_whole_pool_lost_then_replaced(digits_data, tmp_path):
+    """Every worker dies mid-run: the run waits (paused, no re-issue storm), then finishes on new workers."""
+    (X, y), _ = digits_data
+    res = vcdask.Resilience(deadline_floor=1.0, no_worker_timeout=120)
+    with embedded_cluster(n_workers=0) as cluster, Client(cluster, set_as_default=False) as client:
+        pool = [start_worker(cluster.scheduler_address, name=f"first-{i}") for i in range(2)]
+        replacements = []
+        try:
+            client.wait_for_workers(2, timeout=60)
+            thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s",
+                                        resilience=res, **FIT)
+            run_id = running_run(client, timeout=120, min_step=3)
+            first = set(client.scheduler_info()["workers"])
+            _kill_pool(client, pool)
+            deadline = time.monotonic() + 30
+            while not (_status(client, run_id)["paused"] or "").startswith("no usable worker"):
+                assert time.monotonic() < deadline, _status(client, run_id)
+                time.sleep(0.1)
+            queued = len(_status(client, run_id)["tasks"])
+            time.sleep(8)  # well past the "never started" limit of a 1 s deadline: nothing to re-issue to
+            waiting = _status(client, run_id)
+            assert waiting["status"] == "running" and waiting["paused"].startswith("no usable worker")
+            assert len(waiting["tasks"]) == queued, waiting["tasks"]
+            replacements = [start_worker(cluster.scheduler_address, name=f"second-{i}") for i in range(2)]
+            thread.join(300)
+            assert not thread.is_alive(), _status(client, run_id)
+        finally:
+            for proc in pool + replacements:
+                proc.kill()
+                proc.wait(30)
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, 8, 8)
+    merged_on = set(result.history[result.history.accepted].worker)
+    assert merged_on & first and merged_on - first  # merges from both pools
+    assert result.workers.excluded.isna().all()
+
+
+def test_whole_pool_lost_past_no_worker_timeout(digits_data, tmp_path):
+    (X, y), _ = digits_data
+    res = vcdask.Resilience(no_worker_timeout=3)
+    with embedded_cluster(n_workers=0) as cluster, Client(cluster, set_as_default=False) as client:
+        pool = [start_worker(cluster.scheduler_address, name=f"only-{i}") for i in range(2)]
+        try:
+            client.wait_for_workers(2, timeout=60)
+            thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s",
+                                        resilience=res, **{**FIT, "max_epochs": 50})
+            run_id = running_run(client, timeout=120, min_step=2)
+            _kill_pool(client, pool)
+            thread.join(60)
+            assert not thread.is_alive(), _status(client, run_id)
+        finally:
+            for proc in pool:
+                proc.kill()
+                proc.wait(30)
+    error = out.get("error")
+    assert isinstance(error, vcdask.RunFailedError), out
+    assert "no usable worker for 3 s (no_worker_timeout; connected workers: none)" in str(error)
+    store = vcdask.open_store(tmp_path / "s")
+    head = store.head(run_id)
+    assert store.read(head).version == head  # the store stays readable at its last commit
+
+
 def test_preemption_notice_moves_work_without_failures(digits_data, tmp_path):
     (X, y), _ = digits_data
     with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
@@ -178,14 +291,26 @@ def test_g_bad_resilience_options_fail_before_cluster_work(tmp_path):
         vcdask.Resilience(deadline=0)
     with pytest.raises(ValueError, match="deadline must be a positive number, got -5"):
         vcdask.Resilience(deadline=-5)
-    with pytest.raises(ValueError, match=r"max_staleness must be an integer >= 0 \(or None\), got -1"):
+    with pytest.raises(ValueError, match=r"max_staleness must be an integer >= 0, 'auto' or None \(no limit\), got -1"):
         vcdask.Resilience(max_staleness=-1)
+    with pytest.raises(ValueError, match=r"max_staleness must be .*, got 'Auto'"):
+        vcdask.Resilience(max_staleness="Auto")
     with pytest.raises(ValueError, match=r"unknown on_shard_failure policy 'retry'; valid policies: \['stop', 'skip'\]"):
         vcdask.Resilience(on_shard_failure="retry")
     with pytest.raises(TypeError, match="resilience must be a vcdask.Resilience, got dict"):
         vcdask.fit(torch.nn.Linear(64, 10), (torch.zeros(10, 64), torch.zeros(10, dtype=torch.long)),
                    resilience={"deadline": 1}, store=tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()
+
+
+def test_staleness_limit_auto_default():
+    from vcdask.resilience import staleness_limit
+
+    assert vcdask.Resilience().max_staleness == "auto"
+    assert staleness_limit("auto", n_shards=8, in_flight=6) == 24  # four times the tasks in flight
+    assert staleness_limit("auto", n_shards=50, in_flight=4) == 100  # two epochs' worth of shards
+    assert staleness_limit(3, n_shards=50, in_flight=4) == 3
+    assert staleness_limit(None, n_shards=50, in_flight=4) is None
 
 
 def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path):

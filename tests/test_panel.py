@@ -117,3 +117,17 @@ def test_panel_state_folds_events_idempotently():
     assert [(r["worker"], r["state"]) for r in st.worker_rows()] == [("w1", "active"), ("w2", "lost")]
     assert st.status["step"] == 1 and st.status["alpha"] == 0.5
     assert any("w2 lost" in n for n in st.notes)
+
+
+@pytest.mark.parametrize("cause, shown, note", [
+    ("store", "store unavailable: 503 Slow Down", "store back after 12 s"),
+    ("workers", "no usable worker (connected: 0)", "workers back after 12 s"),
+])
+def test_panel_state_shows_why_a_run_is_paused(cause, shown, note):
+    st = PanelState("r")
+    why = "503 Slow Down" if cause == "store" else "no usable worker (connected: 0)"
+    st.apply({"type": "paused", "cause": cause, "why": why})
+    assert st.paused == shown
+    st.apply({"type": "resumed", "cause": cause, "after": 12.0})
+    assert st.paused is None
+    assert any(note in n for n in st.notes), st.notes

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-
-import dask.system
 from collections.abc import Iterator
 from typing import Any
+
+import dask.system
 
 logger = logging.getLogger(__name__)
 

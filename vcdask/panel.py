@@ -118,11 +118,13 @@ class PanelState:
         elif kind == "preempted":
             self._note(f"worker {event['worker']} preempted: {event['reissued']} shard(s) moved")
         elif kind == "paused":
-            self.paused = f"store unavailable: {event['why']}"
+            workers = event.get("cause") == "workers"
+            self.paused = event["why"] if workers else f"store unavailable: {event['why']}"
             self._note(f"paused: {self.paused}")
         elif kind == "resumed":
             self.paused = None
-            self._note(f"store back after {event['after']:.0f} s: continuing")
+            what = "workers" if event.get("cause") == "workers" else "store"
+            self._note(f"{what} back after {event['after']:.0f} s: continuing")
         elif kind in ("finished", "failed", "started"):
             self.status["status"] = {"finished": "finished", "failed": "error", "started": "running"}[kind]
             if kind == "failed":

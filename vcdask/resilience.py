@@ -35,8 +35,12 @@ class Resilience:
         worker.  Default: ``max(deadline_floor, deadline_factor * tasks_per_slot * median shard time)``.
     deadline_factor, deadline_floor : float, default 4.0 and 5.0
         The automatic deadline's multiple of the running median, and its lower bound (seconds).
-    max_staleness : int, optional
-        Reject an update whose base version is more than this many merges old.
+    max_staleness : int, "auto" or None, default "auto"
+        Reject an update whose base version is more than this many merges old, and re-issue a
+        shard task at once when the run has moved that far past its base (its result could only
+        be rejected).  ``"auto"``: ``max(2 * n_shards, 4 * tasks in flight)``, far above what
+        healthy workers produce, so that only a straggler's update is refused; ``None``: no limit
+        (the paper's VC-ASGD merges every update, however old).
     max_update_norm : float, optional
         Reject an update whose distance ``||W_c - W_s||_2`` from the server copy exceeds this.
     max_attempts : int, default 4
@@ -57,7 +61,7 @@ class Resilience:
     deadline: float | None = None
     deadline_factor: float = 4.0
     deadline_floor: float = 5.0
-    max_staleness: int | None = None
+    max_staleness: int | str | None = "auto"
     max_update_norm: float | None = None
     max_attempts: int = 4
     on_shard_failure: str = "stop"
@@ -73,10 +77,11 @@ class Resilience:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if self.max_staleness is not None and (
+        if self.max_staleness not in (None, "auto") and (
             isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0
         ):
-            raise ValueError(f"max_staleness must be an integer >= 0 (or None), got {self.max_staleness!r}")
+            raise ValueError(f"max_staleness must be an integer >= 0, 'auto' or None (no limit), "
+                             f"got {self.max_staleness!r}")
         for name in ("max_attempts", "max_worker_failures"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -134,6 +139,14 @@ class WorkerRecord:
         return {"worker": self.address, "done": self.done, "failed": self.failed, "timed_out": self.timed_out,
                 "rejected": self.rejected, "mean_seconds": self.mean_seconds, "preempted": self.preempted,
                 "excluded": self.excluded}
+
+
+def staleness_limit(max_staleness: int | str | None, n_shards: int, in_flight: int) -> int | None:
+    """The staleness limit in force: ``max_staleness`` itself, or for ``"auto"`` the larger of two
+    epochs' worth of shards and four times the tasks in flight (healthy workers stay far below)."""
+    if max_staleness == "auto":
+        return max(2 * n_shards, 4 * in_flight)
+    return max_staleness
 
 
 def check_update(server: FlatParams, client: FlatParams, *, staleness: int, max_staleness: int | None,

@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import StoreAccessDeniedError, StoreError, StoreNotFoundError
 from .recovery import read_back
-from .resilience import WorkerRecord
+from .resilience import WorkerRecord, staleness_limit
 from .server import ServerState
 from .task import RunSpec, train_shard, validate_version
 
@@ -72,7 +72,7 @@ class Run:
         self.ac = None
         # W_s: touched only by the merge thread; the loop reads its counters between merges
         self.state = ServerState(spec.store, spec.branch, spec.merge, spec.run_id, commit_every=spec.commit_every,
-                                 keep_updates=spec.keep_updates, max_staleness=self.res.max_staleness,
+                                 keep_updates=spec.keep_updates,
                                  max_update_norm=self.res.max_update_norm,
                                  outage_timeout=self.res.store_outage_timeout)
         # scheduling state (event loop only)
@@ -94,7 +94,8 @@ class Run:
         self.epoch_end: dict[int, tuple[int, float]] = {}  # epoch -> (step, wall seconds)
         self.epochs: list[dict] = []
         self.stopping: str | None = None
-        self.idle_since: float | None = None
+        self.idle_since: float | None = None  # since when no usable worker is connected
+        self.no_workers: str | None = None  # why the run waits for workers (status()["paused"])
         # store outages seen by tasks: their shards wait in `returned` until `hold_until`
         self.outage_since: float | None = None
         self.outage: str | None = None
@@ -137,6 +138,9 @@ class Run:
         threads = sum(self.scheduler.workers[a].nthreads for a in self._usable())
         return max(1, self.spec.tasks_per_slot * threads)
 
+    def _staleness_limit(self) -> int | None:
+        return staleness_limit(self.res.max_staleness, self.spec.shards.n_shards, self._slots())
+
     def _n_training(self) -> int:
         return sum(t.kind == "update" and not t.overdue for t in self.in_flight.values())
 
@@ -161,6 +165,7 @@ class Run:
             watchdog = asyncio.ensure_future(self._watch_deadlines())
             nxt = None
             while not self._finished():
+                self._check_workers()
                 self._fill(None)
                 if not self.in_flight:
                     await self._wait_for_workers()
@@ -190,27 +195,38 @@ class Run:
             await self._cleanup()
             self.done.set()
 
+    def _check_workers(self) -> bool:
+        """Whether a usable worker is connected.  Without one the run waits (tasks already submitted
+        stay queued at the scheduler), and fails once it has waited longer than ``no_worker_timeout``."""
+        now = time.monotonic()
+        if self._usable():
+            if self.idle_since is not None:
+                logger.warning("run %s: usable workers again after %.0f s", self.id, now - self.idle_since)
+                self._event("resumed", cause="workers", after=now - self.idle_since)
+                for task in self.in_flight.values():  # copies queued meanwhile start their clocks now
+                    if task.started is None:
+                        task.submitted = now
+            self.idle_since, self.no_workers = None, None
+            return True
+        states = {a: self._worker(a).excluded or "draining" for a in self.scheduler.workers}
+        if self.idle_since is None:
+            self.idle_since = now
+            logger.warning("run %s: no usable worker (connected: %s); waiting up to %.0f s", self.id,
+                           states or "none", self.res.no_worker_timeout)
+            self._event("paused", cause="workers", why=f"no usable worker (connected: {len(states)})")
+        elif now - self.idle_since > self.res.no_worker_timeout:
+            raise RuntimeError(f"run {self.id} had no usable worker for {self.res.no_worker_timeout:.0f} s "
+                               f"(no_worker_timeout; connected workers: {states or 'none'})")
+        self.no_workers = (f"no usable worker for {now - self.idle_since:.0f} s "
+                           f"(connected: {len(states)}; no_worker_timeout={self.res.no_worker_timeout:g} s)")
+        return False
+
     async def _wait_for_workers(self) -> None:
-        """Nothing in flight and nothing dispatchable: wait for usable workers to join, for a while."""
-        if not self._usable():
-            if self.idle_since is None:
-                self.idle_since = time.monotonic()
-                logger.warning("run %s: no usable worker (connected: %s); waiting up to %.0f s", self.id,
-                               {a: self._worker(a).excluded or "draining" for a in self.scheduler.workers},
-                               self.res.no_worker_timeout)
-            elif time.monotonic() - self.idle_since > self.res.no_worker_timeout:
-                states = {a: self._worker(a).excluded or "draining" for a in self.scheduler.workers}
-                raise RuntimeError(f"run {self.id} had no usable worker for {self.res.no_worker_timeout:.0f} s "
-                                   f"(connected workers: {states or 'none'})")
-            await asyncio.sleep(WATCH_INTERVAL)
-            return
-        self.idle_since = None
-        if self._holding() or self.returned or self.parked_validations:
-            await asyncio.sleep(WATCH_INTERVAL)  # shards wait for the store to come back
-            return
-        if self.dispatch_epoch >= self.spec.max_epochs and not self.queue.get(self.dispatch_epoch):
-            raise RuntimeError(f"run {self.id} has nothing left to run or wait for, but epoch "
-                               f"{len(self.epochs) + 1} is not complete")
+        """Nothing in flight: wait for usable workers, for the store, or find the run stuck."""
+        if self._usable() and not (self._holding() or self.returned or self.parked_validations):
+            if self.dispatch_epoch >= self.spec.max_epochs and not self.queue.get(self.dispatch_epoch):
+                raise RuntimeError(f"run {self.id} has nothing left to run or wait for, but epoch "
+                                   f"{len(self.epochs) + 1} is not complete")
         await asyncio.sleep(WATCH_INTERVAL)
 
     async def _on_done(self, future) -> None:
@@ -226,7 +242,7 @@ class Run:
                                          reason=f"cancelled: {why}", time=self._now()))
             return
         try:
-            record = await future
+            record = await self._result(future)
         except Exception as exc:  # noqa: BLE001 - a task's error is data for the failure policy
             await self._task_failed(task, exc, future)
             return
@@ -241,6 +257,21 @@ class Run:
         if not self._finished():
             self._fill(record["worker"])
         await self._on_update(record, task)
+
+    async def _result(self, future) -> dict:
+        """The finished task's result record (a few hundred bytes, held by the worker that ran it).
+
+        If that worker dies before handing it over, Dask runs the task again once a worker is there;
+        meanwhile the run keeps watching the pool (``no_worker_timeout``) instead of waiting blind."""
+        fetch = asyncio.ensure_future(_await(future))
+        try:
+            while True:
+                done, _ = await asyncio.wait({fetch}, timeout=1.0)
+                if done:
+                    return fetch.result()
+                self._check_workers()
+        finally:
+            fetch.cancel()
 
     def _finished(self) -> bool:
         return self.stopping is not None or len(self.epochs) >= self.spec.max_epochs
@@ -376,8 +407,17 @@ class Run:
                          and t.shard in self.merged.get(t.epoch, ()) and self._processing_on(k) is None]
             if redundant:  # copies of merged shards that no worker is running (e.g. theirs died)
                 await self.client.cancel([self.futures[k] for k in redundant])
+            if not self._usable():
+                continue  # nowhere to re-issue to: copies wait at the scheduler for workers to join
+            stale_after = self._staleness_limit()
             for key, task in list(self.in_flight.items()):
                 if task.kind != "update" or task.overdue or task.shard in self.merged.get(task.epoch, ()):
+                    continue
+                behind = self.state.step - task.step
+                if stale_after is not None and behind > stale_after:
+                    # its result could only be rejected as stale: a fresh copy now, nobody blamed
+                    await self._overdue(key, task, f"fell {behind} merges behind (max_staleness={stale_after})",
+                                        self._processing_on(key), blame=False)
                     continue
                 limit = deadline
                 if task.worker is not None and self._worker(task.worker).done == 0:
@@ -395,12 +435,18 @@ class Run:
         ts = self.scheduler.tasks.get(key)
         return ts.processing_on.address if ts is not None and ts.processing_on is not None else None
 
-    async def _overdue(self, key: str, task: _Task, why: str, worker: str | None) -> None:
-        """Re-issue ``task`` elsewhere; a worker whose running task is late also loses its queue."""
+    async def _overdue(self, key: str, task: _Task, why: str, worker: str | None, blame: bool = True) -> None:
+        """Re-issue ``task`` elsewhere; a worker whose running task is late also loses its queue.
+
+        With ``blame=False`` (the task fell too far behind the run, however fast its worker) neither
+        the worker nor the shard is charged with a failure."""
         task.overdue = True
         logger.warning("run %s: shard %d of epoch %d %s on %s; re-issuing", self.id, task.shard, task.epoch,
                        why, worker)
         self._event("reissue", epoch=task.epoch, shard=task.shard, worker=worker, why=why)
+        if not blame:
+            await self._retry_or_give_up(task.epoch, task.shard, why, avoid=worker, count=False)
+            return
         if worker is not None and task.started is not None:
             self._worker(worker).timed_out += 1
             self._maybe_exclude(worker)
@@ -454,7 +500,7 @@ class Run:
                 await self._in_thread(self.store.files.delete, rec["update"])
         else:
             epoch_complete = len(merged) + len(self.skipped.get(epoch, ())) + 1 == self.spec.shards.n_shards
-            outcome = await self._in_thread(self.state.merge, rec, epoch_complete)
+            outcome = await self._in_thread(self.state.merge, rec, epoch_complete, self._staleness_limit())
             fault = outcome.pop("fault", None)
             row.update(outcome)
             if row["accepted"]:
@@ -473,7 +519,8 @@ class Run:
                     self._maybe_exclude(worker)
                 logger.warning("run %s: rejected the update of shard %d, epoch %d from %s: %s", self.id, shard,
                                epoch, worker, row["reason"])
-                await self._retry_or_give_up(epoch, shard, row["reason"], avoid=worker)
+                # an update that came back too stale is the pace's doing, not the shard's: re-issue, uncounted
+                await self._retry_or_give_up(epoch, shard, row["reason"], avoid=worker, count=fault != "stale")
         self.history.append(row)
         self._event("update", worker_row=wrec.as_row(), version=self.state.version,
                     **{k: row[k] for k in ("epoch", "shard", "worker", "accepted", "new_version", "staleness",
@@ -596,7 +643,7 @@ class Run:
         now = time.monotonic()
         if self.outage_since is None:
             self.outage_since = now
-            self._event("paused", why=str(exc))
+            self._event("paused", cause="store", why=str(exc))
             logger.warning("run %s paused: a task could not reach the store: %s", self.id, exc)
         waited = now - self.outage_since
         if waited > self.res.store_outage_timeout:
@@ -618,7 +665,7 @@ class Run:
         if self.outage_since is not None:
             logger.warning("run %s: the store answers again after %.0f s; continuing", self.id,
                            time.monotonic() - self.outage_since)
-            self._event("resumed", after=time.monotonic() - self.outage_since)
+            self._event("resumed", cause="store", after=time.monotonic() - self.outage_since)
         self.outage_since, self.outage, self.store_faults = None, None, 0
 
     def _copy_running(self, epoch: int, shard: int) -> bool:
@@ -648,7 +695,7 @@ class Run:
             future = self.client.submit(validate_version, self.store, self.id, version, step,
                                         key=f"vcdask-validate-{self.id}-final-{attempt}", priority=10)
             try:
-                rec = await future
+                rec = await self._result(future)
             except StoreError as exc:  # wait for the store, within store_outage_timeout
                 self._store_fault(_Task("validation", step=step, version=version, attempt=attempt), exc)
                 self.parked_validations.clear()
@@ -684,7 +731,7 @@ class Run:
                 "n_shards": self.spec.shards.n_shards,
                 "merged_in_epoch": len(self.merged.get(len(self.epochs) + 1, ())),
                 "in_flight": self._n_training(), "last_epoch": last, "stopping": self.stopping,
-                "paused": self.state.stalled() or self.outage, "tasks": self._task_table(),
+                "paused": self.state.stalled() or self.outage or self.no_workers, "tasks": self._task_table(),
                 "elapsed": time.time() - self.started, "alpha": self._alpha_now(),
                 "staleness": next((h["staleness"] for h in reversed(self.history) if h["accepted"]), None),
                 "store": self.store.location, "branch": self.spec.branch,
@@ -726,6 +773,10 @@ class Run:
 
 
 _ACTIVE = ("queued", "running", "re-issued")
+
+
+async def _await(future):
+    return await future
 
 
 def _suspects(exc: BaseException) -> list[str]:

@@ -96,13 +96,17 @@ class ServerState:
         """Whether every merge so far is in a committed version."""
         return self.version_step == self.step
 
-    def merge(self, record: dict[str, Any], force_commit: bool = False) -> dict[str, Any]:
+    def merge(self, record: dict[str, Any], force_commit: bool = False, max_staleness: int | None = None
+              ) -> dict[str, Any]:
         """Merge the update described by ``record`` (epoch, shard, attempt, base_step, update path).
 
         Returns the history fields of the merge: accepted, alpha, new_version, staleness, version_id;
-        or, for an update that fails :func:`~vcdask.resilience.check_update`, ``accepted=False``
-        with the ``reason`` and ``fault`` kind — ``W_s`` is then untouched.
+        or, for an update that fails :func:`~vcdask.resilience.check_update` (with ``max_staleness``,
+        default: the one given at construction), ``accepted=False`` with the ``reason`` and ``fault``
+        kind — ``W_s`` is then untouched.
         """
+        if max_staleness is None:
+            max_staleness = self.max_staleness
         staleness = self.step - record["base_step"]
         try:
             client = self._through_outages(lambda: read_update(self.store.files, record["update"]),
@@ -110,7 +114,7 @@ class ServerState:
         except (ValueError, KeyError, FileNotFoundError, EOFError, zipfile.BadZipFile) as e:
             # unreadable (missing, truncated, not an update): a rejected update, not a crash
             return self._reject(record, staleness, "unreadable", f"unreadable update: {e}")
-        problem = check_update(self.params, client, staleness=staleness, max_staleness=self.max_staleness,
+        problem = check_update(self.params, client, staleness=staleness, max_staleness=max_staleness,
                                max_norm=self.max_update_norm)
         if problem is not None:
             return self._reject(record, staleness, *problem)

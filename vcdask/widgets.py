@@ -62,7 +62,7 @@ class ConsoleProgress:
                 continue
             post[k] = f"{v:.4f}"
         if status.get("paused"):
-            post["paused"] = "store"
+            post["paused"] = "workers" if status["paused"].startswith("no usable worker") else "store"
         self.bar.set_postfix(post, refresh=True)
 
     def close(self, status: dict | None = None) -> None:
