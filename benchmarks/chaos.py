@@ -96,7 +96,8 @@ def main() -> None:
     ap.add_argument("--kill-every", type=float, default=1.5)
     ap.add_argument("--repeat", type=int, default=1)
     add_store_argument(ap)
-    ap.add_argument("--max-staleness", default="auto", type=lambda v: None if v == "none" else v if v == "auto" else int(v),
+    ap.add_argument("--max-staleness", default="auto",
+                    type=lambda v: None if v == "none" else v if v == "auto" else int(v),
                     help='an integer, "auto" (the default) or "none" (merge every update, as the paper does)')
     args = ap.parse_args()
     data = digits()

@@ -13,11 +13,12 @@ import random
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from .errors import StoreAccessDeniedError, StoreError, StoreNotFoundError
+from .history import TaskRecord, history_row
 from .recovery import read_back
+from .outage import StoreOutage
 from .resilience import WorkerRecord, staleness_limit
 from .server import ServerState
 from .task import RunSpec, train_shard, validate_version
@@ -27,30 +28,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["Run"]
 
 WATCH_INTERVAL = 0.2  # seconds between deadline checks
-
-
-@dataclass
-class _Task:
-    kind: str  # "update" or "validation"
-    epoch: int = 0
-    shard: int = 0
-    attempt: int = 0
-    step: int = 0
-    version: str | None = None  # the version a validation task measures
-    submitted: float = 0.0
-    started: float | None = None  # reported by the task when it begins to run
-    worker: str | None = None
-    overdue: bool = False  # a copy was re-issued because this one missed its deadline (or was stuck)
-
-
-def _row(epoch, shard, attempt, **kw) -> dict:
-    row = {"epoch": epoch, "shard": shard, "attempt": attempt, "worker": None, "update": None,
-           "base_version": None, "new_version": None, "version_id": None, "alpha": None, "staleness": None,
-           "train_loss": float("nan"), "seconds": float("nan"), "read_seconds": float("nan"),
-           "train_seconds": float("nan"), "upload_seconds": float("nan"), "accepted": False, "reason": None,
-           "time": None}
-    row.update(kw)
-    return row
 
 
 class Run:
@@ -86,7 +63,7 @@ class Run:
         self.home: dict[int, str] = {}  # shard -> worker that last trained it (and caches its rows)
         self.workers: dict[str, WorkerRecord] = {}
         self.draining: set[str] = set()  # preempted workers: no new shards
-        self.in_flight: dict[str, _Task] = {}
+        self.in_flight: dict[str, TaskRecord] = {}
         self.futures: dict[str, Any] = {}
         self.history: list[dict] = []
         self.shard_seconds: list[float] = []
@@ -96,11 +73,8 @@ class Run:
         self.stopping: str | None = None
         self.idle_since: float | None = None  # since when no usable worker is connected
         self.no_workers: str | None = None  # why the run waits for workers (status()["paused"])
-        # store outages seen by tasks: their shards wait in `returned` until `hold_until`
-        self.outage_since: float | None = None
-        self.outage: str | None = None
-        self.hold_until = 0.0
-        self.store_faults = 0
+        # store outages seen by tasks: their shards wait in `returned` while the outage holds dispatch
+        self.outage = StoreOutage(self.res.store_outage_timeout)
         self.returned: list[tuple[int, int]] = []
         self.parked_validations: list[tuple[str, int, int]] = []
         # what the progress panel's shard grid shows: (epoch, shard) -> state
@@ -223,7 +197,7 @@ class Run:
 
     async def _wait_for_workers(self) -> None:
         """Nothing in flight: wait for usable workers, for the store, or find the run stuck."""
-        if self._usable() and not (self._holding() or self.returned or self.parked_validations):
+        if self._usable() and not (self.outage.holding() or self.returned or self.parked_validations):
             if self.dispatch_epoch >= self.spec.max_epochs and not self.queue.get(self.dispatch_epoch):
                 raise RuntimeError(f"run {self.id} has nothing left to run or wait for, but epoch "
                                    f"{len(self.epochs) + 1} is not complete")
@@ -238,7 +212,7 @@ class Run:
             if task.kind == "update":
                 why = ("superseded: another copy of this shard was merged"
                        if task.shard in self.merged.get(task.epoch, ()) else self.stopping)
-                self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
+                self.history.append(history_row(task.epoch, task.shard, task.attempt, base_version=task.step,
                                          reason=f"cancelled: {why}", time=self._now()))
             return
         try:
@@ -299,7 +273,7 @@ class Run:
             if meta["shard"] in queue:
                 queue.remove(meta["shard"])
             rec = {"seconds": float("nan"), "upload_seconds": float("nan"), **meta}
-            await self._on_update(rec, _Task("update", meta["epoch"], meta["shard"], meta["attempt"],
+            await self._on_update(rec, TaskRecord("update", meta["epoch"], meta["shard"], meta["attempt"],
                                              meta["base_step"]))
         self._close_epochs()
 
@@ -319,12 +293,8 @@ class Run:
         queue.remove(pick)
         return self.dispatch_epoch, pick
 
-    def _holding(self) -> bool:
-        """Whether dispatch waits for the store to come back (after tasks failed on a store fault)."""
-        return time.monotonic() < self.hold_until
-
     def _fill(self, freed_worker: str | None) -> None:
-        if not self._usable() or self._holding():
+        if not self._usable() or self.outage.holding():
             return  # nobody to run on (wait for workers to (re)join), or the store is out
         while self.parked_validations:
             self._submit_validation(*self.parked_validations.pop(0))
@@ -355,7 +325,7 @@ class Run:
         version, step = self.state.head
         future = self.client.submit(train_shard, self.store, self.id, epoch, shard, attempt, version, step,
                                     key=key, **where)
-        self._track(future, _Task("update", epoch, shard, attempt, step, submitted=time.monotonic()))
+        self._track(future, TaskRecord("update", epoch, shard, attempt, step, submitted=time.monotonic()))
         self._set_shard(epoch, shard, "queued" if attempt == 0 else "re-issued")
         return key
 
@@ -367,10 +337,10 @@ class Run:
         if key in self.futures or step in self.validations:
             return
         future = self.client.submit(validate_version, self.store, self.id, version, step, key=key, priority=10)
-        self._track(future, _Task("validation", attempt=retry, step=step, version=version,
+        self._track(future, TaskRecord("validation", attempt=retry, step=step, version=version,
                                   submitted=time.monotonic()))
 
-    def _track(self, future, task: _Task) -> None:
+    def _track(self, future, task: TaskRecord) -> None:
         self.in_flight[future.key] = task
         self.futures[future.key] = future
         self.ac.add(future)
@@ -435,7 +405,7 @@ class Run:
         ts = self.scheduler.tasks.get(key)
         return ts.processing_on.address if ts is not None and ts.processing_on is not None else None
 
-    async def _overdue(self, key: str, task: _Task, why: str, worker: str | None, blame: bool = True) -> None:
+    async def _overdue(self, key: str, task: TaskRecord, why: str, worker: str | None, blame: bool = True) -> None:
         """Re-issue ``task`` elsewhere; a worker whose running task is late also loses its queue.
 
         With ``blame=False`` (the task fell too far behind the run, however fast its worker) neither
@@ -483,11 +453,12 @@ class Run:
         return moved
 
     # -- results ------------------------------------------------------------------------------
-    async def _on_update(self, rec: dict, task: _Task) -> None:
+    async def _on_update(self, rec: dict, task: TaskRecord) -> None:
         epoch, shard, worker = rec["epoch"], rec["shard"], rec["worker"]
-        row = _row(epoch, shard, rec["attempt"], worker=worker, update=rec["update"], base_version=rec["base_step"],
-                   train_loss=rec["train_loss"], seconds=rec["seconds"], read_seconds=rec["read_seconds"],
-                   train_seconds=rec["train_seconds"], upload_seconds=rec["upload_seconds"], time=self._now())
+        row = history_row(epoch, shard, rec["attempt"], worker=worker, update=rec["update"],
+                          base_version=rec["base_step"], train_loss=rec["train_loss"], seconds=rec["seconds"],
+                          read_seconds=rec["read_seconds"], train_seconds=rec["train_seconds"],
+                          upload_seconds=rec["upload_seconds"], time=self._now())
         wrec = self._worker(worker)
         wrec.done += 1
         wrec.seconds += rec["seconds"]
@@ -557,7 +528,7 @@ class Run:
         if self.res.on_shard_failure == "stop":
             raise RuntimeError(message + "; on_shard_failure='stop'")
         logger.warning("run %s: %s; skipping it for this epoch (on_shard_failure='skip')", self.id, message)
-        self.history.append(_row(epoch, shard, self.attempts[(epoch, shard)] - 1, reason=f"skipped: {message}",
+        self.history.append(history_row(epoch, shard, self.attempts[(epoch, shard)] - 1, reason=f"skipped: {message}",
                                  time=self._now()))
         skipped = self.skipped.setdefault(epoch, set())
         skipped.add(shard)
@@ -607,7 +578,7 @@ class Run:
             if target and all(_reached(name, goal, row.get(name)) for name, goal in target.items()):
                 self.stopping = f"target {target} reached at epoch {epoch}"
 
-    async def _task_failed(self, task: _Task, exc: BaseException, future) -> None:
+    async def _task_failed(self, task: TaskRecord, exc: BaseException, future) -> None:
         from distributed.scheduler import KilledWorker
 
         if isinstance(exc, StoreError) and not isinstance(exc, (StoreNotFoundError, StoreAccessDeniedError)):
@@ -621,7 +592,7 @@ class Run:
                 self._maybe_exclude(address)
                 self._event("lost", epoch=task.epoch, shard=task.shard, worker=address,
                             worker_row=self._worker(address).as_row(), why=f"{type(exc).__name__}")
-            self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
+            self.history.append(history_row(task.epoch, task.shard, task.attempt, base_version=task.step,
                                      reason=f"lost: {type(exc).__name__}: {exc}", time=self._now()))
             if task.shard not in self.merged.get(task.epoch, ()):
                 # A task that never started was only queued on the dead worker: not its fault.
@@ -636,24 +607,15 @@ class Run:
                 return
         raise RuntimeError(f"{task.kind} task (epoch {task.epoch}, shard {task.shard}) failed: {exc!r}") from exc
 
-    def _store_fault(self, task: _Task, exc: BaseException) -> None:
+    def _store_fault(self, task: TaskRecord, exc: BaseException) -> None:
         """A task failed because the store (parameters or data) did not answer: not the worker's fault,
         not the shard's.  Its work goes back to wait; dispatch holds off with backoff, and the run
         fails only once the store has been out longer than ``store_outage_timeout``."""
-        now = time.monotonic()
-        if self.outage_since is None:
-            self.outage_since = now
+        if self.outage.fault(exc):
             self._event("paused", cause="store", why=str(exc))
             logger.warning("run %s paused: a task could not reach the store: %s", self.id, exc)
-        waited = now - self.outage_since
-        if waited > self.res.store_outage_timeout:
-            raise RuntimeError(f"the store was unavailable for {waited:.0f} s, longer than store_outage_timeout="
-                               f"{self.res.store_outage_timeout:g} s; last fault: {exc}") from exc
-        self.store_faults += 1
-        self.outage = f"store unavailable for {waited:.0f} s: {exc}"
-        self.hold_until = now + min(0.5 * 2 ** min(self.store_faults - 1, 6), 15.0)
         if task.kind == "update":
-            self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
+            self.history.append(history_row(task.epoch, task.shard, task.attempt, base_version=task.step,
                                      worker=task.worker, reason=f"store fault: {exc}", time=self._now()))
             if task.shard not in self.merged.get(task.epoch, ()) and not self._copy_running(task.epoch, task.shard):
                 self.returned.append((task.epoch, task.shard))
@@ -662,11 +624,10 @@ class Run:
 
     def _store_back(self) -> None:
         """A task got through to the store: the outage (if any) is over."""
-        if self.outage_since is not None:
-            logger.warning("run %s: the store answers again after %.0f s; continuing", self.id,
-                           time.monotonic() - self.outage_since)
-            self._event("resumed", cause="store", after=time.monotonic() - self.outage_since)
-        self.outage_since, self.outage, self.store_faults = None, None, 0
+        lasted = self.outage.back()
+        if lasted is not None:
+            logger.warning("run %s: the store answers again after %.0f s; continuing", self.id, lasted)
+            self._event("resumed", cause="store", after=lasted)
 
     def _copy_running(self, epoch: int, shard: int) -> bool:
         return any(t.kind == "update" and (t.epoch, t.shard) == (epoch, shard) and not t.overdue
@@ -680,7 +641,7 @@ class Run:
             for key in leftover:
                 task = self.in_flight.pop(key)
                 self.futures.pop(key, None)
-                self.history.append(_row(task.epoch, task.shard, task.attempt, base_version=task.step,
+                self.history.append(history_row(task.epoch, task.shard, task.attempt, base_version=task.step,
                                          reason=f"cancelled: {self.stopping or 'run finished'}", time=self._now()))
         await self._in_thread(self.state.commit)
         version, step = self.state.head
@@ -697,9 +658,9 @@ class Run:
             try:
                 rec = await self._result(future)
             except StoreError as exc:  # wait for the store, within store_outage_timeout
-                self._store_fault(_Task("validation", step=step, version=version, attempt=attempt), exc)
+                self._store_fault(TaskRecord("validation", step=step, version=version, attempt=attempt), exc)
                 self.parked_validations.clear()
-                await asyncio.sleep(max(0.0, self.hold_until - time.monotonic()))
+                await asyncio.sleep(self.outage.wait_seconds())
                 continue
             self._store_back()
             self.validations[rec["step"]] = rec["metrics"]
@@ -731,7 +692,7 @@ class Run:
                 "n_shards": self.spec.shards.n_shards,
                 "merged_in_epoch": len(self.merged.get(len(self.epochs) + 1, ())),
                 "in_flight": self._n_training(), "last_epoch": last, "stopping": self.stopping,
-                "paused": self.state.stalled() or self.outage or self.no_workers, "tasks": self._task_table(),
+                "paused": self.state.stalled() or self.outage.why or self.no_workers, "tasks": self._task_table(),
                 "elapsed": time.time() - self.started, "alpha": self._alpha_now(),
                 "staleness": next((h["staleness"] for h in reversed(self.history) if h["accepted"]), None),
                 "store": self.store.location, "branch": self.spec.branch,
