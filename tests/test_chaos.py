@@ -263,7 +263,9 @@ def test_whole_pool_lost_past_no_worker_timeout(digits_data, tmp_path):
                 proc.wait(30)
     error = out.get("error")
     assert isinstance(error, vcdask.RunFailedError), out
+    assert "NoWorkersError: run " in str(error)
     assert "no usable worker for 3 s (no_worker_timeout; connected workers: none)" in str(error)
+    assert "task (epoch" not in str(error)  # the run's verdict, not dressed up as a task's failure
     store = vcdask.open_store(tmp_path / "s")
     head = store.head(run_id)
     assert store.read(head).version == head  # the store stays readable at its last commit

@@ -30,6 +30,10 @@ __all__ = ["Run"]
 WATCH_INTERVAL = 0.2  # seconds between deadline checks
 
 
+class NoWorkersError(RuntimeError):
+    """The run had no usable worker for longer than ``no_worker_timeout``."""
+
+
 class Run:
     """One training run on a scheduler (see :mod:`vcdask.plugin` for how clients reach it)."""
 
@@ -189,7 +193,7 @@ class Run:
                            states or "none", self.res.no_worker_timeout)
             self._event("paused", cause="workers", why=f"no usable worker (connected: {len(states)})")
         elif now - self.idle_since > self.res.no_worker_timeout:
-            raise RuntimeError(f"run {self.id} had no usable worker for {self.res.no_worker_timeout:.0f} s "
+            raise NoWorkersError(f"run {self.id} had no usable worker for {self.res.no_worker_timeout:.0f} s "
                                f"(no_worker_timeout; connected workers: {states or 'none'})")
         self.no_workers = (f"no usable worker for {now - self.idle_since:.0f} s "
                            f"(connected: {len(states)}; no_worker_timeout={self.res.no_worker_timeout:g} s)")
@@ -217,6 +221,8 @@ class Run:
             return
         try:
             record = await self._result(future)
+        except NoWorkersError:
+            raise  # the run's own verdict while it waited, not the task's failure
         except Exception as exc:  # noqa: BLE001 - a task's error is data for the failure policy
             await self._task_failed(task, exc, future)
             return
