@@ -47,7 +47,10 @@ FIT = dict(validation=0.1, max_epochs=8, n_shards=8, local_epochs=4, alpha=0.5, 
 
 def test_a_repeated_worker_kills(digits_data, tmp_path):
     (X, y), (Xt, yt) = digits_data
-    fit = {**FIT, "max_epochs": 20}
+    # The default merge rule, as users get it. With alpha 0.5 the final model is half the very last update,
+    # so its accuracy on the 144 validation images (0.69 points each) swung by 3 images between runs that
+    # only differed in arrival order: 2.08 points, against the criterion's 2.
+    fit = {**{k: v for k, v in FIT.items() if k != "alpha"}, "max_epochs": 20}
     # LocalCluster closes a nanny whose worker is still down 15 s after a death (lost-worker-timeout): with a
     # kill every 1.5 s that retires the pool one nanny at a time.  Here every nanny keeps restarting its worker.
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}), \
@@ -158,7 +161,9 @@ def test_c_caller_killed_run_finishes_and_attach_gets_result(digits_data, tmp_pa
 def test_e_bad_worker_updates_rejected(digits_data, tmp_path):
     (X, y), (Xt, yt) = digits_data
     res = vcdask.Resilience(max_update_norm=100.0, max_worker_failures=3)
-    fit = dict(FIT, optimizer=FaultyAdam, resilience=res, max_epochs=20)
+    # the default merge rule (see test a: alpha 0.5 makes the final accuracy swing with the last arrivals)
+    fit = {**{k: v for k, v in FIT.items() if k != "alpha"}, "optimizer": FaultyAdam, "resilience": res,
+           "max_epochs": 20}
     with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
         clean = vcdask.fit(ChaosNet(7), (X, y), client=client, store=tmp_path / "clean", **fit)
     # The bad worker is alone when the run starts, so it gets the first shards; good workers join next.
