@@ -173,9 +173,9 @@ class Run:
             await self._cleanup()
             self.done.set()
 
-    def _check_workers(self) -> bool:
-        """Whether a usable worker is connected.  Without one the run waits (tasks already submitted
-        stay queued at the scheduler), and fails once it has waited longer than ``no_worker_timeout``."""
+    def _check_workers(self) -> None:
+        """Track whether a usable worker is connected.  Without one the run waits (tasks already
+        submitted stay queued at the scheduler) and fails once it has waited ``no_worker_timeout``."""
         now = time.monotonic()
         if self._usable():
             if self.idle_since is not None:
@@ -185,7 +185,7 @@ class Run:
                     if task.started is None:
                         task.submitted = now
             self.idle_since, self.no_workers = None, None
-            return True
+            return
         states = {a: self._worker(a).excluded or "draining" for a in self.scheduler.workers}
         if self.idle_since is None:
             self.idle_since = now
@@ -194,10 +194,9 @@ class Run:
             self._event("paused", cause="workers", why=f"no usable worker (connected: {len(states)})")
         elif now - self.idle_since > self.res.no_worker_timeout:
             raise NoWorkersError(f"run {self.id} had no usable worker for {self.res.no_worker_timeout:.0f} s "
-                               f"(no_worker_timeout; connected workers: {states or 'none'})")
+                                 f"(no_worker_timeout; connected workers: {states or 'none'})")
         self.no_workers = (f"no usable worker for {now - self.idle_since:.0f} s "
                            f"(connected: {len(states)}; no_worker_timeout={self.res.no_worker_timeout:g} s)")
-        return False
 
     async def _wait_for_workers(self) -> None:
         """Nothing in flight: wait for usable workers, for the store, or find the run stuck."""
@@ -217,7 +216,7 @@ class Run:
                 why = ("superseded: another copy of this shard was merged"
                        if task.shard in self.merged.get(task.epoch, ()) else self.stopping)
                 self.history.append(history_row(task.epoch, task.shard, task.attempt, base_version=task.step,
-                                         reason=f"cancelled: {why}", time=self._now()))
+                                                reason=f"cancelled: {why}", time=self._now()))
             return
         try:
             record = await self._result(future)
@@ -534,8 +533,8 @@ class Run:
         if self.res.on_shard_failure == "stop":
             raise RuntimeError(message + "; on_shard_failure='stop'")
         logger.warning("run %s: %s; skipping it for this epoch (on_shard_failure='skip')", self.id, message)
-        self.history.append(history_row(epoch, shard, self.attempts[(epoch, shard)] - 1, reason=f"skipped: {message}",
-                                 time=self._now()))
+        self.history.append(history_row(epoch, shard, self.attempts[(epoch, shard)] - 1,
+                                        reason=f"skipped: {message}", time=self._now()))
         skipped = self.skipped.setdefault(epoch, set())
         skipped.add(shard)
         self._set_shard(epoch, shard, "skipped")
@@ -599,7 +598,7 @@ class Run:
                 self._event("lost", epoch=task.epoch, shard=task.shard, worker=address,
                             worker_row=self._worker(address).as_row(), why=f"{type(exc).__name__}")
             self.history.append(history_row(task.epoch, task.shard, task.attempt, base_version=task.step,
-                                     reason=f"lost: {type(exc).__name__}: {exc}", time=self._now()))
+                                            reason=f"lost: {type(exc).__name__}: {exc}", time=self._now()))
             if task.shard not in self.merged.get(task.epoch, ()):
                 # A task that never started was only queued on the dead worker: not its fault.
                 await self._retry_or_give_up(task.epoch, task.shard, f"{type(exc).__name__}",
@@ -622,7 +621,7 @@ class Run:
             logger.warning("run %s paused: a task could not reach the store: %s", self.id, exc)
         if task.kind == "update":
             self.history.append(history_row(task.epoch, task.shard, task.attempt, base_version=task.step,
-                                     worker=task.worker, reason=f"store fault: {exc}", time=self._now()))
+                                            worker=task.worker, reason=f"store fault: {exc}", time=self._now()))
             if task.shard not in self.merged.get(task.epoch, ()) and not self._copy_running(task.epoch, task.shard):
                 self.returned.append((task.epoch, task.shard))
         else:
@@ -648,7 +647,8 @@ class Run:
                 task = self.in_flight.pop(key)
                 self.futures.pop(key, None)
                 self.history.append(history_row(task.epoch, task.shard, task.attempt, base_version=task.step,
-                                         reason=f"cancelled: {self.stopping or 'run finished'}", time=self._now()))
+                                                reason=f"cancelled: {self.stopping or 'run finished'}",
+                                                time=self._now()))
         await self._in_thread(self.state.commit)
         version, step = self.state.head
         if self.spec.validation is not None and step not in self.validations:

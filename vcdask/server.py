@@ -41,7 +41,7 @@ class ServerState:
     """
 
     def __init__(self, store, branch: str, rule: MergeRule | Callable[[int], float], run_id: str, *,
-                 commit_every: int = 1, keep_updates: bool = False, max_staleness: int | None = None,
+                 commit_every: int = 1, keep_updates: bool = False,
                  max_update_norm: float | None = None, outage_timeout: float = 600.0):
         self.store = store
         self.branch = branch
@@ -50,7 +50,6 @@ class ServerState:
         self.run_id = run_id
         self.commit_every = commit_every
         self.keep_updates = keep_updates
-        self.max_staleness = max_staleness
         self.max_update_norm = max_update_norm
         self.outage_timeout = outage_timeout
         self.paused: str | None = None  # why the run waits for the store, while it does
@@ -101,12 +100,10 @@ class ServerState:
         """Merge the update described by ``record`` (epoch, shard, attempt, base_step, update path).
 
         Returns the history fields of the merge: accepted, alpha, new_version, staleness, version_id;
-        or, for an update that fails :func:`~vcdask.resilience.check_update` (with ``max_staleness``,
-        default: the one given at construction), ``accepted=False`` with the ``reason`` and ``fault``
-        kind — ``W_s`` is then untouched.
+        or, for an update that fails :func:`~vcdask.resilience.check_update` (``max_staleness``: the
+        limit in force for this merge, None for none), ``accepted=False`` with the ``reason`` and
+        ``fault`` kind — ``W_s`` is then untouched.
         """
-        if max_staleness is None:
-            max_staleness = self.max_staleness
         staleness = self.step - record["base_step"]
         try:
             client = self._through_outages(lambda: read_update(self.store.files, record["update"]),
