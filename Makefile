@@ -1,12 +1,13 @@
 # The two commands of the README: `make demo` and `make test` (and `make docs` for the documentation).
 # Each creates .venv (torch first, so pip sees it satisfied and never pulls CUDA wheels),
 # installs vcdask with pinned dependencies, then runs the demo or the whole test suite.
+# For the inner loop: `make test-fast` (no worker processes, notebooks or examples) and `make lint`.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test docs env clean
+.PHONY: demo test test-fast lint docs env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,23 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
+
+# Unit tests and engine tests without worker processes: about 20 s on 2 cores. Tests that start
+# worker processes are marked `cluster` (tests/conftest.py marks users of the cluster/client fixtures).
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -m "not slow and not chaos and not cluster"
+
+$(VENV)/.lint-installed: pyproject.toml constraints.txt $(VENV)/.installed
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[lint]"
+	touch $@
+
+# ruff and mypy as configured in pyproject.toml; runs all three and fails if any fails. CI runs it first.
+lint: $(VENV)/.lint-installed
+	status=0; \
+	$(BIN)/ruff check . || status=1; \
+	$(BIN)/ruff format --check . || status=1; \
+	$(BIN)/mypy || status=1; \
+	exit $$status
 
 # The documentation, built with warnings as errors into docs/_build/html.
 docs: $(VENV)/.installed

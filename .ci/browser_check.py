@@ -21,16 +21,35 @@ import time
 import urllib.request
 from pathlib import Path
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 PANEL = ".jp-OutputArea-output:has(.widget-html-content :text('shards'))"
 
 
 def start_lab(root: Path, port: int, token: str, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.open_browser=False", "--allow-root",
-           "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--ServerApp.open_browser=False",
+        "--allow-root",
+        "--LabApp.news_url=",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=root)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -58,8 +77,7 @@ def check(notebook: Path, out: Path, chromium: str, timeout: float) -> dict:
     report: dict = {}
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS,
-                                        headless=True)
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
             try:
                 _drive(page, port, token, notebook, out, timeout, report)
@@ -114,8 +132,9 @@ def _drive(page, port: int, token: str, notebook: Path, out: Path, timeout: floa
     report["midrun_text"] = panel.inner_text()[:400]
     # the end: the header says finished and the plot has drawn
     page.wait_for_function(
-        "() => [...document.querySelectorAll('.widget-html-content')].some(e => "
-        "e.innerText.includes('finished'))", timeout=timeout * 1000)
+        "() => [...document.querySelectorAll('.widget-html-content')].some(e => e.innerText.includes('finished'))",
+        timeout=timeout * 1000,
+    )
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout * 1000)
     time.sleep(1.0)  # let bokeh finish drawing
     panel = page.locator(PANEL).first
@@ -123,8 +142,9 @@ def _drive(page, port: int, token: str, notebook: Path, out: Path, timeout: floa
     panel.screenshot(path=str(out / "panel-end.png"))
     report["end_text"] = panel.inner_text()
     report["canvases"] = panel.locator("canvas").count()
-    report["errors"] = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
-                                    ":has-text('Error')").count()
+    report["errors"] = page.locator(
+        ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']:has-text('Error')"
+    ).count()
     page.screenshot(path=str(out / "notebook-end.png"), full_page=False)
 
 

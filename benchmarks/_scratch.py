@@ -13,8 +13,9 @@ from collections.abc import Iterator
 
 
 def add_store_argument(ap) -> None:
-    ap.add_argument("--store", default=None,
-                    help="keep the parameter store here (default: a temporary directory removed at exit)")
+    ap.add_argument(
+        "--store", default=None, help="keep the parameter store here (default: a temporary directory removed at exit)"
+    )
 
 
 @contextlib.contextmanager

@@ -72,9 +72,20 @@ def scenario(client, kind: str, args, data, seed: int, store: str) -> dict:
     if fault:
         fault.start()
     try:
-        r = vcdask.fit(digits_cnn(seed), (X, y), validation=0.1, max_epochs=args.epochs, n_shards=8,
-                       local_epochs=4, alpha=0.5, seed=seed, client=client, store=store, progress=False,
-                       resilience=vcdask.Resilience(deadline_floor=1.0, max_staleness=args.max_staleness))
+        r = vcdask.fit(
+            digits_cnn(seed),
+            (X, y),
+            validation=0.1,
+            max_epochs=args.epochs,
+            n_shards=8,
+            local_epochs=4,
+            alpha=0.5,
+            seed=seed,
+            client=client,
+            store=store,
+            progress=False,
+            resilience=vcdask.Resilience(deadline_floor=1.0, max_staleness=args.max_staleness),
+        )
     finally:
         if fault:
             fault.stop()
@@ -83,11 +94,18 @@ def scenario(client, kind: str, args, data, seed: int, store: str) -> dict:
     reasons = h.reason.fillna("")
     reissued = int(h.groupby(["epoch", "shard"]).attempt.max().sum())
     rejected = reasons[reasons.str.contains("non-finite|layout|update norm|stale")]
-    return {"faults": fault.count if fault else 0, "reissued": reissued,
-            "late": int(reasons.str.startswith("late").sum()), "lost": int(reasons.str.startswith("lost").sum()),
-            "rejected": len(rejected), "max_staleness_seen": int(h[h.accepted].staleness.max()), "wall": wall, "acc": accuracy_on(r.model, Xt, yt),
-            "merged_once": int(h.accepted.sum()) == args.epochs * 8
-            and not h[h.accepted].duplicated(["epoch", "shard"]).any()}
+    return {
+        "faults": fault.count if fault else 0,
+        "reissued": reissued,
+        "late": int(reasons.str.startswith("late").sum()),
+        "lost": int(reasons.str.startswith("lost").sum()),
+        "rejected": len(rejected),
+        "max_staleness_seen": int(h[h.accepted].staleness.max()),
+        "wall": wall,
+        "acc": accuracy_on(r.model, Xt, yt),
+        "merged_once": int(h.accepted.sum()) == args.epochs * 8
+        and not h[h.accepted].duplicated(["epoch", "shard"]).any(),
+    }
 
 
 def main() -> None:
@@ -96,36 +114,50 @@ def main() -> None:
     ap.add_argument("--kill-every", type=float, default=1.5)
     ap.add_argument("--repeat", type=int, default=1)
     add_store_argument(ap)
-    ap.add_argument("--max-staleness", default="auto",
-                    type=lambda v: None if v == "none" else v if v == "auto" else int(v),
-                    help='an integer, "auto" (the default) or "none" (merge every update, as the paper does)')
+    ap.add_argument(
+        "--max-staleness",
+        default="auto",
+        type=lambda v: None if v == "none" else v if v == "auto" else int(v),
+        help='an integer, "auto" (the default) or "none" (merge every update, as the paper does)',
+    )
     args = ap.parse_args()
     data = digits()
     rows = {k: [] for k in ("none", "kills", "straggler")}
     # LocalCluster closes a nanny whose worker is still down 15 s after a death (lost-worker-timeout); with a
     # kill every 1.5 s that retires the pool one nanny at a time.  Here every nanny keeps restarting its worker.
-    with scratch_store(args.store, "chaos") as store, \
-            dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}):
+    with scratch_store(args.store, "chaos") as store, dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}):
         for seed in range(args.repeat):
             for kind in rows:
                 with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
                     rows[kind].append(scenario(client, kind, args, data, seed, store))
     base_wall = statistics.median(r["wall"] for r in rows["none"])
     base_acc = statistics.median(r["acc"] for r in rows["none"])
-    print(f"\ndigits, demo CNN, 3 worker processes, {args.epochs} epochs x 8 shards, alpha 0.5; "
-          f"max_staleness={args.max_staleness}; median of {args.repeat} run(s) per scenario\n")
-    print("| scenario | faults | re-issued | late results discarded | lost with a worker | rejected "
-          "| max staleness merged | wall (s) | overhead vs no faults | test accuracy | accuracy diff (points) | every shard merged once |")
+    print(
+        f"\ndigits, demo CNN, 3 worker processes, {args.epochs} epochs x 8 shards, alpha 0.5; "
+        f"max_staleness={args.max_staleness}; median of {args.repeat} run(s) per scenario\n"
+    )
+    print(
+        "| scenario | faults | re-issued | late results discarded | lost with a worker | rejected "
+        "| max staleness merged | wall (s) | overhead vs no faults | test accuracy | accuracy diff (points) "
+        "| every shard merged once |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    labels = {"none": "no faults", "kills": f"SIGKILL a busy worker every {args.kill_every} s",
-              "straggler": "straggler (SIGSTOP 1 s of every 2 s)"}
+    labels = {
+        "none": "no faults",
+        "kills": f"SIGKILL a busy worker every {args.kill_every} s",
+        "straggler": "straggler (SIGSTOP 1 s of every 2 s)",
+    }
     for kind, runs in rows.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in ("faults", "reissued", "late", "lost", "rejected",
-                                                                 "max_staleness_seen", "wall", "acc")}
-        print(f"| {labels[kind]} | {med['faults']:.0f} | {med['reissued']:.0f} | {med['late']:.0f} | "
-              f"{med['lost']:.0f} | {med['rejected']:.0f} | {med['max_staleness_seen']:.0f} | {med['wall']:.1f} | "
-              f"{100 * (med['wall'] / base_wall - 1):+.0f}% | {med['acc']:.4f} | {100 * (med['acc'] - base_acc):+.2f} "
-              f"| {all(r['merged_once'] for r in runs)} |")
+        med = {
+            k: statistics.median(r[k] for r in runs)
+            for k in ("faults", "reissued", "late", "lost", "rejected", "max_staleness_seen", "wall", "acc")
+        }
+        print(
+            f"| {labels[kind]} | {med['faults']:.0f} | {med['reissued']:.0f} | {med['late']:.0f} | "
+            f"{med['lost']:.0f} | {med['rejected']:.0f} | {med['max_staleness_seen']:.0f} | {med['wall']:.1f} | "
+            f"{100 * (med['wall'] / base_wall - 1):+.0f}% | {med['acc']:.4f} | {100 * (med['acc'] - base_acc):+.2f} "
+            f"| {all(r['merged_once'] for r in runs)} |"
+        )
 
 
 if __name__ == "__main__":

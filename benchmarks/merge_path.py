@@ -2,7 +2,7 @@
 
 usage: python benchmarks/merge_path.py [--params 5000000] [--updates 30]
 
-Runs the real merge path (vcdask.server.ServerState, the code the scheduler plugin's
+Runs the real merge path (vcdask.engine.params_server.ParamsServer, the code the scheduler plugin's
 merge thread runs) over a stream of client updates written by vcdask.updates, against a
 local directory store and the loopback S3 server (moto), committing every merge and
 every 5th merge.  Beside it, measured in the same run: the bare in-memory ``lerp_``
@@ -20,9 +20,9 @@ import time
 import torch
 
 from vcdask import open_store
+from vcdask.engine.params_server import ParamsServer
 from vcdask.params import flatten
 from vcdask.schedules import Constant
-from vcdask.server import ServerState
 from vcdask.testing.s3 import moto_server
 from vcdask.updates import update_path, write_update
 
@@ -37,7 +37,7 @@ def run(store, n_params: int, n_updates: int, commit_every: int) -> tuple[list[f
     branch = f"bench-{commit_every}-{time.monotonic_ns()}"
     store.create_branch(branch)
     store.commit(flatten({"w": torch.randn(n_params)}), {"step": 0}, branch=branch)
-    state = ServerState(store, branch, Constant(0.9), "bench", commit_every=commit_every)
+    state = ParamsServer(store, branch, Constant(0.9), "bench", commit_every=commit_every)
     state.load()
     records = []
     for i in range(n_updates):  # the workers' uploads, done before timing
@@ -69,20 +69,26 @@ def main() -> None:
         lerp.append((time.perf_counter() - t) * 1e3)
     rows = [("bare lerp_ in memory (floor)", "-", lerp, 1e3 / statistics.median(lerp))]
     with moto_server() as s3, tempfile.TemporaryDirectory() as d:
-        stores = [("local directory", open_store(d)),
-                  ("local S3 server (moto)", open_store(f"s3://{s3.new_bucket()}/bench", **s3.options()))]
+        stores = [
+            ("local directory", open_store(d)),
+            ("local S3 server (moto)", open_store(f"s3://{s3.new_bucket()}/bench", **s3.options())),
+        ]
         for name, store in stores:
             for every in (1, 5):
                 lat, rate = run(store, args.params, args.updates, every)
                 rows.append((name, every, lat, rate))
-    print(f"\n{args.params:,} float32 parameters ({args.params * 4 / 1e6:.0f} MB), {args.updates} updates per row, "
-          "times in ms (torch 1 thread)\n")
+    print(
+        f"\n{args.params:,} float32 parameters ({args.params * 4 / 1e6:.0f} MB), {args.updates} updates per row, "
+        "times in ms (torch 1 thread)\n"
+    )
     print("| merge path | commit every | p50 | p95 | merges/s sustained | p50 / lerp floor |")
     print("| --- | --- | --- | --- | --- | --- |")
     floor = statistics.median(lerp)
     for name, every, lat, rate in rows:
-        print(f"| {name} | {every} | {statistics.median(lat):.1f} | {pct(lat, .95):.1f} | {rate:.1f} "
-              f"| {statistics.median(lat) / floor:.0f}x |")
+        print(
+            f"| {name} | {every} | {statistics.median(lat):.1f} | {pct(lat, 0.95):.1f} | {rate:.1f} "
+            f"| {statistics.median(lat) / floor:.0f}x |"
+        )
 
 
 if __name__ == "__main__":

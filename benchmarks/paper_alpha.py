@@ -1,6 +1,7 @@
 """The paper's alpha experiment on digits: alpha 0.7, 0.95, 0.999 and e/(e+1), 4 parallel shard slots.
 
-usage: python benchmarks/paper_alpha.py [--epochs 20] [--local-epochs 2] [--repeat 2] [--png docs/_static/paper_alpha.png]
+usage: python benchmarks/paper_alpha.py [--epochs 20] [--local-epochs 2] [--repeat 2]
+                                       [--png docs/_static/paper_alpha.png]
 
 VC-ASGD with each alpha on an embedded LocalCluster of 4 single-thread worker processes (4 shards
 train at once, as the paper's 4 volunteer slots), every version validated, so each epoch has the
@@ -35,23 +36,52 @@ def main() -> None:
     args = ap.parse_args()
     (X, y), (Xt, yt) = digits()
     runs: dict[str, list] = {name: [] for name in ALPHAS}
-    with scratch_store(args.store, "alpha") as store, \
-            embedded_cluster(n_workers=4, threads_per_worker=1) as cluster, Client(cluster, set_as_default=False) as c:
+    with (
+        scratch_store(args.store, "alpha") as store,
+        embedded_cluster(n_workers=4, threads_per_worker=1) as cluster,
+        Client(cluster, set_as_default=False) as c,
+    ):
         # warm-up: worker processes import torch and fill their caches once, outside the measurements
-        vcdask.fit(digits_cnn(0), (X, y), max_epochs=1, n_shards=10, merge="vc-asgd", alpha=0.5, tasks_per_slot=1,
-                   client=c, store=store, progress=False)
+        vcdask.fit(
+            digits_cnn(0),
+            (X, y),
+            max_epochs=1,
+            n_shards=10,
+            merge="vc-asgd",
+            alpha=0.5,
+            tasks_per_slot=1,
+            client=c,
+            store=store,
+            progress=False,
+        )
         for seed in range(args.repeat):
             for name, alpha in ALPHAS.items():
-                r = vcdask.fit(digits_cnn(seed), (X, y), validation=(Xt, yt), max_epochs=args.epochs,
-                               local_epochs=args.local_epochs, n_shards=10, merge="vc-asgd", alpha=alpha, seed=seed,
-                               tasks_per_slot=1, client=c, store=store, progress=False)
+                r = vcdask.fit(
+                    digits_cnn(seed),
+                    (X, y),
+                    validation=(Xt, yt),
+                    max_epochs=args.epochs,
+                    local_epochs=args.local_epochs,
+                    n_shards=10,
+                    merge="vc-asgd",
+                    alpha=alpha,
+                    seed=seed,
+                    tasks_per_slot=1,
+                    client=c,
+                    store=store,
+                    progress=False,
+                )
                 runs[name].append(r.epochs)
     marks = sorted({1, 2, 3, 5, args.epochs // 2, args.epochs})
-    med = {name: {e: statistics.median(float(ep.loc[e, "accuracy"]) for ep in eps) for e in marks}
-           for name, eps in runs.items()}
+    med = {
+        name: {e: statistics.median(float(ep.loc[e, "accuracy"]) for ep in eps) for e in marks}
+        for name, eps in runs.items()
+    }
     time_ = {name: statistics.median(float(ep.wall_time.max()) for ep in eps) for name, eps in runs.items()}
-    print(f"\nvalidation accuracy by epoch (median of {args.repeat} seeds), 4 shard slots, {args.local_epochs} local "
-          "passes per shard, 10 shards")
+    print(
+        f"\nvalidation accuracy by epoch (median of {args.repeat} seeds), 4 shard slots, {args.local_epochs} local "
+        "passes per shard, 10 shards"
+    )
     print("| alpha | " + " | ".join(f"epoch {e}" for e in marks) + " | wall time (s) |")
     print("|---|" + "---|" * len(marks) + "---|")
     for name in ALPHAS:
@@ -77,7 +107,7 @@ def _plot(runs, path, args) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for (name, eps), color in zip(runs.items(), ["C0", "C1", "C2", "C3"]):
+    for (name, eps), color in zip(runs.items(), ["C0", "C1", "C2", "C3"], strict=True):
         ep = eps[0].sort_values("wall_time")  # seed 0, as the paper plots one run per alpha
         for ax, x in ((axes[0], ep.wall_time), (axes[1], ep.index)):
             ax.plot(x, ep.accuracy, color=color, label=f"alpha {name}")
@@ -88,8 +118,10 @@ def _plot(runs, path, args) -> None:
         ax.set_ylabel("validation accuracy")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
-    fig.suptitle(f"VC-ASGD on digits, 4 shard slots, {args.local_epochs} local passes per shard "
-                 "(band: min/max over the epoch's versions)")
+    fig.suptitle(
+        f"VC-ASGD on digits, 4 shard slots, {args.local_epochs} local passes per shard "
+        "(band: min/max over the epoch's versions)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

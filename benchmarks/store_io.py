@@ -62,17 +62,30 @@ def main() -> None:
     data = flat.arrays["float32"].numpy()
     with tempfile.TemporaryDirectory() as d:  # one raw file: what the disk itself costs
         path = os.path.join(d, "raw.bin")
-        rows.append(("raw file write / read (floor)", "-", timed(lambda: data.tofile(path), args.repeat),
-                     timed(lambda: np.fromfile(path, dtype=np.float32), args.repeat)))
+        rows.append(
+            (
+                "raw file write / read (floor)",
+                "-",
+                timed(lambda: data.tofile(path), args.repeat),
+                timed(lambda: np.fromfile(path, dtype=np.float32), args.repeat),
+            )
+        )
     with moto_server() as s3:
         bucket, client, payload = s3.new_bucket(), s3.client(), data.tobytes()
-        rows.append(("raw S3 put / get of one object (floor)", "-",
-                     timed(lambda: client.put_object(Bucket=bucket, Key="raw", Body=payload), args.repeat),
-                     timed(lambda: client.get_object(Bucket=bucket, Key="raw")["Body"].read(), args.repeat)))
+        rows.append(
+            (
+                "raw S3 put / get of one object (floor)",
+                "-",
+                timed(lambda: client.put_object(Bucket=bucket, Key="raw", Body=payload), args.repeat),
+                timed(lambda: client.get_object(Bucket=bucket, Key="raw")["Body"].read(), args.repeat),
+            )
+        )
         for chunk_mib in args.chunk_mib:
             cb = int(chunk_mib * 2**20)
             with tempfile.TemporaryDirectory() as d:
-                rows.append(("local directory", chunk_mib, *bench_store(open_store(d, chunk_bytes=cb), flat, args.repeat)))
+                rows.append(
+                    ("local directory", chunk_mib, *bench_store(open_store(d, chunk_bytes=cb), flat, args.repeat))
+                )
             bucket = s3.new_bucket()
             store = open_store(f"s3://{bucket}/bench", chunk_bytes=cb, **s3.options())
             rows.append(("local S3 server (moto)", chunk_mib, *bench_store(store, flat, args.repeat)))
@@ -82,8 +95,10 @@ def main() -> None:
     f50 = statistics.median(floor)
     for name, chunk, commits, reads in rows:
         c50, r50 = statistics.median(commits), statistics.median(reads)
-        print(f"| {name} | {chunk} | {c50:.1f} | {pct(commits, .95):.1f} | {r50:.1f} | {pct(reads, .95):.1f} "
-              f"| {c50 / f50:.0f}x | {r50 / f50:.0f}x |")
+        print(
+            f"| {name} | {chunk} | {c50:.1f} | {pct(commits, 0.95):.1f} | {r50:.1f} | {pct(reads, 0.95):.1f} "
+            f"| {c50 / f50:.0f}x | {r50 / f50:.0f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -30,15 +30,21 @@ from distributed import Client
 import vcdask
 from vcdask.cluster import embedded_cluster
 from vcdask.demo import accuracy_on, digits, digits_cnn
-from vcdask.rules import VCASGD, Nesterov, Staleness
+from vcdask.merge import VCASGD, Nesterov, Staleness
 
 
 def wide_cnn(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 96, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.Conv2d(96, 192, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.Linear(192 * 8 * 8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        torch.nn.Conv2d(1, 96, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(96, 192, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(192 * 8 * 8, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
 
 
 MODELS = {"digits": digits_cnn, "wide": wide_cnn}
@@ -117,8 +123,10 @@ def torch_ddp(task, seed, X, y, Xt, yt, passes, every, target):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, task, seed, X, y, Xt, yt, passes, every, target, out))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_ddp_worker, args=(r, 2, port, task, seed, X, y, Xt, yt, passes, every, target, out))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     result = out.get(timeout=1800)
@@ -129,8 +137,19 @@ def torch_ddp(task, seed, X, y, Xt, yt, passes, every, target):
 
 def vcdask_run(make, rule, seed, client, X, y, Xt, yt, epochs, local_epochs, target, store):
     t0 = time.perf_counter()
-    r = vcdask.fit(make(seed), (X, y), validation=(Xt, yt), max_epochs=epochs, local_epochs=local_epochs,
-                   n_shards=10, merge=rule, seed=seed, client=client, store=store, progress=False)
+    r = vcdask.fit(
+        make(seed),
+        (X, y),
+        validation=(Xt, yt),
+        max_epochs=epochs,
+        local_epochs=local_epochs,
+        n_shards=10,
+        merge=rule,
+        seed=seed,
+        client=client,
+        store=store,
+        progress=False,
+    )
     total = time.perf_counter() - t0
     setup = total - r.epochs.wall_time.max()
     hit = r.epochs[r.epochs.accuracy >= target].sort_values("wall_time")
@@ -160,38 +179,62 @@ def main() -> None:
     passes = args.epochs * args.local_epochs
     rows: dict[str, list] = {}
     baselines = [b for b in args.baselines.split(",") if b]
-    with scratch_store(args.store, "strategies") as store, embedded_cluster(n_workers=2) as cluster, \
-            Client(cluster, set_as_default=False) as client:
+    with (
+        scratch_store(args.store, "strategies") as store,
+        embedded_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
         # warm-up: worker processes import torch and fill their caches once, outside the measurements
         vcdask.fit(make(0), (X, y), max_epochs=1, n_shards=10, client=client, store=store, progress=False)
         for seed in range(args.repeat):
             for b in baselines:
                 if b == "torch":
                     rows.setdefault("torch (1 process)", []).append(
-                        torch_single(make, seed, X, y, Xt, yt, passes, args.local_epochs, args.target))
+                        torch_single(make, seed, X, y, Xt, yt, passes, args.local_epochs, args.target)
+                    )
                 elif b == "ddp":
                     rows.setdefault("torch DDP (gloo, 2 proc)", []).append(
-                        torch_ddp(args.task, seed, X, y, Xt, yt, passes, args.local_epochs, args.target))
+                        torch_ddp(args.task, seed, X, y, Xt, yt, passes, args.local_epochs, args.target)
+                    )
             for spec in args.rules.split(","):
                 rows.setdefault(f"vcdask {spec}", []).append(
-                    vcdask_run(make, rule_from(spec), seed, client, X, y, Xt, yt, args.epochs, args.local_epochs,
-                               args.target, store))
+                    vcdask_run(
+                        make,
+                        rule_from(spec),
+                        seed,
+                        client,
+                        X,
+                        y,
+                        Xt,
+                        yt,
+                        args.epochs,
+                        args.local_epochs,
+                        args.target,
+                        store,
+                    )
+                )
                 print(f"seed {seed} {spec}: {rows[f'vcdask {spec}'][-1]}", file=sys.stderr, flush=True)
     base = next(iter(rows))
     base_acc = _median([r[2] for r in rows[base]])
     base_total = _median([r[1] for r in rows[base]])
-    print(f"\ntask {args.task}: {args.epochs} epochs x {args.local_epochs} local passes, 10 shards, target "
-          f"{args.target}, median of {args.repeat} seeds, 2 cores")
-    print(f"| {'run':<28} | final acc | vs {base.split(' ')[0]:<6} | time to {args.target} (s) | total (s) | "
-          f"total / {base.split(' ')[0]} | shard s |")
+    print(
+        f"\ntask {args.task}: {args.epochs} epochs x {args.local_epochs} local passes, 10 shards, target "
+        f"{args.target}, median of {args.repeat} seeds, 2 cores"
+    )
+    print(
+        f"| {'run':<28} | final acc | vs {base.split(' ')[0]:<6} | time to {args.target} (s) | total (s) | "
+        f"total / {base.split(' ')[0]} | shard s |"
+    )
     print(f"|{'-' * 30}|-----------|-----------|------------------|-----------|-------------|---------|")
     for name, values in rows.items():
         acc = _median([v[2] for v in values])
         reach = _median([v[0] for v in values])
         total = _median([v[1] for v in values])
         shard = _median([v[3] for v in values]) if len(values[0]) > 3 else float("nan")
-        print(f"| {name:<28} | {acc:9.4f} | {100 * (acc - base_acc):+8.2f}p | {reach:16.1f} | {total:9.1f} | "
-              f"{total / base_total:11.2f} | {shard:7.2f} |")
+        print(
+            f"| {name:<28} | {acc:9.4f} | {100 * (acc - base_acc):+8.2f}p | {reach:16.1f} | {total:9.1f} | "
+            f"{total / base_total:11.2f} | {shard:7.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ from vcdask.cluster import embedded_cluster
 from vcdask.demo import accuracy_on, digits, digits_cnn
 
 
-def torch_baseline(seed: int, X, y, Xt, yt, passes: int, every: int, target: float,
-                   threads: int) -> tuple[float, float, float]:
+def torch_baseline(
+    seed: int, X, y, Xt, yt, passes: int, every: int, target: float, threads: int
+) -> tuple[float, float, float]:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -58,8 +59,20 @@ def _torch_loop(seed, X, y, Xt, yt, passes, every, target):
 
 def vcdask_run(seed: int, client, X, y, Xt, yt, epochs: int, local_epochs: int, alpha, target: float, store: str):
     t0 = time.perf_counter()
-    r = vcdask.fit(digits_cnn(seed), (X, y), validation=(Xt, yt), max_epochs=epochs, local_epochs=local_epochs,
-                   n_shards=10, alpha=alpha, seed=seed, validate_every=10, client=client, store=store, progress=False)
+    r = vcdask.fit(
+        digits_cnn(seed),
+        (X, y),
+        validation=(Xt, yt),
+        max_epochs=epochs,
+        local_epochs=local_epochs,
+        n_shards=10,
+        alpha=alpha,
+        seed=seed,
+        validate_every=10,
+        client=client,
+        store=store,
+        progress=False,
+    )
     total = time.perf_counter() - t0
     setup = total - r.epochs.wall_time.iloc[-1]  # staging, initial commit, plugin start, final result
     hit = r.epochs[r.epochs.accuracy >= target]
@@ -80,34 +93,49 @@ def main() -> None:
     (X, y), (Xt, yt) = digits()
     rows = {"torch": [], "torch1": [], "vcdask": []}
     t = time.perf_counter()
-    with scratch_store(args.store, "tta") as store, embedded_cluster(n_workers=2) as cluster, \
-            Client(cluster, set_as_default=False) as client:
+    with (
+        scratch_store(args.store, "tta") as store,
+        embedded_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
         startup = time.perf_counter() - t
         for seed in range(args.repeat):
-            rows["vcdask"].append(vcdask_run(seed, client, X, y, Xt, yt, args.epochs, args.local_epochs, alpha,
-                                             args.target, store))
+            rows["vcdask"].append(
+                vcdask_run(seed, client, X, y, Xt, yt, args.epochs, args.local_epochs, alpha, args.target, store)
+            )
             for key, threads in (("torch", 2), ("torch1", 1)):
-                rows[key].append(torch_baseline(seed, X, y, Xt, yt, args.epochs * args.local_epochs,
-                                                args.local_epochs, args.target, threads))
-    med = {k: [statistics.median(c) for c in zip(*v)] for k, v in rows.items()}
-    print(f"\ndigits ({len(X)} train / {len(Xt)} test), demo CNN, Adam 1e-3, batch 32, "
-          f"{args.epochs * args.local_epochs} passes over the data; vcdask: {args.epochs} epochs x "
-          f"{args.local_epochs} local epochs, 10 shards, alpha={alpha}, 2 worker processes; "
-          f"median of {args.repeat} seeds; LocalCluster start-up {startup:.1f} s (not included)\n")
+                rows[key].append(
+                    torch_baseline(
+                        seed, X, y, Xt, yt, args.epochs * args.local_epochs, args.local_epochs, args.target, threads
+                    )
+                )
+    med = {k: [statistics.median(c) for c in zip(*v, strict=True)] for k, v in rows.items()}
+    print(
+        f"\ndigits ({len(X)} train / {len(Xt)} test), demo CNN, Adam 1e-3, batch 32, "
+        f"{args.epochs * args.local_epochs} passes over the data; vcdask: {args.epochs} epochs x "
+        f"{args.local_epochs} local epochs, 10 shards, alpha={alpha}, 2 worker processes; "
+        f"median of {args.repeat} seeds; LocalCluster start-up {startup:.1f} s (not included)\n"
+    )
     print(f"| trainer | time to {args.target} test acc (s) | total time (s) | final test accuracy |")
     print("| --- | --- | --- | --- |")
-    for name, label in (("torch", "single-process torch loop, 2 threads"),
-                        ("torch1", "single-process torch loop, 1 thread"),
-                        ("vcdask", "vcdask.fit, 2 worker processes x 1 thread")):
+    for name, label in (
+        ("torch", "single-process torch loop, 2 threads"),
+        ("torch1", "single-process torch loop, 1 thread"),
+        ("vcdask", "vcdask.fit, 2 worker processes x 1 thread"),
+    ):
         r, tot, acc = med[name]
         print(f"| {label} | {r:.1f} | {tot:.1f} | {acc:.4f} |")
     rv, tv, av = med["vcdask"]
     for key, label in (("torch", "2-thread"), ("torch1", "1-thread")):
         rt, tt, at = med[key]
-        print(f"ratios vcdask / {label} torch: time to target {rv / rt:.2f}, total time {tv / tt:.2f}; "
-              f"accuracy difference {100 * (av - at):+.2f} points")
-    print("per-seed (time to target, total, final acc):", {k: [tuple(round(x, 3) for x in r) for r in v]
-                                                          for k, v in rows.items()})
+        print(
+            f"ratios vcdask / {label} torch: time to target {rv / rt:.2f}, total time {tv / tt:.2f}; "
+            f"accuracy difference {100 * (av - at):+.2f} points"
+        )
+    print(
+        "per-seed (time to target, total, final acc):",
+        {k: [tuple(round(x, 3) for x in r) for r in v] for k, v in rows.items()},
+    )
 
 
 if __name__ == "__main__":

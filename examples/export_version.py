@@ -44,9 +44,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     which.add_argument("--branch", help="the newest version on this branch (a run's branch is its run id)")
     ap.add_argument("--out", required=True, type=Path, help="file to write (FILE.json gets the metadata)")
     ap.add_argument("--format", choices=["export", "state_dict"], default="export")
-    ap.add_argument("--input-shape", default="1,8,8",
-                    help="shape of one input sample, for the export and the check (default: %(default)s, "
-                         "the digits demo)")
+    ap.add_argument(
+        "--input-shape",
+        default="1,8,8",
+        help="shape of one input sample, for the export and the check (default: %(default)s, the digits demo)",
+    )
     args = ap.parse_args(argv)
     try:
         args.input_shape = tuple(int(n) for n in args.input_shape.split(","))
@@ -91,8 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", e)
         return NOT_FOUND
     info = model.vcdask_version
-    logger.info("loaded version %s (run %s, epoch %s, step %s)", info["id"], info.get("run_id"), info.get("epoch"),
-                info.get("step"))
+    logger.info(
+        "loaded version %s (run %s, epoch %s, step %s)",
+        info["id"],
+        info.get("run_id"),
+        info.get("epoch"),
+        info.get("step"),
+    )
 
     example = torch.rand(4, *args.input_shape, generator=torch.Generator().manual_seed(0))
     write(model, args.format, args.out, example)
@@ -101,9 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         args.out.unlink()
         return MISMATCH
 
-    meta = {"version": info["id"], "tag": args.tag, "run_id": info.get("run_id"), "epoch": info.get("epoch"),
-            "step": info.get("step"), "store": str(store.location), "format": args.format,
-            "input_shape": list(args.input_shape), "sha256": hashlib.sha256(args.out.read_bytes()).hexdigest()}
+    meta = {
+        "version": info["id"],
+        "tag": args.tag,
+        "run_id": info.get("run_id"),
+        "epoch": info.get("epoch"),
+        "step": info.get("step"),
+        "store": str(store.location),
+        "format": args.format,
+        "input_shape": list(args.input_shape),
+        "sha256": hashlib.sha256(args.out.read_bytes()).hexdigest(),
+    }
     sidecar = args.out.with_name(args.out.name + ".json")
     sidecar.write_text(json.dumps(meta, indent=2) + "\n")
     logger.info("wrote %s (%s, %d bytes) and %s", args.out, args.format, args.out.stat().st_size, sidecar)

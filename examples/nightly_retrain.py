@@ -58,9 +58,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tag-prefix", default="nightly-", help="releases are tagged <prefix>1, <prefix>2, ...")
     ap.add_argument("--epochs", type=int, default=5, help="epochs of training on today's data")
     ap.add_argument("--seed", type=int, default=0, help="stands in for 'today's data'")
-    ap.add_argument("--min-gain", type=float, default=0.0,
-                    help="holdout accuracy the candidate must add to the release's to be released "
-                         "(negative: tolerate a small drop; default: %(default)s)")
+    ap.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.0,
+        help="holdout accuracy the candidate must add to the release's to be released "
+        "(negative: tolerate a small drop; default: %(default)s)",
+    )
     ap.add_argument("--scheduler", help="address of a Dask scheduler (default: an embedded LocalCluster)")
     args = ap.parse_args(argv)
     if args.epochs < 1:
@@ -94,24 +98,52 @@ def main(argv: list[str] | None = None) -> int:
 
         client = Client(args.scheduler)
     try:
-        result = vcdask.fit(model, (X, y), validation=0.1, max_epochs=args.epochs, local_epochs=4, alpha=0.5,
-                            store=store, seed=args.seed, client=client, progress=False)
+        result = vcdask.fit(
+            model,
+            (X, y),
+            validation=0.1,
+            max_epochs=args.epochs,
+            local_epochs=4,
+            alpha=0.5,
+            store=store,
+            seed=args.seed,
+            client=client,
+            progress=False,
+        )
     finally:
         if client is not None:
             client.close()
     candidate = accuracy_on(result.model, X_holdout, y_holdout)
-    logger.info("candidate version %s (run %s, %d epochs): holdout accuracy %.4f", result.version, result.run_id,
-                len(result.epochs), candidate)
+    logger.info(
+        "candidate version %s (run %s, %d epochs): holdout accuracy %.4f",
+        result.version,
+        result.run_id,
+        len(result.epochs),
+        candidate,
+    )
 
     if baseline is not None and candidate < baseline + args.min_gain:
-        logger.warning("not released: candidate %.4f < release %s %.4f + min gain %.4f; %s stays the newest "
-                       "release (the candidate remains on branch %s)", candidate, tag, baseline, args.min_gain,
-                       tag, result.run_id)
+        logger.warning(
+            "not released: candidate %.4f < release %s %.4f + min gain %.4f; %s stays the newest "
+            "release (the candidate remains on branch %s)",
+            candidate,
+            tag,
+            baseline,
+            args.min_gain,
+            tag,
+            result.run_id,
+        )
         return NOT_BETTER
     new_tag = f"{args.tag_prefix}{number + 1}"
     store.tag(new_tag, result.version)
-    logger.info("released %s = version %s in %s (holdout accuracy %s -> %.4f)", new_tag, result.version,
-                store.location, "none" if baseline is None else f"{baseline:.4f}", candidate)
+    logger.info(
+        "released %s = version %s in %s (holdout accuracy %s -> %.4f)",
+        new_tag,
+        result.version,
+        store.location,
+        "none" if baseline is None else f"{baseline:.4f}",
+        candidate,
+    )
     return RELEASED
 
 

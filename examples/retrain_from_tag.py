@@ -48,8 +48,17 @@ def main() -> None:
     (X, y), (X_test, y_test) = digits()
     rows = np.random.default_rng(args.seed).choice(len(X), size=len(X) * 3 // 4, replace=False)
     before = accuracy_on(model, X_test, y_test)
-    result = vcdask.fit(model, (X[rows], y[rows]), validation=0.1, max_epochs=args.epochs, local_epochs=4,
-                        alpha=0.5, store=store, seed=args.seed, progress=False)
+    result = vcdask.fit(
+        model,
+        (X[rows], y[rows]),
+        validation=0.1,
+        max_epochs=args.epochs,
+        local_epochs=4,
+        alpha=0.5,
+        store=store,
+        seed=args.seed,
+        progress=False,
+    )
     after = accuracy_on(result.model, X_test, y_test)
     tag = f"{args.tag_prefix}{number + 1}"
     store.tag(tag, result.version)

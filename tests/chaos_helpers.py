@@ -102,13 +102,27 @@ def running_run(client, timeout: float = 60, min_step: int = 0) -> str:
     raise TimeoutError("no run is running")
 
 
-def start_worker(scheduler_address: str, env: dict[str, str] | None = None,
-                 name: str = "bad-worker") -> subprocess.Popen:
+def start_worker(
+    scheduler_address: str, env: dict[str, str] | None = None, name: str = "bad-worker"
+) -> subprocess.Popen:
     """A separate `dask worker` process (1 thread, no nanny: a SIGKILL ends it) with extra environment variables."""
     return subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_worker", scheduler_address, "--nthreads", "1", "--no-nanny",
-         "--name", name, "--no-dashboard"],
-        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_worker",
+            scheduler_address,
+            "--nthreads",
+            "1",
+            "--no-nanny",
+            "--name",
+            name,
+            "--no-dashboard",
+        ],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 class ChaosNet(torch.nn.Module):
@@ -160,7 +174,7 @@ class FaultyAdam(torch.optim.Adam):
 
 def warm_up() -> bool:
     """Import what a shard task needs, so a fresh worker takes its first shard at full speed."""
-    import vcdask.task  # noqa: F401
+    import vcdask.worker  # noqa: F401
 
     return True
 

@@ -4,6 +4,44 @@ import pytest
 
 from vcdask.testing.s3 import moto_server
 
+# Tests that start real Dask worker processes carry the ``cluster`` marker (``make test-fast`` leaves them out).
+# A test is marked here when it uses the ``cluster`` fixture, directly or through ``client`` or any fixture built
+# on them; a test that starts its own cluster (``embedded_cluster``, ``LocalCluster``, ``vcdask.fit`` without a
+# client) says so with ``@pytest.mark.cluster``. Under ``-m "not cluster"`` such a test that forgot the marker
+# fails and says so (``_unmarked_worker_processes`` below), so the fast subset stays fast as tests are added.
+WORKER_PROCESS_FIXTURES = frozenset({"cluster"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if WORKER_PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(autouse=True)
+def _unmarked_worker_processes(request, monkeypatch):
+    """Under ``-m "not cluster"``: fail a test that starts a LocalCluster with worker processes unmarked."""
+    if "not cluster" not in request.config.getoption("markexpr") or request.node.get_closest_marker("cluster"):
+        return
+    from distributed import LocalCluster, Nanny
+
+    start = LocalCluster.__init__
+
+    def guarded(self, *args, **kwargs):
+        processes = kwargs.get("processes")
+        if processes is None:  # LocalCluster's default
+            processes = issubclass(kwargs.get("worker_class") or Nanny, Nanny)
+        if processes:
+            pytest.fail(
+                f"{request.node.nodeid} starts a LocalCluster with worker processes: mark it "
+                "@pytest.mark.cluster (or use the `client` fixture), or pass processes=False",
+                pytrace=False,
+            )
+        start(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalCluster, "__init__", guarded)
+
 
 @pytest.fixture(scope="session")
 def s3_server():

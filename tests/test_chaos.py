@@ -13,10 +13,22 @@ import sys
 import textwrap
 import time
 
+import chaos_helpers
 import cloudpickle
 import dask
 import pytest
 import torch
+from chaos_helpers import (
+    ChaosNet,
+    FaultyAdam,
+    Killer,
+    fit_in_thread,
+    running_run,
+    start_worker,
+    wait_for_busy_worker,
+    wait_for_executing_worker,
+    worker_pid,
+)
 from distributed import Client
 
 import vcdask
@@ -25,18 +37,15 @@ import vcdask.updates
 from vcdask.cluster import embedded_cluster
 from vcdask.demo import accuracy_on, digits_cnn
 
-import chaos_helpers
-from chaos_helpers import (ChaosNet, FaultyAdam, Killer, fit_in_thread, running_run, start_worker,
-                           wait_for_busy_worker, wait_for_executing_worker, worker_pid)
-
-pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.cluster]
 cloudpickle.register_pickle_by_value(chaos_helpers)  # workers cannot import the tests folder
 
 
 def assert_every_shard_once(result, epochs: int, shards: int) -> None:
     accepted = result.history[result.history.accepted]
     assert sorted(map(tuple, accepted[["epoch", "shard"]].values.tolist())) == [
-        (e, s) for e in range(1, epochs + 1) for s in range(shards)]
+        (e, s) for e in range(1, epochs + 1) for s in range(shards)
+    ]
     assert accepted.new_version.tolist() == list(range(1, epochs * shards + 1))
     merged = [tuple(m[:2]) for v in result.store.versions(result.run_id) for m in v.metadata["merged"]]
     assert sorted(merged) == sorted(map(tuple, accepted[["epoch", "shard"]].values.tolist()))
@@ -53,8 +62,11 @@ def test_a_repeated_worker_kills(digits_data, tmp_path):
     fit = {**{k: v for k, v in FIT.items() if k != "alpha"}, "max_epochs": 20}
     # LocalCluster closes a nanny whose worker is still down 15 s after a death (lost-worker-timeout): with a
     # kill every 1.5 s that retires the pool one nanny at a time.  Here every nanny keeps restarting its worker.
-    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}), \
-            embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}),
+        embedded_cluster(n_workers=3) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
         clean = vcdask.fit(digits_cnn(7), (X, y), client=client, store=tmp_path / "clean", **fit)
         killer = Killer(client, period=1.5, seed=1)
         thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", **fit)
@@ -77,8 +89,14 @@ def test_b_stopped_worker_is_reissued_and_its_late_result_recorded(digits_data, 
     (X, y), _ = digits_data
     fit = {**FIT, "max_epochs": 12, "local_epochs": 12}  # ~0.2 s shards: easy to catch one running
     with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
-        thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s",
-                                    resilience=vcdask.Resilience(deadline=1.0), **fit)
+        thread, out = fit_in_thread(
+            model=digits_cnn(7),
+            data=(X, y),
+            client=client,
+            store=tmp_path / "s",
+            resilience=vcdask.Resilience(deadline=1.0),
+            **fit,
+        )
         running_run(client, min_step=2)
         victim = wait_for_executing_worker(client)
         pid = worker_pid(client, victim)
@@ -102,8 +120,9 @@ def test_straggler_too_far_behind_is_reissued_without_blame(digits_data, tmp_pat
     fit = {**FIT, "max_epochs": 12, "local_epochs": 12}
     res = vcdask.Resilience(deadline=600, max_staleness=6)
     with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
-        thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s",
-                                    resilience=res, **fit)
+        thread, out = fit_in_thread(
+            model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", resilience=res, **fit
+        )
         run_id = running_run(client, min_step=2)
         victim = wait_for_executing_worker(client)
         pid = worker_pid(client, victim)
@@ -133,7 +152,11 @@ def test_c_caller_killed_run_finishes_and_attach_gets_result(digits_data, tmp_pa
     torch.save((torch.from_numpy(X), torch.from_numpy(y)), data)
     store = tmp_path / "s"
     with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
-        caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        caller = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(f"""
             import torch, vcdask
             from distributed import Client
             from vcdask.demo import digits_cnn
@@ -141,16 +164,27 @@ def test_c_caller_killed_run_finishes_and_attach_gets_result(digits_data, tmp_pa
             vcdask.fit(digits_cnn(7), (X.numpy(), y.numpy()), client=Client({cluster.scheduler_address!r}),
                        store={str(store)!r}, validation=0.1, max_epochs=10, n_shards=8, local_epochs=4,
                        alpha=0.5, progress=False)
-        """)])
+        """),
+            ]
+        )
         run_id = running_run(client, timeout=120, min_step=3)
         caller.kill()
         caller.wait(30)
         assert caller.returncode == -signal.SIGKILL
-        attached = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        attached = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(f"""
             import vcdask
             r = vcdask.attach({run_id!r}, {cluster.scheduler_address!r}).result()
             print(r.version, len(r.epochs), int(r.history.accepted.sum()), r.metrics["accuracy"])
-        """)], capture_output=True, text=True, timeout=300)
+        """),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert attached.returncode == 0, attached.stderr
     version, epochs, merges, accuracy = attached.stdout.split()
     assert (int(epochs), int(merges)) == (10, 80)
@@ -162,8 +196,12 @@ def test_e_bad_worker_updates_rejected(digits_data, tmp_path):
     (X, y), (Xt, yt) = digits_data
     res = vcdask.Resilience(max_update_norm=100.0, max_worker_failures=3)
     # the default merge rule (see test a: alpha 0.5 makes the final accuracy swing with the last arrivals)
-    fit = {**{k: v for k, v in FIT.items() if k != "alpha"}, "optimizer": FaultyAdam, "resilience": res,
-           "max_epochs": 20}
+    fit = {
+        **{k: v for k, v in FIT.items() if k != "alpha"},
+        "optimizer": FaultyAdam,
+        "resilience": res,
+        "max_epochs": 20,
+    }
     with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
         clean = vcdask.fit(ChaosNet(7), (X, y), client=client, store=tmp_path / "clean", **fit)
     # The bad worker is alone when the run starts, so it gets the first shards; good workers join next.
@@ -220,8 +258,9 @@ def test_whole_pool_lost_then_replaced(digits_data, tmp_path):
         replacements = []
         try:
             client.wait_for_workers(2, timeout=60)
-            thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s",
-                                        resilience=res, **FIT)
+            thread, out = fit_in_thread(
+                model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", resilience=res, **FIT
+            )
             run_id = running_run(client, timeout=120, min_step=3)
             first = set(client.scheduler_info()["workers"])
             _kill_pool(client, pool)
@@ -256,8 +295,14 @@ def test_whole_pool_lost_past_no_worker_timeout(digits_data, tmp_path):
         pool = [start_worker(cluster.scheduler_address, name=f"only-{i}") for i in range(2)]
         try:
             client.wait_for_workers(2, timeout=60)
-            thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s",
-                                        resilience=res, **{**FIT, "max_epochs": 50})
+            thread, out = fit_in_thread(
+                model=digits_cnn(7),
+                data=(X, y),
+                client=client,
+                store=tmp_path / "s",
+                resilience=res,
+                **{**FIT, "max_epochs": 50},
+            )
             run_id = running_run(client, timeout=120, min_step=2)
             _kill_pool(client, pool)
             thread.join(60)
@@ -302,16 +347,23 @@ def test_g_bad_resilience_options_fail_before_cluster_work(tmp_path):
         vcdask.Resilience(max_staleness=-1)
     with pytest.raises(ValueError, match=r"max_staleness must be .*, got 'Auto'"):
         vcdask.Resilience(max_staleness="Auto")
-    with pytest.raises(ValueError, match=r"unknown on_shard_failure policy 'retry'; valid policies: \['stop', 'skip'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown on_shard_failure policy 'retry'; valid policies: \['stop', 'skip'\]"
+    ):
         vcdask.Resilience(on_shard_failure="retry")
     with pytest.raises(TypeError, match="resilience must be a vcdask.Resilience, got dict"):
-        vcdask.fit(torch.nn.Linear(64, 10), (torch.zeros(10, 64), torch.zeros(10, dtype=torch.long)),
-                   resilience={"deadline": 1}, store=tmp_path / "s", progress=False)
+        vcdask.fit(
+            torch.nn.Linear(64, 10),
+            (torch.zeros(10, 64), torch.zeros(10, dtype=torch.long)),
+            resilience={"deadline": 1},
+            store=tmp_path / "s",
+            progress=False,
+        )
     assert not (tmp_path / "s").exists()
 
 
 def test_staleness_limit_auto_default():
-    from vcdask.resilience import staleness_limit
+    from vcdask.engine.policy import staleness_limit
 
     assert vcdask.Resilience().max_staleness == "auto"
     assert staleness_limit("auto", n_shards=8, in_flight=6) == 24  # four times the tasks in flight
@@ -327,13 +379,20 @@ def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path)
     torch.save((torch.from_numpy(X), torch.from_numpy(y)), data)
     store_path = tmp_path / "s"
     # The first cluster lives in its own process group: killing it kills scheduler, nannies and workers.
-    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import torch, vcdask
         from vcdask.demo import digits_cnn
         X, y = torch.load({str(data)!r})
         vcdask.fit(digits_cnn(7), (X.numpy(), y.numpy()), store={str(store_path)!r}, validation=0.1,
                    max_epochs=8, n_shards=8, local_epochs=4, alpha=0.5, commit_every=6, progress=False)
-    """)], start_new_session=True)
+    """),
+        ],
+        start_new_session=True,
+    )
     store = vcdask.open_store(store_path)
     deadline = time.monotonic() + 120
     run_id = None
@@ -383,21 +442,39 @@ def test_shard_that_keeps_killing_workers(policy, digits_data, tmp_path):
     start, stop = vcdask.data.Shards(len(X), 6).bounds(poisoned)
     X[start:stop] = 999.0  # every worker that trains this shard dies
     res = vcdask.Resilience(max_attempts=2, on_shard_failure=policy)
-    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
-            embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
-        run = lambda: vcdask.fit(chaos_helpers.PoisonNet(), (X, y), validation=(Xv, yv), max_epochs=2,  # noqa: E731
-                                 n_shards=6, shuffle=False, tasks_per_slot=1, resilience=res, client=client,
-                                 store=tmp_path / "s", progress=False)
+    with (
+        dask.config.set({"distributed.scheduler.allowed-failures": 0}),
+        embedded_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+
+        def run():
+            return vcdask.fit(
+                chaos_helpers.PoisonNet(),
+                (X, y),
+                validation=(Xv, yv),
+                max_epochs=2,
+                n_shards=6,
+                shuffle=False,
+                tasks_per_slot=1,
+                resilience=res,
+                client=client,
+                store=tmp_path / "s",
+                progress=False,
+            )
+
         if policy == "stop":
-            with pytest.raises(vcdask.RunFailedError,
-                               match=rf"shard {poisoned} of epoch 1 failed 2 times .*on_shard_failure='stop'"):
+            with pytest.raises(
+                vcdask.RunFailedError, match=rf"shard {poisoned} of epoch 1 failed 2 times .*on_shard_failure='stop'"
+            ):
                 run()
             return
         result = run()
     h = result.history
     accepted = h[h.accepted]
     assert sorted(map(tuple, accepted[["epoch", "shard"]].values.tolist())) == [
-        (e, s) for e in (1, 2) for s in range(6) if s != poisoned]
+        (e, s) for e in (1, 2) for s in range(6) if s != poisoned
+    ]
     skipped = h[h.reason.fillna("").str.startswith("skipped")]
     assert sorted(skipped.epoch) == [1, 2] and set(skipped.shard) == {poisoned}
     assert result.epochs.skipped.tolist() == [1, 1]
@@ -415,9 +492,20 @@ def test_f_object_store_faults(s3, client, digits_data):
         location = f"s3://{s3.new_bucket()}/runs"
         options = {"endpoint_url": proxy.endpoint_url, "access_key_id": "testing", "secret_access_key": "testing"}
         store = vcdask.open_store(location, **options)
-        thread, out = fit_in_thread(model=digits_cnn(7), data=(X[:600], y[:600]), client=client, store=store,
-                                    validation=0.2, max_epochs=4, n_shards=4, local_epochs=2, alpha=0.5,
-                                    progress=False)
+        # the shared cluster's workers have no AWS credentials of their own: hand them this store's
+        vcdask.store.share_credentials(client, store)
+        thread, out = fit_in_thread(
+            model=digits_cnn(7),
+            data=(X[:600], y[:600]),
+            client=client,
+            store=store,
+            validation=0.2,
+            max_epochs=4,
+            n_shards=4,
+            local_epochs=2,
+            alpha=0.5,
+            progress=False,
+        )
         running_run(client, min_step=1, timeout=120)
         proxy.set_faults(p_503=0.10, p_reset=0.03, p_stall=0.03, stall_seconds=0.5)
         proxy.lose_next_ref_answer()
@@ -429,8 +517,9 @@ def test_f_object_store_faults(s3, client, digits_data):
         assert_every_shard_once(result, 4, 4)
     assert counts["503"] > 0 and counts["reset"] > 0 and counts["stall"] > 0
     assert counts["lost_answer"] == 1
-    store = vcdask.open_store(location, endpoint_url=s3.endpoint_url, access_key_id="testing",
-                              secret_access_key="testing")
+    store = vcdask.open_store(
+        location, endpoint_url=s3.endpoint_url, access_key_id="testing", secret_access_key="testing"
+    )
     versions = store.versions(result.run_id)
     steps = [v.metadata["step"] for v in reversed(versions)]
     assert steps == list(range(len(steps))), "a version is missing or duplicated"
@@ -446,9 +535,20 @@ def _fit_behind_proxy(proxy, s3, client, digits_data, max_epochs: int, outage_ti
     location = f"s3://{s3.new_bucket()}/runs"
     options = {"endpoint_url": proxy.endpoint_url, "access_key_id": "testing", "secret_access_key": "testing"}
     store = vcdask.open_store(location, max_tries=2, **options)
-    thread, out = fit_in_thread(model=digits_cnn(7), data=(X[:600], y[:600]), client=client, store=store,
-                                validation=0.2, max_epochs=max_epochs, n_shards=4, local_epochs=2, alpha=0.5,
-                                progress=False, resilience=vcdask.Resilience(store_outage_timeout=outage_timeout))
+    vcdask.store.share_credentials(client, store)  # the shared cluster's workers have no AWS credentials
+    thread, out = fit_in_thread(
+        model=digits_cnn(7),
+        data=(X[:600], y[:600]),
+        client=client,
+        store=store,
+        validation=0.2,
+        max_epochs=max_epochs,
+        n_shards=4,
+        local_epochs=2,
+        alpha=0.5,
+        progress=False,
+        resilience=vcdask.Resilience(store_outage_timeout=outage_timeout),
+    )
     return location, thread, out, running_run(client, min_step=2, timeout=120)
 
 
@@ -487,14 +587,16 @@ def test_f_store_outage_past_the_outage_timeout_fails_clearly(s3, client, digits
     from vcdask.testing.faulty_proxy import FaultyProxy
 
     with FaultyProxy(s3.endpoint_url, seed=5) as proxy:
-        location, thread, out, run_id = _fit_behind_proxy(proxy, s3, client, digits_data, max_epochs=20,
-                                                          outage_timeout=3)
+        location, thread, out, run_id = _fit_behind_proxy(
+            proxy, s3, client, digits_data, max_epochs=20, outage_timeout=3
+        )
         proxy.set_faults(p_503=1.0)
         thread.join(300)
         proxy.set_faults()
     assert "store_outage_timeout" in str(out.get("error")), out
-    store = vcdask.open_store(location, endpoint_url=s3.endpoint_url, access_key_id="testing",
-                              secret_access_key="testing")
+    store = vcdask.open_store(
+        location, endpoint_url=s3.endpoint_url, access_key_id="testing", secret_access_key="testing"
+    )
     last = store.read(branch=run_id)  # readable at its last commit, whole and finite
     assert last.metadata["step"] >= 1
     assert all(torch.isfinite(a).all() for a in last.params.arrays.values() if a.is_floating_point())

@@ -10,13 +10,18 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 def test_demo_console_command(tmp_path):
     store = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "vcdask.cli", "demo", "--store", str(store), "--no-progress"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vcdask.cli", "demo", "--store", str(store), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", proc.stdout).group(1))
     assert accuracy >= 0.95

@@ -14,12 +14,13 @@ import pytest
 import vcdask
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 def _run(script: str, *args: str, cwd: Path) -> str:
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -41,8 +42,9 @@ def test_retrain_from_tag_twice(tmp_path):
 
 def _job(script: str, *args: str, cwd: Path, expect: int = 0) -> str:
     """Run a job script; check its exit code; return its output (stdout and the log on stderr)."""
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == expect, f"exit code {proc.returncode}, expected {expect}:\n{output}"
     return output
@@ -62,16 +64,28 @@ def released(tmp_path_factory):
 def test_nightly_retrain_releases_only_when_not_worse(released, tmp_path):
     store, v1 = released
     # a gate that any candidate passes: the job starts from nightly-1 and releases nightly-2
-    out = _job("nightly_retrain.py", "--store", str(store), "--epochs", "2", "--seed", "1", "--min-gain", "-1",
-               cwd=tmp_path)
+    out = _job(
+        "nightly_retrain.py", "--store", str(store), "--epochs", "2", "--seed", "1", "--min-gain", "-1", cwd=tmp_path
+    )
     baseline = float(re.search(rf"release nightly-1 \(version {v1}\): holdout accuracy ([0-9.]+)", out).group(1))
     assert baseline > 0.5  # the released model, not a fresh one (~0.1)
     v2 = re.search(r"released nightly-2 = version (\w+)", out).group(1)
     assert vcdask.open_store(store, mode="r").tags() == {"nightly-1": v1, "nightly-2": v2}
 
     # a gate no candidate can pass: exit 3, nightly-2 stays the newest release, the candidate stays on its branch
-    out = _job("nightly_retrain.py", "--store", str(store), "--epochs", "1", "--seed", "2", "--min-gain", "1",
-               cwd=tmp_path, expect=3)
+    out = _job(
+        "nightly_retrain.py",
+        "--store",
+        str(store),
+        "--epochs",
+        "1",
+        "--seed",
+        "2",
+        "--min-gain",
+        "1",
+        cwd=tmp_path,
+        expect=3,
+    )
     assert f"release nightly-2 (version {v2})" in out
     candidate, run_id = re.search(r"candidate version (\w+) \(run ([\w-]+),", out).groups()
     assert "not released" in out and "nightly-2 stays the newest release" in out
@@ -100,13 +114,24 @@ def test_export_version_both_formats(released, tmp_path):
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(got.argmax(1), expected.argmax(1))
 
-    _job("export_version.py", "--store", str(store), "--version", v1, "--out", "weights.pt", "--format",
-         "state_dict", cwd=tmp_path)
+    _job(
+        "export_version.py",
+        "--store",
+        str(store),
+        "--version",
+        v1,
+        "--out",
+        "weights.pt",
+        "--format",
+        "state_dict",
+        cwd=tmp_path,
+    )
     model = digits_cnn(seed=123)
     model.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True))
     assert all(torch.equal(t, stored.state_dict()[name]) for name, t in model.state_dict().items())
 
-    out = _job("export_version.py", "--store", str(store), "--tag", "nightly-99", "--out", "x.pt2", cwd=tmp_path,
-               expect=4)
+    out = _job(
+        "export_version.py", "--store", str(store), "--tag", "nightly-99", "--out", "x.pt2", cwd=tmp_path, expect=4
+    )
     assert "nightly-99" in out and "nightly-1" in out  # names the missing tag and lists those there are
     assert not (tmp_path / "x.pt2").exists()

@@ -23,8 +23,18 @@ def _linear(seed=0):
 def test_fit_digits_reaches_accuracy(client, digits_data, tmp_path):
     (X, y), (X_test, y_test) = digits_data
     model = digits_cnn(0)
-    result = vcdask.fit(model, (X, y), validation=0.1, max_epochs=20, n_shards=10, local_epochs=4, alpha=0.7,
-                        client=client, store=tmp_path / "store", progress=False)
+    result = vcdask.fit(
+        model,
+        (X, y),
+        validation=0.1,
+        max_epochs=20,
+        n_shards=10,
+        local_epochs=4,
+        alpha=0.7,
+        client=client,
+        store=tmp_path / "store",
+        progress=False,
+    )
     # stated accuracy: >= 0.95 on the held-out test set
     assert accuracy_on(result.model, X_test, y_test) >= 0.95
     assert result.model is model
@@ -33,7 +43,8 @@ def test_fit_digits_reaches_accuracy(client, digits_data, tmp_path):
     # one accepted update per (epoch, shard), versions 1..N in arrival order
     assert len(accepted) == 20 * 10
     assert sorted(map(tuple, accepted[["epoch", "shard"]].values.tolist())) == [
-        (e, s) for e in range(1, 21) for s in range(10)]
+        (e, s) for e in range(1, 21) for s in range(10)
+    ]
     assert accepted.new_version.tolist() == list(range(1, 201))
     # staleness = merges between the version a task started from and its own merge
     assert (accepted.staleness == accepted.new_version - 1 - accepted.base_version).all()
@@ -68,8 +79,17 @@ def test_fit_digits_reaches_accuracy(client, digits_data, tmp_path):
 def test_merge_arithmetic_end_to_end(client, digits_data, tmp_path, alpha):
     """Each stored version equals alpha * previous + (1 - alpha) * the client update, in arrival order."""
     (X, y), _ = digits_data
-    result = vcdask.fit(_linear(), (X[:300], y[:300]), max_epochs=2, n_shards=3, alpha=alpha, client=client,
-                        store=tmp_path / "s", keep_updates=True, progress=False)
+    result = vcdask.fit(
+        _linear(),
+        (X[:300], y[:300]),
+        max_epochs=2,
+        n_shards=3,
+        alpha=alpha,
+        client=client,
+        store=tmp_path / "s",
+        keep_updates=True,
+        progress=False,
+    )
     store = result.store
     history = result.history[result.history.accepted]
     assert len(history) == 6
@@ -120,8 +140,16 @@ def _has_plugin(client):
 
 def test_duplicate_result_is_merged_once(client, digits_data, tmp_path):
     (X, y), _ = digits_data
-    thread, out = _start_in_thread(model=_linear(), data=(X, y), max_epochs=6, n_shards=4, local_epochs=3,
-                                   client=client, store=tmp_path / "s", progress=False)
+    thread, out = _start_in_thread(
+        model=_linear(),
+        data=(X, y),
+        max_epochs=6,
+        n_shards=4,
+        local_epochs=3,
+        client=client,
+        store=tmp_path / "s",
+        progress=False,
+    )
     run_id, _ = _wait_for_run(client, min_step=1)
     client.sync(client.scheduler.vcdask_reissue, run_id=run_id, epoch=1, shard=0)  # a second copy
     thread.join(120)
@@ -150,8 +178,9 @@ def test_scheduler_answers_while_merging_5m_params(client, digits_data, tmp_path
         def forward(self, x):
             return self.head(x.flatten(1)) + 0.0 * self.table[:1]
 
-    thread, out = _start_in_thread(model=Big(), data=(X, y), max_epochs=3, n_shards=6, client=client,
-                                   store=tmp_path / "s", progress=False)
+    thread, out = _start_in_thread(
+        model=Big(), data=(X, y), max_epochs=3, n_shards=6, client=client, store=tmp_path / "s", progress=False
+    )
     run_id, start = _wait_for_run(client, min_step=1)
     latencies = []
     while thread.is_alive() and len(latencies) < 400:

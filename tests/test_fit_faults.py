@@ -14,7 +14,7 @@ from distributed import Client
 import vcdask
 from vcdask.cluster import embedded_cluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 def _kill_busy_worker(client: Client, timeout: float = 60) -> str:
@@ -39,8 +39,18 @@ def test_worker_sigkill_mid_run(digits_data, tmp_path):
 
         def run():
             try:
-                out["result"] = vcdask.fit(model, (X, y), validation=0.1, max_epochs=4, n_shards=6, local_epochs=8, alpha=0.5,
-                                           client=client, store=tmp_path / "s", progress=False)
+                out["result"] = vcdask.fit(
+                    model,
+                    (X, y),
+                    validation=0.1,
+                    max_epochs=4,
+                    n_shards=6,
+                    local_epochs=8,
+                    alpha=0.5,
+                    client=client,
+                    store=tmp_path / "s",
+                    progress=False,
+                )
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 out["error"] = e
 
@@ -57,7 +67,8 @@ def test_worker_sigkill_mid_run(digits_data, tmp_path):
     assert len(accepted) == 4 * 6
     assert not accepted.duplicated(["epoch", "shard"]).any()
     assert sorted(map(tuple, accepted[["epoch", "shard"]].values.tolist())) == [
-        (e, s) for e in range(1, 5) for s in range(6)]
+        (e, s) for e in range(1, 5) for s in range(6)
+    ]
     assert accepted.new_version.tolist() == list(range(1, 25))
     versions = result.store.versions(result.run_id)
     merged = [tuple(m[:2]) for v in versions for m in v.metadata["merged"]]

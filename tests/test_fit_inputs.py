@@ -51,16 +51,30 @@ def test_unknown_schedule(xy, tmp_path):
     _bad(_linear(), xy, tmp_path, UnknownScheduleError, r"'linear'.*available: \['epoch'\]", alpha="linear")
 
 
-@pytest.mark.parametrize(("n_shards", "match"), [(0, "n_shards must be an integer >= 1, got 0"),
-                                                  (101, r"n_shards=101 is more than the 100 training samples; "
-                                                        r"choose 1 <= n_shards <= 100")])
+@pytest.mark.parametrize(
+    ("n_shards", "match"),
+    [
+        (0, "n_shards must be an integer >= 1, got 0"),
+        (
+            101,
+            r"n_shards=101 is more than the 100 training samples; "
+            r"choose 1 <= n_shards <= 100",
+        ),
+    ],
+)
 def test_bad_n_shards(n_shards, match, xy, tmp_path):
     _bad(_linear(), xy, tmp_path, ValueError, match, n_shards=n_shards)
 
 
 def test_length_mismatch(xy, tmp_path):
     X, y = xy
-    _bad(_linear(), (X, y[:90]), tmp_path, DataError, "X has 100 samples but y has 90", )
+    _bad(
+        _linear(),
+        (X, y[:90]),
+        tmp_path,
+        DataError,
+        "X has 100 samples but y has 90",
+    )
 
 
 def test_not_a_module(xy, tmp_path):
@@ -72,34 +86,54 @@ def test_labels_out_of_range(bad_label, xy, tmp_path):
     X, y = xy
     y = y.copy()
     y[7] = bad_label
-    _bad(_linear(), (X, y), tmp_path, DataError, r"labels range over .* but the model outputs 10 classes; "
-                                                  r"labels must be in \[0, 9\]")
+    _bad(
+        _linear(),
+        (X, y),
+        tmp_path,
+        DataError,
+        r"labels range over .* but the model outputs 10 classes; "
+        r"labels must be in \[0, 9\]",
+    )
 
 
 def test_empty_data(tmp_path):
-    _bad(_linear(), (np.zeros((0, 1, 8, 8), np.float32), np.zeros(0, np.int64)), tmp_path, DataError,
-         r"data is empty \(0 samples\)")
+    _bad(
+        _linear(),
+        (np.zeros((0, 1, 8, 8), np.float32), np.zeros(0, np.int64)),
+        tmp_path,
+        DataError,
+        r"data is empty \(0 samples\)",
+    )
 
 
 def test_model_cannot_take_data(xy, tmp_path):
     X, y = xy
-    _bad(torch.nn.Linear(3, 10), (X, y), tmp_path, DataError, r"cannot process the training data: samples of "
-                                                               r"shape \(1, 8, 8\)")
+    _bad(
+        torch.nn.Linear(3, 10),
+        (X, y),
+        tmp_path,
+        DataError,
+        r"cannot process the training data: samples of "
+        r"shape \(1, 8, 8\)",
+    )
 
 
 def test_bad_data_type(tmp_path):
     _bad(_linear(), {"X": 1}, tmp_path, TypeError, "unsupported data type dict")
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"max_epochs": 0}, "max_epochs must be an integer >= 1, got 0"),
-    ({"batch_size": 2.5}, "batch_size must be an integer >= 1, got 2.5"),
-    ({"validation": 1.5}, r"validation as a fraction must be in \(0, 1\), got 1.5"),
-    ({"target": {"f1": 0.9}}, r"target metric 'f1' is not computed; available: \['loss', 'accuracy'\]"),
-    ({"metrics": ["auc"]}, r"unknown metric 'auc'; available: \['accuracy', 'mae', 'mse'\]"),
-    ({"loss": "hinge"}, r"unknown loss 'hinge'; available: \['cross_entropy', 'l1', 'mse', 'nll'\]"),
-    ({"lr": -1}, "lr must be a positive number, got -1"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_epochs": 0}, "max_epochs must be an integer >= 1, got 0"),
+        ({"batch_size": 2.5}, "batch_size must be an integer >= 1, got 2.5"),
+        ({"validation": 1.5}, r"validation as a fraction must be in \(0, 1\), got 1.5"),
+        ({"target": {"f1": 0.9}}, r"target metric 'f1' is not computed; available: \['loss', 'accuracy'\]"),
+        ({"metrics": ["auc"]}, r"unknown metric 'auc'; available: \['accuracy', 'mae', 'mse'\]"),
+        ({"loss": "hinge"}, r"unknown loss 'hinge'; available: \['cross_entropy', 'l1', 'mse', 'nll'\]"),
+        ({"lr": -1}, "lr must be a positive number, got -1"),
+    ],
+)
 def test_bad_options(kwargs, match, xy, tmp_path):
     _bad(_linear(), xy, tmp_path, (ValueError, TypeError), match, **kwargs)
 
@@ -127,8 +161,18 @@ def test_fit_xarray_dataset(client, digits_data, tmp_path):
     (X, y), _ = digits_data
     ds = xr.Dataset({"image": (("sample", "row", "col"), X[:, 0]), "label": ("sample", y)})
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
-    result = vcdask.fit(model, ds, validation=0.2, max_epochs=3, n_shards=4, local_epochs=4, alpha=0.5, client=client,
-                        store=tmp_path / "s", progress=False)
+    result = vcdask.fit(
+        model,
+        ds,
+        validation=0.2,
+        max_epochs=3,
+        n_shards=4,
+        local_epochs=4,
+        alpha=0.5,
+        client=client,
+        store=tmp_path / "s",
+        progress=False,
+    )
     _check_run(result, 3, 4)
 
 
@@ -136,8 +180,18 @@ def test_fit_xarray_dataset(client, digits_data, tmp_path):
 def test_fit_dask_arrays(client, digits_data, tmp_path):
     (X, y), _ = digits_data
     dX, dy = da.from_array(X, chunks=(250, 1, 8, 8)), da.from_array(y, chunks=250)
-    result = vcdask.fit(_linear(), (dX, dy), validation=(dX[-200:], dy[-200:]), max_epochs=3, n_shards=5,
-                        local_epochs=4, alpha=0.5, client=client, store=tmp_path / "s", progress=False)
+    result = vcdask.fit(
+        _linear(),
+        (dX, dy),
+        validation=(dX[-200:], dy[-200:]),
+        max_epochs=3,
+        n_shards=5,
+        local_epochs=4,
+        alpha=0.5,
+        client=client,
+        store=tmp_path / "s",
+        progress=False,
+    )
     _check_run(result, 3, 5)
     assert result.store.files.list(f"{result.run_id}/train.zarr")  # staged by the cluster
 
@@ -146,11 +200,20 @@ def test_fit_dask_arrays(client, digits_data, tmp_path):
 def test_fit_zarr_url_read_in_place(client, digits_data, tmp_path):
     (X, y), _ = digits_data
     path = tmp_path / "digits.zarr"
-    xr.Dataset({"pixels": (("n", "h", "w"), X[:, 0]), "y": ("n", y)}).to_zarr(path, zarr_format=3,
-                                                                                consolidated=False)
+    xr.Dataset({"pixels": (("n", "h", "w"), X[:, 0]), "y": ("n", y)}).to_zarr(path, zarr_format=3, consolidated=False)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
-    result = vcdask.fit(model, str(path), validation=0.2, max_epochs=3, n_shards=4, local_epochs=4, alpha=0.5, client=client,
-                        store=tmp_path / "s", progress=False)
+    result = vcdask.fit(
+        model,
+        str(path),
+        validation=0.2,
+        max_epochs=3,
+        n_shards=4,
+        local_epochs=4,
+        alpha=0.5,
+        client=client,
+        store=tmp_path / "s",
+        progress=False,
+    )
     _check_run(result, 3, 4)
     assert not result.store.files.list(f"{result.run_id}/train.zarr")  # nothing staged: read where it lives
 
@@ -163,11 +226,22 @@ def test_fit_icechunk_session(client, digits_data, tmp_path):
     repo = icechunk.Repository.create(icechunk.local_filesystem_storage(str(tmp_path / "data-repo")))
     session = repo.writable_session("main")
     xr.Dataset({"X": (("sample", "c", "h", "w"), X), "y": ("sample", y)}).to_zarr(
-        session.store, zarr_format=3, consolidated=False)
+        session.store, zarr_format=3, consolidated=False
+    )
     session.commit("digits")
     data = repo.readonly_session(branch="main")
-    result = vcdask.fit(_linear(), data, validation=0.2, max_epochs=3, n_shards=4, local_epochs=4, alpha=0.5, client=client,
-                        store=tmp_path / "s", progress=False)
+    result = vcdask.fit(
+        _linear(),
+        data,
+        validation=0.2,
+        max_epochs=3,
+        n_shards=4,
+        local_epochs=4,
+        alpha=0.5,
+        client=client,
+        store=tmp_path / "s",
+        progress=False,
+    )
     _check_run(result, 3, 4)
 
 
@@ -183,8 +257,17 @@ def test_dask_data_is_staged_by_the_workers(client, digits_data, tmp_path):
 
     y = da.zeros(len(X), chunks=300).map_blocks(pid_of_computing_process, dtype=np.float64)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 1)).double()
-    result = vcdask.fit(model, (da.from_array(X.astype(np.float64), chunks=(300, 1, 8, 8)), y), max_epochs=1,
-                        n_shards=2, lr=1e-9, client=client, store=tmp_path / "s", progress=False, shuffle=False)
+    result = vcdask.fit(
+        model,
+        (da.from_array(X.astype(np.float64), chunks=(300, 1, 8, 8)), y),
+        max_epochs=1,
+        n_shards=2,
+        lr=1e-9,
+        client=client,
+        store=tmp_path / "s",
+        progress=False,
+        shuffle=False,
+    )
     staged = xr.open_zarr(f"{result.store.location}/runs/{result.run_id}/train.zarr", consolidated=False)
     computed_by = set(np.unique(staged["y"].values).astype(int))
     assert computed_by, "nothing staged"

@@ -14,8 +14,18 @@ from vcdask.errors import ParameterMismatchError, VersionNotFoundError
 def run(cluster, digits_data, tmp_path_factory):
     (X, y), _ = digits_data
     store = tmp_path_factory.mktemp("load") / "store"
-    result = vcdask.fit(digits_cnn(3), (X[:400], y[:400]), validation=0.2, max_epochs=2, n_shards=4,
-                        local_epochs=1, alpha=0.5, client=cluster[1], store=store, progress=False)
+    result = vcdask.fit(
+        digits_cnn(3),
+        (X[:400], y[:400]),
+        validation=0.2,
+        max_epochs=2,
+        n_shards=4,
+        local_epochs=1,
+        alpha=0.5,
+        client=cluster[1],
+        store=store,
+        progress=False,
+    )
     return result, store
 
 

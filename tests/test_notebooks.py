@@ -44,6 +44,7 @@ def _this_python_kernel():
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path):
@@ -51,8 +52,9 @@ def test_notebook_runs(path, tmp_path):
     stores); a cell that raises fails the test with its traceback."""
     nb = nbformat.read(path, as_version=4)
     km = _this_python_kernel()
-    client = nbclient.NotebookClient(nb, km=km, kernel_name="python3", timeout=600,
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, km=km, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(tmp_path)}}
+    )
     t0 = time.perf_counter()
     client.execute()
     print(f"{path.name}: {time.perf_counter() - t0:.1f} s")

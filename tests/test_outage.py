@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from vcdask.engine.outage import BACKOFF_FIRST, StoreOutage
 from vcdask.errors import StoreUnreachableError
-from vcdask.outage import BACKOFF_FIRST, StoreOutage
 
 
 def test_outage_backs_off_and_ends():
@@ -28,6 +28,9 @@ def test_outage_past_its_timeout_names_the_option():
     outage = StoreOutage(timeout=0.05)
     outage.fault(StoreUnreachableError("connection refused"))
     time.sleep(0.1)
-    with pytest.raises(RuntimeError, match=r"store was unavailable for 0 s, longer than store_outage_timeout=0.05 s; "
-                                           r"last fault: connection refused"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"store was unavailable for 0 s, longer than store_outage_timeout=0.05 s; "
+        r"last fault: connection refused",
+    ):
         outage.fault(StoreUnreachableError("connection refused"))

@@ -9,8 +9,6 @@ import pytest
 
 from vcdask.panel import PanelState
 
-pytestmark = pytest.mark.slow
-
 SETUP = """\
 import json, threading, time
 import vcdask
@@ -68,10 +66,17 @@ def _run(tmp_path, cells: list[str]) -> list[dict]:
 
 
 def _printed(outputs: list[dict]) -> list[dict]:
-    return [json.loads(line) for o in outputs if o.get("output_type") == "stream"
-            for line in o["text"].splitlines() if line.startswith("{")]
+    return [
+        json.loads(line)
+        for o in outputs
+        if o.get("output_type") == "stream"
+        for line in o["text"].splitlines()
+        if line.startswith("{")
+    ]
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_panel_in_a_kernel_after_fit(tmp_path):
     outputs = _run(tmp_path, [SETUP, FIT, CHECK_FIT, "result", "result.plot()"])
     widgets = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
@@ -88,6 +93,8 @@ def test_panel_in_a_kernel_after_fit(tmp_path):
     assert "vcdask.FitResult" in html and "accuracy" in html and "store" in html
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_panel_reattached_to_a_running_run_keeps_updating(tmp_path):
     (state,) = _printed(_run(tmp_path, [SETUP, REATTACH]))
     assert state["closed"] and state["merged"]
@@ -96,19 +103,67 @@ def test_panel_reattached_to_a_running_run_keeps_updating(tmp_path):
 
 def test_panel_state_folds_events_idempotently():
     st = PanelState("r")
-    st.apply_snapshot({"status": {"n_shards": 2, "max_epochs": 2, "status": "running"}, "epochs": [],
-                       "workers": [], "shards": [[1, 0, "running"]], "metric": "accuracy"})
-    events = [{"type": "shard", "epoch": 1, "shard": 1, "state": "queued"},
-              {"type": "update", "epoch": 1, "shard": 0, "accepted": True, "new_version": 1, "alpha": 0.5,
-               "staleness": 0, "version": "V1", "worker": "w1",
-               "worker_row": {"worker": "w1", "done": 1, "failed": 0, "timed_out": 0, "rejected": 0,
-                              "mean_seconds": 0.1, "preempted": False, "excluded": None}},
-              {"type": "shard", "epoch": 1, "shard": 0, "state": "merged"},
-              {"type": "lost", "epoch": 1, "shard": 1, "worker": "w2", "why": "KilledWorker",
-               "worker_row": {"worker": "w2", "done": 0, "failed": 1, "timed_out": 0, "rejected": 0,
-                              "mean_seconds": float("nan"), "preempted": False, "excluded": None}},
-              {"type": "epoch", "run_id": "r", "epoch": 1, "wall_time": 1.5, "accuracy": 0.5,
-               "accuracy_min": 0.4, "accuracy_max": 0.6, "version": 2}]
+    st.apply_snapshot(
+        {
+            "status": {"n_shards": 2, "max_epochs": 2, "status": "running"},
+            "epochs": [],
+            "workers": [],
+            "shards": [[1, 0, "running"]],
+            "metric": "accuracy",
+        }
+    )
+    events = [
+        {"type": "shard", "epoch": 1, "shard": 1, "state": "queued"},
+        {
+            "type": "update",
+            "epoch": 1,
+            "shard": 0,
+            "accepted": True,
+            "new_version": 1,
+            "alpha": 0.5,
+            "staleness": 0,
+            "version": "V1",
+            "worker": "w1",
+            "worker_row": {
+                "worker": "w1",
+                "done": 1,
+                "failed": 0,
+                "timed_out": 0,
+                "rejected": 0,
+                "mean_seconds": 0.1,
+                "preempted": False,
+                "excluded": None,
+            },
+        },
+        {"type": "shard", "epoch": 1, "shard": 0, "state": "merged"},
+        {
+            "type": "lost",
+            "epoch": 1,
+            "shard": 1,
+            "worker": "w2",
+            "why": "KilledWorker",
+            "worker_row": {
+                "worker": "w2",
+                "done": 0,
+                "failed": 1,
+                "timed_out": 0,
+                "rejected": 0,
+                "mean_seconds": float("nan"),
+                "preempted": False,
+                "excluded": None,
+            },
+        },
+        {
+            "type": "epoch",
+            "run_id": "r",
+            "epoch": 1,
+            "wall_time": 1.5,
+            "accuracy": 0.5,
+            "accuracy_min": 0.4,
+            "accuracy_max": 0.6,
+            "version": 2,
+        },
+    ]
     for event in events + events:  # twice: folding again changes nothing
         st.apply(event)
     assert st.grid(1) == ["merged", "queued"]
@@ -119,10 +174,13 @@ def test_panel_state_folds_events_idempotently():
     assert any("w2 lost" in n for n in st.notes)
 
 
-@pytest.mark.parametrize("cause, shown, note", [
-    ("store", "store unavailable: 503 Slow Down", "store back after 12 s"),
-    ("workers", "no usable worker (connected: 0)", "workers back after 12 s"),
-])
+@pytest.mark.parametrize(
+    "cause, shown, note",
+    [
+        ("store", "store unavailable: 503 Slow Down", "store back after 12 s"),
+        ("workers", "no usable worker (connected: 0)", "workers back after 12 s"),
+    ],
+)
 def test_panel_state_shows_why_a_run_is_paused(cause, shown, note):
     st = PanelState("r")
     why = "503 Slow Down" if cause == "store" else "no usable worker (connected: 0)"

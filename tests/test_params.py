@@ -29,7 +29,7 @@ def test_round_trip_is_exact_and_copies():
     flat = flatten(model)
     target = make_model(9)
     load_into(target, flat)
-    for (name, a), b in zip(model.state_dict().items(), target.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), target.state_dict().values(), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     # flatten copied: changing the model later does not change the flat params
     with torch.no_grad():

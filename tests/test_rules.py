@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import vcdask
+from vcdask.engine.params_server import ParamsServer as ServerState
+from vcdask.merge import VCASGD, Arrival, Nesterov, Staleness, Sync, UnknownMergeRuleError, get_rule
 from vcdask.params import flatten
-from vcdask.rules import (VCASGD, Arrival, Nesterov, Staleness, Sync, UnknownMergeRuleError, get_rule)
-from vcdask.server import ServerState
 from vcdask.updates import update_path, write_update
 
 
@@ -33,12 +33,15 @@ def test_vc_asgd_constant_and_epoch_schedule():
     assert w(server) == [0.75 * 1 + 0.25 * 5, 0.75 * 2 + 0.25 * 6]
 
 
-@pytest.mark.parametrize("function,staleness,expected_weight", [
-    ("polynomial", 0, 0.5),          # s = 1
-    ("polynomial", 3, 0.5 * 4 ** -0.5),  # s = (3 + 1) ** -0.5 = 0.5
-    ("hinge", 2, 0.5),               # t <= b: s = 1
-    ("hinge", 6, 0.5 / (0.5 * 4 + 1)),   # s = 1 / (a (t - b) + 1) = 1/3
-])
+@pytest.mark.parametrize(
+    "function,staleness,expected_weight",
+    [
+        ("polynomial", 0, 0.5),  # s = 1
+        ("polynomial", 3, 0.5 * 4**-0.5),  # s = (3 + 1) ** -0.5 = 0.5
+        ("hinge", 2, 0.5),  # t <= b: s = 1
+        ("hinge", 6, 0.5 / (0.5 * 4 + 1)),  # s = 1 / (a (t - b) + 1) = 1/3
+    ],
+)
 def test_staleness_weights(function, staleness, expected_weight):
     rule = Staleness(alpha=0.5, function=function, a=0.5, b=2)
     server = flat(0.0)
@@ -111,7 +114,7 @@ def test_registry_and_bad_options():
         get_rule(3)
     with pytest.raises(ValueError, match="delay=0"):
         Nesterov(delay=0)
-    assert Nesterov().in_flight(6).delay == 6 and Nesterov(delay=2).in_flight(6).delay == 2
+    assert Nesterov().for_run(in_flight=6).delay == 6 and Nesterov(delay=2).for_run(in_flight=6).delay == 2
 
 
 def _upload(store, run, epoch, shard, value, base_step):
@@ -123,6 +126,7 @@ def _upload(store, run, epoch, shard, value, base_step):
 def test_momentum_state_survives_a_restart(tmp_path):
     """Two merges, the server dies, a new ServerState resumes from the store: the third merge gives
     exactly what an uninterrupted server gives."""
+
     def start(store_path, run):
         store = vcdask.open_store(store_path)
         if run not in store.branches():
@@ -143,7 +147,9 @@ def test_momentum_state_survives_a_restart(tmp_path):
     del b  # the server dies; a new one resumes from the branch
     _, b2 = start(tmp_path / "b", "run-b")
     assert b2.step == 2
-    assert torch.equal(b2.rule_state.arrays["momentum"].arrays["float32"], a.rule_state.arrays["momentum"].arrays["float32"])
+    assert torch.equal(
+        b2.rule_state.arrays["momentum"].arrays["float32"], a.rule_state.arrays["momentum"].arrays["float32"]
+    )
     a.merge(_upload(store, "run-a", 1, 2, 0.2, 2))
     b2.merge(_upload(store_b, "run-b", 1, 2, 0.2, 2))
     assert torch.equal(a.params.arrays["float32"], b2.params.arrays["float32"])
@@ -185,8 +191,17 @@ def test_fit_with_each_rule(merge, client, digits_data, tmp_path):
     from vcdask.demo import digits_cnn
 
     (X, y), _ = digits_data
-    result = vcdask.fit(digits_cnn(0), (X[:600], y[:600]), validation=0.2, max_epochs=3, n_shards=4, merge=merge,
-                        client=client, store=tmp_path / "s", progress=False)
+    result = vcdask.fit(
+        digits_cnn(0),
+        (X[:600], y[:600]),
+        validation=0.2,
+        max_epochs=3,
+        n_shards=4,
+        merge=merge,
+        client=client,
+        store=tmp_path / "s",
+        progress=False,
+    )
     accepted = result.history[result.history.accepted]
     assert len(accepted) == 12 and len(result.epochs) == 3
     head = result.store.read(result.version)

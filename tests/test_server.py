@@ -1,4 +1,4 @@
-"""The server side of a run (vcdask.server.ServerState) on a real store."""
+"""The parameter server of a run (vcdask.engine.params_server.ParamsServer) on a real store."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from vcdask import open_store
+from vcdask.engine.params_server import ParamsServer as ServerState
 from vcdask.errors import StoreConflict
 from vcdask.params import flatten
 from vcdask.schedules import Constant
-from vcdask.server import ServerState
 from vcdask.updates import update_path, write_update
 
 
@@ -34,8 +34,14 @@ def test_merge_commits_with_metadata_and_drops_the_upload(tmp_path):
     assert out == {"accepted": True, "alpha": 0.5, "new_version": 1, "staleness": 0, "version_id": state.version}
     head = store.read(branch="run-x")
     assert head.state_dict()["w"].tolist() == [1.0] * 4
-    assert head.metadata == {"run_id": "run-x", "step": 1, "epoch": 1, "merged": [[1, 0, 0]], "alpha": 0.5,
-                             "merge": {"name": "vc-asgd", "alpha": 0.5}}
+    assert head.metadata == {
+        "run_id": "run-x",
+        "step": 1,
+        "epoch": 1,
+        "merged": [[1, 0, 0]],
+        "alpha": 0.5,
+        "merge": {"name": "vc-asgd", "alpha": 0.5},
+    }
     assert store.files.list("run-x/updates") == []
 
 
@@ -50,9 +56,20 @@ def test_commit_whose_answer_was_lost_is_adopted_not_repeated(tmp_path):
     state.merge(_upload(store, 2, 6.0))  # merged, not yet committed
     pending = state.uncommitted[-1]
     # What the store received from the first attempt whose answer was lost:
-    landed = store.commit(state.params, {"run_id": "run-x", "step": state.step, "epoch": 1,
-                                         "merged": [[1, 2, 0]], "alpha": 0.5, "merge": {"name": "vc-asgd", "alpha": 0.5}},
-                          branch="run-x", parent=state.version, message="run-x step 3")
+    landed = store.commit(
+        state.params,
+        {
+            "run_id": "run-x",
+            "step": state.step,
+            "epoch": 1,
+            "merged": [[1, 2, 0]],
+            "alpha": 0.5,
+            "merge": {"name": "vc-asgd", "alpha": 0.5},
+        },
+        branch="run-x",
+        parent=state.version,
+        message="run-x step 3",
+    )
     state.commit()
     assert state.version == landed
     history = store.versions("run-x")

@@ -86,7 +86,7 @@ def test_two_threads_commit_to_one_branch(location):
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(writer, [1, 2]))
-    landed = {v: (w, i) for w, res in zip([1, 2], results) for i, v in res if v is not None}
+    landed = {v: (w, i) for w, res in zip([1, 2], results, strict=True) for i, v in res if v is not None}
     conflicts = sum(v is None for res in results for _, v in res)
     assert len(landed) + conflicts == 2 * n
     assert len(landed) == 2 * n, "with retries every commit should land"
@@ -94,8 +94,12 @@ def test_two_threads_commit_to_one_branch(location):
 
 
 def _spawn_writer(loc: str, options: dict, writer: int, n: int, size: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, WRITER, loc, str(writer), str(n), str(size), json.dumps(options)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, WRITER, loc, str(writer), str(n), str(size), json.dumps(options)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.slow

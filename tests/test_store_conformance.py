@@ -7,6 +7,7 @@ import uuid
 import pytest
 
 from vcdask import open_store
+from vcdask.store import BACKENDS, StoreBackend
 from vcdask.store._memory import MemoryBackend
 from vcdask.testing.store import StoreTests
 
@@ -35,3 +36,26 @@ class TestS3Store(StoreTests):
     @pytest.fixture
     def store_options(self, s3):
         return s3.options()
+
+
+_S3_SECRETS = {"access_key_id", "secret_access_key", "session_token"}
+_GCS_SECRETS = {"service_account_key", "bearer_token"}
+_AZURE_SECRETS = {"access_key", "sas_token", "bearer_token"}
+SECRET_OPTIONS = {
+    "file": set(),
+    "memory": set(),
+    "s3": _S3_SECRETS,
+    "gs": _GCS_SECRETS,
+    "gcs": _GCS_SECRETS,
+    "az": _AZURE_SECRETS,
+    "abfs": _AZURE_SECRETS,
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(BACKENDS))
+def test_every_backend_follows_the_protocol(scheme, tmp_path):
+    location = {"file": str(tmp_path / "s"), "memory": "memory://protocol"}.get(scheme, f"{scheme}://bucket/prefix")
+    backend = BACKENDS[scheme](location, {"account": "acct"} if scheme in ("az", "abfs") else {})
+    assert isinstance(backend, StoreBackend)
+    assert backend.secret_options == SECRET_OPTIONS[scheme]  # what a pickled store leaves out
+    assert backend.secret_options <= getattr(backend, "valid_options", set())  # each a real option

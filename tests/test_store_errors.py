@@ -21,7 +21,9 @@ from vcdask.testing.s3 import free_port, moto_server
 
 
 def test_unknown_scheme_lists_supported():
-    with pytest.raises(InvalidLocationError, match=r"'ftp'.*supported schemes: \['abfs', 'az', 'file', 'gcs', 'gs', 'memory', 's3'\]"):
+    with pytest.raises(
+        InvalidLocationError, match=r"'ftp'.*supported schemes: \['abfs', 'az', 'file', 'gcs', 'gs', 'memory', 's3'\]"
+    ):
         open_store("ftp://host/path")
 
 
@@ -131,8 +133,12 @@ def test_credentials_from_environment(s3):
 @pytest.mark.s3
 def test_s3fs_style_options(s3):
     bucket = s3.new_bucket()
-    store = open_store(f"s3://{bucket}/x", key="testing", secret="testing",
-                       client_kwargs={"endpoint_url": s3.endpoint_url, "region_name": "us-east-1"})
+    store = open_store(
+        f"s3://{bucket}/x",
+        key="testing",
+        secret="testing",
+        client_kwargs={"endpoint_url": s3.endpoint_url, "region_name": "us-east-1"},
+    )
     assert store.read(store.commit({"w": torch.ones(2)})).metadata == {}
 
 
@@ -151,8 +157,7 @@ def test_unreachable_endpoint():
     endpoint = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()
     with pytest.raises(StoreUnreachableError, match=endpoint.replace(".", r"\.")) as info:
-        open_store("s3://bucket/runs", endpoint_url=endpoint, access_key_id="a", secret_access_key="b",
-                   max_tries=1)
+        open_store("s3://bucket/runs", endpoint_url=endpoint, access_key_id="a", secret_access_key="b", max_tries=1)
     assert isinstance(info.value, ConnectionError)
     assert isinstance(info.value, VcdaskError)
     assert "Connection refused" in str(info.value)

@@ -19,7 +19,7 @@ def _plain_tensors(session) -> dict[str, np.ndarray]:
     out = {}
     for e in group.attrs["vcdask:layout"]["entries"]:
         start = e["offset"]
-        out[e["name"]] = flat[e["dtype"]][start:start + int(np.prod(e["shape"]))].reshape(e["shape"])
+        out[e["name"]] = flat[e["dtype"]][start : start + int(np.prod(e["shape"]))].reshape(e["shape"])
     return out
 
 
@@ -51,7 +51,14 @@ def test_plain_zarr_and_xarray_read_s3(s3):
     bucket = s3.new_bucket()
     store = open_store(f"s3://{bucket}/p", **s3.options())
     v1 = store.commit(trained_state(1))
-    storage = icechunk.s3_storage(bucket=bucket, prefix="p", region="us-east-1", endpoint_url=s3.endpoint_url,
-                                  allow_http=True, force_path_style=True, access_key_id="testing",
-                                  secret_access_key="testing")
+    storage = icechunk.s3_storage(
+        bucket=bucket,
+        prefix="p",
+        region="us-east-1",
+        endpoint_url=s3.endpoint_url,
+        allow_http=True,
+        force_path_style=True,
+        access_key_id="testing",
+        secret_access_key="testing",
+    )
     _check(icechunk.Repository.open(storage), store, v1)

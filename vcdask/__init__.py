@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from . import config as _config  # noqa: F401  (loads vcdask.yaml into dask.config)
+from . import merge
 from .api import fit, resume
 from .cluster import preempt
-from .errors import VcdaskError
-from .handle import FitResult, RunFailedError, RunHandle, attach
+from .errors import RunFailedError, VcdaskError
+from .handle import RunHandle, attach
 from .loading import load
-from .resilience import Resilience
 from .params import FlatParams, Layout, flatten, load_into
+from .resilience import Resilience
+from .result import FitResult
 from .store import Checkpoint, ParamStore, VersionInfo, open_store
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "flatten",
     "load",
     "load_into",
+    "merge",
     "open_store",
     "preempt",
     "resume",

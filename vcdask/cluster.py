@@ -11,8 +11,6 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import dask.system
-
 logger = logging.getLogger(__name__)
 
 __all__ = ["embedded_cluster", "preempt", "preemption_notice", "resolve_client"]

@@ -15,34 +15,37 @@ then read only their shard's rows.
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from .errors import VcdaskError
+from .errors import DataError
+from .store import FSSPEC_SECRET_OPTIONS
 
-__all__ = ["DataError", "DataSource", "Shards", "prepare_data"]
+__all__ = ["DataError", "DataSource", "Shards", "prepare_data", "split", "stage"]
 
 _LABEL_NAMES = ("y", "label", "labels", "target", "targets")
 _FEATURE_NAMES = ("X", "x", "features", "image", "images", "data")
-
-
-class DataError(VcdaskError, ValueError):
-    """Training data that cannot be used: empty, mismatched lengths, unknown variables ..."""
 
 
 @dataclass(frozen=True)
 class DataSource:
     """Where a dataset lives and how to read rows of it.  Small and picklable.
 
+    It never holds a secret: data staged into the parameter store is opened through the
+    store (``store`` and ``path``), which pickles without its credentials and reopens on a
+    worker with the worker's own (see :func:`vcdask.store.share_credentials`).
+
     Attributes
     ----------
     url : str or None
-        fsspec URL of a Zarr group (None when ``zarr_store`` is given).
+        fsspec URL of a Zarr group (None when ``zarr_store`` is given).  For staged data, the
+        group's URL in the store, for messages and cache keys (it is opened through ``store``).
     storage_options : dict
-        fsspec options for ``url``.
+        fsspec options for ``url`` (as the user gave them for a Zarr location; empty for staged data).
     zarr_store : object or None
         A picklable Zarr store (e.g. an Icechunk session's store) holding the group.
     features : tuple of str
@@ -55,6 +58,10 @@ class DataSource:
         Number of samples.
     offset : int
         First sample of this source in the group (validation split of a URL dataset).
+    store : ParamStore or None
+        The parameter store that holds the staged group (None for data read where it lives).
+    path : str or None
+        The staged group's path in the store's side files (``<run_id>/train.zarr``).
     """
 
     url: str | None
@@ -65,13 +72,19 @@ class DataSource:
     storage_options: dict[str, Any] = field(default_factory=dict)
     zarr_store: Any = None
     offset: int = 0
+    store: Any = None
+    path: str | None = None
 
     def open(self):
         """Open the dataset lazily (no dask, no data read)."""
         import xarray as xr
 
-        target = self.zarr_store if self.zarr_store is not None else self.url
-        kwargs = {} if self.zarr_store is not None else {"storage_options": self.storage_options or None}
+        if self.store is not None:
+            target, kwargs = self.store.files.zarr_store(self.path, read_only=True), {}
+        elif self.zarr_store is not None:
+            target, kwargs = self.zarr_store, {}
+        else:
+            target, kwargs = self.url, {"storage_options": self.storage_options or None}
         return xr.open_zarr(target, chunks=None, consolidated=False, **kwargs)
 
     def read(self, start: int, stop: int, ds=None) -> tuple[np.ndarray, np.ndarray]:
@@ -82,8 +95,7 @@ class DataSource:
 
     def slice(self, start: int, stop: int) -> DataSource:
         """A source for samples ``[start, stop)`` of this one."""
-        return DataSource(self.url, self.features, self.label, self.sample_dim, stop - start,
-                          self.storage_options, self.zarr_store, self.offset + start)
+        return replace(self, n=stop - start, offset=self.offset + start)
 
 
 @dataclass(frozen=True)
@@ -135,8 +147,10 @@ def _infer_vars(ds, features, label) -> tuple[tuple[str, ...], str]:
     if label is None:
         found = [n for n in _LABEL_NAMES if n in ds.data_vars]
         if not found:
-            raise DataError(f"cannot tell which variable holds the labels among {names}; pass label=<name> "
-                            f"(variables named {list(_LABEL_NAMES)} are found automatically)")
+            raise DataError(
+                f"cannot tell which variable holds the labels among {names}; pass label=<name> "
+                f"(variables named {list(_LABEL_NAMES)} are found automatically)"
+            )
         label = found[0]
     if label not in ds.data_vars:
         raise DataError(f"label variable {label!r} not in the dataset; variables: {names}")
@@ -156,13 +170,17 @@ def _infer_sample_dim(ds, features, label, sample_dim) -> str:
     if sample_dim is not None:
         for name in (*features, label):
             if sample_dim not in ds[name].dims:
-                raise DataError(f"sample dimension {sample_dim!r} is not a dimension of {name!r} "
-                                f"(its dimensions: {list(ds[name].dims)})")
+                raise DataError(
+                    f"sample dimension {sample_dim!r} is not a dimension of {name!r} "
+                    f"(its dimensions: {list(ds[name].dims)})"
+                )
         return sample_dim
     common = [d for d in ds[label].dims if all(d in ds[f].dims for f in features)]
     if len(common) != 1:
-        raise DataError(f"cannot infer the sample dimension: candidates {common} (dimensions shared by "
-                        f"{[*features, label]}); pass sample_dim=<name>")
+        raise DataError(
+            f"cannot infer the sample dimension: candidates {common} (dimensions shared by "
+            f"{[*features, label]}); pass sample_dim=<name>"
+        )
     return common[0]
 
 
@@ -187,8 +205,9 @@ class PreparedData:
         return np.issubdtype(np.dtype(self.y_dtype), np.integer)
 
 
-def prepare_data(data: Any, *, features=None, label=None, sample_dim=None, storage_options=None,
-                 what: str = "data") -> PreparedData:
+def prepare_data(
+    data: Any, *, features=None, label=None, sample_dim=None, storage_options=None, what: str = "data"
+) -> PreparedData:
     """Check ``data`` and describe it; reads at most a few rows (and the labels' range for checks).
 
     Raises
@@ -224,8 +243,19 @@ def prepare_data(data: Any, *, features=None, label=None, sample_dim=None, stora
             lo, hi = (y.min(), y.max()) if not _is_dask(y) else (y.min().compute(), y.max().compute())
         else:
             lo = hi = None
-        return PreparedData(None, X, y, int(X.shape[0]), tuple(X.shape[1:]), X.dtype, y.dtype, sx, sy,
-                            None if lo is None else int(lo), None if hi is None else int(hi))
+        return PreparedData(
+            None,
+            X,
+            y,
+            int(X.shape[0]),
+            tuple(X.shape[1:]),
+            X.dtype,
+            y.dtype,
+            sx,
+            sy,
+            None if lo is None else int(lo),
+            None if hi is None else int(hi),
+        )
     if isinstance(data, xr.Dataset):
         features, label = _infer_vars(data, features, label)
         dim = _infer_sample_dim(data, features, label, sample_dim)
@@ -277,6 +307,15 @@ def _zarr_source(data: Any, storage_options) -> DataSource | None:
     if isinstance(data, os.PathLike):
         data = os.fspath(data)
     if isinstance(data, str):
+        secret = sorted(set(storage_options or {}) & FSSPEC_SECRET_OPTIONS)
+        if secret:
+            raise DataError(
+                f"storage_options for {data!r} hold credentials ({secret}): vcdask never writes secrets into "
+                "a run's spec or its tasks' arguments. Give the workers (and the scheduler) credentials of "
+                "their own: environment variables (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY ...), a profile or "
+                "an instance role (profile=... is fine here), and pass only non-secret options such as "
+                "endpoint_url"
+            )
         return DataSource(data, (), "", "", 0, dict(storage_options or {}))
     mod = type(data).__module__
     if mod.startswith("icechunk"):
@@ -288,7 +327,9 @@ def _zarr_source(data: Any, storage_options) -> DataSource | None:
 def stage(prepared: PreparedData, files, path: str, *, client=None, sample_dim: str = "sample") -> DataSource:
     """Write in-memory or dask ``(X, y)`` as a Zarr group at ``<store>/runs/<path>``; return its source.
 
-    dask arrays are written by the workers of ``client`` (``to_zarr``), not through this process.
+    ``files`` is the parameter store's :attr:`~vcdask.store.ParamStore.files`.  dask arrays are
+    written by the workers of ``client`` (``to_zarr``), not through this process; the graph and
+    the returned source carry the store (which pickles without secrets), never credentials.
     """
     import xarray as xr
 
@@ -298,18 +339,42 @@ def stage(prepared: PreparedData, files, path: str, *, client=None, sample_dim: 
     ds = xr.Dataset({"X": (xdims, X), "y": (ydims, y)})
     if _is_dask(X) or _is_dask(y):
         ds = ds.chunk({sample_dim: _rows_per_chunk(X)})
-    url = f"{files.fs.unstrip_protocol(files.root)}/{path}"
-    options = getattr(files.fs, "storage_options", {})
-    encoding = {v: {"chunks": (_rows_per_chunk(X),) + ds[v].shape[1:]} for v in ("X", "y")} if not _is_dask(X) else None
+    target = files.zarr_store(path)
     lazy = _is_dask(X) or _is_dask(y)
-    delayed = ds.to_zarr(url, mode="w", consolidated=False, storage_options=options or None, zarr_format=3,
-                         encoding=encoding, compute=not lazy or client is None)
-    if lazy and client is not None:
-        client.compute(delayed).result()
-    return DataSource(url, ("X",), "y", sample_dim, prepared.n, dict(options))
+    encoding = None if _is_dask(X) else {v: {"chunks": (_rows_per_chunk(X),) + ds[v].shape[1:]} for v in ("X", "y")}
+    if lazy and client is not None:  # the workers write their chunks
+        client.compute(ds.to_zarr(target, mode="w", consolidated=False, zarr_format=3, compute=False)).result()
+    else:
+        ds.to_zarr(target, mode="w", consolidated=False, zarr_format=3, encoding=encoding)
+    return DataSource(files.url(path), ("X",), "y", sample_dim, prepared.n, store=files.store, path=path)
 
 
 def _rows_per_chunk(X) -> int:
     row_bytes = max(1, int(np.prod(X.shape[1:])) * np.dtype(X.dtype).itemsize)
     return max(1, min(int(X.shape[0]), (4 << 20) // row_bytes))
 
+
+def split(
+    prepared: PreparedData, validation: float | None, seed: int, shuffle: bool
+) -> tuple[PreparedData, PreparedData | None]:
+    """Shuffle in-memory data once (seeded) and split off a ``validation`` fraction (the last rows)."""
+    rng = np.random.default_rng(seed)
+    if prepared.source is None and shuffle and isinstance(prepared.X, np.ndarray):
+        order = rng.permutation(prepared.n)
+        prepared.X, prepared.y = prepared.X[order], prepared.y[order]
+    if not isinstance(validation, float):
+        return prepared, None
+    n_val = max(1, int(round(prepared.n * validation)))
+    if n_val >= prepared.n:
+        raise ValueError(f"validation={validation} leaves no training samples out of {prepared.n}")
+    n_train = prepared.n - n_val
+    if prepared.source is not None:
+        train = copy.copy(prepared)
+        train.source, train.n = prepared.source.slice(0, n_train), n_train
+        val = copy.copy(prepared)
+        val.source, val.n = prepared.source.slice(n_train, prepared.n), n_val
+        return train, val
+    train, val = copy.copy(prepared), copy.copy(prepared)
+    train.X, train.y, train.n = prepared.X[:n_train], prepared.y[:n_train], n_train
+    val.X, val.y, val.n = prepared.X[n_train:], prepared.y[n_train:], n_val
+    return train, val

@@ -30,10 +30,14 @@ def digits_cnn(seed: int = 0) -> torch.nn.Module:
     """A small CNN for 8x8 digits (about 40k parameters)."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(1, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
         torch.nn.Flatten(),
-        torch.nn.Linear(32 * 4 * 4, 64), torch.nn.ReLU(),
+        torch.nn.Linear(32 * 4 * 4, 64),
+        torch.nn.ReLU(),
         torch.nn.Linear(64, 10),
     )
 
@@ -50,11 +54,22 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
     import vcdask
 
     (X, y), (X_test, y_test) = digits()
-    print(f"digits: {len(X)} training and {len(X_test)} test images; training a small CNN with VC-ASGD "
-          f"on an embedded LocalCluster ({dask.system.CPU_COUNT} worker processes)")
+    print(
+        f"digits: {len(X)} training and {len(X_test)} test images; training a small CNN with VC-ASGD "
+        f"on an embedded LocalCluster ({dask.system.CPU_COUNT} worker processes)"
+    )
     t0 = time.perf_counter()
-    result = vcdask.fit(digits_cnn(), (X, y), validation=0.1, max_epochs=max_epochs, n_shards=10, local_epochs=4,
-                        alpha=0.5, store=store, progress=progress)
+    result = vcdask.fit(
+        digits_cnn(),
+        (X, y),
+        validation=0.1,
+        max_epochs=max_epochs,
+        n_shards=10,
+        local_epochs=4,
+        alpha=0.5,
+        store=store,
+        progress=progress,
+    )
     wall = time.perf_counter() - t0
     acc = accuracy_on(result.model, X_test, y_test)
     folder = Path(store) / "runs" / result.run_id
@@ -62,8 +77,10 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
     result.history.to_csv(folder / "history.csv", index=False)
     result.epochs.to_csv(folder / "epochs.csv")
     _plot(result, folder / "accuracy.png")
-    print(f"\n{len(result.epochs)} epochs, {int(result.history['accepted'].sum())} merges in {wall:.1f} s "
-          f"({result.stop_reason or 'max_epochs reached'})")
+    print(
+        f"\n{len(result.epochs)} epochs, {int(result.history['accepted'].sum())} merges in {wall:.1f} s "
+        f"({result.stop_reason or 'max_epochs reached'})"
+    )
     print(f"final test accuracy: {acc:.4f}")
     print(f"store: {result.store.location} (branch {result.run_id}, version {result.version})")
     print(f"history, epochs and plot: {folder}/")
@@ -81,7 +98,9 @@ def _plot(result, path: Path) -> None:
         return
     e = result.epochs
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.fill_between(e["wall_time"], e["accuracy_min"], e["accuracy_max"], alpha=0.25, label="min-max over the epoch's versions")
+    ax.fill_between(
+        e["wall_time"], e["accuracy_min"], e["accuracy_max"], alpha=0.25, label="min-max over the epoch's versions"
+    )
     ax.plot(e["wall_time"], e["accuracy"], marker="o", label="epoch's last version")
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("validation accuracy")

@@ -7,109 +7,18 @@ reach the scheduler the same handle ``fit`` uses.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .errors import VcdaskError
+from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
+from .errors import RunFailedError, RunNotFoundError
 from .params import load_into
-from .plugin import PLUGIN_NAME, VcdaskPlugin
+from .result import HISTORY_COLUMNS, FitResult
 
 __all__ = ["FitResult", "RunFailedError", "RunHandle", "attach", "ensure_plugin"]
 
-HISTORY_COLUMNS = ["epoch", "shard", "attempt", "worker", "base_version", "new_version", "version_id", "alpha",
-                   "staleness", "train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds",
-                   "accepted", "reason", "time", "update"]
 _ENDED = ("finished", "error", "cancelled")
-
-
-class RunFailedError(VcdaskError, RuntimeError):
-    """A run stopped with an error on the cluster (the message carries the scheduler-side traceback)."""
-
-
-@dataclass
-class FitResult:
-    """What :func:`vcdask.fit` (and :meth:`RunHandle.result`) returns.
-
-    Attributes
-    ----------
-    model : torch.nn.Module
-        The model, holding the final server parameters.
-    history : pandas.DataFrame
-        One row per update: epoch, shard, attempt, worker, base_version, new_version,
-        version_id, alpha, staleness, train_loss, seconds (of the task: read_seconds for the
-        version and rows, train_seconds, upload_seconds), accepted, reason (why an update was
-        not merged: duplicate, late, rejected, lost, skipped, cancelled), time (since the run
-        started), update (path of W_c under ``<store>/runs``).
-    epochs : pandas.DataFrame
-        One row per epoch: validation metrics of the epoch's last version, their mean, min
-        and max over the epoch's validated versions, train loss, shards skipped, wall time.
-    workers : pandas.DataFrame
-        One row per worker: shards done, failed, timed out, rejected, mean shard seconds,
-        preempted, and why it was excluded (if it was).
-    run_id : str
-    store : ParamStore
-    version : str
-        The final version id (on branch ``run_id``).
-    metrics : dict
-        Validation metrics of the final version (empty without validation data).
-    panel : vcdask.panel.RunPanel or None
-        The live panel shown while the run trained (in a Jupyter kernel; None elsewhere).
-    """
-
-    model: torch.nn.Module
-    history: Any
-    epochs: Any
-    run_id: str
-    store: Any
-    version: str
-    metrics: dict[str, float] = field(default_factory=dict)
-    workers: Any = None
-    stop_reason: str | None = None
-    wall_time: float = float("nan")
-    panel: Any = field(default=None, repr=False)
-
-    def _repr_html_(self) -> str:
-        from .reports import fit_result_html
-
-        return fit_result_html(self)
-
-    def plot(self, show: bool | None = None):
-        """Validation metrics and loss against wall time and against epoch (bokeh).
-
-        Parameters
-        ----------
-        show : bool, optional
-            Display the plot now (default: when running in a Jupyter kernel).
-
-        Returns
-        -------
-        bokeh.models.GridPlot or None
-            The plot, when it is not shown (save it with ``bokeh.io.save``); None once shown.
-        """
-        from .reports import fit_result_plot
-
-        layout = fit_result_plot(self)
-        if show is None:
-            from .panel import in_kernel
-
-            show = in_kernel()
-        if not show:
-            return layout
-        from IPython.display import display
-        from jupyter_bokeh import BokehModel
-
-        from .panel import load_bokehjs
-
-        load_bokehjs()
-        display(BokehModel(layout))
-        return None
-
-    def __repr__(self) -> str:
-        metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
-        return (f"<FitResult {self.run_id}: {len(self.epochs)} epochs, {int(self.history['accepted'].sum())} "
-                f"merges, version {self.version}{', ' + metrics if metrics else ''}>")
 
 
 def ensure_plugin(client) -> None:
@@ -169,7 +78,7 @@ class RunHandle:
         """
         import time
 
-        from .widgets import make_progress
+        from .progress import make_progress
 
         bar = make_progress(self, enabled=progress)
         if progress:
@@ -203,7 +112,7 @@ class RunHandle:
         """
         import pandas as pd
 
-        from .task import load_spec
+        from .spec import load_spec
 
         self.wait()
         res = self.client.sync(self.client.scheduler.vcdask_result, run_id=self.run_id)
@@ -217,10 +126,16 @@ class RunHandle:
         load_into(model, store.read(res["version"]).params)
         epochs = pd.DataFrame(res["epochs"])
         return FitResult(
-            model=model, history=pd.DataFrame(res["history"], columns=HISTORY_COLUMNS),
-            epochs=epochs.set_index("epoch") if len(epochs) else epochs, run_id=self.run_id, store=store,
-            version=res["version"], metrics=res.get("final_metrics") or {},
-            workers=pd.DataFrame(res["workers"]), stop_reason=res.get("stopping"), wall_time=wall_time,
+            model=model,
+            history=pd.DataFrame(res["history"], columns=HISTORY_COLUMNS),
+            epochs=epochs.set_index("epoch") if len(epochs) else epochs,
+            run_id=self.run_id,
+            store=store,
+            version=res["version"],
+            metrics=res.get("final_metrics") or {},
+            workers=pd.DataFrame(res["workers"]),
+            stop_reason=res.get("stopping"),
+            wall_time=wall_time,
             panel=self.display if type(self.display).__name__ == "RunPanel" else None,
         )
 
@@ -242,15 +157,14 @@ def attach(run_id: str, client: Any = None) -> RunHandle:
     """
     from distributed import Client, default_client
 
-    from .plugin import RunNotFoundError
-
     if client is None:
         client = default_client()
     elif isinstance(client, str):
         client = Client(client, set_as_default=False)
     if not client.run_on_scheduler(_has_plugin):
-        raise RunNotFoundError(f"no vcdask run {run_id!r}: the scheduler at {client.scheduler.address} has never "
-                               "run vcdask")
+        raise RunNotFoundError(
+            f"no vcdask run {run_id!r}: the scheduler at {client.scheduler.address} has never run vcdask"
+        )
     runs = client.sync(client.scheduler.vcdask_runs)
     if run_id not in runs:
         raise RunNotFoundError(f"no vcdask run {run_id!r} on {client.scheduler.address}; runs: {sorted(runs)}")

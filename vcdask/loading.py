@@ -12,8 +12,15 @@ from .store import ParamStore, open_store
 __all__ = ["load"]
 
 
-def load(store: ParamStore | str, model: torch.nn.Module | None = None, *, version: str | None = None,
-         tag: str | None = None, branch: str = "main", **storage_options: Any) -> torch.nn.Module:
+def load(
+    store: ParamStore | str,
+    model: torch.nn.Module | None = None,
+    *,
+    version: str | None = None,
+    tag: str | None = None,
+    branch: str = "main",
+    **storage_options: Any,
+) -> torch.nn.Module:
     """A model holding one stored version of the server parameters.
 
     Parameters
@@ -58,20 +65,24 @@ def load(store: ParamStore | str, model: torch.nn.Module | None = None, *, versi
         model = _run_model(store, checkpoint)
     checkpoint.load_into(model)
     model.eval()
-    model.vcdask_version = {"id": checkpoint.version, **checkpoint.metadata}
+    model.vcdask_version = {"id": checkpoint.version, **checkpoint.metadata}  # type: ignore[assignment]
     return model
 
 
 def _run_model(store: ParamStore, checkpoint) -> torch.nn.Module:
-    from .task import load_spec
+    from .spec import load_spec
 
     run_id = checkpoint.metadata.get("run_id")
     if not run_id:
-        raise ValueError(f"version {checkpoint.version!r} was not committed by a vcdask run (its metadata has no "
-                         "run_id), so there is no model to load it into: pass model=")
+        raise ValueError(
+            f"version {checkpoint.version!r} was not committed by a vcdask run (its metadata has no "
+            "run_id), so there is no model to load it into: pass model="
+        )
     try:
         spec = load_spec(store, run_id)
     except FileNotFoundError:
-        raise ValueError(f"the spec of run {run_id!r} (which committed version {checkpoint.version!r}) is gone "
-                         f"from {store.location}: pass model=") from None
+        raise ValueError(
+            f"the spec of run {run_id!r} (which committed version {checkpoint.version!r}) is gone "
+            f"from {store.location}: pass model="
+        ) from None
     return copy.deepcopy(spec.model)

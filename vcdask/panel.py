@@ -1,9 +1,10 @@
 """The live progress panel of a run in Jupyter: ipywidgets + bokeh, fed by the run's events.
 
-The scheduler plugin pushes small event records on the Dask topic ``vcdask-run-<run_id>``
-(shard states, merges, epochs, worker changes, pauses).  A panel subscribes to that topic,
-takes one snapshot of the run (so it can start, or re-attach, mid-run) and folds every
-event into :class:`PanelState`; the widgets render that state.  Nothing here polls the store.
+The scheduler plugin pushes small event records on the run's Dask topic
+(:func:`vcdask.engine.events.topic`: shard states, merges, epochs, worker changes, pauses).  A panel
+subscribes to that topic, takes one snapshot of the run (so it can start, or re-attach, mid-run)
+and folds every event into :class:`~vcdask.progress.PanelState`; the widgets render that state.  Nothing
+here polls the store.
 ipywidgets, bokeh and jupyter_bokeh are imported only when a panel is made.
 """
 
@@ -12,13 +13,21 @@ from __future__ import annotations
 import html
 import threading
 import time
-from typing import Any
+
+from .engine.events import ShardState, topic
+from .progress import PanelState
 
 __all__ = ["PanelState", "RunPanel", "in_kernel", "load_bokehjs"]
 
-SHARD_COLORS = {"queued": "#d9d9d9", "running": "#4c9be8", "re-issued": "#f0a630", "merged": "#3aa35b",
-                "rejected": "#d9534f", "skipped": "#7f7f7f"}
-_MAX_GRID_EPOCHS = 8
+SHARD_COLORS: dict[ShardState, str] = {
+    "queued": "#d9d9d9",
+    "running": "#4c9be8",
+    "re-issued": "#f0a630",
+    "merged": "#3aa35b",
+    "rejected": "#d9534f",
+    "skipped": "#7f7f7f",
+}
+_COLORS: dict[str, str] = {str(k): v for k, v in SHARD_COLORS.items()}  # snapshots carry plain strings
 _RENDER_INTERVAL = 0.25  # seconds: events are folded at once, the widgets redrawn at most this often
 
 
@@ -47,124 +56,6 @@ def load_bokehjs() -> None:
 
     output_notebook(INLINE, hide_banner=True)
     _bokehjs_loaded = True
-
-
-class PanelState:
-    """The panel's model: a fold of one snapshot of the run and the events that follow it.
-
-    Every event carries absolute values (a shard's new state, a worker's whole row, an epoch's
-    whole row), so applying an event twice, or one the snapshot already includes, is harmless.
-    """
-
-    def __init__(self, run_id: str):
-        self.run_id = run_id
-        self.status: dict[str, Any] = {"status": "starting"}
-        self.epochs: dict[int, dict] = {}
-        self.workers: dict[str, dict] = {}
-        self.lost: set[str] = set()
-        self.shards: dict[tuple[int, int], str] = {}
-        self.metric = "accuracy"
-        self.last_update: dict[str, Any] = {}
-        self.paused: str | None = None
-        self.notes: list[str] = []  # recent notable events, newest last
-        self.events = 0  # events folded in so far
-
-    @property
-    def n_shards(self) -> int:
-        return int(self.status.get("n_shards") or 0)
-
-    @property
-    def epochs_done(self) -> int:
-        return len(self.epochs)
-
-    def apply_snapshot(self, snap: dict) -> None:
-        self.status.update(snap["status"])
-        self.metric = snap.get("metric", self.metric)
-        for row in snap["epochs"]:
-            self.epochs[int(row["epoch"])] = row
-        for row in snap["workers"]:
-            self.workers[row["worker"]] = row
-        for epoch, shard, state in snap["shards"]:
-            self.shards[(int(epoch), int(shard))] = state
-        self.paused = snap["status"].get("paused")
-
-    def apply(self, event: dict) -> None:
-        kind = event.get("type")
-        self.events += 1
-        if "worker_row" in event:
-            row = event["worker_row"]
-            self.workers[row["worker"]] = row
-        if kind == "shard":
-            self.shards[(int(event["epoch"]), int(event["shard"]))] = event["state"]
-        elif kind == "update":
-            self.last_update = event
-            if event.get("accepted"):
-                self.status["step"] = event["new_version"]
-                self.status["version"] = event.get("version") or self.status.get("version")
-                self.status["alpha"] = event.get("alpha")
-                self.status["staleness"] = event.get("staleness")
-        elif kind == "epoch":
-            self.epochs[int(event["epoch"])] = {k: v for k, v in event.items() if k not in ("type", "run_id")}
-            self.status["epochs_done"] = len(self.epochs)
-        elif kind == "lost":
-            self.lost.add(event["worker"])
-            self._note(f"worker {event['worker']} lost while training shard {event['shard']} "
-                       f"of epoch {event['epoch']}: shard re-queued")
-        elif kind == "reissue":
-            self._note(f"shard {event['shard']} of epoch {event['epoch']} {event['why']} on "
-                       f"{event['worker']}: re-issued")
-        elif kind == "excluded":
-            self._note(f"worker {event['worker']} excluded: {event['reason']}")
-        elif kind == "preempted":
-            self._note(f"worker {event['worker']} preempted: {event['reissued']} shard(s) moved")
-        elif kind == "paused":
-            workers = event.get("cause") == "workers"
-            self.paused = event["why"] if workers else f"store unavailable: {event['why']}"
-            self._note(f"paused: {self.paused}")
-        elif kind == "resumed":
-            self.paused = None
-            what = "workers" if event.get("cause") == "workers" else "store"
-            self._note(f"{what} back after {event['after']:.0f} s: continuing")
-        elif kind in ("finished", "failed", "started"):
-            self.status["status"] = {"finished": "finished", "failed": "error", "started": "running"}[kind]
-            if kind == "failed":
-                self._note("run failed: " + str(event.get("error", "")).strip().splitlines()[-1])
-
-    def apply_status(self, status: dict) -> None:
-        """A status polled by a waiting ``fit`` (cheap counters; the panel's content comes from events)."""
-        self.status.update(status)
-        self.paused = status.get("paused")
-
-    def _note(self, text: str) -> None:
-        self.notes = [*self.notes[-4:], text]
-
-    # -- views of the state (what the widgets draw; also what tests check) -----------------
-    def grid_epochs(self) -> list[int]:
-        epochs = sorted({e for e, _ in self.shards})
-        return epochs[-_MAX_GRID_EPOCHS:]
-
-    def grid(self, epoch: int) -> list[str]:
-        """The state of each shard of ``epoch``, in shard order."""
-        return [self.shards.get((epoch, s), "queued") for s in range(self.n_shards)]
-
-    def metric_series(self) -> dict[str, list]:
-        """One point per finished epoch: wall time, the metric of its last version, and its band."""
-        m = self.metric
-        # epochs overlap (a straggler may end epoch e after epoch e+1): the line runs in time order
-        rows = sorted(self.epochs.values(), key=lambda r: (float(r.get("wall_time", 0.0)), int(r["epoch"])))
-        value = [float(r.get(m, float("nan"))) for r in rows]
-        return {"epoch": [int(r["epoch"]) for r in rows], "time": [float(r.get("wall_time", 0.0)) for r in rows],
-                "value": value,
-                "lo": [float(r.get(f"{m}_min", v)) for r, v in zip(rows, value)],
-                "hi": [float(r.get(f"{m}_max", v)) for r, v in zip(rows, value)]}
-
-    def worker_rows(self) -> list[dict]:
-        rows = []
-        for address, row in sorted(self.workers.items()):
-            state = ("excluded" if row.get("excluded") else "preempted" if row.get("preempted")
-                     else "lost" if address in self.lost else "active")
-            rows.append({**row, "state": state})
-        return rows
 
 
 class RunPanel:
@@ -199,7 +90,7 @@ class RunPanel:
             load_bokehjs()
         self.handle = handle
         self.client = handle.client
-        self.topic = f"vcdask-run-{handle.run_id}"
+        self.topic = topic(handle.run_id)
         self.state = PanelState(handle.run_id)
         self._lock = threading.RLock()
         self._last_render = 0.0
@@ -213,25 +104,33 @@ class RunPanel:
         metric = self.state.metric
 
         self.header = w.HTML()
-        self.progress = w.IntProgress(value=0, min=0, max=1, description="epochs", bar_style="info",
-                                      layout=w.Layout(width="80%"))
+        self.progress = w.IntProgress(
+            value=0, min=0, max=1, description="epochs", bar_style="info", layout=w.Layout(width="80%")
+        )
         self.progress_label = w.HTML()
         self.grid_html = w.HTML()
         self.workers_html = w.HTML()
         self.notes_html = w.HTML()
         self.source = ColumnDataSource(data={"epoch": [], "time": [], "value": [], "lo": [], "hi": []})
-        fig = figure(height=240, width=460, x_axis_label="wall time (s)", y_axis_label=metric,
-                     title=f"validation {metric} by epoch (band: min/max in the epoch)", toolbar_location=None)
+        fig = figure(
+            height=240,
+            width=460,
+            x_axis_label="wall time (s)",
+            y_axis_label=metric,
+            title=f"validation {metric} by epoch (band: min/max in the epoch)",
+            toolbar_location=None,
+        )
         fig.varea(x="time", y1="lo", y2="hi", source=self.source, fill_alpha=0.25, fill_color="#4c9be8")
         fig.line(x="time", y="value", source=self.source, line_width=2, color="#1f5fa8")
         fig.scatter(x="time", y="value", source=self.source, size=6, color="#1f5fa8")
-        fig.title.text_font_size = "10pt"
+        fig.title.text_font_size = "10pt"  # type: ignore[union-attr]  # figure(title=...) makes a Title
         self.figure = fig
         self.plot = BokehModel(fig)
         left = w.VBox([self.grid_html, self.workers_html], layout=w.Layout(width="50%"))
         right = w.VBox([self.plot], layout=w.Layout(width="50%"))
-        self.widget = w.VBox([self.header, w.HBox([self.progress, self.progress_label]), w.HBox([left, right]),
-                              self.notes_html])
+        self.widget = w.VBox(
+            [self.header, w.HBox([self.progress, self.progress_label]), w.HBox([left, right]), self.notes_html]
+        )
         self.render()
         if display:
             from IPython.display import display as show
@@ -301,13 +200,14 @@ class RunPanel:
             max_epochs = int(status.get("max_epochs") or 1)
             self.progress.max = max_epochs
             self.progress.value = st.epochs_done
-            self.progress.bar_style = {"finished": "success", "error": "danger"}.get(status.get("status"), "info")
+            self.progress.bar_style = {"finished": "success", "error": "danger"}.get(str(status.get("status")), "info")
             self.progress_label.value = f"&nbsp;{st.epochs_done} / {max_epochs}"
             self.header.value = _header_html(st)
             self.grid_html.value = _grid_html(st)
             self.workers_html.value = _workers_html(st.worker_rows())
-            self.notes_html.value = "".join(f"<div style='font-size:90%;color:#555'>{html.escape(n)}</div>"
-                                            for n in st.notes)
+            self.notes_html.value = "".join(
+                f"<div style='font-size:90%;color:#555'>{html.escape(n)}</div>" for n in st.notes
+            )
             series = st.metric_series()
         if series["epoch"] != list(self.source.data["epoch"]):
             self.source.data = series
@@ -327,13 +227,17 @@ def _header_html(st: PanelState) -> str:
     version = s.get("version") or ""
     last = st.epochs[max(st.epochs)] if st.epochs else {}
     metric = last.get(st.metric)
-    parts = [f"<b>{html.escape(st.run_id)}</b> &middot; {html.escape(str(s.get('status', '')))}",
-             f"version {s.get('step', 0)} <code>{html.escape(str(version)[:12])}</code>",
-             (f"merge {html.escape(str(s.get('merge') or 'vc-asgd'))}"
-              + (f" (alpha {_fmt(s.get('alpha'), '.3g')})" if s.get("alpha") is not None else "")),
-             f"staleness {_fmt(s.get('staleness'), 'd')}",
-             f"{html.escape(st.metric)} {_fmt(metric)}",
-             f"store <code>{html.escape(str(s.get('store', '')))}</code>"]
+    parts = [
+        f"<b>{html.escape(st.run_id)}</b> &middot; {html.escape(str(s.get('status', '')))}",
+        f"version {s.get('step', 0)} <code>{html.escape(str(version)[:12])}</code>",
+        (
+            f"merge {html.escape(str(s.get('merge') or 'vc-asgd'))}"
+            + (f" (alpha {_fmt(s.get('alpha'), '.3g')})" if s.get("alpha") is not None else "")
+        ),
+        f"staleness {_fmt(s.get('staleness'), 'd')}",
+        f"{html.escape(st.metric)} {_fmt(metric)}",
+        f"store <code>{html.escape(str(s.get('store', '')))}</code>",
+    ]
     out = " &nbsp;|&nbsp; ".join(parts)
     if st.paused:
         out += f"<div style='color:#b30000'><b>paused</b>: {html.escape(st.paused)}</div>"
@@ -344,31 +248,46 @@ def _grid_html(st: PanelState) -> str:
     rows = []
     size = "12px" if st.n_shards <= 64 else "6px"
     for epoch in st.grid_epochs():
-        cells = "".join(f"<span title='shard {i}: {state}' style='display:inline-block;width:{size};"
-                        f"height:{size};margin:1px;background:{SHARD_COLORS.get(state, '#ccc')}'></span>"
-                        for i, state in enumerate(st.grid(epoch)))
-        rows.append(f"<div style='white-space:nowrap'><span style='display:inline-block;width:58px;"
-                    f"font-size:85%'>epoch {epoch}</span>{cells}</div>")
+        cells = "".join(
+            f"<span title='shard {i}: {state}' style='display:inline-block;width:{size};"
+            f"height:{size};margin:1px;background:{_COLORS.get(state, '#ccc')}'></span>"
+            for i, state in enumerate(st.grid(epoch))
+        )
+        rows.append(
+            f"<div style='white-space:nowrap'><span style='display:inline-block;width:58px;"
+            f"font-size:85%'>epoch {epoch}</span>{cells}</div>"
+        )
     counts: dict[str, int] = {}
     for epoch in st.grid_epochs():
         for state in st.grid(epoch):
             counts[state] = counts.get(state, 0) + 1
-    legend = " ".join(f"<span style='font-size:80%'><span style='display:inline-block;width:9px;height:9px;"
-                      f"background:{c}'></span> {name} {counts.get(name, 0)}</span>"
-                      for name, c in SHARD_COLORS.items())
+    legend = " ".join(
+        f"<span style='font-size:80%'><span style='display:inline-block;width:9px;height:9px;"
+        f"background:{c}'></span> {name} {counts.get(name, 0)}</span>"
+        for name, c in SHARD_COLORS.items()
+    )
     return f"<div style='font-family:sans-serif'><b>shards</b><br>{''.join(rows)}<div>{legend}</div></div>"
 
 
 def _workers_html(rows: list[dict]) -> str:
-    head = "".join(f"<th style='padding:1px 6px;text-align:right'>{h}</th>"
-                   for h in ("worker", "state", "done", "failed", "timed out", "rejected", "mean s"))
+    head = "".join(
+        f"<th style='padding:1px 6px;text-align:right'>{h}</th>"
+        for h in ("worker", "state", "done", "failed", "timed out", "rejected", "mean s")
+    )
     body = []
     for r in rows:
         color = {"active": "#3aa35b", "lost": "#d9534f", "excluded": "#d9534f", "preempted": "#f0a630"}[r["state"]]
-        cells = [html.escape(str(r["worker"]).removeprefix("tcp://")),
-                 f"<span style='color:{color}'>{r['state']}</span>", r["done"], r["failed"], r["timed_out"],
-                 r["rejected"], _fmt(r.get("mean_seconds"), ".2f")]
-        body.append("<tr>" + "".join(f"<td style='padding:1px 6px;text-align:right'>{c}</td>" for c in cells)
-                    + "</tr>")
-    return (f"<div style='font-family:sans-serif;font-size:90%'><b>workers</b><table>"
-            f"<tr>{head}</tr>{''.join(body)}</table></div>")
+        cells = [
+            html.escape(str(r["worker"]).removeprefix("tcp://")),
+            f"<span style='color:{color}'>{r['state']}</span>",
+            r["done"],
+            r["failed"],
+            r["timed_out"],
+            r["rejected"],
+            _fmt(r.get("mean_seconds"), ".2f"),
+        ]
+        body.append("<tr>" + "".join(f"<td style='padding:1px 6px;text-align:right'>{c}</td>" for c in cells) + "</tr>")
+    return (
+        f"<div style='font-family:sans-serif;font-size:90%'><b>workers</b><table>"
+        f"<tr>{head}</tr>{''.join(body)}</table></div>"
+    )

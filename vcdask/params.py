@@ -136,8 +136,7 @@ class Layout:
         return {
             "format": 1,
             "entries": [
-                {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "offset": e.offset}
-                for e in self.entries
+                {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "offset": e.offset} for e in self.entries
             ],
         }
 
@@ -146,9 +145,7 @@ class Layout:
         """Inverse of :meth:`to_dict`."""
         if d.get("format") != 1:
             raise ValueError(f"unsupported layout format {d.get('format')!r}; this vcdask reads format 1")
-        return cls(
-            tuple(Entry(e["name"], tuple(e["shape"]), e["dtype"], int(e["offset"])) for e in d["entries"])
-        )
+        return cls(tuple(Entry(e["name"], tuple(e["shape"]), e["dtype"], int(e["offset"])) for e in d["entries"]))
 
     def diff(self, other: Layout) -> list[str]:
         """Human-readable differences between two layouts (empty when equal)."""
@@ -222,9 +219,7 @@ class FlatParams:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Named tensors as *views* into the flat arrays (no copy)."""
-        return {
-            e.name: self.arrays[e.dtype][e.offset : e.offset + e.size].view(e.shape) for e in self.layout.entries
-        }
+        return {e.name: self.arrays[e.dtype][e.offset : e.offset + e.size].view(e.shape) for e in self.layout.entries}
 
     def clone(self) -> FlatParams:
         """A deep copy."""
@@ -244,9 +239,7 @@ def _as_state(obj: Any) -> Mapping[str, Any]:
         return obj.state_dict()
     if isinstance(obj, Mapping):
         return obj
-    raise TypeError(
-        f"expected a torch.nn.Module, a state dict or FlatParams, got {type(obj).__name__}"
-    )
+    raise TypeError(f"expected a torch.nn.Module, a state dict or FlatParams, got {type(obj).__name__}")
 
 
 def flatten(obj: torch.nn.Module | Mapping[str, Any] | FlatParams) -> FlatParams:
@@ -277,7 +270,7 @@ def flatten(obj: torch.nn.Module | Mapping[str, Any] | FlatParams) -> FlatParams
         tensors.append((str(name), t.detach()))
     layout = Layout.from_shapes([(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors])
     arrays = {d: torch.empty(n, dtype=torch_dtype(d)) for d, n in layout.sizes.items()}
-    for (_, t), e in zip(tensors, layout.entries):
+    for (_, t), e in zip(tensors, layout.entries, strict=True):
         arrays[e.dtype][e.offset : e.offset + e.size].copy_(t.reshape(-1))
     return FlatParams(layout, arrays)
 
@@ -305,14 +298,10 @@ def load_into(module: torch.nn.Module, params: FlatParams | Mapping[str, Any]) -
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
     flat = flatten(params)
-    expected = Layout.from_shapes(
-        [(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in module.state_dict().items()]
-    )
+    expected = Layout.from_shapes([(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in module.state_dict().items()])
     problems = expected.diff(flat.layout)
     if problems and problems != ["same entries in a different order"]:
-        raise ParameterMismatchError(
-            f"parameters do not fit {type(module).__name__}: " + "; ".join(problems)
-        )
+        raise ParameterMismatchError(f"parameters do not fit {type(module).__name__}: " + "; ".join(problems))
     with torch.no_grad():
         module.load_state_dict(flat.state_dict(), strict=True)
     return module

@@ -1,27 +1,19 @@
-"""Resilience options and the bookkeeping behind them: deadlines, worker records, update checks.
+"""Resilience options: how a run copes with slow, failing, vanishing and misbehaving workers.
 
-Pure Python and torch: nothing here talks to Dask or the store.
+The decisions these options drive are in :mod:`vcdask.engine.policy`.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
+from .errors import UnknownPolicyError
 
-from .errors import VcdaskError
-from .params import FlatParams
-
-__all__ = ["FAILURE_POLICIES", "Resilience", "UnknownPolicyError", "WorkerRecord", "check_update"]
+__all__ = ["FAILURE_POLICIES", "Resilience", "UnknownPolicyError"]
 
 #: What to do with a shard that failed ``max_attempts`` times (killed its workers, or was rejected).
 FAILURE_POLICIES = ("stop", "skip")
-
-
-class UnknownPolicyError(VcdaskError, ValueError):
-    """An ``on_shard_failure`` policy that does not exist."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +62,14 @@ class Resilience:
     store_outage_timeout: float = 600.0
 
     def __post_init__(self):
-        for name in ("deadline", "deadline_factor", "deadline_floor", "max_update_norm", "no_worker_timeout",
-                     "store_outage_timeout"):
+        for name in (
+            "deadline",
+            "deadline_factor",
+            "deadline_floor",
+            "max_update_norm",
+            "no_worker_timeout",
+            "store_outage_timeout",
+        ):
             value = getattr(self, name)
             if value is None and name in ("deadline", "max_update_norm"):
                 continue
@@ -80,8 +78,9 @@ class Resilience:
         if self.max_staleness not in (None, "auto") and (
             isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0
         ):
-            raise ValueError(f"max_staleness must be an integer >= 0, 'auto' or None (no limit), "
-                             f"got {self.max_staleness!r}")
+            raise ValueError(
+                f"max_staleness must be an integer >= 0, 'auto' or None (no limit), got {self.max_staleness!r}"
+            )
         for name in ("max_attempts", "max_worker_failures"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -92,84 +91,7 @@ class Resilience:
             )
 
     def deadline_for(self, shard_seconds: list[float], tasks_per_slot: int, cold: bool = False) -> float:
-        """The deadline in force, given the shard times seen so far.
+        """The deadline in force, given the shard times seen so far (see :func:`vcdask.engine.policy.deadline`)."""
+        from .engine.policy import deadline
 
-        ``cold``: the worker has not finished a shard of this run yet (its first task also imports
-        torch, reads the run's spec and its rows), so a derived deadline is at least
-        ``COLD_START_SECONDS``.  An explicit ``deadline`` holds for every task."""
-        if self.deadline is not None:
-            return float(self.deadline)
-        if not shard_seconds:
-            return max(self.deadline_floor, 60.0)  # nothing measured yet: be patient with the first shards
-        derived = max(self.deadline_floor, self.deadline_factor * tasks_per_slot * statistics.median(shard_seconds))
-        return max(derived, COLD_START_SECONDS) if cold else derived
-
-
-COLD_START_SECONDS = 30.0
-
-
-@dataclass
-class WorkerRecord:
-    """What a run has seen of one worker."""
-
-    address: str
-    done: int = 0
-    failed: int = 0
-    timed_out: int = 0
-    rejected: int = 0
-    seconds: float = 0.0
-    preempted: bool = False
-    excluded: str | None = None
-    recent: list[float] = field(default_factory=list)
-
-    @property
-    def faults(self) -> int:
-        return self.failed + self.timed_out + self.rejected
-
-    @property
-    def mean_seconds(self) -> float:
-        return self.seconds / self.done if self.done else float("nan")
-
-    def rank(self) -> tuple:
-        """Sort key: reliable first, then fast."""
-        mean = self.mean_seconds
-        return (self.faults, math.inf if math.isnan(mean) else mean)
-
-    def as_row(self) -> dict:
-        return {"worker": self.address, "done": self.done, "failed": self.failed, "timed_out": self.timed_out,
-                "rejected": self.rejected, "mean_seconds": self.mean_seconds, "preempted": self.preempted,
-                "excluded": self.excluded}
-
-
-def staleness_limit(max_staleness: int | str | None, n_shards: int, in_flight: int) -> int | None:
-    """The staleness limit in force: ``max_staleness`` itself, or for ``"auto"`` the larger of two
-    epochs' worth of shards and four times the tasks in flight (healthy workers stay far below)."""
-    if max_staleness == "auto":
-        return max(2 * n_shards, 4 * in_flight)
-    return max_staleness
-
-
-def check_update(server: FlatParams, client: FlatParams, *, staleness: int, max_staleness: int | None,
-                 max_norm: float | None) -> tuple[str, str] | None:
-    """Why an update must not be merged, as ``(kind, reason)``, or None when it is fine.
-
-    ``kind`` is ``"layout"``, ``"non-finite"``, ``"stale"`` or ``"norm"``; all but ``"stale"`` are the
-    worker's fault.
-    """
-    if client.layout != server.layout:
-        return "layout", "layout mismatch: " + "; ".join(server.layout.diff(client.layout)[:4])
-    bad = []
-    for name, value in client.state_dict().items():
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            bad.append(name)
-    if bad:
-        return "non-finite", f"non-finite values (NaN/inf) in {bad[:4]}{' ...' if len(bad) > 4 else ''}"
-    if max_staleness is not None and staleness > max_staleness:
-        return "stale", f"stale: based on a version {staleness} merges old (max_staleness={max_staleness})"
-    if max_norm is not None:
-        sq = sum(float(torch.sum((c.double() - s.double()) ** 2)) for d, c in client.arrays.items()
-                 if c.is_floating_point() for s in [server.arrays[d]])
-        norm = math.sqrt(sq)
-        if norm > max_norm:
-            return "norm", f"update norm ||W_c - W_s|| = {norm:.4g} > max_update_norm={max_norm:.4g}"
-    return None
+        return deadline(self, shard_seconds, tasks_per_slot, cold)

@@ -10,13 +10,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import VcdaskError
+from .errors import UnknownScheduleError
 
 __all__ = ["SCHEDULES", "Constant", "EpochSchedule", "UnknownScheduleError", "get_schedule"]
-
-
-class UnknownScheduleError(VcdaskError, ValueError):
-    """An alpha schedule name that does not exist."""
 
 
 def check_alpha(alpha: float, what: str = "alpha") -> float:

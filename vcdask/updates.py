@@ -2,25 +2,41 @@
 
 An update is an uncompressed ``.npz`` (readable with ``numpy.load``): one array per dtype
 plus the layout as JSON bytes, written in a single request by the worker that trained
-it, read once by the merge thread, deleted once its merge is committed.
+it, read once by the merge thread, deleted once its merge is committed.  This module is the
+only place that writes, reads, lists or deletes updates.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 
 import numpy as np
 import torch
 
 from .params import FlatParams, Layout, torch_dtype
 
-__all__ = ["read_update", "read_update_meta", "update_path", "write_update"]
+__all__ = [
+    "delete_run_updates",
+    "delete_update",
+    "list_updates",
+    "read_update",
+    "read_update_meta",
+    "update_path",
+    "write_update",
+]
+
+logger = logging.getLogger(__name__)
 
 
 def update_path(run_id: str, epoch: int, shard: int, attempt: int) -> str:
     """Where the update of one shard-training attempt lives, relative to ``<store>/runs``."""
-    return f"{run_id}/updates/e{epoch:05d}-s{shard:05d}-a{attempt:03d}.npz"
+    return f"{_folder(run_id)}/e{epoch:05d}-s{shard:05d}-a{attempt:03d}.npz"
+
+
+def _folder(run_id: str) -> str:
+    return f"{run_id}/updates"
 
 
 def write_update(files, path: str, params: FlatParams, meta: dict | None = None) -> int:
@@ -31,7 +47,7 @@ def write_update(files, path: str, params: FlatParams, meta: dict | None = None)
     arrays["__layout__"] = np.frombuffer(json.dumps(params.layout.to_dict()).encode(), dtype=np.uint8)
     arrays["__meta__"] = np.frombuffer(json.dumps(meta or {}).encode(), dtype=np.uint8)
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy stubs type **kwds as allow_pickle
     data = buf.getvalue()
     files.put(path, data)
     return len(data)
@@ -52,3 +68,33 @@ def read_update_meta(files, path: str) -> dict:
     """The ``meta`` record stored with an update (epoch, shard, attempt, base_step, ...)."""
     with np.load(io.BytesIO(files.get(path)), allow_pickle=False) as z:
         return json.loads(z["__meta__"].tobytes()) if "__meta__" in z.files else {}
+
+
+def list_updates(files, run_id: str) -> list[str]:
+    """Paths of the run's updates still in the store."""
+    return files.list(_folder(run_id))
+
+
+def delete_update(files, path: str, *, strict: bool = False) -> bool:
+    """Delete one update that has done its job (merged and committed, rejected, or a duplicate).
+
+    Best effort unless ``strict``: a store fault is logged and the update is left for the end of the
+    run (:func:`delete_run_updates`).  Returns whether it is gone.
+    """
+    try:
+        files.delete(path)
+        return True
+    except OSError as e:
+        if strict:
+            raise
+        logger.warning("could not delete the update %s (left for the end of the run): %s", path, e)
+        return False
+
+
+def delete_run_updates(files, run_id: str) -> None:
+    """Delete every update of a run that is left (at its end); best effort."""
+    try:
+        for path in list_updates(files, run_id):
+            files.delete(path)
+    except OSError as e:  # the run's result does not depend on it
+        logger.warning("run %s: could not remove its leftover update objects: %s", run_id, e)

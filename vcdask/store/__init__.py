@@ -1,7 +1,12 @@
 """The versioned parameter store.
 
 :func:`open_store` turns a location into a :class:`ParamStore`; each backend lives
-in its own private module and stores versions in an Icechunk repository.
+in its own private module (a :class:`StoreBackend`) and stores versions in an Icechunk repository.
+
+Credentials never travel with a store: a pickled store carries its location and non-secret
+options only.  Workers and the scheduler use their own credentials (environment, profile,
+instance role) or those given to them with :func:`share_credentials`; :func:`check_cluster_access`
+checks before a run that they can read the store.
 """
 
 from __future__ import annotations
@@ -10,16 +15,37 @@ import os
 from typing import Any
 
 from ..errors import InvalidLocationError
+from ._backend import StoreBackend
 from ._base import Checkpoint, ParamStore, VersionInfo
+from ._credentials import (
+    FSSPEC_SECRET_OPTIONS,
+    StoreCredentials,
+    check_cluster_access,
+    share_credentials,
+    store_holds_secrets,
+)
 from ._icechunk import IcechunkParamStore
 from ._local import LocalBackend
 from ._memory import MemoryBackend
 from ._object import AzureBackend, GCSBackend, S3Backend
 
-__all__ = ["BACKENDS", "Checkpoint", "IcechunkParamStore", "ParamStore", "VersionInfo", "open_store"]
+__all__ = [
+    "BACKENDS",
+    "FSSPEC_SECRET_OPTIONS",
+    "Checkpoint",
+    "IcechunkParamStore",
+    "ParamStore",
+    "StoreBackend",
+    "StoreCredentials",
+    "VersionInfo",
+    "check_cluster_access",
+    "open_store",
+    "share_credentials",
+    "store_holds_secrets",
+]
 
 #: URL scheme -> backend class.
-BACKENDS: dict[str, type] = {
+BACKENDS: dict[str, type[StoreBackend]] = {
     "file": LocalBackend,
     "memory": MemoryBackend,
     "s3": S3Backend,
@@ -65,6 +91,11 @@ def open_store(
         GCS: ``service_account_file``, ``service_account_key``, ``application_credentials``,
         ``bearer_token``, ``anonymous``.  Azure: ``account`` (required), ``access_key``,
         ``sas_token``, ``bearer_token``.
+        Secret options (S3 ``access_key_id``, ``secret_access_key``, ``session_token``; GCS
+        ``service_account_key``, ``bearer_token``; Azure ``access_key``, ``sas_token``,
+        ``bearer_token``) are used in this process only: a pickled copy of the store (a task
+        argument, a run's spec) leaves them out and uses the credentials of the process that
+        unpickles it; see :func:`share_credentials` and :func:`check_cluster_access`.
 
     Returns
     -------
@@ -95,20 +126,20 @@ def open_store(
         location = os.fspath(location)
     if not isinstance(location, str):
         raise TypeError(
-            f"unsupported store location type {type(location).__name__}; "
-            "expected a str, an os.PathLike or a ParamStore"
+            f"unsupported store location type {type(location).__name__}; expected a str, an os.PathLike or a ParamStore"
         )
     if mode not in MODES:
         raise InvalidLocationError(f"invalid mode {mode!r}; valid modes: {list(MODES)}")
     if not location:
         raise InvalidLocationError("empty store location; give a directory, memory://name or s3://bucket/prefix")
     scheme = location.split("://", 1)[0].lower() if "://" in location else "file"
-    backend_cls = BACKENDS.get(scheme)
+    backend_cls: type[StoreBackend] | None = BACKENDS.get(scheme)
     if backend_cls is None:
         raise InvalidLocationError(
             f"unsupported store location scheme {scheme!r} in {location!r}; "
             f"supported schemes: {sorted(BACKENDS)} (or a local path)"
         )
     backend = backend_cls(location, storage_options)
-    return IcechunkParamStore(backend, mode, chunk_bytes=chunk_bytes, commit_retries=commit_retries,
-                              max_tries=max_tries, storage_options=storage_options)
+    return IcechunkParamStore(
+        backend, mode, chunk_bytes=chunk_bytes, commit_retries=commit_retries, max_tries=max_tries
+    )

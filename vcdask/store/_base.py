@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..params import FlatParams
+    from ._files import SideFiles
 
 __all__ = ["Checkpoint", "ParamStore", "VersionInfo"]
 
@@ -110,6 +111,29 @@ class ParamStore(ABC):
     def writable(self) -> bool:
         """False for stores opened with ``mode="r"``."""
         return self.mode != "r"
+
+    def describe(self) -> str:
+        """The store's location in words, for messages (never a secret)."""
+        return repr(self.location)
+
+    @property
+    def holds_secrets(self) -> bool:
+        """Whether the store was opened in this process with explicit secret options.
+
+        A pickled copy never carries them: in another process it uses that process's
+        credentials (see :func:`vcdask.store.check_cluster_access`).
+        """
+        return False
+
+    @property
+    @abstractmethod
+    def files(self) -> SideFiles:
+        """Plain objects beside the versions, under ``<store>/runs/``: run specifications, client updates, staged data.
+
+        Whole-object ``put`` / ``get`` / ``exists`` / ``delete`` / ``list`` by path relative to
+        ``<store>/runs``, and :meth:`SideFiles.zarr_store` for a Zarr group there (staged training
+        data).  Versions never live here, and the store never reads or deletes these objects itself.
+        """
 
     @abstractmethod
     def commit(

@@ -14,13 +14,50 @@ from ..errors import (
     TagExistsError,
     VersionNotFoundError,
 )
+from ._credentials import redact
 
-_ACCESS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "Forbidden",
-           "InvalidClientTokenId", "AuthorizationHeaderMalformed", "PermissionDenied", "403")
-_UNREACHABLE = ("dispatch failure", "Connection refused", "tcp connect", "timed out", "timeout",
-                "dns error", "failed to lookup address", "Connection reset", "connection closed")
-_NOT_FOUND = ("NoSuchBucket", "NoSuchKey", "object not found", "No data in memory found", "ContainerNotFound", "bucket does not exist", "repository doesn't exist",
-              "No such file or directory")
+_ACCESS = (
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "ExpiredToken",
+    "Forbidden",
+    "InvalidClientTokenId",
+    "AuthorizationHeaderMalformed",
+    "PermissionDenied",
+    "403",
+)
+_UNREACHABLE = (
+    "dispatch failure",
+    "Connection refused",
+    "tcp connect",
+    "timed out",
+    "timeout",
+    "dns error",
+    "failed to lookup address",
+    "Connection reset",
+    "connection closed",
+)
+_NOT_FOUND = (
+    "NoSuchBucket",
+    "NoSuchKey",
+    "object not found",
+    "No data in memory found",
+    "ContainerNotFound",
+    "bucket does not exist",
+    "repository doesn't exist",
+    "No such file or directory",
+)
+# The provider's credential chain found nothing (checked before _UNREACHABLE: the SDK calls it a "dispatch failure").
+_NO_CREDENTIALS = (
+    "no providers in chain provided credentials",
+    "credential provider was not enabled",
+    "Unable to locate credentials",
+    "could not load credentials",
+    "NoCredentialProviders",
+    "IMDS is disabled or the caller has insufficient permissions",  # the chain ended at instance metadata
+    "failed to load IMDS session token",
+)
 
 
 def root_cause(exc: BaseException) -> str:
@@ -34,13 +71,27 @@ def root_cause(exc: BaseException) -> str:
 
 
 def translate(exc: BaseException, what: str) -> Exception:
-    """A vcdask error for ``exc``; ``what`` says what was being done ("opening 's3://b/p'")."""
+    """A vcdask error for ``exc``; ``what`` says what was being done ("opening 's3://b/p'").
+
+    The message never shows a secret registered in this process (see :func:`._credentials.redact`).
+    """
+    err = _translate(exc, what)
+    err.args = (redact(str(err.args[0])),)
+    return err
+
+
+def _translate(exc: BaseException, what: str) -> Exception:
     import icechunk
 
     text = str(exc)
     cause = root_cause(exc)
     if isinstance(exc, icechunk.ConflictError):
         return StoreConflict(f"{what}: another writer committed first ({cause})")
+    if any(k in text for k in _NO_CREDENTIALS):
+        return StoreAccessDeniedError(
+            f"{what}: no credentials: none were given, and the provider's standard chain (environment, "
+            f"profile, instance role) found none in this process ({cause})"
+        )
     if any(k in text for k in _ACCESS):
         return StoreAccessDeniedError(f"{what}: access denied by the storage service ({cause})")
     if "NoSuchBucket" in text or "ContainerNotFound" in text:

@@ -5,30 +5,67 @@ They live under ``<store>/runs/<run_id>/``; Icechunk never reads or deletes them
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from zarr.storage import FsspecStore
 
 from ..errors import ReadOnlyStoreError, StoreAccessDeniedError, StoreError
+from ._credentials import redact
+
+if TYPE_CHECKING:
+    from ._base import ParamStore
 
 __all__ = ["SideFiles"]
 
 
 def _fault(e: OSError, what: str) -> StoreError:
-    """A store error for a storage request that failed (a refused credential is not transient)."""
+    """A store error for a storage request that failed (a refused credential is not transient); no secret shown."""
     if isinstance(e, StoreError):
         return e
     if isinstance(e, PermissionError):
-        return StoreAccessDeniedError(f"{what}: {e}")
-    return StoreError(f"{what}: {e}")
+        return StoreAccessDeniedError(redact(f"{what}: {e}"))
+    return StoreError(redact(f"{what}: {e}"))
 
 
 class SideFiles:
-    """put / get / delete / list of whole objects, through fsspec, one request each."""
+    """put / get / delete / list of whole objects, through fsspec, one request each; Zarr groups beside them.
 
-    def __init__(self, fs: Any, root: str, where: str, *, writable: bool = True):
+    Parameters
+    ----------
+    fs : fsspec.AbstractFileSystem
+        The filesystem (it may hold the store's credentials: it is never pickled).
+    root : str
+        The side files' root path in ``fs`` (``<store>/runs``).
+    where : str
+        The store in words, for messages.
+    writable : bool, default True
+    store : ParamStore, optional
+        The store these files belong to; :meth:`zarr_store` needs it.
+    async_fs : callable, optional
+        Makes an asynchronous filesystem like ``fs`` (for :meth:`zarr_store`).
+    """
+
+    def __init__(
+        self,
+        fs: Any,
+        root: str,
+        where: str,
+        *,
+        writable: bool = True,
+        store: ParamStore | None = None,
+        async_fs: Callable[[], Any] | None = None,
+    ):
         self.fs = fs
         self.root = root
         self.where = where
         self.writable = writable
+        self.store = store
+        self._make_async_fs = async_fs
+        self._async_fs: Any = None
+        self._zarr_stores: dict[tuple[str, bool], FsspecStore] = {}
+        self._lock = threading.Lock()
 
     def _path(self, path: str) -> str:
         return f"{self.root}/{path.lstrip('/')}"
@@ -77,3 +114,43 @@ class SideFiles:
             raise _fault(e, f"listing {prefix!r} in {self.where}") from e
         strip = len(self.root.strip("/")) + 1
         return sorted(p.strip("/")[strip:] for p in found)
+
+    def url(self, path: str) -> str:
+        """The URL of ``path`` (relative to ``<store>/runs``), for messages and cache keys; no credentials in it."""
+        return self.fs.unstrip_protocol(self._path(path))
+
+    def zarr_store(self, path: str, *, read_only: bool = False) -> FsspecStore:
+        """A Zarr store for the group at ``path`` (relative to ``<store>/runs``), e.g. staged training data.
+
+        It pickles as this side-files' store and ``path`` (so without secrets): unpickled in another
+        process it reopens there with that process's credentials.  One object per path in a process.
+        """
+        if self.store is None or self._make_async_fs is None:
+            raise TypeError(f"the side files of {self.where} were made without their store; they cannot open Zarr")
+        if not read_only and not self.writable:
+            raise ReadOnlyStoreError(f"cannot write {path!r} to {self.where}: it was opened with mode='r'")
+        with self._lock:
+            found = self._zarr_stores.get((path, read_only))
+            if found is None:
+                if self._async_fs is None:
+                    self._async_fs = self._make_async_fs()
+                found = _SideZarrStore(fs=self._async_fs, path=self._path(path), read_only=read_only)
+                found.side = (self.store, path)
+                self._zarr_stores[(path, read_only)] = found
+            return found
+
+
+class _SideZarrStore(FsspecStore):
+    """An fsspec Zarr store that pickles as (parameter store, path): never its filesystem's credentials."""
+
+    side: tuple[ParamStore, str]
+
+    def __reduce__(self):
+        return (_side_zarr_store, (*self.side, self.read_only))
+
+    def with_read_only(self, read_only: bool = False) -> FsspecStore:
+        return _side_zarr_store(*self.side, read_only)
+
+
+def _side_zarr_store(store: ParamStore, path: str, read_only: bool) -> FsspecStore:
+    return store.files.zarr_store(path, read_only=read_only)

@@ -1,66 +1,51 @@
 """The Icechunk-backed parameter store (every backend: local, memory, S3, GCS, Azure).
 
-On-disk layout of one version (an Icechunk snapshot; Zarr v3 inside)::
-
-    /                       attrs: {"vcdask:format": 1}
-    /params                 attrs: {"vcdask:layout": {"format": 1, "entries": [...]}}
-    /params/float32         1-D array, all float32 tensors back to back (chunked, uncompressed)
-    /params/int64           1-D array, e.g. BatchNorm's num_batches_tracked (only if present)
-
-So a version is one or two arrays: a handful of object-store requests however many
-tensors the model has.  Each layout entry gives ``name``, ``shape``, ``dtype`` and
-``offset`` into the array named by its dtype; ``bfloat16`` is stored as ``uint16``
-bits with the array attribute ``"vcdask:dtype": "bfloat16"``.
+One version is one Icechunk snapshot holding the model's flat parameters in one or two
+Zarr arrays (see :mod:`._layout`).  Opening or creating the repository is in
+:mod:`._repository`; where the credentials come from is in :mod:`._credentials`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
-import torch
+import threading
+from typing import TYPE_CHECKING
 
 from .. import config
 from ..errors import ReadOnlyStoreError, StoreConflict, StoreNotFoundError, VersionNotFoundError
-from ..params import FlatParams, Layout, flatten, torch_dtype
+from ..params import FlatParams, flatten
 from ._base import Checkpoint, ParamStore, VersionInfo, check_metadata
+from ._credentials import lookup_credentials, register_credentials
 from ._errors import translate
 from ._files import SideFiles
+from ._layout import FORMAT, FORMAT_KEY, is_version, read_flat, version_info, write_flat, write_state
+from ._repository import open_repository
 
 if TYPE_CHECKING:
-    import icechunk
+    from ._backend import StoreBackend
 
 logger = logging.getLogger(__name__)
-
-FORMAT_KEY = "vcdask:format"
-LAYOUT_KEY = "vcdask:layout"
-DTYPE_KEY = "vcdask:dtype"
-FORMAT = 1
-
-
-def _info(snap: icechunk.SnapshotInfo, parent: str | None) -> VersionInfo:
-    meta = {k: v for k, v in (snap.metadata or {}).items() if not k.startswith("vcdask:")}
-    return VersionInfo(id=snap.id, parent=parent, written_at=snap.written_at, message=snap.message, metadata=meta)
-
-
-def _is_version(snap: icechunk.SnapshotInfo) -> bool:
-    return FORMAT_KEY in (snap.metadata or {})
 
 
 class IcechunkParamStore(ParamStore):
     """A :class:`ParamStore` in an Icechunk repository.  Create it with :func:`vcdask.open_store`.
 
-    Thread-safe: several threads may commit and read at once.  Picklable: a copy
-    sent to another process (a Dask worker) reopens the same location.
+    Thread-safe: several threads may commit and read at once.  Picklable: a copy sent to
+    another process (a Dask worker) reopens the same location with the same options, except
+    the secret ones (``backend.secret_options``): those stay in this process.  There the copy
+    uses the credentials registered in that process (see :func:`vcdask.store.share_credentials`),
+    or else the provider's standard chain (environment, profile, instance role).
     """
 
-    def __init__(self, backend: Any, mode: str, *, chunk_bytes: int | None = None,
-                 commit_retries: int | None = None, max_tries: int | None = None,
-                 storage_options: Mapping[str, Any] | None = None):
-        import icechunk
-
+    def __init__(
+        self,
+        backend: StoreBackend,
+        mode: str,
+        *,
+        chunk_bytes: int | None = None,
+        commit_retries: int | None = None,
+        max_tries: int | None = None,
+    ):
         self._backend = backend
         self.location = backend.location
         self.mode = mode
@@ -70,55 +55,49 @@ class IcechunkParamStore(ParamStore):
         self.commit_retries = int(config.get("store.commit-retries", commit_retries))
         self.max_tries = int(config.get("store.max-tries", max_tries))
         self._files: SideFiles | None = None
-        self._open_args = dict(mode=mode, chunk_bytes=chunk_bytes, commit_retries=commit_retries,
-                               max_tries=max_tries, **(storage_options or {}))
-        what = f"opening {backend.describe()}"
-        repo_config = icechunk.RepositoryConfig(
-            storage=icechunk.StorageSettings(
-                retries=icechunk.StorageRetriesSettings(max_tries=self.max_tries)
-            )
+        self._files_lock = threading.Lock()
+        secret = backend.secret_options
+        public = {k: v for k, v in backend.options.items() if k not in secret}
+        secrets = {k: v for k, v in backend.options.items() if k in secret}
+        # What a pickled copy reopens with: never a secret (it would land in run specs and task arguments).
+        self._open_args = dict(
+            mode=mode, chunk_bytes=chunk_bytes, commit_retries=commit_retries, max_tries=max_tries, **public
         )
-        backend.preflight(mode)
-        try:
-            storage = backend.storage()
-            exists = icechunk.Repository.exists(storage)
-        except icechunk.IcechunkError as e:
-            raise translate(e, what) from None
-        from ..errors import StoreExistsError
+        self._holds_secrets = bool(secrets)
+        self._repo = open_repository(backend, mode, self.max_tries)
+        if secrets:  # copies unpickled in this process (an in-process scheduler or worker) use them too
+            register_credentials(self.location, **secrets)
 
-        if exists and mode == "w-":
-            raise StoreExistsError(f"{backend.describe()} already holds a store and mode='w-' refuses to reuse it")
-        if not exists and mode in ("r", "r+"):
-            raise StoreNotFoundError(
-                f"no vcdask store at {backend.describe()} (mode={mode!r} opens existing stores only; "
-                "use mode='a' to create one)"
-            )
-        try:
-            if exists:
-                self._repo = icechunk.Repository.open(storage, config=repo_config)
-            else:
-                backend.check_creatable()
-                try:
-                    self._repo = icechunk.Repository.create(storage, config=repo_config)
-                    logger.info("created a new vcdask store at %s", backend.describe())
-                except icechunk.IcechunkError:
-                    if not icechunk.Repository.exists(storage):
-                        raise
-                    # another process created it in the meantime: use theirs
-                    self._repo = icechunk.Repository.open(storage, config=repo_config)
-        except icechunk.IcechunkError as e:
-            raise translate(e, what) from None
+    @property
+    def holds_secrets(self) -> bool:
+        """Whether this store was opened with explicit secret options (which its pickled copies lack)."""
+        return self._holds_secrets
+
+    def describe(self) -> str:
+        """The store's location in words, for messages (never a secret)."""
+        return self._backend.describe()
 
     # -- side files: run specs, client updates (plain objects beside the repository) ----
     @property
     def files(self) -> SideFiles:
         """Plain objects under ``<store>/runs/`` (outside Icechunk's own prefixes)."""
-        if self._files is None:
-            fs, root = self._backend.filesystem(max_tries=self.max_tries)
-            self._files = SideFiles(fs, f"{root}/runs", self._backend.describe(), writable=self.writable)
+        with self._files_lock:
+            if self._files is None:
+                fs, root = self._backend.filesystem(max_tries=self.max_tries)
+                self._files = SideFiles(
+                    fs,
+                    f"{root}/runs",
+                    self._backend.describe(),
+                    writable=self.writable,
+                    store=self,
+                    async_fs=self._async_fs,
+                )
         return self._files
 
-    # -- pickling: reopen the same location elsewhere ---------------------------------
+    def _async_fs(self):
+        return self._backend.filesystem(max_tries=self.max_tries, asynchronous=True)[0]
+
+    # -- pickling: reopen the same location elsewhere, without the secrets --------------
     def __reduce__(self):
         from . import open_store
 
@@ -181,8 +160,8 @@ class IcechunkParamStore(ParamStore):
                             f"{what}: expected the branch head to be {parent!r} but it is {head!r}; nothing was written"
                         )
                 try:
-                    self._write(session.store, flat)
-                    self._write_state(session.store, state)
+                    write_flat(session.store, flat, self.chunk_bytes)
+                    write_state(session.store, state, self.chunk_bytes)
                     return session.commit(message or "vcdask version", metadata=meta)
                 except icechunk.ConflictError as e:
                     if parent is not None:
@@ -190,48 +169,9 @@ class IcechunkParamStore(ParamStore):
                     logger.debug("commit to %r lost a race (attempt %d); retrying", branch, attempt + 1)
                 except icechunk.IcechunkError as e:
                     raise translate(e, what) from None
-        raise StoreConflict(f"{what}: lost the race to other writers {self.commit_retries + 1} times; nothing was written")
-
-    def _write_state(self, zstore, state: Mapping[str, FlatParams] | None) -> None:
-        """The merge rule's state (e.g. momentum) in ``/rule/<name>``, versioned with the parameters."""
-        import zarr
-
-        root = zarr.open_group(zstore, mode="a")
-        if not state:
-            if "rule" in root:
-                del root["rule"]
-            return
-        rule = root.require_group("rule")
-        for stale in set(rule.group_keys()) - set(state):
-            del rule[stale]
-        for name, flat in state.items():
-            self._write(zstore, flat, path=f"rule/{name}")
-
-    def _write(self, zstore, flat: FlatParams, path: str = "params") -> None:
-        import zarr
-
-        root = zarr.open_group(zstore, mode="a")
-        if root.attrs.get(FORMAT_KEY) != FORMAT:
-            root.attrs[FORMAT_KEY] = FORMAT
-        group = root.require_group(path)
-        existing = dict(group.arrays())
-        for dtype, values in flat.arrays.items():
-            data, zdtype = _to_numpy(values, dtype)
-            arr = existing.pop(dtype, None)
-            if arr is None or arr.shape != data.shape or arr.dtype != zdtype:
-                chunk = max(1, min(data.size, self.chunk_bytes // zdtype.itemsize))
-                arr = group.create_array(
-                    dtype, shape=data.shape, chunks=(chunk,), dtype=zdtype, compressors=None,
-                    fill_value=0, dimension_names=[f"n_{dtype}"], overwrite=True,
-                    attributes={DTYPE_KEY: dtype},
-                )
-            if data.size:
-                arr[:] = data
-        for stale in existing:  # a dtype the new layout no longer has
-            del group[stale]
-        layout = flat.layout.to_dict()
-        if group.attrs.get(LAYOUT_KEY) != layout:
-            group.attrs[LAYOUT_KEY] = layout
+        raise StoreConflict(
+            f"{what}: lost the race to other writers {self.commit_retries + 1} times; nothing was written"
+        )
 
     # -- reading ----------------------------------------------------------------------
     def read(self, version=None, *, branch="main", tag=None) -> Checkpoint:
@@ -275,16 +215,14 @@ class IcechunkParamStore(ParamStore):
                 if attempt == 1 and isinstance(err, VersionNotFoundError):
                     continue  # ask once more: Icechunk says "not found" for a fetch that failed, too
                 raise err from None
-        if not _is_version(snap):
+        if not is_version(snap):
             what = f"branch {branch!r}" if tag is None and version is None else repr(tag or version)
             raise VersionNotFoundError(f"{what} in {self._backend.describe()} has no vcdask version yet")
         try:
-            group = zarr.open_group(session.store, mode="r", path="params")
-            layout = Layout.from_dict(group.attrs[LAYOUT_KEY])
-            arrays = {dtype: _from_numpy(group[dtype][:], dtype) for dtype in layout.sizes}
+            params = read_flat(zarr.open_group(session.store, mode="r", path="params"))
         except icechunk.IcechunkError as e:
             raise translate(e, f"reading version {snap.id!r} from {self._backend.describe()}") from None
-        return Checkpoint(_info(snap, self._version_or_none(snap.parent_id)), FlatParams(layout, arrays))
+        return Checkpoint(version_info(snap, self._version_or_none(snap.parent_id)), params)
 
     def read_state(self, version: str) -> dict[str, FlatParams]:
         """The merge rule's state committed with ``version`` (empty when the rule keeps none).
@@ -305,11 +243,8 @@ class IcechunkParamStore(ParamStore):
             root = zarr.open_group(session.store, mode="r")
             if "rule" not in root:
                 return {}
-            out = {}
-            for name, group in root["rule"].groups():
-                layout = Layout.from_dict(group.attrs[LAYOUT_KEY])
-                out[name] = FlatParams(layout, {d: _from_numpy(group[d][:], d) for d in layout.sizes})
-            return out
+            rule = zarr.open_group(session.store, mode="r", path="rule")
+            return {name: read_flat(group) for name, group in rule.groups()}
         except icechunk.IcechunkError as e:
             raise translate(e, f"reading the rule state of {version!r} from {self._backend.describe()}") from None
 
@@ -324,10 +259,10 @@ class IcechunkParamStore(ParamStore):
         import icechunk
 
         try:
-            snaps = [s for s in self._repo.ancestry(branch=branch) if _is_version(s)]
+            snaps = [s for s in self._repo.ancestry(branch=branch) if is_version(s)]
         except icechunk.IcechunkError as e:
             raise self._ref_error(e, branch=branch) from None
-        return [_info(s, snaps[i + 1].id if i + 1 < len(snaps) else None) for i, s in enumerate(snaps)]
+        return [version_info(s, snaps[i + 1].id if i + 1 < len(snaps) else None) for i, s in enumerate(snaps)]
 
     def head(self, branch="main") -> str | None:
         """The newest version id on ``branch``, or None when the branch has no versions yet."""
@@ -397,7 +332,7 @@ class IcechunkParamStore(ParamStore):
     def _version_or_none(self, snapshot_id: str | None) -> str | None:
         if snapshot_id is None:
             return None
-        return snapshot_id if _is_version(self._repo.lookup_snapshot(snapshot_id)) else None
+        return snapshot_id if is_version(self._repo.lookup_snapshot(snapshot_id)) else None
 
     def _require_version(self, version: str) -> str:
         import icechunk
@@ -406,7 +341,7 @@ class IcechunkParamStore(ParamStore):
             snap = self._repo.lookup_snapshot(version)
         except icechunk.IcechunkError as e:
             raise self._ref_error(e, version=version) from None
-        if not _is_version(snap):
+        if not is_version(snap):
             raise VersionNotFoundError(f"{version!r} is not a vcdask version of {self._backend.describe()}")
         return version
 
@@ -440,22 +375,13 @@ _reopened: dict[tuple, IcechunkParamStore] = {}
 
 
 def _reopen(open_store, location, kwargs):
-    """Unpickle a store: one open store per (location, options) per process (workers reuse it)."""
+    """Unpickle a store: one open store per (location, options) per process (workers reuse it).
+
+    ``kwargs`` holds no secret; the credentials registered in this process for ``location``
+    (if any) are added here, else the backend falls back to the provider's standard chain.
+    """
     key = (location, repr(sorted(kwargs.items())))
     store = _reopened.get(key)
     if store is None:
-        store = _reopened[key] = open_store(location, **kwargs)
+        store = _reopened.setdefault(key, open_store(location, **kwargs, **lookup_credentials(location)))
     return store
-
-
-def _to_numpy(values: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.dtype]:
-    if dtype == "bfloat16":
-        values = values.view(torch.uint16)
-    data = values.numpy()
-    return data, data.dtype
-
-
-def _from_numpy(data: np.ndarray, dtype: str) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(data))
-    return t.view(torch_dtype(dtype)) if dtype == "bfloat16" else t
-

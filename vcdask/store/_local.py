@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 from ..errors import InvalidLocationError, StoreNotFoundError
 
 __all__ = ["LocalBackend"]
+
+logger = logging.getLogger(__name__)
 
 _LOCK_NAME = ".vcdask-commit.lock"
 _quieted = False
@@ -36,6 +39,7 @@ class LocalBackend:
     scheme = "file"
     shared_across_processes = True
     durable = True
+    secret_options: frozenset[str] = frozenset()
 
     def __init__(self, location: str, options: dict[str, Any]):
         if options:
@@ -43,9 +47,10 @@ class LocalBackend:
                 f"storage options {sorted(options)} do not apply to the local directory {location!r}; "
                 "local stores take no storage options"
             )
-        path = location[len("file://"):] if location.startswith("file://") else location
+        path = location[len("file://") :] if location.startswith("file://") else location
         self.path = Path(path).expanduser().absolute()
         self.location = str(self.path)
+        self.options: dict[str, Any] = {}
 
     def describe(self) -> str:
         return f"local directory {self.location!r}"
@@ -74,11 +79,31 @@ class LocalBackend:
                 "Icechunk repository); give a new or empty directory, or the path of an existing store"
             )
 
-    def filesystem(self, max_tries: int = 5):  # noqa: ARG002 - no retry knob here
+    def filesystem(self, max_tries: int = 5, *, asynchronous: bool = False):
         """An fsspec filesystem and root path for the store's side files (run specs, updates)."""
         from fsspec.implementations.local import LocalFileSystem
 
-        return LocalFileSystem(auto_mkdir=True), self.location
+        fs = LocalFileSystem(auto_mkdir=True)
+        if asynchronous:
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            fs = AsyncFileSystemWrapper(fs, asynchronous=True)
+        return fs, self.location
+
+    @contextlib.contextmanager
+    def create_lock(self) -> Iterator[None]:
+        """An exclusive lock on the parent directory: other creators (threads, processes) wait, then open
+        what the first created.  Not a file in the store's directory: Icechunk creates only in an empty one."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:  # a filesystem without directory locks: a lost race is then retried as an open
+                logger.debug("no lock on %s (%s); creating without it", self.path.parent, e)
+            yield
+        finally:
+            os.close(fd)
 
     @contextlib.contextmanager
     def commit_lock(self) -> Iterator[None]:

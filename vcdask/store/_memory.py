@@ -19,6 +19,7 @@ class MemoryBackend:
     scheme = "memory"
     shared_across_processes = False
     durable = False
+    secret_options: frozenset[str] = frozenset()
 
     def __init__(self, location: str, options: dict[str, Any]):
         if options:
@@ -26,8 +27,9 @@ class MemoryBackend:
                 f"storage options {sorted(options)} do not apply to the memory store {location!r}; "
                 "memory stores take no storage options"
             )
-        self.name = location[len("memory://"):].strip("/")
+        self.name = location[len("memory://") :].strip("/")
         self.location = f"memory://{self.name}"
+        self.options: dict[str, Any] = {}
         with _registry_lock:
             if self.name not in _registry:
                 import icechunk
@@ -47,13 +49,22 @@ class MemoryBackend:
     def check_creatable(self) -> None:
         return None
 
-    def filesystem(self, max_tries: int = 5):  # noqa: ARG002 - no retry knob here
+    def filesystem(self, max_tries: int = 5, *, asynchronous: bool = False):
         """fsspec's process-local memory filesystem, under a folder named after the store."""
         from fsspec.implementations.memory import MemoryFileSystem
 
-        return MemoryFileSystem(), f"/vcdask-memory-stores/{self.name}"
+        fs = MemoryFileSystem()
+        if asynchronous:
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            fs = AsyncFileSystemWrapper(fs, asynchronous=True)
+        return fs, f"/vcdask-memory-stores/{self.name}"
 
     def commit_lock(self) -> threading.Lock:
+        return self._lock
+
+    def create_lock(self) -> threading.Lock:
+        """The store's lock: one thread creates the repository, the others then open it."""
         return self._lock
 
     @staticmethod

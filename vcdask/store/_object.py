@@ -15,8 +15,13 @@ from ..errors import InvalidLocationError, StoreUnreachableError
 
 __all__ = ["AzureBackend", "GCSBackend", "S3Backend"]
 
-_ALIASES = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token",
-            "region_name": "region", "endpoint": "endpoint_url"}
+_ALIASES = {
+    "key": "access_key_id",
+    "secret": "secret_access_key",
+    "token": "session_token",
+    "region_name": "region",
+    "endpoint": "endpoint_url",
+}
 
 
 def _split(location: str, what: str) -> tuple[str, str]:
@@ -39,6 +44,10 @@ def _check_options(location: str, options: dict[str, Any], valid: set[str]) -> d
 class _ObjectBackend:
     shared_across_processes = True
     durable = True
+    #: Options that are secrets: never pickled, logged or written into the store.
+    secret_options: frozenset[str] = frozenset()
+    location: str
+    options: dict[str, Any]
 
     def describe(self) -> str:
         return repr(self.location)
@@ -52,14 +61,28 @@ class _ObjectBackend:
     def commit_lock(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def create_lock(self) -> contextlib.AbstractContextManager[None]:
+        # Creation is arbitrated by the service's conditional writes; the store reopens what a winner created.
+        return contextlib.nullcontext()
+
 
 class S3Backend(_ObjectBackend):
     """``s3://bucket/prefix`` on AWS or any S3-compatible service (MinIO, Ceph, moto, R2 ...)."""
 
     scheme = "s3"
-    valid_options = {"endpoint_url", "region", "allow_http", "force_path_style", "access_key_id",
-                     "secret_access_key", "session_token", "anonymous", "client_kwargs",
-                     "network_stream_timeout_seconds"}
+    secret_options = frozenset({"access_key_id", "secret_access_key", "session_token"})
+    valid_options = {
+        "endpoint_url",
+        "region",
+        "allow_http",
+        "force_path_style",
+        "access_key_id",
+        "secret_access_key",
+        "session_token",
+        "anonymous",
+        "client_kwargs",
+        "network_stream_timeout_seconds",
+    }
 
     def __init__(self, location: str, options: dict[str, Any]):
         self.location = location
@@ -102,21 +125,28 @@ class S3Backend(_ObjectBackend):
                 f"opening {self.describe()}: the storage endpoint could not be reached ({e.strerror or e})"
             ) from None
 
-    def filesystem(self, max_tries: int = 5):
+    def filesystem(self, max_tries: int = 5, *, asynchronous: bool = False):
         """An s3fs filesystem with the same endpoint and credentials, and the store's root path."""
         import s3fs
 
         o = self.options
-        client_kwargs = {k2: o[k] for k, k2 in (("endpoint_url", "endpoint_url"), ("region", "region_name"))
-                         if k in o}
+        client_kwargs = {k2: o[k] for k, k2 in (("endpoint_url", "endpoint_url"), ("region", "region_name")) if k in o}
         # s3fs and botocore each retry; together they held a failing request for ~40 s in a
         # store outage.  One layer of retries (s3fs's, with backoff) is enough.
-        kwargs = {"client_kwargs": client_kwargs, "use_listings_cache": False,
-                  "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
+        kwargs: dict[str, Any] = {
+            "client_kwargs": client_kwargs,
+            "use_listings_cache": False,
+            "asynchronous": asynchronous,
+            "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}},
+        }
         if o.get("force_path_style"):
             kwargs["config_kwargs"]["s3"] = {"addressing_style": "path"}
-        for k, k2 in (("access_key_id", "key"), ("secret_access_key", "secret"), ("session_token", "token"),
-                      ("anonymous", "anon")):
+        for k, k2 in (
+            ("access_key_id", "key"),
+            ("secret_access_key", "secret"),
+            ("session_token", "token"),
+            ("anonymous", "anon"),
+        ):
             if k in o:
                 kwargs[k2] = o[k]
         fs = s3fs.S3FileSystem(**kwargs)
@@ -136,22 +166,30 @@ class GCSBackend(_ObjectBackend):
     """``gs://bucket/prefix`` (also ``gcs://``) on Google Cloud Storage."""
 
     scheme = "gs"
-    valid_options = {"service_account_file", "service_account_key", "application_credentials",
-                     "bearer_token", "anonymous", "config"}
+    secret_options = frozenset({"service_account_key", "bearer_token"})
+    valid_options = {
+        "service_account_file",
+        "service_account_key",
+        "application_credentials",
+        "bearer_token",
+        "anonymous",
+        "config",
+    }
 
     def __init__(self, location: str, options: dict[str, Any]):
         self.location = location
         self.bucket, self.prefix = _split(location, "bucket")
         self.options = _check_options(location, options, self.valid_options)
 
-    def filesystem(self, max_tries: int = 5):  # noqa: ARG002 - gcsfs keeps its own retry policy
+    def filesystem(self, max_tries: int = 5, *, asynchronous: bool = False):
         """A gcsfs filesystem (install gcsfs) and the store's root path."""
         try:
             import gcsfs
         except ImportError:
             raise ImportError("side files on gs:// need gcsfs: pip install gcsfs") from None
         token = self.options.get("service_account_file") or ("anon" if self.options.get("anonymous") else None)
-        return gcsfs.GCSFileSystem(token=token), f"{self.bucket}/{self.prefix}".rstrip("/")
+        fs = gcsfs.GCSFileSystem(token=token, asynchronous=asynchronous)
+        return fs, f"{self.bucket}/{self.prefix}".rstrip("/")
 
     def storage(self):
         import icechunk
@@ -166,6 +204,7 @@ class AzureBackend(_ObjectBackend):
     """``az://container/prefix`` (also ``abfs://``) on Azure Blob Storage; needs ``account``."""
 
     scheme = "az"
+    secret_options = frozenset({"access_key", "sas_token", "bearer_token"})
     valid_options = {"account", "access_key", "sas_token", "bearer_token", "config"}
 
     def __init__(self, location: str, options: dict[str, Any]):
@@ -177,15 +216,19 @@ class AzureBackend(_ObjectBackend):
                 f"Azure location {location!r} needs the storage option account='<storage account name>'"
             )
 
-    def filesystem(self, max_tries: int = 5):  # noqa: ARG002 - adlfs keeps its own retry policy
+    def filesystem(self, max_tries: int = 5, *, asynchronous: bool = False):
         """An adlfs filesystem (install adlfs) and the store's root path."""
         try:
             import adlfs
         except ImportError:
             raise ImportError("side files on az:// need adlfs: pip install adlfs") from None
         o = self.options
-        fs = adlfs.AzureBlobFileSystem(account_name=o["account"], account_key=o.get("access_key"),
-                                       sas_token=o.get("sas_token"))
+        fs = adlfs.AzureBlobFileSystem(
+            account_name=o["account"],
+            account_key=o.get("access_key"),
+            sas_token=o.get("sas_token"),
+            asynchronous=asynchronous,
+        )
         return fs, f"{self.container}/{self.prefix}".rstrip("/")
 
     def storage(self):

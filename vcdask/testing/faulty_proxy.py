@@ -23,8 +23,9 @@ class Faults:
     p_reset: float = 0.0
     p_stall: float = 0.0
     stall_seconds: float = 1.0
-    counts: dict[str, int] = field(default_factory=lambda: {"forwarded": 0, "503": 0, "reset": 0, "stall": 0,
-                                                          "lost_answer": 0})
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"forwarded": 0, "503": 0, "reset": 0, "stall": 0, "lost_answer": 0}
+    )
 
 
 class FaultyProxy:
@@ -39,8 +40,9 @@ class FaultyProxy:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="faulty-proxy")
         self.endpoint_url: str | None = None
 
-    def set_faults(self, *, p_503: float = 0.0, p_reset: float = 0.0, p_stall: float = 0.0,
-                   stall_seconds: float = 1.0) -> None:
+    def set_faults(
+        self, *, p_503: float = 0.0, p_reset: float = 0.0, p_stall: float = 0.0, stall_seconds: float = 1.0
+    ) -> None:
         self.faults.p_503, self.faults.p_reset, self.faults.p_stall = p_503, p_reset, p_stall
         self.faults.stall_seconds = stall_seconds
 
@@ -57,9 +59,14 @@ class FaultyProxy:
         if not lose:
             if draw < f.p_503:
                 f.counts["503"] += 1
-                return web.Response(status=503, content_type="application/xml", text=(
-                    "<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
-                    "<Message>Please reduce your request rate.</Message></Error>"))
+                return web.Response(
+                    status=503,
+                    content_type="application/xml",
+                    text=(
+                        "<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                        "<Message>Please reduce your request rate.</Message></Error>"
+                    ),
+                )
             if draw < f.p_503 + f.p_reset:
                 f.counts["reset"] += 1
                 request.transport.abort()
@@ -68,9 +75,14 @@ class FaultyProxy:
                 f.counts["stall"] += 1
                 await asyncio.sleep(f.stall_seconds)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-        async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
-                                         data=body, allow_redirects=False,
-                                         timeout=aiohttp.ClientTimeout(total=60)) as resp:
+        async with self._session.request(
+            request.method,
+            self.upstream + request.path_qs,
+            headers=headers,
+            data=body,
+            allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=60),
+        ) as resp:
             payload = await resp.read()
             dropped = ("transfer-encoding", "content-encoding", "connection")
             if request.method != "HEAD":  # a HEAD answer's Content-Length is the object's size: keep it

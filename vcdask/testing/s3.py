@@ -35,8 +35,13 @@ class S3Server:
     def client(self, access_key_id: str = "testing"):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
-                            aws_access_key_id=access_key_id, aws_secret_access_key="testing")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id=access_key_id,
+            aws_secret_access_key="testing",
+        )
 
     def new_bucket(self) -> str:
         """Create a bucket with a unique name and return the name."""
@@ -67,8 +72,9 @@ def moto_server(*, auth: bool = False) -> Iterator[S3Server]:
         env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
     exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "moto.server"]
-    proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*cmd, "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     server = S3Server(f"http://127.0.0.1:{port}", proc)
     try:
         deadline = time.monotonic() + 30

@@ -97,8 +97,10 @@ class StoreTests:
         for name, value in state.items():
             assert got[name].dtype == value.dtype, name
             assert got[name].shape == value.shape, name
-            assert torch.equal(got[name].view(-1).view(torch.uint8) if value.is_floating_point() else got[name],
-                               value.view(-1).view(torch.uint8) if value.is_floating_point() else value), name
+            assert torch.equal(
+                got[name].view(-1).view(torch.uint8) if value.is_floating_point() else got[name],
+                value.view(-1).view(torch.uint8) if value.is_floating_point() else value,
+            ), name
 
     def test_empty_state(self, store):
         version = store.commit({})

@@ -16,9 +16,9 @@ import pickle
 
 from distributed import SchedulerPlugin
 
-from .errors import VcdaskError
+from ..errors import RunNotFoundError
+from ..spec import load_spec
 from .run import Run
-from .task import load_spec
 
 logger = logging.getLogger(__name__)
 
@@ -27,40 +27,49 @@ __all__ = ["PLUGIN_NAME", "RunNotFoundError", "VcdaskPlugin"]
 PLUGIN_NAME = "vcdask"
 
 
-class RunNotFoundError(VcdaskError, KeyError):
-    """No run with that id on this scheduler."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
 class VcdaskPlugin(SchedulerPlugin):
     """Registered once per scheduler by :func:`vcdask.fit`; hosts any number of runs."""
 
     name = PLUGIN_NAME
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.runs: dict[str, Run] = {}
         self.tasks: dict[str, asyncio.Task] = {}
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
-        scheduler.handlers.update({
-            "vcdask_start": self.handle_start,
-            "vcdask_status": self.handle_status,
-            "vcdask_result": self.handle_result,
-            "vcdask_wait": self.handle_wait,
-            "vcdask_stop": self.handle_stop,
-            "vcdask_reissue": self.handle_reissue,
-            "vcdask_runs": self.handle_runs,
-            "vcdask_preempt": self.handle_preempt,
-            "vcdask_started": self.handle_started,
-            "vcdask_panel": self.handle_panel,
-        })
+        scheduler.handlers.update(
+            {
+                "vcdask_start": self.handle_start,
+                "vcdask_status": self.handle_status,
+                "vcdask_result": self.handle_result,
+                "vcdask_wait": self.handle_wait,
+                "vcdask_stop": self.handle_stop,
+                "vcdask_reissue": self.handle_reissue,
+                "vcdask_runs": self.handle_runs,
+                "vcdask_preempt": self.handle_preempt,
+                "vcdask_started": self.handle_started,
+                "vcdask_base": self.handle_base,
+                "vcdask_panel": self.handle_panel,
+            }
+        )
 
     async def close(self) -> None:
         for task in self.tasks.values():
             task.cancel()
+
+    # -- scheduler hooks: the runs' worker pools follow the cluster ------------------------------
+    def add_worker(self, scheduler=None, worker: str = "") -> None:
+        ws = self.scheduler.workers.get(worker)
+        for run in self._live():
+            run.pool.joined(worker, ws.nthreads if ws is not None else 1)
+
+    def remove_worker(self, scheduler=None, worker: str = "", **kwargs) -> None:
+        for run in self._live():
+            run.pool.left(worker)
+
+    def _live(self) -> list[Run]:
+        return [run for run in self.runs.values() if not run.done.is_set()]
 
     def _run(self, run_id: str) -> Run:
         try:
@@ -97,7 +106,7 @@ class VcdaskPlugin(SchedulerPlugin):
         run = self._run(run_id)
         try:
             await asyncio.wait_for(run.done.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return run.status_dict()
 
@@ -116,14 +125,22 @@ class VcdaskPlugin(SchedulerPlugin):
     async def handle_preempt(self, comm=None, worker: str = "", retire: bool = True) -> dict:
         """A worker will be reclaimed: every run stops giving it shards and moves its queued ones;
         then the worker is retired gracefully (its running task is not counted as a failure)."""
-        moved = {run_id: run.preempt(worker) for run_id, run in self.runs.items() if not run.done.is_set()}
+        moved = {run.id: run.preempt(worker) for run in self._live()}
         if retire and worker in self.scheduler.workers:
-            asyncio.ensure_future(self.scheduler.retire_workers(workers=[worker], close_workers=True,
-                                                                stimulus_id=f"vcdask-preempt-{worker}"))
+            asyncio.ensure_future(
+                self.scheduler.retire_workers(
+                    workers=[worker], close_workers=True, stimulus_id=f"vcdask-preempt-{worker}"
+                )
+            )
         return moved
 
     def handle_started(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> None:
-        """A shard task began to run on ``worker`` (sent by the task itself)."""
+        """A task began to run on ``worker`` (sent by the task itself)."""
         run = self.runs.get(run_id)
         if run is not None:
             run.task_started(key, worker)
+
+    def handle_base(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> dict | None:
+        """The version a shard task that is ready to train starts from (see :func:`vcdask.engine.watch.base_for`)."""
+        run = self.runs.get(run_id)
+        return None if run is None else run.base_for(key)

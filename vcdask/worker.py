@@ -2,6 +2,8 @@
 
 Both read everything big from the parameter store (the run spec, the server version,
 their rows of data) and cache it per worker process; they return small records only.
+A shard task reads like a plain training loop: spec and rows, the newest version, a fresh
+optimizer, ``local_epochs`` passes, upload ``W_c``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,70 +20,21 @@ import torch
 
 from .errors import ParameterMismatchError, StoreError
 from .params import FlatParams, flatten, load_into
+from .spec import RunSpec, load_spec
 from .updates import update_path, write_update
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunSpec", "train_shard", "validate_version"]
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """Everything about a run that workers and the scheduler plugin need; stored once per run."""
-
-    run_id: str
-    store: Any  # ParamStore (pickles as its location)
-    branch: str
-    model: torch.nn.Module  # architecture + initial weights (a template; workers copy it)
-    loss: Any
-    optimizer: Any  # callable(params) -> torch.optim.Optimizer
-    local_epochs: int
-    batch_size: int
-    seed: int
-    train: Any  # DataSource
-    shards: Any  # Shards
-    validation: Any  # DataSource or None
-    metrics: dict[str, Any]
-    classification: bool
-    x_dtype: torch.dtype
-    max_epochs: int
-    merge: Any  # vcdask.rules.MergeRule
-    target: dict[str, float] | None
-    commit_every: int
-    validate_every: int
-    keep_updates: bool = False
-    tasks_per_slot: int = 2
-    resilience: Any = None  # vcdask.Resilience
-    torch_threads: int = 1
-    started_at: float = field(default_factory=time.time)
-
-    @property
-    def spec_path(self) -> str:
-        return f"{self.run_id}/spec.pkl"
+__all__ = ["evaluate", "train_shard", "validate_version"]
 
 
 # -- per-process caches -------------------------------------------------------------------
 _lock = threading.Lock()
-_specs: dict[tuple[str, str], RunSpec] = {}
 _versions: OrderedDict[str, FlatParams] = OrderedDict()
 _rows: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _models = threading.local()
 _MAX_VERSIONS = 4
 _MAX_ROW_BYTES = 2 << 30
-
-
-def load_spec(store, run_id: str) -> RunSpec:
-    """The run's spec, read from the store once per process."""
-    import cloudpickle
-
-    key = (store.location, run_id)
-    with _lock:
-        spec = _specs.get(key)
-    if spec is None:
-        spec = cloudpickle.loads(store.files.get(f"{run_id}/spec.pkl"))
-        with _lock:
-            _specs[key] = spec
-    return spec
 
 
 def _version(store, version: str) -> FlatParams:
@@ -123,12 +75,6 @@ def _data(spec: RunSpec, source, start: int, stop: int) -> tuple[torch.Tensor, t
     return Xt, yt
 
 
-def cached_shards(run_id: str) -> int:
-    """How many row blocks this process holds (for tests and the worker table)."""
-    with _lock:
-        return len(_rows)
-
-
 def _model(spec: RunSpec) -> torch.nn.Module:
     """A private copy of the run's model for this thread (threads never share a module)."""
     models = getattr(_models, "by_run", None)
@@ -151,18 +97,24 @@ def _loaded_model(spec: RunSpec, store, version: str) -> torch.nn.Module:
     return model
 
 
-def _notify_started(run_id: str) -> None:
-    """Tell the run this task has started (deadlines count from here, not from dispatch)."""
+def _tell_run(handler: str, run_id: str) -> dict[str, Any] | None:
+    """Call the run's scheduler handler ``handler`` about the task running here; return its answer
+    (None off a Dask worker: called directly)."""
     try:
         from distributed import get_worker
 
         worker = get_worker()
     except ValueError:
-        return  # not on a Dask worker (called directly)
+        return None
     from distributed.utils import sync
 
-    sync(worker.loop, worker.scheduler.vcdask_started, run_id=run_id, key=worker.get_current_task(),
-         worker=worker.address)
+    return sync(
+        worker.loop,
+        getattr(worker.scheduler, handler),
+        run_id=run_id,
+        key=worker.get_current_task(),
+        worker=worker.address,
+    )
 
 
 def _worker_address() -> str:
@@ -174,22 +126,31 @@ def _worker_address() -> str:
         return "local"
 
 
-def train_shard(store, run_id: str, epoch: int, shard: int, attempt: int, base_version: str,
-                base_step: int) -> dict[str, Any]:
-    """Train one shard for ``local_epochs`` from server version ``base_version``; upload ``W_c``.
+def train_shard(
+    store, run_id: str, epoch: int, shard: int, attempt: int, base_version: str, base_step: int
+) -> dict[str, Any]:
+    """Train one shard for ``local_epochs`` from the run's newest version; upload ``W_c``.
+
+    ``base_version`` / ``base_step`` is the version the run had when it dispatched this copy.  The
+    task first reads what it needs (the spec, its rows: slow on a cold worker), then asks the run for
+    its newest version and trains from that, so time spent queued or warming up is not counted as
+    staleness.
 
     Returns
     -------
     dict
-        A small record for the scheduler plugin: where the update is, loss, timing, worker.
+        A small record for the scheduler plugin: where the update is, its base, loss, timing, worker.
     """
     t0 = time.perf_counter()
-    _notify_started(run_id)
+    _tell_run("vcdask_started", run_id)  # its deadline counts from here
     spec = load_spec(store, run_id)
     torch.set_num_threads(spec.torch_threads)
-    model = _loaded_model(spec, store, base_version)
     start, stop = spec.shards.bounds(shard)
     X, y = _data(spec, spec.train, start, stop)
+    newest = _tell_run("vcdask_base", run_id)  # ready to train: from the newest version
+    if newest is not None and newest.get("version") is not None:
+        base_version, base_step = newest["version"], int(newest["step"])
+    model = _loaded_model(spec, store, base_version)
     t_read = time.perf_counter()
     optimizer = spec.optimizer(model.parameters())  # fresh optimizer state for every shard
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 10_007 + shard * 101 + attempt)
@@ -209,10 +170,19 @@ def train_shard(store, run_id: str, epoch: int, shard: int, attempt: int, base_v
     t_train = time.perf_counter()
     path = update_path(run_id, epoch, shard, attempt)
     record = {
-        "kind": "update", "run_id": run_id, "epoch": epoch, "shard": shard, "attempt": attempt,
-        "base_version": base_version, "base_step": base_step, "update": path,
-        "n_samples": stop - start, "train_loss": float(np.mean(losses)) if losses else float("nan"),
-        "read_seconds": t_read - t0, "train_seconds": t_train - t_read, "worker": _worker_address(),
+        "kind": "update",
+        "run_id": run_id,
+        "epoch": epoch,
+        "shard": shard,
+        "attempt": attempt,
+        "base_version": base_version,
+        "base_step": base_step,
+        "update": path,
+        "n_samples": stop - start,
+        "train_loss": float(np.mean(losses)) if losses else float("nan"),
+        "read_seconds": t_read - t0,
+        "train_seconds": t_train - t_read,
+        "worker": _worker_address(),
     }
     # the record travels with the update, so a resumed run can merge an upload nobody reported
     record["nbytes"] = write_update(store.files, path, flatten(model), meta=record)
@@ -243,5 +213,12 @@ def validate_version(store, run_id: str, version: str, step: int) -> dict[str, A
     model = _loaded_model(spec, store, version)
     X, y = _data(spec, spec.validation, 0, spec.validation.n)
     metrics = evaluate(spec, model, X, y)
-    return {"kind": "validation", "run_id": run_id, "version": version, "step": step, "metrics": metrics,
-            "seconds": time.perf_counter() - t0, "worker": _worker_address()}
+    return {
+        "kind": "validation",
+        "run_id": run_id,
+        "version": version,
+        "step": step,
+        "metrics": metrics,
+        "seconds": time.perf_counter() - t0,
+        "worker": _worker_address(),
+    }

@@ -1,0 +1,43 @@
+"""A healthy run on a fresh cluster rejects no update as stale (issue 10: cold workers' first tasks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vcdask
+from vcdask.cluster import embedded_cluster
+from vcdask.engine.policy import staleness_limit
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def test_fresh_cluster_rejects_no_update_as_stale(tmp_path):
+    """Cold workers (their first task imports torch, reads the spec and its rows) start from the
+    newest version once they are ready, so that warm-up is not charged as staleness.  Before, a
+    6-shard tabular run rejected a cold worker's first update as "based on a version 17 merges old
+    (max_staleness=16)"."""
+    from distributed import Client
+    from sklearn.datasets import load_breast_cancer
+
+    X, y = load_breast_cancer(return_X_y=True)
+    X = ((X - X.mean(0)) / X.std(0)).astype("float32")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+        result = vcdask.fit(
+            model,
+            (X, y),
+            n_shards=6,
+            max_epochs=4,
+            batch_size=16,
+            client=client,
+            store=tmp_path / "store",
+            progress=False,
+            validation=0.2,
+        )
+    h = result.history
+    assert len(result.epochs) == 4
+    assert not h.outcome.eq("rejected").any(), h[h.outcome == "rejected"][["epoch", "shard", "reason"]]
+    assert h.outcome.eq("merged").sum() == 24  # every shard of every epoch, once
+    assert h[h.accepted].staleness.max() <= staleness_limit("auto", n_shards=6, in_flight=4)

@@ -1,0 +1,83 @@
+"""Dispatch and the worker pool (vcdask.engine.dispatch / pool): queues, homes, placement, exclusion."""
+
+from __future__ import annotations
+
+from vcdask import Resilience
+from vcdask.engine.dispatch import Dispatcher
+from vcdask.engine.pool import WorkerPool
+
+
+def _drain(d: Dispatcher, worker=None) -> list[tuple[int, int]]:
+    out = []
+    while (nxt := d.next_shard(worker)) is not None:
+        out.append(nxt)
+    return out
+
+
+def test_every_epoch_hands_out_every_shard_once_in_a_seeded_order():
+    handed = _drain(Dispatcher(n_shards=5, max_epochs=3, seed=1))
+    assert len(handed) == 15
+    for epoch in (1, 2, 3):
+        assert sorted(s for e, s in handed if e == epoch) == [0, 1, 2, 3, 4]
+    assert [e for e, _ in handed] == [1] * 5 + [2] * 5 + [3] * 5  # epochs in order
+    assert handed == _drain(Dispatcher(n_shards=5, max_epochs=3, seed=1))  # seeded
+    assert handed != _drain(Dispatcher(n_shards=5, max_epochs=3, seed=2))
+
+
+def test_a_freed_worker_gets_its_home_shard():
+    d = Dispatcher(n_shards=6, max_epochs=2, seed=0)
+    d.home = {4: "w1", 2: "w2"}
+    _drain_epoch1 = [d.next_shard() for _ in range(6)]
+    assert sorted(s for _, s in _drain_epoch1) == list(range(6))
+    assert d.next_shard("w2") == (2, 2)
+    assert d.next_shard("w1") == (2, 4)
+    assert d.next_shard("w3")[1] not in (2, 4)
+    assert not d.exhausted()
+    _drain(d)
+    assert d.exhausted() and d.next_shard() is None
+
+
+def test_attempts_failures_and_resume():
+    d = Dispatcher(n_shards=4, max_epochs=3, seed=0)
+    assert [d.next_attempt(1, 2) for _ in range(3)] == [0, 1, 2]
+    assert d.last_attempt(1, 2) == 2 and d.last_attempt(1, 3) == 0
+    assert d.failed(1, 2) == 1 and d.failed(1, 2, count=False) == 1 and d.failed(1, 2) == 2
+    # a resumed run: epoch 1 had shards 0 and 3 merged, epoch 2 shard 1 was uploaded (handled apart)
+    r = Dispatcher(n_shards=4, max_epochs=3, seed=0)
+    r.restore({1: {0, 3}, 2: set()}, {(1, 0): 1, (1, 3): 2}, last_epoch=2)
+    r.take(2, 1)
+    assert r.next_attempt(1, 3) == 2  # keys of old attempts are never reused
+    handed = _drain(r)
+    assert sorted(s for e, s in handed if e == 1) == [1, 2]
+    assert sorted(s for e, s in handed if e == 2) == [0, 2, 3]
+    assert sorted(s for e, s in handed if e == 3) == [0, 1, 2, 3]
+
+
+def test_placement():
+    assert Dispatcher.placement("w1", ["w1", "w2"], 2) == {"workers": ["w1"], "allow_other_workers": True}
+    assert Dispatcher.placement(None, ["w1", "w2"], 2) == {}
+    assert Dispatcher.placement("w1", ["w1", "w2"], 2, avoid="w1") == {"workers": ["w2"]}  # strict: moved away
+    assert Dispatcher.placement("w1", ["w1"], 2) == {"workers": ["w1"]}  # one connected worker is not usable
+    assert Dispatcher.placement("w1", ["w1"], 1, avoid="w1") == {"workers": ["w1"], "allow_other_workers": True}
+
+
+def test_pool_usable_slots_exclusion_and_drain():
+    pool = WorkerPool(Resilience(max_worker_failures=2), tasks_per_slot=2, connected={"a": 1, "b": 2})
+    assert sorted(pool.usable()) == ["a", "b"] and pool.slots() == 6
+    pool.finished("a", 1.0)
+    pool.finished("b", 3.0)
+    assert pool.usable() == ["a", "b"]  # fastest first
+    assert pool.fault("a", "timed_out") is None
+    assert pool.usable() == ["b", "a"]  # reliable first
+    assert pool.fault("a", "rejected") == "0 failed, 1 timed out, 1 rejected (max_worker_failures=2)"
+    assert pool.fault("a", "failed") is None  # excluded once, reported once
+    assert pool.usable() == ["b"] and pool.slots() == 4
+    pool.drain("b")
+    assert pool.usable() == [] and pool.slots() == 1
+    assert pool.unusable() == {"a": "0 failed, 1 timed out, 1 rejected (max_worker_failures=2)", "b": "draining"}
+    assert pool.record("b").preempted
+    pool.joined("c", 1)
+    assert pool.usable() == ["c"] and pool.cold("c") and not pool.cold(None) and not pool.cold("a")
+    pool.left("c")
+    assert pool.usable() == []
+    assert {r["worker"] for r in pool.rows()} == {"a", "b", "c"}

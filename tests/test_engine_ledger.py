@@ -1,0 +1,91 @@
+"""The run's ledger (vcdask.engine.ledger) and event contract: epochs, validations, target, history rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vcdask.engine.events import EVENT_KINDS, OUTCOMES, SHARD_STATES, EventLog, is_train_key, topic, train_key
+from vcdask.engine.ledger import Ledger
+from vcdask.result import HISTORY_COLUMNS
+
+
+class _Scheduler:
+    """What EventLog needs of a scheduler: log_event (the events it got, in order)."""
+
+    def __init__(self):
+        self.events = []
+
+    def log_event(self, topic, msg):
+        self.events.append((topic, msg))
+
+
+def _ledger(n_shards=3, validated=False, target=None):
+    sched = _Scheduler()
+    t = iter(range(100))
+    return Ledger(
+        n_shards, 5, validated=validated, target=target, events=EventLog(sched, "r1"), clock=lambda: float(next(t))
+    ), sched
+
+
+def test_epoch_closes_when_its_shards_are_merged_or_skipped():
+    led, sched = _ledger()
+    assert led.remaining(1) == 3 and not led.completes(1, 0)
+    led.record(1, 0, 0, "merged", accepted=True, train_loss=1.0, new_version=1)
+    led.merge(1, 0, seconds=2.0, step=1)
+    led.record(1, 1, 0, "merged", accepted=True, train_loss=3.0, new_version=2)
+    led.merge(1, 1, seconds=4.0, step=2)
+    assert led.done(1, 1) and not led.done(1, 2) and led.completes(1, 2) and not led.completes(1, 1)
+    assert led.close_epochs() is None and led.epochs == []
+    assert led.skip(1, 2, step=2) is True  # the last shard skipped: the epoch is complete
+    assert led.close_epochs() is None
+    (row,) = led.epochs
+    assert row["epoch"] == 1 and row["version"] == 2 and row["skipped"] == 1 and row["train_loss"] == 2.0
+    assert led.shard_seconds == [2.0, 4.0]
+    kinds = [m["type"] for t, m in sched.events]
+    assert kinds == ["shard", "shard", "shard", "epoch"] and {t for t, _ in sched.events} == {topic("r1")}
+    assert [m["state"] for _, m in sched.events[:3]] == ["merged", "merged", "skipped"]
+
+
+def test_validated_epochs_wait_for_their_numbers_and_stop_at_the_target():
+    led, _ = _ledger(n_shards=1, validated=True, target={"accuracy": 0.9})
+    led.record(1, 0, 0, "merged", accepted=True, train_loss=0.5, new_version=1)
+    led.merge(1, 0, 1.0, step=1)
+    assert led.close_epochs() is None and not led.epochs  # waits for the validation of step 1
+    led.validate(1, {"accuracy": 0.8, "loss": 0.6})
+    assert led.close_epochs() is None and led.epochs[0]["accuracy"] == 0.8
+    led.record(2, 0, 0, "merged", accepted=True, train_loss=0.4, new_version=2)
+    led.merge(2, 0, 1.0, step=2)
+    led.validate(2, {"accuracy": 0.95, "loss": 0.3})
+    assert led.close_epochs() == "target {'accuracy': 0.9} reached at epoch 2"
+    assert led.epochs[1]["accuracy_min"] == led.epochs[1]["accuracy_max"] == 0.95
+
+
+def test_shard_states_are_final_and_rejections_stay_visible():
+    led, sched = _ledger()
+    led.set_shard(1, 0, "queued")
+    led.set_shard(1, 0, "rejected")
+    led.set_shard(1, 0, "re-issued")  # a rejection stays until a copy is merged
+    assert led.shard_state[(1, 0)] == "rejected"
+    led.set_shard(1, 0, "merged")
+    led.set_shard(1, 0, "running")  # merged is final
+    assert led.shard_state[(1, 0)] == "merged"
+    assert [m["state"] for _, m in sched.events] == ["queued", "rejected", "merged"]
+
+
+def test_history_rows_have_every_column_and_a_typed_outcome():
+    led, _ = _ledger()
+    row = led.record(1, 2, 0, "late", reason="late: (epoch, shard) already merged from a re-issued copy")
+    assert set(row) == set(HISTORY_COLUMNS) and row["outcome"] == "late" and row["time"] == 0.0
+    assert math.isnan(row["train_loss"]) and row["accepted"] is False
+
+
+def test_event_contract():
+    assert set(OUTCOMES) >= {"merged", "rejected", "duplicate", "late", "lost", "cancelled", "skipped", "store fault"}
+    assert SHARD_STATES == ("queued", "running", "re-issued", "merged", "rejected", "skipped")
+    assert is_train_key(train_key("run-x", 2, 3, 1)) and train_key("run-x", 2, 3, 1) == "vcdask-train-run-x-e2-s3-a1"
+    log = EventLog(_Scheduler(), "r")
+    with pytest.raises(ValueError, match=r"unknown event kind 'merge'; valid kinds: \['started'"):
+        log.emit("merge")  # type: ignore[arg-type]
+    assert "update" in EVENT_KINDS

@@ -1,0 +1,107 @@
+"""The engine's decisions (vcdask.engine.policy) as pure functions: no cluster, no store."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vcdask import Resilience
+from vcdask.engine import policy
+from vcdask.engine.policy import Overdue
+from vcdask.params import flatten
+
+
+def test_deadline_explicit_derived_cold_and_first():
+    assert policy.deadline(Resilience(deadline=7), [100.0], 2) == 7.0  # explicit: every task, even cold
+    assert policy.deadline(Resilience(deadline=7), [], 2, cold=True) == 7.0
+    res = Resilience()  # factor 4, floor 5
+    assert policy.deadline(res, [], 2) == policy.FIRST_SHARDS_SECONDS  # nothing measured yet
+    assert policy.deadline(res, [1.0, 3.0, 2.0], 2) == 4 * 2 * 2.0  # factor x tasks_per_slot x median
+    assert policy.deadline(res, [0.1], 2) == 5.0  # the floor
+    assert policy.deadline(res, [0.1], 2, cold=True) == policy.COLD_START_SECONDS
+    assert policy.deadline(res, [10.0], 2, cold=True) == 80.0  # a long derived deadline stays
+    assert res.deadline_for([1.0, 3.0, 2.0], 2) == 16.0  # the option group's shortcut says the same
+
+
+def test_staleness_limit():
+    assert policy.staleness_limit("auto", n_shards=8, in_flight=6) == 24
+    assert policy.staleness_limit("auto", n_shards=50, in_flight=4) == 100
+    assert policy.staleness_limit(3, n_shards=50, in_flight=4) == 3
+    assert policy.staleness_limit(None, n_shards=50, in_flight=4) is None
+    with pytest.raises(ValueError, match="'often'"):
+        policy.staleness_limit("often", n_shards=1, in_flight=1)
+
+
+def _overdue(**kw):
+    args = dict(
+        now=100.0,
+        submitted=90.0,
+        started=95.0,
+        running_on="w1",
+        worker="w1",
+        behind=0,
+        stale_after=10,
+        limit=10.0,
+        patience=40.0,
+    )
+    args.update(kw)
+    return policy.overdue(**args)
+
+
+def test_overdue_verdicts():
+    assert _overdue() is None  # running 5 s of 10
+    assert _overdue(started=85.0) == Overdue("ran past its 10.0 s deadline", blame=True)
+    assert _overdue(started=85.0, running_on="w2") == "restart"  # its worker died, Dask moved it
+    assert _overdue(started=85.0, running_on=None) == "restart"
+    assert _overdue(behind=11) == Overdue("fell 11 merges behind (max_staleness=10)", blame=False)
+    assert _overdue(behind=11, stale_after=None) is None  # no limit
+    assert _overdue(started=None, submitted=50.0) == Overdue("never started")
+    assert _overdue(started=None, submitted=70.0) is None  # queued 30 s of a 40 s patience
+    # staleness is checked first: a stale copy is re-issued without blame even when it is also late
+    assert _overdue(started=0.0, behind=99).blame is False
+
+
+def test_after_failure_and_exclusion():
+    stop, skip = Resilience(max_attempts=3), Resilience(max_attempts=3, on_shard_failure="skip")
+    assert [policy.after_failure(n, stop) for n in (0, 1, 2, 3, 4)] == ["retry", "retry", "retry", "stop", "stop"]
+    assert policy.after_failure(3, skip) == "skip"
+    res = Resilience(max_worker_failures=3)
+    assert policy.exclusion(1, 0, 1, res) is None
+    assert policy.exclusion(1, 1, 1, res) == "1 failed, 1 timed out, 1 rejected (max_worker_failures=3)"
+
+
+@pytest.mark.parametrize(
+    ("name", "goal", "value", "expected"),
+    [
+        ("accuracy", 0.9, 0.95, True),
+        ("accuracy", 0.9, 0.85, False),
+        ("loss", 0.5, 0.4, True),
+        ("loss", 0.5, 0.6, False),
+        ("mae", 1.0, 0.5, True),
+        ("val_error", 0.1, 0.2, False),
+        ("accuracy", 0.9, None, False),
+    ],
+)
+def test_reached(name, goal, value, expected):
+    assert policy.reached(name, goal, value) is expected
+
+
+def test_check_update_kinds():
+    server = flatten({"w": torch.zeros(3), "n": torch.tensor(1)})
+    ok = flatten({"w": torch.ones(3), "n": torch.tensor(2)})
+    assert policy.check_update(server, ok, staleness=5, max_staleness=5, max_norm=2.0) is None
+    kind, reason = policy.check_update(
+        server, flatten({"w": torch.ones(4), "n": torch.tensor(2)}), staleness=0, max_staleness=None, max_norm=None
+    )
+    assert kind == "layout" and reason.startswith("layout mismatch: ")
+    nan = flatten({"w": torch.tensor([0.0, float("nan"), 0.0]), "n": torch.tensor(2)})
+    assert policy.check_update(server, nan, staleness=0, max_staleness=None, max_norm=None) == (
+        "non-finite",
+        "non-finite values (NaN/inf) in ['w']",
+    )
+    assert policy.check_update(server, ok, staleness=6, max_staleness=5, max_norm=None) == (
+        "stale",
+        "stale: based on a version 6 merges old (max_staleness=5)",
+    )
+    kind, reason = policy.check_update(server, ok, staleness=0, max_staleness=None, max_norm=1.0)
+    assert kind == "norm" and reason == "update norm ||W_c - W_s|| = 1.732 > max_update_norm=1"

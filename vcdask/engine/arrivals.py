@@ -1,0 +1,89 @@
+"""What comes back to a run: a shard's update (merged, or turned down and why) and a validation's numbers.
+
+Functions of the :class:`~vcdask.engine.run.Run` (the event loop only); the merge itself runs in the
+run's merge thread (:class:`~vcdask.engine.params_server.ParamsServer`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import faults
+from .inflight import TaskRecord
+
+if TYPE_CHECKING:
+    from .run import Run
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["update", "validation"]
+
+
+async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
+    """Merge (or turn down) one shard's result and record the outcome."""
+    epoch, shard, worker = rec["epoch"], rec["shard"], rec["worker"]
+    wrec = run.pool.finished(worker, rec["seconds"])
+    fields = {k: rec[k] for k in ("train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds")}
+    fields.update(worker=worker, update=rec["update"], base_version=rec["base_step"])
+    completes = False
+    if run.ledger.done(epoch, shard):
+        if task.overdue:
+            row = run.ledger.record(
+                epoch,
+                shard,
+                rec["attempt"],
+                "late",
+                **fields,
+                reason="late: (epoch, shard) already merged from a re-issued copy",
+            )
+        else:
+            row = run.ledger.record(
+                epoch, shard, rec["attempt"], "duplicate", **fields, reason="duplicate: (epoch, shard) already merged"
+            )
+        if not run.spec.keep_updates:
+            await run.in_thread(faults.drop_update, run.store, rec["update"])
+    else:
+        completes = run.ledger.completes(epoch, shard)
+        merged = await run.in_thread(run.server.merge, rec, completes, run.staleness_limit())
+        fault = merged.pop("fault", None)
+        row = run.ledger.record(
+            epoch, shard, rec["attempt"], "merged" if merged["accepted"] else "rejected", **fields, **merged
+        )
+        if row["accepted"]:
+            run.ledger.merge(epoch, shard, rec["seconds"], run.server.step)
+            run.dispatch.home[shard] = worker
+            await faults.cancel_other_copies(run, epoch, shard)
+        else:
+            await faults.rejected(run, epoch, shard, worker, row["reason"], fault)
+    run.events.emit(
+        "update",
+        worker_row=wrec.as_row(),
+        version=run.server.version,
+        **{
+            k: row[k]
+            for k in (
+                "epoch",
+                "shard",
+                "worker",
+                "accepted",
+                "new_version",
+                "staleness",
+                "alpha",
+                "train_loss",
+                "reason",
+                "outcome",
+            )
+        },
+    )
+    if not row["accepted"]:
+        return
+    if run.spec.validation is None:
+        run.close_epochs()
+    elif run.server.committed and (completes or run.server.step % run.spec.validate_every == 0):
+        run.submit_validation()
+
+
+def validation(run: Run, rec: dict[str, Any]) -> None:
+    run.ledger.validate(rec["step"], rec["metrics"])
+    run.close_epochs()

@@ -1,0 +1,103 @@
+"""Which shard goes out next, and where: epoch queues, sticky homes, attempts, returned work.
+
+Pure bookkeeping (the event loop only): the run asks for the next shard when a slot frees up,
+and for where to place a copy; this module never submits anything itself.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+__all__ = ["Dispatcher"]
+
+
+class Dispatcher:
+    """The shard queues of one run.
+
+    Each epoch's shards are queued in a seeded random order when dispatch reaches that epoch.
+    A freed worker is given a shard it trained before when one is queued (it caches those rows:
+    the paper's "sticky files").
+
+    Parameters
+    ----------
+    n_shards, max_epochs, seed : int
+    """
+
+    def __init__(self, n_shards: int, max_epochs: int, seed: int):
+        self.n_shards = n_shards
+        self.max_epochs = max_epochs
+        self.rng = random.Random(seed)
+        self.queue: dict[int, list[int]] = {}
+        self.epoch = 0  # the epoch dispatch has reached
+        self.attempts: dict[tuple[int, int], int] = {}  # copies submitted (they name their keys)
+        self.failures: dict[tuple[int, int], int] = {}  # lost, timed out or rejected copies
+        self.home: dict[int, str] = {}  # shard -> the worker that last merged it (it caches its rows)
+        self.returned: list[tuple[int, int]] = []  # shards whose copy failed on the store: send again
+        self.parked_validations: list[tuple[str | None, int, int]] = []  # (version, step, retry) to send again
+
+    def _order(self) -> list[int]:
+        order = list(range(self.n_shards))
+        self.rng.shuffle(order)
+        return order
+
+    def restore(self, merged: dict[int, set[int]], attempts: dict[tuple[int, int], int], last_epoch: int) -> None:
+        """Queue what a resumed run has left of epochs ``1..last_epoch`` (attempt numbers go on)."""
+        self.attempts = dict(attempts)
+        for epoch in range(1, last_epoch + 1):
+            todo = [s for s in range(self.n_shards) if s not in merged.get(epoch, ())]
+            self.rng.shuffle(todo)
+            self.queue[epoch] = todo
+
+    def take(self, epoch: int, shard: int) -> None:
+        """(epoch, shard) is being handled outside the queue (an upload a resumed run merges)."""
+        queue = self.queue.get(epoch, [])
+        if shard in queue:
+            queue.remove(shard)
+
+    def next_shard(self, worker: str | None = None) -> tuple[int, int] | None:
+        """The next (epoch, shard) to train, preferring a shard whose home is ``worker``; None when
+        every epoch up to ``max_epochs`` has been handed out."""
+        while not self.queue.get(self.epoch):
+            if self.epoch >= self.max_epochs:
+                return None
+            self.epoch += 1
+            if self.epoch not in self.queue:  # (a resumed run has its earlier queues already)
+                self.queue[self.epoch] = self._order()
+        queue = self.queue[self.epoch]
+        pick = next((s for s in queue if worker is not None and self.home.get(s) == worker), queue[0])
+        queue.remove(pick)
+        return self.epoch, pick
+
+    def exhausted(self) -> bool:
+        """Whether nothing is left to hand out."""
+        return self.epoch >= self.max_epochs and not self.queue.get(self.epoch)
+
+    def next_attempt(self, epoch: int, shard: int) -> int:
+        """The attempt number of a new copy of (epoch, shard) (never reused: it names the key)."""
+        attempt = self.attempts.get((epoch, shard), 0)
+        self.attempts[(epoch, shard)] = attempt + 1
+        return attempt
+
+    def last_attempt(self, epoch: int, shard: int) -> int:
+        return self.attempts.get((epoch, shard), 1) - 1
+
+    def failed(self, epoch: int, shard: int, count: bool = True) -> int:
+        """A copy of (epoch, shard) failed; return the shard's failures in its epoch (``count=False``:
+        not its fault, e.g. a copy that never started or fell behind)."""
+        failures = self.failures[(epoch, shard)] = self.failures.get((epoch, shard), 0) + int(count)
+        return failures
+
+    @staticmethod
+    def placement(home: str | None, usable: list[str], n_connected: int, avoid: str | None = None) -> dict[str, Any]:
+        """Dask placement restrictions for a new copy (``client.submit(..., **placement)``).
+
+        Strict (``workers=usable``) when some connected worker must not get it (excluded, draining,
+        or the one it is moved away from); else sticky to the shard's home, free to move.
+        """
+        allowed = [a for a in usable if a != avoid] or usable
+        if len(allowed) < n_connected:
+            return {"workers": allowed}
+        if home in allowed:
+            return {"workers": [home], "allow_other_workers": True}
+        return {}

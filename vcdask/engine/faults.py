@@ -1,0 +1,251 @@
+"""What a run does when something goes wrong: lost and failed tasks, rejected updates, store faults,
+re-issues, preemption notices, the user stopping it.
+
+Functions of the :class:`~vcdask.engine.run.Run` (the event loop only); the decisions themselves
+are :mod:`~vcdask.engine.policy`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..errors import StoreAccessDeniedError, StoreError, StoreNotFoundError
+from ..updates import delete_run_updates, delete_update
+from ..worker import validate_version
+from . import policy
+from .events import final_validate_key
+from .inflight import TaskRecord
+
+if TYPE_CHECKING:
+    from .pool import Fault
+    from .run import Run
+
+__all__ = [
+    "cancel_other_copies",
+    "final_validation",
+    "preempt",
+    "rejected",
+    "reissue",
+    "retry_or_give_up",
+    "stop",
+    "store_back",
+    "store_fault",
+    "task_failed",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def drop_update(store: Any, path: str) -> None:
+    delete_update(store.files, path)
+
+
+def drop_run_updates(store: Any, run_id: str) -> None:
+    delete_run_updates(store.files, run_id)
+
+
+def blame(run: Run, worker: str, kind: Fault) -> None:
+    """Count a fault against ``worker``; exclude it once it has had too many."""
+    excluded = run.pool.fault(worker, kind)
+    if excluded is not None:
+        logger.warning("run %s: excluding worker %s: %s", run.id, worker, excluded)
+        run.events.emit("excluded", worker=worker, reason=excluded, worker_row=run.pool.record(worker).as_row())
+
+
+async def task_failed(run: Run, task: TaskRecord, exc: BaseException) -> None:
+    """A task raised: a store fault, a lost worker (Dask gave up re-running it), or a real error."""
+    from distributed.scheduler import KilledWorker
+
+    if isinstance(exc, StoreError) and not isinstance(exc, (StoreNotFoundError, StoreAccessDeniedError)):
+        store_fault(run, task, exc)
+        return
+    lost = isinstance(exc, (KilledWorker, OSError))
+    if task.kind == "update" and lost:
+        # Dask already retried it on other workers (allowed-failures); each loss is a worker failure,
+        # but only a task that was running counts against its worker: queued ones were collateral
+        for address in _suspects(exc) if task.started is not None else ():
+            blame(run, address, "failed")
+            run.events.emit(
+                "lost",
+                epoch=task.epoch,
+                shard=task.shard,
+                worker=address,
+                worker_row=run.pool.record(address).as_row(),
+                why=f"{type(exc).__name__}",
+            )
+        run.ledger.record(
+            task.epoch,
+            task.shard,
+            task.attempt,
+            "lost",
+            base_version=task.step,
+            reason=f"lost: {type(exc).__name__}: {exc}",
+        )
+        if not run.ledger.is_merged(task.epoch, task.shard):
+            # A task that never started was only queued on the dead worker: not its fault.
+            await retry_or_give_up(run, task.epoch, task.shard, f"{type(exc).__name__}", count=task.started is not None)
+        return
+    # an epoch may be waiting for these numbers; a validation dies mostly as collateral of a shard
+    # that killed its worker, so it gets more attempts than a shard does
+    if task.kind == "validation" and lost and task.attempt + 1 < max(10, run.res.max_attempts):
+        run.submit_validation(task.version, task.step, retry=task.attempt + 1)
+        return
+    raise RuntimeError(f"{task.kind} task (epoch {task.epoch}, shard {task.shard}) failed: {exc!r}") from exc
+
+
+def store_fault(run: Run, task: TaskRecord, exc: BaseException) -> None:
+    """A task failed because the store (parameters or data) did not answer: not the worker's fault,
+    not the shard's.  Its work goes back to wait; dispatch holds off with backoff, and the run
+    fails only once the store has been out longer than ``store_outage_timeout``."""
+    if run.outage.fault(exc):
+        run.events.emit("paused", cause="store", why=str(exc))
+        logger.warning("run %s paused: a task could not reach the store: %s", run.id, exc)
+    if task.kind == "update":
+        run.ledger.record(
+            task.epoch,
+            task.shard,
+            task.attempt,
+            "store fault",
+            base_version=task.step,
+            worker=task.worker,
+            reason=f"store fault: {exc}",
+        )
+        if not run.ledger.is_merged(task.epoch, task.shard) and not run.tasks.copy_running(task.epoch, task.shard):
+            run.dispatch.returned.append((task.epoch, task.shard))
+    else:
+        run.dispatch.parked_validations.append((task.version, task.step, task.attempt + 1))
+
+
+def store_back(run: Run) -> None:
+    """A task got through to the store: the outage (if any) is over."""
+    lasted = run.outage.back()
+    if lasted is not None:
+        logger.warning("run %s: the store answers again after %.0f s; continuing", run.id, lasted)
+        run.events.emit("resumed", cause="store", after=lasted)
+
+
+async def rejected(run: Run, epoch: int, shard: int, worker: str, reason: str, fault: str | None) -> None:
+    """The update of (epoch, shard) from ``worker`` failed its checks."""
+    run.ledger.set_shard(epoch, shard, "rejected")
+    if fault not in ("stale", "unreadable"):  # not the worker's fault: its base was old / the store
+        blame(run, worker, "rejected")
+    logger.warning(
+        "run %s: rejected the update of shard %d, epoch %d from %s: %s", run.id, shard, epoch, worker, reason
+    )
+    # an update that came back too stale is the pace's doing, not the shard's: re-issue, uncounted
+    await retry_or_give_up(run, epoch, shard, reason, avoid=worker, count=fault != "stale")
+
+
+async def retry_or_give_up(
+    run: Run, epoch: int, shard: int, why: str, avoid: str | None = None, count: bool = True
+) -> None:
+    """Re-issue (epoch, shard) unless it has used up its attempts; then apply ``on_shard_failure``."""
+    failures = run.dispatch.failed(epoch, shard, count)
+    if run.tasks.copy_running(epoch, shard):
+        return  # another copy is still running
+    decision = policy.after_failure(failures, run.res)
+    if decision == "retry":
+        run.submit_shard(epoch, shard, avoid=avoid)
+        return
+    message = f"shard {shard} of epoch {epoch} failed {failures} times (last: {why})"
+    if decision == "stop":
+        raise RuntimeError(message + "; on_shard_failure='stop'")
+    logger.warning("run %s: %s; skipping it for this epoch (on_shard_failure='skip')", run.id, message)
+    run.ledger.record(epoch, shard, run.dispatch.last_attempt(epoch, shard), "skipped", reason=f"skipped: {message}")
+    if not run.ledger.skip(epoch, shard, run.server.step):
+        return
+    if run.spec.validation is None or run.server.version_step in run.ledger.validations:
+        run.close_epochs()
+        return
+    if not run.server.committed:  # the epoch's end version must exist to be validated
+        await run.in_thread(run.server.commit)
+    run.submit_validation()
+
+
+async def cancel_other_copies(run: Run, epoch: int, shard: int) -> None:
+    """The first valid result won: cancel the copies of (epoch, shard) that have not started.
+
+    A copy already running is left to finish (cancelling cannot stop a running task); if its
+    result arrives it is discarded and recorded as late."""
+    await run.tasks.cancel([k for k, t in run.tasks.updates() if t.copy_of(epoch, shard) and t.started is None])
+
+
+async def overdue(run: Run, task: TaskRecord, verdict: policy.Overdue, worker: str | None) -> None:
+    """Re-issue ``task`` elsewhere; a worker whose running task is late also loses its queue.
+
+    A verdict without blame (the task fell too far behind the run, however fast its worker)
+    charges neither the worker nor the shard."""
+    task.overdue = True
+    logger.warning(
+        "run %s: shard %d of epoch %d %s on %s; re-issuing", run.id, task.shard, task.epoch, verdict.why, worker
+    )
+    run.events.emit("reissue", epoch=task.epoch, shard=task.shard, worker=worker, why=verdict.why)
+    if not verdict.blame:
+        await retry_or_give_up(run, task.epoch, task.shard, verdict.why, avoid=worker, count=False)
+        return
+    if worker is not None and task.started is not None:
+        blame(run, worker, "timed_out")
+        run.events.emit("worker", worker_row=run.pool.record(worker).as_row())
+        for other_key, other in run.tasks.updates():  # stuck behind it: move, no blame
+            if not other.overdue and other.started is None and run.tasks.processing_on(other_key) == worker:
+                other.overdue = True
+                run.submit_shard(other.epoch, other.shard, avoid=worker)
+    # a copy that never started (queued while workers died and restarted) is not the shard's failure
+    await retry_or_give_up(run, task.epoch, task.shard, verdict.why, avoid=worker, count=task.started is not None)
+
+
+async def final_validation(run: Run, version: str | None, step: int) -> None:
+    """Validate the final version, waiting through store outages (within ``store_outage_timeout``)."""
+    for attempt in range(1000):
+        future = run.tasks.client.submit(
+            validate_version, run.store, run.id, version, step, key=final_validate_key(run.id, attempt), priority=10
+        )
+        try:
+            rec = await run.result(future)
+        except StoreError as exc:
+            store_fault(run, TaskRecord("validation", step=step, version=version, attempt=attempt), exc)
+            run.dispatch.parked_validations.clear()
+            await asyncio.sleep(run.outage.wait_seconds())
+            continue
+        store_back(run)
+        run.ledger.validations[rec["step"]] = rec["metrics"]
+        return
+
+
+# -- what users and the cloud layer ask of a run --------------------------------------------------
+async def stop(run: Run, reason: str) -> None:
+    """Stop dispatching and cancel the shards in flight; the driver then commits and finishes."""
+    if not run.done.is_set() and run.stopping is None:
+        run.stopping = reason
+        await run.tasks.cancel([k for k, _ in run.tasks.updates()])
+
+
+def reissue(run: Run, epoch: int, shard: int) -> str:
+    """Train (epoch, shard) once more from the current version; the first valid result wins."""
+    if run.tasks.completed is None or run.done.is_set():
+        raise RuntimeError(f"run {run.id} is not running")
+    return run.submit_shard(epoch, shard)
+
+
+def preempt(run: Run, address: str) -> list[str]:
+    """A notice that ``address`` will be reclaimed: no new shards for it; its queued shards go elsewhere.
+
+    Returns the keys of the copies re-issued.  Not counted as failures.
+    """
+    run.pool.drain(address)
+    moved = []
+    for key, task in run.tasks.updates():
+        if run.tasks.processing_on(key) == address and not task.overdue:
+            task.overdue = True  # its slot is free; if it still finishes, the first result wins
+            moved.append(run.submit_shard(task.epoch, task.shard, avoid=address))
+    run.events.emit("preempted", worker=address, reissued=len(moved), worker_row=run.pool.record(address).as_row())
+    return moved
+
+
+def _suspects(exc: BaseException) -> list[str]:
+    """Worker addresses a KilledWorker names (the last one that died running the task)."""
+    worker = getattr(exc, "last_worker", None)
+    address = getattr(worker, "address", worker)
+    return [address] if isinstance(address, str) else []

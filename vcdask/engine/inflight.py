@@ -1,0 +1,113 @@
+"""The run's tasks on the cluster: one record per copy it handed out, and their Dask futures.
+
+This is the run's only handle on Dask's task state: it submits and cancels, and it is the one
+place that asks the scheduler where a task is processing (no plugin hook reports that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["InFlight", "TaskRecord"]
+
+
+@dataclass
+class TaskRecord:
+    """A shard or validation task in flight (the run's event loop only)."""
+
+    kind: Literal["update", "validation"]
+    epoch: int = 0
+    shard: int = 0
+    attempt: int = 0
+    step: int = 0  # the step of its base version (a validation: of the version it measures)
+    version: str | None = None  # the version a validation task measures
+    submitted: float = 0.0
+    started: float | None = None  # reported by the task when it begins to run
+    worker: str | None = None
+    overdue: bool = False  # a copy was re-issued because this one missed its deadline (or was stuck)
+
+    def copy_of(self, epoch: int, shard: int) -> bool:
+        return self.kind == "update" and (self.epoch, self.shard) == (epoch, shard)
+
+
+class InFlight:
+    """Tasks submitted and not yet handled, with their futures.
+
+    Parameters
+    ----------
+    scheduler : distributed.Scheduler
+    """
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self.client: Any = None
+        self.completed: Any = None  # distributed.as_completed over every future submitted
+        self.tasks: dict[str, TaskRecord] = {}
+        self.futures: dict[str, Any] = {}
+
+    async def open(self, name: str) -> None:
+        """Connect an asynchronous client to this scheduler."""
+        from distributed import Client, as_completed
+
+        self.client = await Client(self.scheduler.address, asynchronous=True, set_as_default=False, name=name)
+        self.completed = as_completed([], loop=self.client.loop, with_results=False)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, key: str, task: TaskRecord, **kwargs: Any) -> str:
+        future = self.client.submit(fn, *args, key=key, **kwargs)
+        self.tasks[key] = task
+        self.futures[key] = future
+        self.completed.add(future)
+        return key
+
+    def pop(self, key: str) -> TaskRecord | None:
+        self.futures.pop(key, None)
+        return self.tasks.pop(key, None)
+
+    async def cancel(self, keys: list[str]) -> None:
+        futures = [self.futures[k] for k in keys if k in self.futures]
+        if futures:
+            await self.client.cancel(futures)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.cancel(list(self.futures.values()))
+            await self.client.close()
+
+    # -- views ----------------------------------------------------------------------------------
+    def updates(self) -> Iterator[tuple[str, TaskRecord]]:
+        """(key, record) of the shard copies in flight."""
+        return ((k, t) for k, t in list(self.tasks.items()) if t.kind == "update")
+
+    def training(self) -> int:
+        """Shard copies that hold a slot (in flight and not overdue)."""
+        return sum(not t.overdue for _, t in self.updates())
+
+    def copy_running(self, epoch: int, shard: int) -> bool:
+        """Whether a copy of (epoch, shard) that is not overdue is in flight."""
+        return any(t.copy_of(epoch, shard) and not t.overdue for t in self.tasks.values())
+
+    def processing_on(self, key: str) -> str | None:
+        """The worker the scheduler has ``key`` processing on (None while queued, or gone)."""
+        ts = self.scheduler.tasks.get(key)
+        return ts.processing_on.address if ts is not None and ts.processing_on is not None else None
+
+    def state(self, key: str) -> str:
+        ts = self.scheduler.tasks.get(key)
+        return ts.state if ts is not None else "forgotten"
+
+    def table(self) -> list[dict[str, Any]]:
+        """Shard copies in flight: where they run and what state Dask has them in."""
+        return [
+            {
+                "epoch": t.epoch,
+                "shard": t.shard,
+                "attempt": t.attempt,
+                "overdue": t.overdue,
+                "started": t.started is not None,
+                "worker": self.processing_on(k),
+                "state": self.state(k),
+            }
+            for k, t in self.updates()
+        ]

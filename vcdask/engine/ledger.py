@@ -1,0 +1,192 @@
+"""What a run has done: merged and skipped shards, epochs, validations, the target, history rows.
+
+The ledger is the run's memory of outcomes (the event loop only).  It publishes the changes the
+panel follows (shard states, epochs) and decides when an epoch is complete: in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import policy
+from .events import ACTIVE_STATES, FINAL_STATES, EventLog, Outcome, ShardState
+
+__all__ = ["Ledger", "history_row"]
+
+
+def history_row(epoch: int, shard: int, attempt: int, outcome: Outcome | None = None, **kw: Any) -> dict[str, Any]:
+    """One row of ``FitResult.history``: every column, with ``kw`` filled in."""
+    row = {
+        "epoch": epoch,
+        "shard": shard,
+        "attempt": attempt,
+        "worker": None,
+        "update": None,
+        "base_version": None,
+        "new_version": None,
+        "version_id": None,
+        "alpha": None,
+        "staleness": None,
+        "train_loss": float("nan"),
+        "seconds": float("nan"),
+        "read_seconds": float("nan"),
+        "train_seconds": float("nan"),
+        "upload_seconds": float("nan"),
+        "accepted": False,
+        "outcome": outcome,
+        "reason": None,
+        "time": None,
+    }
+    row.update(kw)
+    return row
+
+
+class Ledger:
+    """Outcomes of one run.
+
+    Parameters
+    ----------
+    n_shards, max_epochs : int
+    validated : bool
+        Whether the run validates versions (an epoch closes once its end version is validated).
+    target : dict, optional
+        Metric -> goal; reaching it in an epoch's row stops the run.
+    events : EventLog
+    clock : callable, optional
+        Seconds since the run started (for history rows and epoch wall times).
+    """
+
+    def __init__(
+        self,
+        n_shards: int,
+        max_epochs: int,
+        *,
+        validated: bool,
+        target: dict[str, float] | None,
+        events: EventLog,
+        clock: Callable[[], float] | None = None,
+    ):
+        self.n_shards = n_shards
+        self.max_epochs = max_epochs
+        self.validated = validated
+        self.target = target
+        self.events = events
+        started = time.time()
+        self.clock = clock or (lambda: time.time() - started)
+        self.merged: dict[int, set[int]] = {}
+        self.skipped: dict[int, set[int]] = {}
+        self.epoch_end: dict[int, tuple[int, float]] = {}  # epoch -> (step of its last merge, wall seconds)
+        self.epochs: list[dict[str, Any]] = []
+        self.validations: dict[int, dict[str, float]] = {}  # step -> metrics
+        self.history: list[dict[str, Any]] = []
+        self.shard_state: dict[tuple[int, int], ShardState] = {}
+        self.shard_seconds: list[float] = []  # of merged updates: what deadlines derive from
+
+    # -- shards ---------------------------------------------------------------------------------
+    def done(self, epoch: int, shard: int) -> bool:
+        """Whether (epoch, shard) is merged or skipped: no copy of it may be merged any more."""
+        return shard in self.merged.get(epoch, ()) or shard in self.skipped.get(epoch, ())
+
+    def is_merged(self, epoch: int, shard: int) -> bool:
+        return shard in self.merged.get(epoch, ())
+
+    def remaining(self, epoch: int) -> int:
+        """Shards of ``epoch`` neither merged nor skipped."""
+        return self.n_shards - len(self.merged.get(epoch, ())) - len(self.skipped.get(epoch, ()))
+
+    def completes(self, epoch: int, shard: int) -> bool:
+        """Whether merging (epoch, shard) would complete its epoch."""
+        return not self.done(epoch, shard) and self.remaining(epoch) == 1
+
+    def set_shard(self, epoch: int, shard: int, state: ShardState) -> None:
+        """Move (epoch, shard) to ``state`` for the panel's grid (merged and skipped are final; a
+        rejection stays visible until a copy is merged) and publish the change."""
+        old = self.shard_state.get((epoch, shard))
+        if old == state or old in FINAL_STATES or (old == "rejected" and state in ACTIVE_STATES):
+            return
+        self.shard_state[(epoch, shard)] = state
+        self.events.emit("shard", epoch=epoch, shard=shard, state=state)
+
+    def merge(self, epoch: int, shard: int, seconds: float, step: int) -> None:
+        """(epoch, shard) was merged at ``step``; its epoch ends there if it was the last shard."""
+        self.merged.setdefault(epoch, set()).add(shard)
+        self.set_shard(epoch, shard, "merged")
+        self.shard_seconds.append(seconds)
+        if self.remaining(epoch) == 0:
+            self.epoch_end[epoch] = (step, self.clock())
+
+    def skip(self, epoch: int, shard: int, step: int) -> bool:
+        """Leave (epoch, shard) out of its epoch; return whether that completed the epoch."""
+        self.skipped.setdefault(epoch, set()).add(shard)
+        self.set_shard(epoch, shard, "skipped")
+        if self.remaining(epoch) == 0:
+            self.epoch_end[epoch] = (step, self.clock())
+            return True
+        return False
+
+    def record(self, epoch: int, shard: int, attempt: int, outcome: Outcome, **kw: Any) -> dict[str, Any]:
+        """Append one history row (``time`` filled in) and return it."""
+        row = history_row(epoch, shard, attempt, outcome, time=self.clock(), **kw)
+        self.history.append(row)
+        return row
+
+    # -- epochs ---------------------------------------------------------------------------------
+    def validate(self, step: int, metrics: dict[str, float]) -> None:
+        self.validations[step] = metrics
+        self.events.emit("validation", step=step, metrics=metrics)
+
+    def finished(self) -> bool:
+        return len(self.epochs) >= self.max_epochs
+
+    def close_epochs(self) -> str | None:
+        """Record every epoch whose shards are all done (and whose end version is validated).
+
+        Returns
+        -------
+        str or None
+            Why the run should stop, once an epoch reached the ``target``.
+        """
+        stop = None
+        while True:
+            epoch = len(self.epochs) + 1
+            if epoch not in self.epoch_end:
+                return stop
+            end_step, wall = self.epoch_end[epoch]
+            if self.validated and end_step not in self.validations:
+                return stop
+            row = self._epoch_row(epoch, end_step, wall)
+            self.epochs.append(row)
+            self.events.emit("epoch", **row)
+            if self.target and all(policy.reached(n, goal, row.get(n)) for n, goal in self.target.items()):
+                stop = f"target {self.target} reached at epoch {epoch}"
+
+    def _epoch_row(self, epoch: int, end_step: int, wall: float) -> dict[str, Any]:
+        merges = [h for h in self.history if h["epoch"] == epoch and h["accepted"]]
+        row: dict[str, Any] = {
+            "epoch": epoch,
+            "version": end_step,
+            "wall_time": wall,
+            "train_loss": _mean([h["train_loss"] for h in merges]),
+            "skipped": len(self.skipped.get(epoch, ())),
+        }
+        if self.validated:
+            # the band: every validated version that merged one of this epoch's updates
+            end = self.validations[end_step]
+            seen = [self.validations[h["new_version"]] for h in merges if h["new_version"] in self.validations]
+            seen = seen or [end]
+            for name in end:
+                values = [m[name] for m in seen]
+                row[name] = end[name]
+                row[f"{name}_mean"] = _mean(values)
+                row[f"{name}_min"] = min(values)
+                row[f"{name}_max"] = max(values)
+        return row
+
+    def last_staleness(self) -> int | None:
+        return next((h["staleness"] for h in reversed(self.history) if h["accepted"]), None)
+
+
+def _mean(values: list[float]) -> float:
+    return float(sum(values) / len(values)) if values else float("nan")

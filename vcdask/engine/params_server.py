@@ -1,0 +1,278 @@
+"""The parameter server of one run: ``W_s``, its merge path (read ``W_c`` -> check -> rule -> commit).
+
+Everything that touches parameter arrays runs in the run's merge thread, never on the scheduler's
+event loop.  The loop reads :attr:`ParamsServer.head`, an immutable :class:`Head` that the merge
+thread replaces as one object after each merge or commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError
+from ..merge import VCASGD, Arrival, MergeRule, RuleState
+from ..params import FlatParams
+from ..updates import delete_update, read_update
+from .outage import retry_through
+from .policy import check_update
+
+__all__ = ["Head", "ParamsServer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Head:
+    """Where the server stands: merges so far, and the newest committed version with its step."""
+
+    step: int = 0
+    version: str | None = None
+    version_step: int = 0
+
+    @property
+    def committed(self) -> bool:
+        """Whether every merge so far is in a committed version."""
+        return self.version_step == self.step
+
+
+class ParamsServer:
+    """``W_s`` in memory, the merge counter and the newest committed version.
+
+    Parameters
+    ----------
+    store : ParamStore
+    branch : str
+        The run's branch; commits are compare-and-swap on its head, so a second
+        writer on the branch is detected, never silently interleaved.
+    rule : MergeRule or callable
+        The merge rule (a callable ``epoch -> alpha`` means :class:`~vcdask.merge.VCASGD` with it).
+    run_id : str
+    commit_every : int
+        Commit after this many merges (``merge(..., force_commit=True)`` commits at once).
+    keep_updates : bool
+        Keep update objects after their merge is committed.
+    max_update_norm : float, optional
+        Reject updates further than this from ``W_s``.
+    outage_timeout : float
+        Seconds to wait through a store outage before giving up.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        branch: str,
+        rule: MergeRule | Callable[[int], float],
+        run_id: str,
+        *,
+        commit_every: int = 1,
+        keep_updates: bool = False,
+        max_update_norm: float | None = None,
+        outage_timeout: float = 600.0,
+    ):
+        self.store = store
+        self.branch = branch
+        self.rule = rule if isinstance(rule, MergeRule) else VCASGD(alpha=rule)
+        self.rule_state = RuleState()
+        self.run_id = run_id
+        self.commit_every = commit_every
+        self.keep_updates = keep_updates
+        self.max_update_norm = max_update_norm
+        self.outage_timeout = outage_timeout
+        self.paused: str | None = None  # why the server waits for the store, while it does
+        self.waiting: tuple[str, float] | None = None  # the store request under way, since when
+        self.params: FlatParams | None = None
+        self.head = Head()
+        self.uncommitted: list[dict[str, Any]] = []
+
+    # -- the loop's read-only views (each one attribute read) -----------------------------------
+    @property
+    def step(self) -> int:
+        return self.head.step
+
+    @property
+    def version(self) -> str | None:
+        """The newest committed version id."""
+        return self.head.version
+
+    @property
+    def version_step(self) -> int:
+        return self.head.version_step
+
+    @property
+    def committed(self) -> bool:
+        return self.head.committed
+
+    def stalled(self, after: float = 5.0) -> str | None:
+        """Why the run waits for the store, if it does: a failed store request past the store's own
+        retries, or one still running after ``after`` seconds."""
+        if self.paused:
+            return self.paused
+        waiting = self.waiting
+        if waiting is not None and time.monotonic() - waiting[1] > after:
+            return f"waiting {time.monotonic() - waiting[1]:.0f} s for the store ({waiting[0]})"
+        return None
+
+    # -- the merge thread -----------------------------------------------------------------------
+    def load(self) -> None:
+        """Start from the newest version on the branch (with the rule's state if it is this run's)."""
+        checkpoint = self.store.read(branch=self.branch)
+        self.params = checkpoint.params.clone()
+        step = int(checkpoint.metadata.get("step", 0))
+        self.head = Head(step, checkpoint.version, step)
+        meta = checkpoint.metadata
+        saved = meta.get("merge", {}).get("name") if isinstance(meta.get("merge"), dict) else None
+        fresh = self.rule.init_state(self.params)
+        if meta.get("run_id") == self.run_id and saved == self.rule.name:  # this run's own version: resume
+            self.rule_state = RuleState(
+                arrays=self.store.read_state(checkpoint.version),
+                scalars={**fresh.scalars, **meta.get("rule_state", {})},
+            )
+            if set(self.rule_state.arrays) != set(fresh.arrays):
+                raise ValueError(
+                    f"version {checkpoint.version!r} holds {self.rule.name} state "
+                    f"{sorted(self.rule_state.arrays)}, expected {sorted(fresh.arrays)}"
+                )
+        else:  # a new run (possibly from another run's version): a fresh outer optimizer
+            self.rule_state = fresh
+
+    def merge(
+        self, record: dict[str, Any], force_commit: bool = False, max_staleness: int | None = None
+    ) -> dict[str, Any]:
+        """Merge the update described by ``record`` (epoch, shard, attempt, base_step, update path).
+
+        Returns the history fields of the merge: accepted, alpha, new_version, staleness, version_id;
+        or, for an update that fails :func:`~vcdask.engine.policy.check_update` (``max_staleness``: the
+        limit in force for this merge, None for none), ``accepted=False`` with the ``reason`` and
+        ``fault`` kind — ``W_s`` is then untouched.
+        """
+        assert self.params is not None, "load() first"
+        staleness = self.step - record["base_step"]
+        try:
+            client = self._through_outages(
+                lambda: read_update(self.store.files, record["update"]),
+                f"reading the update of shard {record['shard']}",
+            )
+        except (ValueError, KeyError, FileNotFoundError, EOFError, zipfile.BadZipFile) as e:
+            # unreadable (missing, truncated, not an update): a rejected update, not a crash
+            return self._reject(record, staleness, "unreadable", f"unreadable update: {e}")
+        problem = check_update(
+            self.params, client, staleness=staleness, max_staleness=max_staleness, max_norm=self.max_update_norm
+        )
+        if problem is not None:
+            return self._reject(record, staleness, *problem)
+        outcome = self.rule.apply(
+            self.params, client, self.rule_state, Arrival(record["epoch"], staleness, int(record.get("n_samples", 1)))
+        )
+        self.head = Head(self.step + 1, self.version, self.version_step)
+        self.uncommitted.append(record)
+        if force_commit or len(self.uncommitted) >= self.commit_every:
+            self.commit()
+        return {
+            "accepted": True,
+            "alpha": outcome.get("alpha"),
+            "new_version": self.step,
+            "staleness": self.step - 1 - record["base_step"],
+            "version_id": self.version if self.committed else None,
+        }
+
+    def _reject(self, record: dict[str, Any], staleness: int, fault: str, reason: str) -> dict[str, Any]:
+        if not self.keep_updates:
+            delete_update(self.store.files, record["update"])
+        return {"accepted": False, "staleness": staleness, "reason": reason, "fault": fault}
+
+    def commit(self) -> None:
+        """Commit the merges not yet in a version (no-op when there are none).
+
+        A commit is never applied twice: when the store reports a conflict, the branch head is
+        checked first — if it is this very commit (the store took it but its answer was lost),
+        it is adopted.  While the store is unreachable past its own retries, the run pauses
+        here (``paused`` says why) and tries again with backoff, up to ``outage_timeout`` seconds.
+        """
+        if not self.uncommitted:
+            return
+        last = self.uncommitted[-1]
+        metadata = {
+            "run_id": self.run_id,
+            "step": self.step,
+            "epoch": last["epoch"],
+            "merged": [[r["epoch"], r["shard"], r["attempt"]] for r in self.uncommitted],
+            "merge": self.rule.describe(),
+        }
+        schedule = getattr(self.rule, "schedule", None)
+        if schedule is not None:
+            metadata["alpha"] = float(schedule(last["epoch"]))
+        if self.rule_state.scalars:
+            metadata["rule_state"] = dict(self.rule_state.scalars)
+        version = self._through_outages(lambda: self._commit_once(metadata), f"committing step {self.step}")
+        self.head = Head(self.step, version, self.step)
+        if not self.keep_updates:
+            for r in self.uncommitted:  # merged and committed: the update has done its job
+                delete_update(self.store.files, r["update"])
+        self.uncommitted = []
+
+    def _commit_once(self, metadata: dict[str, Any]) -> str:
+        try:
+            return self.store.commit(
+                self.params,
+                metadata,
+                branch=self.branch,
+                parent=self.version,
+                message=f"{self.run_id} step {self.step}",
+                state=self.rule_state.arrays,
+            )
+        except StoreConflict:
+            version = self._landed(metadata)
+            if version is None:
+                raise  # somebody else writes to this run's branch: never interleave
+            logger.warning(
+                "run %s: commit of step %d had landed although the store reported a "
+                "conflict (a lost response); adopting version %s",
+                self.run_id,
+                self.step,
+                version,
+            )
+            return version
+        except (StoreNotFoundError, StoreAccessDeniedError):
+            raise
+        except StoreError:
+            version = self._landed(metadata, quiet=True)  # the store may have taken it before failing
+            if version is None:
+                raise
+            return version
+
+    def _through_outages(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()`` through store outages (:func:`~vcdask.engine.outage.retry_through`); ``waiting`` and
+        ``paused`` say what the server waits for meanwhile."""
+
+        def attempt() -> Any:
+            self.waiting = (what, time.monotonic())
+            try:
+                return fn()
+            finally:
+                self.waiting = None
+
+        def on_wait(why: str | None) -> None:
+            self.paused = why
+
+        return retry_through(attempt, f"run {self.run_id}: {what}", self.outage_timeout, on_wait=on_wait)
+
+    def _landed(self, metadata: dict[str, Any], quiet: bool = False) -> str | None:
+        """The id of the branch head if it is exactly the commit described by ``metadata``, else None."""
+        try:
+            head = self.store.versions(self.branch)[0]
+        except (StoreError, IndexError):
+            if quiet:
+                return None
+            raise
+        same = (
+            head.parent == self.version
+            and head.metadata.get("run_id") == self.run_id
+            and head.metadata.get("step") == metadata["step"]
+            and head.metadata.get("merged") == metadata["merged"]
+        )
+        return head.id if same else None

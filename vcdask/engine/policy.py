@@ -1,0 +1,175 @@
+"""The run's decisions as pure functions: deadlines, staleness, re-issue, retries, exclusion, targets.
+
+Nothing here talks to Dask or the store, or keeps state: each function takes what it decides on
+and returns the decision, so every rule of the engine can be tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from ..params import FlatParams
+    from ..resilience import Resilience
+
+__all__ = [
+    "COLD_START_SECONDS",
+    "LOWER_IS_BETTER",
+    "Overdue",
+    "after_failure",
+    "check_update",
+    "deadline",
+    "exclusion",
+    "overdue",
+    "reached",
+    "staleness_limit",
+]
+
+#: A derived deadline is at least this for a worker's first shard of a run (it also imports torch,
+#: reads the run's spec and its rows).
+COLD_START_SECONDS = 30.0
+#: Patience with the first shards of a run, before any shard time is measured.
+FIRST_SHARDS_SECONDS = 60.0
+#: Metrics that improve downwards (a ``target`` is reached when the value is at most the goal).
+LOWER_IS_BETTER = ("loss", "mse", "mae")
+
+
+def deadline(res: Resilience, shard_seconds: list[float], tasks_per_slot: int, cold: bool = False) -> float:
+    """Seconds a shard copy may run before a copy is re-issued elsewhere.
+
+    An explicit ``res.deadline`` holds for every task.  Otherwise ``deadline_factor *
+    tasks_per_slot * median(shard_seconds)``, at least ``deadline_floor``; at least
+    :data:`COLD_START_SECONDS` on a ``cold`` worker (no shard of this run finished there yet);
+    :data:`FIRST_SHARDS_SECONDS` while nothing has been measured.
+    """
+    if res.deadline is not None:
+        return float(res.deadline)
+    if not shard_seconds:
+        return max(res.deadline_floor, FIRST_SHARDS_SECONDS)
+    derived = max(res.deadline_floor, res.deadline_factor * tasks_per_slot * statistics.median(shard_seconds))
+    return max(derived, COLD_START_SECONDS) if cold else derived
+
+
+def staleness_limit(max_staleness: int | str | None, n_shards: int, in_flight: int) -> int | None:
+    """The staleness limit in force: ``max_staleness`` itself, or for ``"auto"`` the larger of two
+    epochs' worth of shards and four times the tasks in flight (healthy workers stay far below)."""
+    if max_staleness == "auto":
+        return max(2 * n_shards, 4 * in_flight)
+    if isinstance(max_staleness, str):
+        raise ValueError(f"max_staleness={max_staleness!r}: expected an integer, 'auto' or None")
+    return max_staleness
+
+
+@dataclass(frozen=True)
+class Overdue:
+    """The verdict on one shard copy in flight: re-issue it (``why``), and whether anyone is to blame."""
+
+    why: str
+    blame: bool = True
+
+
+def overdue(
+    *,
+    now: float,
+    submitted: float,
+    started: float | None,
+    running_on: str | None,
+    worker: str | None,
+    behind: int,
+    stale_after: int | None,
+    limit: float,
+    patience: float,
+) -> Overdue | Literal["restart"] | None:
+    """Whether a shard copy in flight must be re-issued.
+
+    Parameters
+    ----------
+    now, submitted, started : float
+        Monotonic clock; ``started`` is None until the task reported that it runs.
+    running_on : str or None
+        The worker Dask has the task processing on now.
+    worker : str or None
+        The worker the task reported running on.
+    behind : int
+        Merges since the copy's base version.
+    stale_after : int or None
+        The staleness limit in force.
+    limit : float
+        The copy's deadline once started.
+    patience : float
+        How long a copy may wait to start.
+
+    Returns
+    -------
+    Overdue, "restart" or None
+        ``"restart"``: its worker died and Dask is moving it (its clock starts afresh).
+    """
+    if stale_after is not None and behind > stale_after:
+        # its result could only be rejected as stale: a fresh copy now, nobody blamed
+        return Overdue(f"fell {behind} merges behind (max_staleness={stale_after})", blame=False)
+    if started is not None and now - started > limit:
+        if running_on != worker:
+            return "restart"
+        return Overdue(f"ran past its {limit:.1f} s deadline")
+    if started is None and now - submitted > patience:
+        return Overdue("never started")
+    return None
+
+
+def after_failure(failures: int, res: Resilience) -> Literal["retry", "skip", "stop"]:
+    """What to do with a shard copy that failed, given the shard's failures so far in its epoch."""
+    if failures < res.max_attempts:
+        return "retry"
+    return "stop" if res.on_shard_failure == "stop" else "skip"
+
+
+def exclusion(failed: int, timed_out: int, rejected: int, res: Resilience) -> str | None:
+    """Why a worker gets no more shards (None while it may): too many faults."""
+    if failed + timed_out + rejected < res.max_worker_failures:
+        return None
+    return (
+        f"{failed} failed, {timed_out} timed out, {rejected} rejected (max_worker_failures={res.max_worker_failures})"
+    )
+
+
+def reached(name: str, goal: float, value: float | None) -> bool:
+    """Whether a metric ``value`` meets ``goal`` (at most for losses and errors, at least otherwise)."""
+    if value is None:
+        return False
+    lower = name in LOWER_IS_BETTER or name.endswith("error")
+    return value <= goal if lower else value >= goal
+
+
+def check_update(
+    server: FlatParams, client: FlatParams, *, staleness: int, max_staleness: int | None, max_norm: float | None
+) -> tuple[str, str] | None:
+    """Why an update must not be merged, as ``(kind, reason)``, or None when it is fine.
+
+    ``kind`` is ``"layout"``, ``"non-finite"``, ``"stale"`` or ``"norm"``; all but ``"stale"`` are the
+    worker's fault.
+    """
+    if client.layout != server.layout:
+        return "layout", "layout mismatch: " + "; ".join(server.layout.diff(client.layout)[:4])
+    bad = []
+    for name, value in client.state_dict().items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            bad.append(name)
+    if bad:
+        return "non-finite", f"non-finite values (NaN/inf) in {bad[:4]}{' ...' if len(bad) > 4 else ''}"
+    if max_staleness is not None and staleness > max_staleness:
+        return "stale", f"stale: based on a version {staleness} merges old (max_staleness={max_staleness})"
+    if max_norm is not None:
+        sq = sum(
+            float(torch.sum((c.double() - server.arrays[d].double()) ** 2))
+            for d, c in client.arrays.items()
+            if c.is_floating_point()
+        )
+        norm = math.sqrt(sq)
+        if norm > max_norm:
+            return "norm", f"update norm ||W_c - W_s|| = {norm:.4g} > max_update_norm={max_norm:.4g}"
+    return None

@@ -1,0 +1,138 @@
+"""The workers a run may use: who is connected, what each has done, who is excluded or draining.
+
+The scheduler plugin tells the pool when workers join and leave (its ``add_worker`` /
+``remove_worker`` hooks); nothing here reads scheduler state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from . import policy
+
+if TYPE_CHECKING:
+    from ..resilience import Resilience
+
+__all__ = ["WorkerPool", "WorkerRecord"]
+
+Fault = Literal["failed", "timed_out", "rejected"]
+
+
+@dataclass
+class WorkerRecord:
+    """What a run has seen of one worker."""
+
+    address: str
+    done: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    rejected: int = 0
+    seconds: float = 0.0
+    preempted: bool = False
+    excluded: str | None = None
+    recent: list[float] = field(default_factory=list)
+
+    @property
+    def faults(self) -> int:
+        return self.failed + self.timed_out + self.rejected
+
+    @property
+    def mean_seconds(self) -> float:
+        return self.seconds / self.done if self.done else float("nan")
+
+    def rank(self) -> tuple[int, float]:
+        """Sort key: reliable first, then fast."""
+        mean = self.mean_seconds
+        return (self.faults, math.inf if math.isnan(mean) else mean)
+
+    def as_row(self) -> dict[str, Any]:
+        return {
+            "worker": self.address,
+            "done": self.done,
+            "failed": self.failed,
+            "timed_out": self.timed_out,
+            "rejected": self.rejected,
+            "mean_seconds": self.mean_seconds,
+            "preempted": self.preempted,
+            "excluded": self.excluded,
+        }
+
+
+class WorkerPool:
+    """The connected workers and the run's record of each.
+
+    Parameters
+    ----------
+    res : Resilience
+        ``max_worker_failures`` decides exclusion.
+    tasks_per_slot : int
+        Shard copies kept in flight per worker thread.
+    connected : mapping of str to int
+        The workers connected when the run starts: address -> threads.
+    """
+
+    def __init__(self, res: Resilience, tasks_per_slot: int, connected: Mapping[str, int]):
+        self.res = res
+        self.tasks_per_slot = tasks_per_slot
+        self.connected: dict[str, int] = dict(connected)
+        self.records: dict[str, WorkerRecord] = {}
+        self.draining: set[str] = set()  # preempted: no new shards
+
+    # -- membership (from the scheduler plugin's hooks) ----------------------------------------
+    def joined(self, address: str, nthreads: int) -> None:
+        self.connected[address] = nthreads
+
+    def left(self, address: str) -> None:
+        self.connected.pop(address, None)
+
+    # -- records --------------------------------------------------------------------------------
+    def record(self, address: str) -> WorkerRecord:
+        rec = self.records.get(address)
+        if rec is None:
+            rec = self.records[address] = WorkerRecord(address)
+        return rec
+
+    def finished(self, address: str, seconds: float) -> WorkerRecord:
+        """``address`` handed back a shard's result after ``seconds``."""
+        rec = self.record(address)
+        rec.done += 1
+        rec.seconds += seconds
+        return rec
+
+    def fault(self, address: str, kind: Fault) -> str | None:
+        """Count a fault against ``address``; return why it is now excluded, if this excluded it."""
+        rec = self.record(address)
+        setattr(rec, kind, getattr(rec, kind) + 1)
+        if rec.excluded is not None:
+            return None
+        rec.excluded = policy.exclusion(rec.failed, rec.timed_out, rec.rejected, self.res)
+        return rec.excluded
+
+    def drain(self, address: str) -> None:
+        """A preemption notice: ``address`` gets no new shards."""
+        self.draining.add(address)
+        self.record(address).preempted = True
+
+    def cold(self, address: str | None) -> bool:
+        """Whether ``address`` has not finished a shard of this run yet."""
+        return address is not None and self.record(address).done == 0
+
+    # -- views ----------------------------------------------------------------------------------
+    def usable(self) -> list[str]:
+        """Workers that may get shards: connected, not excluded, not draining; most reliable and fastest first."""
+        ok = [a for a in self.connected if a not in self.draining and not self.record(a).excluded]
+        return sorted(ok, key=lambda a: self.record(a).rank())
+
+    def slots(self) -> int:
+        """Shard copies to keep in flight: ``tasks_per_slot`` per thread of the usable workers."""
+        return max(1, self.tasks_per_slot * sum(self.connected[a] for a in self.usable()))
+
+    def unusable(self) -> dict[str, str]:
+        """Connected workers that get no shards, and why."""
+        return {a: self.record(a).excluded or "draining" for a in self.connected if a not in self.usable()}
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [w.as_row() for w in self.records.values()]

@@ -1,0 +1,289 @@
+"""One training run, driven from inside the scheduler: the loop that wires the engine's parts.
+
+The loop runs on the scheduler's event loop and only handles small records.  Its parts:
+:mod:`~.dispatch` (what goes out next), :mod:`~.pool` (who may run it), :mod:`~.inflight` (what is
+out), :mod:`~.ledger` (what came back), :mod:`~.policy` (decisions), :mod:`~.faults` and
+:mod:`~.watch` (what went wrong), :mod:`~.params_server` (``W_s``, touched only by the run's merge
+thread) and :mod:`~.events` (what followers see).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import NoWorkersError
+from ..spec import RunSpec
+from ..worker import train_shard, validate_version
+from . import arrivals, faults, views, watch
+from .dispatch import Dispatcher
+from .events import EventLog, train_key, validate_key
+from .inflight import InFlight, TaskRecord
+from .ledger import Ledger
+from .outage import StoreOutage
+from .params_server import ParamsServer
+from .policy import staleness_limit
+from .pool import WorkerPool
+from .recovery import recover
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Run"]
+
+
+class Run:
+    """One training run on a scheduler (see :mod:`vcdask.engine.plugin` for how clients reach it)."""
+
+    def __init__(self, scheduler: Any, spec: RunSpec, resume: bool = False):
+        self.scheduler, self.spec, self.resume = scheduler, spec, resume
+        self.res, self.store, self.id = spec.resilience, spec.store, spec.run_id
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"vcdask-merge-{self.id[-6:]}")
+        self.status: str = "starting"
+        self.error: str | None = None
+        self.done = asyncio.Event()
+        self.started = time.time()
+        self.events = EventLog(scheduler, self.id)
+        self.server = ParamsServer(
+            spec.store,
+            spec.branch,
+            spec.merge,
+            spec.run_id,
+            commit_every=spec.commit_every,
+            keep_updates=spec.keep_updates,
+            max_update_norm=self.res.max_update_norm,
+            outage_timeout=self.res.store_outage_timeout,
+        )
+        self.pool = WorkerPool(self.res, spec.tasks_per_slot, {a: ws.nthreads for a, ws in scheduler.workers.items()})
+        self.dispatch = Dispatcher(spec.shards.n_shards, spec.max_epochs, spec.seed)
+        self.ledger = Ledger(
+            spec.shards.n_shards,
+            spec.max_epochs,
+            validated=spec.validation is not None,
+            target=spec.target,
+            events=self.events,
+            clock=self.now,
+        )
+        self.tasks = InFlight(scheduler)
+        self.outage = StoreOutage(self.res.store_outage_timeout)  # store faults seen by tasks
+        self.stopping: str | None = None
+        self.idle_since: float | None = None  # since when no usable worker is connected
+        self.no_workers: str | None = None  # why the run waits for workers (status()["paused"])
+
+    async def in_thread(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the run's merge thread (the only thread that touches ``W_s``)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def now(self) -> float:
+        return time.time() - self.started
+
+    def staleness_limit(self) -> int | None:
+        return staleness_limit(self.res.max_staleness, self.spec.shards.n_shards, self.pool.slots())
+
+    def finished(self) -> bool:
+        return self.stopping is not None or self.ledger.finished()
+
+    # -- the driver -----------------------------------------------------------------------------
+    async def drive(self) -> None:
+        watchdog = None
+        try:
+            await self.tasks.open(f"vcdask-{self.id}")
+            await (recover(self) if self.resume else self.in_thread(self.server.load))
+            self.status = "running"
+            self.events.emit("started", version=self.server.version, step=self.server.step)
+            watchdog = asyncio.ensure_future(watch.deadlines(self))
+            nxt = None
+            while not self.finished():
+                self.check_workers()
+                self.fill()
+                if not self.tasks.tasks:
+                    await watch.idle(self)
+                    continue
+                nxt = nxt or asyncio.ensure_future(self.tasks.completed.__anext__())
+                # wake up now and then even if nothing completes: workers may have joined
+                await asyncio.wait({nxt, watchdog}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                if watchdog.done():
+                    watchdog.result()  # the deadline watchdog failed (e.g. on_shard_failure="stop"): raise it
+                if nxt.done():
+                    future, nxt = nxt.result(), None
+                    await self._on_done(future)
+            if nxt is not None:
+                nxt.cancel()
+            await self._finish()
+        except asyncio.CancelledError:
+            self.status = "cancelled"
+            raise
+        except Exception:  # noqa: BLE001 - the run's error is recorded and published, not swallowed
+            self.status, self.error = "error", traceback.format_exc()
+            logger.error("vcdask run %s failed:\n%s", self.id, self.error)
+            self.events.emit("failed", error=self.error)
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            await self._cleanup()
+            self.done.set()
+
+    async def _on_done(self, future: Any) -> None:
+        task = self.tasks.pop(future.key)
+        if task is None:
+            return
+        if future.status == "cancelled":
+            if task.kind == "update":
+                superseded = self.ledger.is_merged(task.epoch, task.shard)
+                why = "superseded: another copy of this shard was merged" if superseded else self.stopping
+                self.ledger.record(
+                    task.epoch,
+                    task.shard,
+                    task.attempt,
+                    "cancelled",
+                    base_version=task.step,
+                    reason=f"cancelled: {why}",
+                )
+            return
+        try:
+            record = await self.result(future)
+        except NoWorkersError:
+            raise  # the run's own verdict while it waited, not the task's failure
+        except Exception as exc:  # noqa: BLE001 - a task's error is data for the failure policy
+            await faults.task_failed(self, task, exc)
+            return
+        finally:
+            future.release()
+        faults.store_back(self)
+        if task.kind == "validation":
+            arrivals.validation(self, record)
+            return
+        # The worker is free: give it its next shard before merging this result, so training never
+        # waits for the merge thread (the new task starts from the newest committed version).
+        if not self.finished():
+            self.fill(record["worker"])
+        await arrivals.update(self, record, task)
+
+    async def result(self, future: Any) -> dict[str, Any]:
+        """The finished task's result record (a few hundred bytes, held by the worker that ran it).
+
+        If that worker dies before handing it over, Dask runs the task again once a worker is there;
+        meanwhile the run keeps watching the pool (``no_worker_timeout``) instead of waiting blind."""
+        fetch = asyncio.ensure_future(_await(future))
+        try:
+            while True:
+                done, _ = await asyncio.wait({fetch}, timeout=1.0)
+                if done:
+                    return fetch.result()
+                self.check_workers()
+        finally:
+            fetch.cancel()
+
+    # -- dispatch -------------------------------------------------------------------------------
+    def fill(self, freed_worker: str | None = None) -> None:
+        """Hand out shards until every slot is busy (parked work first)."""
+        if not self.pool.usable() or self.outage.holding():
+            return  # nobody to run on (wait for workers to (re)join), or the store is out
+        while self.dispatch.parked_validations:
+            self.submit_validation(*self.dispatch.parked_validations.pop(0))
+        while self.stopping is None and self.tasks.training() < self.pool.slots():
+            if self.dispatch.returned:
+                epoch, shard = self.dispatch.returned.pop(0)
+                if not self.ledger.is_merged(epoch, shard) and not self.tasks.copy_running(epoch, shard):
+                    self.submit_shard(epoch, shard)
+                continue
+            nxt = self.dispatch.next_shard(freed_worker)
+            if nxt is None:
+                return
+            self.submit_shard(*nxt)
+            freed_worker = None
+
+    def submit_shard(self, epoch: int, shard: int, avoid: str | None = None) -> str:
+        attempt = self.dispatch.next_attempt(epoch, shard)
+        where = self.dispatch.placement(
+            self.dispatch.home.get(shard), self.pool.usable(), len(self.pool.connected), avoid
+        )
+        head = self.server.head
+        key = self.tasks.submit(
+            train_shard,
+            self.store,
+            self.id,
+            epoch,
+            shard,
+            attempt,
+            head.version,
+            head.version_step,
+            key=train_key(self.id, epoch, shard, attempt),
+            task=TaskRecord("update", epoch, shard, attempt, head.version_step, submitted=time.monotonic()),
+            **where,
+        )
+        self.ledger.set_shard(epoch, shard, "queued" if attempt == 0 else "re-issued")
+        return key
+
+    def submit_validation(self, version: str | None = None, step: int | None = None, retry: int = 0) -> None:
+        """Validate ``version`` (default: the newest committed one), once."""
+        if version is None or step is None:
+            version, step = self.server.version, self.server.version_step
+        key = validate_key(self.id, step, retry)
+        if key in self.tasks.futures or step in self.ledger.validations:
+            return
+        self.tasks.submit(
+            validate_version,
+            self.store,
+            self.id,
+            version,
+            step,
+            key=key,
+            priority=10,
+            task=TaskRecord("validation", attempt=retry, step=step, version=version, submitted=time.monotonic()),
+        )
+
+    # -- results --------------------------------------------------------------------------------
+    def close_epochs(self) -> None:
+        stop = self.ledger.close_epochs()
+        if stop is not None:
+            self.stopping = stop
+
+    # -- the end --------------------------------------------------------------------------------
+    async def _finish(self) -> None:
+        leftover = [k for k, _ in self.tasks.updates()]
+        await self.tasks.cancel(leftover)
+        for key in leftover:
+            task = self.tasks.pop(key)
+            if task is not None:
+                self.ledger.record(
+                    task.epoch,
+                    task.shard,
+                    task.attempt,
+                    "cancelled",
+                    base_version=task.step,
+                    reason=f"cancelled: {self.stopping or 'run finished'}",
+                )
+        await self.in_thread(self.server.commit)
+        head = self.server.head
+        if self.spec.validation is not None and head.step not in self.ledger.validations:
+            await faults.final_validation(self, head.version, head.step)
+        if not self.spec.keep_updates:
+            await self.in_thread(faults.drop_run_updates, self.store, self.id)
+        self.status = "finished"
+        self.events.emit("finished", version=head.version, step=head.step, reason=self.stopping or "max_epochs")
+
+    async def _cleanup(self) -> None:
+        try:
+            await self.tasks.close()
+        except Exception:
+            logger.debug("closing the client of run %s", self.id, exc_info=True)
+        self.executor.shutdown(wait=False)
+
+    # -- what the plugin's handlers and hooks call -------------------------------------------------
+    stop = faults.stop
+    reissue = faults.reissue
+    preempt = faults.preempt
+    check_workers = watch.check_workers
+    task_started = watch.task_started
+    base_for = watch.base_for
+    status_dict = views.status_dict
+    panel_state = views.panel_state
+    result_dict = views.result_dict
+
+
+async def _await(future: Any) -> Any:
+    return await future

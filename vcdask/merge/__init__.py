@@ -1,0 +1,118 @@
+"""Merge rules: how the server folds one client update ``W_c`` into ``W_s``, as it arrives.
+
+A rule is a small object with pure functions over flat parameters (one 1-D tensor per dtype):
+``init_state(server)`` gives its state (e.g. a momentum buffer, as :class:`FlatParams` laid out
+like the server parameters, plus JSON scalars), ``apply(server, client, state, arrival)``
+changes ``server`` and ``state`` in place, and ``for_run(...)`` fills in the defaults a rule
+leaves to the run.  The state is committed with every version (the store's ``/rule/<name>``
+groups and the version's metadata), so a resumed run continues exactly.
+
+Floating-point vectors are merged; integer and boolean state (e.g. BatchNorm's
+``num_batches_tracked``) cannot be averaged and takes the client's value, for every rule.
+
+Rules by name (``fit(..., merge=...)``), one per module:
+
+``"vc-asgd"``
+    The paper's rule, ``W_s <- alpha W_s + (1 - alpha) W_c``, alpha constant or scheduled.
+``"staleness"``
+    FedAsync (Xie et al. 2019): the client's weight ``(1 - alpha) * s(staleness)`` shrinks with
+    the update's staleness; ``s(t) = (t + 1) ** -a`` or a hinge.
+``"nesterov"``
+    An outer optimizer (DiLoCo, Douillard et al. 2023): pseudo-gradient ``g = W_s - W_c``, one
+    SGD step with Nesterov momentum per arrival or per ``delay`` arrivals.
+``"sync"``
+    DeDLOC-style large batch: collect updates until ``target_samples`` samples, then replace
+    ``W_s`` by their sample-weighted mean at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import UnknownMergeRuleError
+from ..schedules import check_alpha
+from ._base import Arrival, MergeRule, RuleState, lerp
+from .nesterov import Nesterov
+from .staleness import Staleness
+from .sync import Sync
+from .vcasgd import VCASGD, vc_asgd
+
+__all__ = [
+    "DEFAULT_RULE",
+    "VCASGD",
+    "Arrival",
+    "MergeRule",
+    "Nesterov",
+    "RuleState",
+    "Staleness",
+    "Sync",
+    "UnknownMergeRuleError",
+    "get_rule",
+    "lerp",
+    "rules",
+    "vc_asgd",
+]
+
+#: Registered rules by name.
+rules: dict[str, type[MergeRule]] = {r.name: r for r in (VCASGD, Staleness, Nesterov, Sync)}
+
+#: The rule ``vcdask.fit`` uses when neither ``merge`` nor ``alpha`` is given: delayed Nesterov
+#: (one momentum step per tasks-in-flight arrivals) with lr 0.5, momentum 0.8.  Chosen by
+#: ``benchmarks/strategies.py``: the best final accuracy on both tasks, within 1 point of
+#: single-process torch (digits -0.84, wide CNN +0.14 points); see the docs' merge-rules page.
+DEFAULT_RULE = Nesterov(lr=0.5, momentum=0.8)
+
+_ALPHA_RULES = (VCASGD, Staleness)
+
+
+def get_rule(
+    merge: str | MergeRule | None = None,
+    alpha: float | str | Callable[[int], float] | None = None,
+    samples_per_epoch: int | None = None,
+) -> MergeRule:
+    """The rule for ``fit(merge=..., alpha=...)``: a name or an instance (as xarray's ``engine=``).
+
+    Parameters
+    ----------
+    merge : str or MergeRule, optional
+        Default: ``"vc-asgd"`` when ``alpha`` is given, else :data:`DEFAULT_RULE`.
+    alpha : float, "epoch" or callable, optional
+        For ``"vc-asgd"`` and ``"staleness"`` given by name.
+    samples_per_epoch : int, optional
+        Passed to :meth:`MergeRule.for_run`.
+
+    Raises
+    ------
+    UnknownMergeRuleError
+        An unknown name (the message lists the registered ones).
+    ValueError
+        ``alpha`` given with a rule that has none, or a bad alpha.
+    TypeError
+        ``merge`` is neither a name nor a :class:`MergeRule`.
+    """
+    if merge is None:
+        merge = "vc-asgd" if alpha is not None else DEFAULT_RULE
+    if isinstance(merge, MergeRule):
+        if alpha is not None:
+            raise ValueError(f"alpha={alpha!r} was given with a MergeRule instance ({merge.name}): set it on the rule")
+        rule = merge
+    elif isinstance(merge, str):
+        cls = rules.get(merge)
+        if cls is None:
+            raise UnknownMergeRuleError(
+                f"unknown merge rule {merge!r}; choose one of {sorted(rules)} or pass a vcdask.merge.MergeRule instance"
+            )
+        if alpha is None:
+            rule = cls()
+        elif cls not in _ALPHA_RULES:
+            raise ValueError(
+                f"alpha={alpha!r} does not apply to merge={merge!r} (only to 'vc-asgd' and "
+                "'staleness'); configure the rule with an instance, e.g. vcdask.merge.Nesterov(lr=0.5)"
+            )
+        else:
+            if isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
+                check_alpha(float(alpha))
+            rule = cls(alpha=alpha)  # type: ignore[call-arg]
+    else:
+        raise TypeError(f"merge must be a rule name {sorted(rules)} or a MergeRule, got {type(merge).__name__}")
+    return rule.for_run(samples_per_epoch=samples_per_epoch)

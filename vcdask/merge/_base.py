@@ -1,0 +1,119 @@
+"""The merge-rule interface and the vector helpers every rule uses."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import ParameterMismatchError
+from ..params import FlatParams
+from ..schedules import Constant, EpochSchedule
+
+__all__ = ["Arrival", "MergeRule", "RuleState", "lerp"]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What a rule knows of one update when it arrives."""
+
+    epoch: int
+    staleness: int = 0  # merges since the update's base version
+    n_samples: int = 1  # rows its shard trained on
+
+
+@dataclass
+class RuleState:
+    """A rule's state: arrays laid out like the server parameters, and JSON scalars."""
+
+    arrays: dict[str, FlatParams] = field(default_factory=dict)
+    scalars: dict[str, Any] = field(default_factory=dict)
+
+
+class MergeRule(ABC):
+    """How updates are folded into the server parameters; see :mod:`vcdask.merge`."""
+
+    name: ClassVar[str]
+
+    def init_state(self, server: FlatParams) -> RuleState:
+        """The state before the first merge (none by default)."""
+        return RuleState()
+
+    @abstractmethod
+    def apply(self, server: FlatParams, client: FlatParams, state: RuleState, arrival: Arrival) -> dict[str, Any]:
+        """Fold ``client`` into ``server`` (in place), updating ``state`` (in place).
+
+        Returns
+        -------
+        dict
+            For the history: ``alpha`` (the server copy's weight, where the rule has one),
+            ``applied`` (False when the update was only collected, e.g. by ``sync``).
+        """
+
+    def for_run(self, *, samples_per_epoch: int | None = None, in_flight: int | None = None) -> MergeRule:
+        """This rule with the defaults it leaves to the run filled in (the one place they are set).
+
+        Parameters
+        ----------
+        samples_per_epoch : int, optional
+            Training rows per epoch.
+        in_flight : int, optional
+            Shard tasks the run keeps in flight.
+
+        Returns
+        -------
+        MergeRule
+            ``self`` when the rule takes nothing from the run, else a configured copy.
+        """
+        return self
+
+    def describe(self) -> dict[str, Any]:
+        """Name and parameters, stored with every version."""
+        return {"name": self.name}
+
+
+def describe_alpha(schedule: Any) -> float | str:
+    """How an alpha schedule is recorded in a version's metadata."""
+    if isinstance(schedule, Constant):
+        return schedule.alpha
+    if isinstance(schedule, EpochSchedule):
+        return "epoch"
+    inner = getattr(schedule, "fn", None)  # a checked user callable
+    return describe_alpha(inner) if inner is not None and inner is not schedule else "callable"
+
+
+def check_layout(server: FlatParams, client: FlatParams) -> None:
+    """Raise :class:`ParameterMismatchError` unless both have the same layout."""
+    if server.layout != client.layout:
+        raise ParameterMismatchError(
+            "client update does not match the server parameters: " + "; ".join(server.layout.diff(client.layout))
+        )
+
+
+def floats(params: FlatParams) -> dict[str, torch.Tensor]:
+    """The floating-point vectors (the ones rules merge)."""
+    return {d: a for d, a in params.arrays.items() if a.is_floating_point()}
+
+
+def zeros_like(params: FlatParams) -> FlatParams:
+    return FlatParams(params.layout, {d: torch.zeros_like(a) for d, a in params.arrays.items()})
+
+
+def copy_non_float(server: FlatParams, client: FlatParams) -> None:
+    """Integer and boolean state (e.g. BatchNorm's ``num_batches_tracked``) takes the client's value."""
+    for dtype, ws in server.arrays.items():
+        if not ws.is_floating_point():
+            ws.copy_(client.arrays[dtype])
+
+
+def lerp(server: FlatParams, client: FlatParams, weight: float) -> None:
+    """``server <- (1 - weight) * server + weight * client`` in place (``weight = 1 - alpha``)."""
+    for dtype, ws in floats(server).items():
+        wc = client.arrays[dtype]
+        if weight == 1.0:  # exact replacement, without rounding
+            ws.copy_(wc)
+        elif weight != 0.0:
+            ws.lerp_(wc, weight)
+    copy_non_float(server, client)

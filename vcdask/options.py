@@ -1,0 +1,297 @@
+"""Options of a run: the loss, metric and optimizer resolvers, and :func:`plan_run`, the checks ``fit`` runs
+on its arguments before any cluster work (each error names the bad value and the valid choices)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .cluster import check_client
+from .data import DataError, PreparedData, prepare_data, split
+from .merge import MergeRule, get_rule
+from .resilience import Resilience
+from .store import ParamStore, open_store
+
+logger = logging.getLogger(__name__)
+
+#: Where runs go when ``fit`` is given no store: a local directory.
+DEFAULT_STORE = "vcdask-runs"
+
+__all__ = [
+    "LOSSES",
+    "METRICS",
+    "accuracy",
+    "check_model",
+    "check_target",
+    "mae",
+    "model_dtype",
+    "mse",
+    "positive_int",
+    "resolve_loss",
+    "resolve_metrics",
+    "resolve_optimizer",
+]
+
+LOSSES: dict[str, Callable] = {
+    "cross_entropy": torch.nn.functional.cross_entropy,
+    "mse": torch.nn.functional.mse_loss,
+    "l1": torch.nn.functional.l1_loss,
+    "nll": torch.nn.functional.nll_loss,
+}
+
+
+def accuracy(output: torch.Tensor, target: torch.Tensor) -> float:
+    """Fraction of samples whose arg-max output equals the label."""
+    return float((output.argmax(dim=-1) == target).float().mean()) if len(target) else float("nan")
+
+
+def mae(output: torch.Tensor, target: torch.Tensor) -> float:
+    """Mean absolute error."""
+    return float(torch.nn.functional.l1_loss(output.reshape(target.shape), target))
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> float:
+    """Mean squared error."""
+    return float(torch.nn.functional.mse_loss(output.reshape(target.shape), target))
+
+
+METRICS: dict[str, Callable] = {"accuracy": accuracy, "mae": mae, "mse": mse}
+
+
+def positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def resolve_loss(loss, classification: bool) -> Callable:
+    if loss is None:
+        return LOSSES["cross_entropy"] if classification else _mse_matching
+    if isinstance(loss, str):
+        try:
+            return LOSSES[loss]
+        except KeyError:
+            raise ValueError(f"unknown loss {loss!r}; available: {sorted(LOSSES)} (or a callable)") from None
+    if callable(loss):
+        return loss
+    raise TypeError(f"loss must be a name from {sorted(LOSSES)} or a callable, got {type(loss).__name__}")
+
+
+def _mse_matching(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """MSE that accepts (n, 1) outputs for (n,) targets."""
+    return torch.nn.functional.mse_loss(output.reshape(target.shape), target)
+
+
+def resolve_metrics(metrics, classification: bool) -> dict[str, Callable]:
+    if metrics is None:
+        return {"accuracy": accuracy} if classification else {"mae": mae}
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    if isinstance(metrics, Mapping):
+        bad = [k for k, v in metrics.items() if not callable(v)]
+        if bad:
+            raise TypeError(f"metrics {bad} are not callables (output, target) -> float")
+        return dict(metrics)
+    out = {}
+    for m in metrics:
+        if callable(m):
+            out[getattr(m, "__name__", repr(m))] = m
+        elif m in METRICS:
+            out[m] = METRICS[m]
+        else:
+            raise ValueError(f"unknown metric {m!r}; available: {sorted(METRICS)} (or a callable)")
+    return out
+
+
+def resolve_optimizer(optimizer, lr: float) -> Callable:
+    if optimizer is None:
+        return functools.partial(torch.optim.Adam, lr=lr)
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return functools.partial(optimizer, lr=lr)  # type: ignore[call-arg]  # every torch optimizer takes lr
+    if callable(optimizer):
+        return optimizer
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer class or a callable params -> optimizer, "
+        f"got {type(optimizer).__name__}"
+    )
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def check_model(model, prepared: PreparedData, loss, classification: bool, x_dtype) -> None:
+    """One forward pass on a few rows: the model accepts the data and its outputs fit the labels."""
+    probe = copy.deepcopy(model).eval()
+    X = torch.as_tensor(np.ascontiguousarray(prepared.sample_X)).to(x_dtype)
+    try:
+        with torch.no_grad():
+            out = probe(X)
+    except Exception as e:
+        raise DataError(
+            f"the model cannot process the training data: samples of shape {tuple(prepared.x_shape)} "
+            f"and dtype {prepared.x_dtype} -> {type(e).__name__}: {e}"
+        ) from e
+    if classification:
+        n_classes = out.shape[-1] if out.dim() > 1 else 1
+        assert prepared.y_min is not None and prepared.y_max is not None  # set for classification data
+        if prepared.y_min < 0 or prepared.y_max >= n_classes:
+            raise DataError(
+                f"labels range over [{prepared.y_min}, {prepared.y_max}] but the model outputs "
+                f"{n_classes} classes; labels must be in [0, {n_classes - 1}]"
+            )
+    y = torch.as_tensor(np.ascontiguousarray(prepared.sample_y))
+    y = y.long() if classification else y.to(x_dtype)
+    try:
+        loss(out, y)
+    except Exception as e:
+        raise DataError(
+            f"the loss cannot compare model outputs of shape {tuple(out.shape)} with labels of "
+            f"shape {tuple(y.shape)}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def check_target(target, metric_names) -> dict[str, float] | None:
+    if target is None:
+        return None
+    if not isinstance(target, Mapping) or not target:
+        raise TypeError(f"target must be a mapping like {{'accuracy': 0.95}}, got {target!r}")
+    valid = ["loss", *metric_names]
+    for name, goal in target.items():
+        if name not in valid:
+            raise ValueError(f"target metric {name!r} is not computed; available: {valid}")
+        if not isinstance(goal, (int, float)) or math.isnan(goal):
+            raise ValueError(f"target value for {name!r} must be a number, got {goal!r}")
+    return {k: float(v) for k, v in target.items()}
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run's inputs, checked and coerced (before any cluster work)."""
+
+    model: torch.nn.Module
+    train: PreparedData
+    validation: PreparedData | None
+    store: ParamStore
+    rule: MergeRule
+    loss: Callable
+    optimizer: Callable
+    metrics: dict[str, Callable]
+    target: dict[str, float] | None
+    x_dtype: torch.dtype
+    n_shards: int
+    options: dict[str, Any]  # the remaining RunSpec fields
+
+
+def plan_run(
+    model,
+    data,
+    *,
+    loss,
+    optimizer,
+    lr,
+    max_epochs,
+    n_shards,
+    local_epochs,
+    batch_size,
+    merge,
+    alpha,
+    target,
+    validation,
+    metrics,
+    client,
+    store,
+    seed,
+    commit_every,
+    validate_every,
+    features,
+    label,
+    sample_dim,
+    storage_options,
+    shuffle,
+    keep_updates,
+    tasks_per_slot,
+    resilience,
+) -> RunPlan:
+    """Check every argument of :func:`fit` and prepare the data; raise before any cluster work."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_client(client)
+    get_rule(merge, alpha)  # a bad rule name fails before the data is read
+    ints = {
+        name: positive_int(name, value)
+        for name, value in (
+            ("max_epochs", max_epochs),
+            ("local_epochs", local_epochs),
+            ("batch_size", batch_size),
+            ("commit_every", commit_every),
+            ("validate_every", validate_every),
+            ("tasks_per_slot", tasks_per_slot),
+        )
+    }
+    if resilience is None:
+        resilience = Resilience()
+    elif not isinstance(resilience, Resilience):
+        raise TypeError(f"resilience must be a vcdask.Resilience, got {type(resilience).__name__}")
+    if not isinstance(lr, (int, float)) or not lr > 0 or math.isinf(lr):
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    if validation is not None and isinstance(validation, (int, float)) and not isinstance(validation, bool):
+        if not 0.0 < float(validation) < 1.0:
+            raise ValueError(f"validation as a fraction must be in (0, 1), got {validation!r}")
+        validation = float(validation)
+
+    names = {"features": features, "label": label, "sample_dim": sample_dim, "storage_options": storage_options}
+    prepared = prepare_data(data, **names)
+    loss_fn = resolve_loss(loss, prepared.classification)
+    metric_fns = resolve_metrics(metrics, prepared.classification)
+    target = check_target(target, list(metric_fns))
+    x_dtype = model_dtype(model)
+    check_model(model, prepared, loss_fn, prepared.classification, x_dtype)
+    if target is not None and validation is None:
+        logger.info("target given without validation data: holding out 10%% of the training data")
+        validation = 0.1
+    val_prepared = None
+    if validation is not None and not isinstance(validation, float):
+        val_prepared = prepare_data(validation, **names, what="validation")
+        if val_prepared.x_shape != prepared.x_shape:
+            raise DataError(
+                f"validation samples have shape {val_prepared.x_shape}, training samples {prepared.x_shape}"
+            )
+    prepared, split_val = split(prepared, validation, seed, shuffle)
+    n_shards = positive_int("n_shards", min(10, prepared.n) if n_shards is None else n_shards)
+    if n_shards > prepared.n:
+        raise ValueError(
+            f"n_shards={n_shards} is more than the {prepared.n} training samples; choose 1 <= n_shards <= {prepared.n}"
+        )
+    param_store = open_store(DEFAULT_STORE if store is None else store)
+    if not param_store.shared_across_processes and client is None:
+        raise ValueError(
+            f"store {param_store.location!r} lives in this process only, but the embedded cluster "
+            "runs worker processes; use a directory or object-store location, or pass a client "
+            "whose workers run in this process (LocalCluster(processes=False))"
+        )
+    return RunPlan(
+        model=model,
+        train=prepared,
+        validation=val_prepared or split_val,
+        store=param_store,
+        rule=get_rule(merge, alpha, samples_per_epoch=prepared.n),
+        loss=loss_fn,
+        optimizer=resolve_optimizer(optimizer, lr),
+        metrics=metric_fns,
+        target=target,
+        x_dtype=x_dtype,
+        n_shards=n_shards,
+        options={**ints, "seed": seed, "keep_updates": keep_updates, "resilience": resilience},
+    )

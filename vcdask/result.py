@@ -1,0 +1,208 @@
+"""What a run returns: :class:`FitResult`, with an HTML summary and a bokeh plot for notebooks."""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .engine.policy import LOWER_IS_BETTER
+
+__all__ = ["HISTORY_COLUMNS", "FitResult"]
+
+#: The columns of ``FitResult.history`` (one row per shard-task outcome).
+HISTORY_COLUMNS = [
+    "epoch",
+    "shard",
+    "attempt",
+    "worker",
+    "base_version",
+    "new_version",
+    "version_id",
+    "alpha",
+    "staleness",
+    "train_loss",
+    "seconds",
+    "read_seconds",
+    "train_seconds",
+    "upload_seconds",
+    "accepted",
+    "outcome",
+    "reason",
+    "time",
+    "update",
+]
+
+
+@dataclass
+class FitResult:
+    """What :func:`vcdask.fit` (and :meth:`RunHandle.result`) returns.
+
+    Attributes
+    ----------
+    model : torch.nn.Module
+        The model, holding the final server parameters.
+    history : pandas.DataFrame
+        One row per update: epoch, shard, attempt, worker, base_version, new_version,
+        version_id, alpha, staleness, train_loss, seconds (of the task: read_seconds for the
+        version and rows, train_seconds, upload_seconds), accepted, outcome (one of
+        :data:`vcdask.engine.events.OUTCOMES`: merged, rejected, duplicate, late, lost, cancelled,
+        skipped, store fault), reason (why, in words, for an update not merged), time (since the
+        run started), update (path of W_c under ``<store>/runs``).
+    epochs : pandas.DataFrame
+        One row per epoch: validation metrics of the epoch's last version, their mean, min
+        and max over the epoch's validated versions, train loss, shards skipped, wall time.
+    workers : pandas.DataFrame
+        One row per worker: shards done, failed, timed out, rejected, mean shard seconds,
+        preempted, and why it was excluded (if it was).
+    run_id : str
+    store : ParamStore
+    version : str
+        The final version id (on branch ``run_id``).
+    metrics : dict
+        Validation metrics of the final version (empty without validation data).
+    panel : vcdask.panel.RunPanel or None
+        The live panel shown while the run trained (in a Jupyter kernel; None elsewhere).
+    """
+
+    model: torch.nn.Module
+    history: Any
+    epochs: Any
+    run_id: str
+    store: Any
+    version: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    workers: Any = None
+    stop_reason: str | None = None
+    wall_time: float = float("nan")
+    panel: Any = field(default=None, repr=False)
+
+    def _repr_html_(self) -> str:
+        return _html(self)
+
+    def plot(self, show: bool | None = None):
+        """Validation metrics and loss against wall time and against epoch (bokeh).
+
+        Parameters
+        ----------
+        show : bool, optional
+            Display the plot now (default: when running in a Jupyter kernel).
+
+        Returns
+        -------
+        bokeh.models.GridPlot or None
+            The plot, when it is not shown (save it with ``bokeh.io.save``); None once shown.
+        """
+        layout = _plot(self)
+        if show is None:
+            from .panel import in_kernel
+
+            show = in_kernel()
+        if not show:
+            return layout
+        from IPython.display import display
+        from jupyter_bokeh import BokehModel
+
+        from .panel import load_bokehjs
+
+        load_bokehjs()
+        display(BokehModel(layout))
+        return None
+
+    def __repr__(self) -> str:
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
+        return (
+            f"<FitResult {self.run_id}: {len(self.epochs)} epochs, {int(self.history['accepted'].sum())} "
+            f"merges, version {self.version}{', ' + metrics if metrics else ''}>"
+        )
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return "–" if math.isnan(value) else f"{value:.4g}"
+    return html.escape(str(value))
+
+
+def _html(result: FitResult) -> str:
+    """A compact HTML table: run id, final metrics, epochs, merges, versions, workers, store."""
+    h = result.history
+    merged = int(h["accepted"].sum()) if len(h) else 0
+    not_merged = h[~h["accepted"]] if len(h) else h
+    reasons: dict[str, int] = {}
+    for outcome in not_merged["outcome"] if len(not_merged) else []:
+        reasons[str(outcome)] = reasons.get(str(outcome), 0) + 1
+    rows = [
+        ("run", f"<code>{html.escape(result.run_id)}</code>"),
+        ("final metrics", ", ".join(f"{html.escape(k)} <b>{_fmt(v)}</b>" for k, v in result.metrics.items()) or "–"),
+        (
+            "epochs",
+            f"{len(result.epochs)}" + (f" (stopped: {html.escape(result.stop_reason)})" if result.stop_reason else ""),
+        ),
+        (
+            "merges",
+            f"{merged}"
+            + (
+                " &nbsp;(not merged: " + ", ".join(f"{k} {n}" for k, n in sorted(reasons.items())) + ")"
+                if reasons
+                else ""
+            ),
+        ),
+        (
+            "final version",
+            f"<code>{html.escape(str(result.version))}</code> (step {merged}) on branch "
+            f"<code>{html.escape(result.run_id)}</code>",
+        ),
+        ("workers", f"{0 if result.workers is None else len(result.workers)}"),
+        ("wall time", f"{_fmt(result.wall_time)} s"),
+        ("store", f"<code>{html.escape(str(result.store.location))}</code>"),
+    ]
+    body = "".join(
+        f"<tr><th style='text-align:left;padding:1px 8px'>{k}</th>"
+        f"<td style='text-align:left;padding:1px 8px'>{v}</td></tr>"
+        for k, v in rows
+    )
+    return f"<div><b>vcdask.FitResult</b><table>{body}</table></div>"
+
+
+def _plot(result: FitResult):
+    """A 2x2 bokeh grid: validation metric(s) and loss, against wall time and against epoch,
+    with the per-epoch min/max band of the validation metrics."""
+    from bokeh.layouts import gridplot
+    from bokeh.models import ColumnDataSource
+    from bokeh.palettes import Category10_10
+    from bokeh.plotting import figure
+
+    epochs = result.epochs.reset_index() if len(result.epochs) else result.epochs
+    if not len(epochs):
+        raise ValueError(f"run {result.run_id} finished no epoch: there is nothing to plot")
+    source = ColumnDataSource({c: epochs[c].to_numpy() for c in epochs.columns})
+    names = [c for c in epochs.columns if f"{c}_min" in epochs.columns]
+    metrics = [c for c in names if not c.endswith(LOWER_IS_BETTER)]
+    losses = [c for c in names if c.endswith(LOWER_IS_BETTER)] + ["train_loss"]
+    figures = []
+    for group, label in ((metrics, "validation metric"), (losses, "loss")):
+        if not group:
+            continue
+        row = []
+        for x, xlabel in (("wall_time", "wall time (s)"), ("epoch", "epoch")):
+            fig = figure(
+                height=260,
+                width=420,
+                x_axis_label=xlabel,
+                y_axis_label=label,
+                toolbar_location="right",
+                title=f"{label} vs {xlabel.split(' (')[0]}",
+            )
+            for i, name in enumerate(group):
+                color = Category10_10[i % 10]
+                if f"{name}_min" in epochs.columns:
+                    fig.varea(x=x, y1=f"{name}_min", y2=f"{name}_max", source=source, fill_alpha=0.2, fill_color=color)
+                fig.line(x=x, y=name, source=source, color=color, line_width=2, legend_label=name)
+                fig.scatter(x=x, y=name, source=source, color=color, size=5)
+            fig.legend.location = "bottom_right" if group is metrics else "top_right"
+            row.append(fig)
+        figures.append(row)
+    return gridplot(figures)  # type: ignore[arg-type]

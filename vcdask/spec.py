@@ -1,0 +1,81 @@
+"""The run specification: everything about a run that workers and the scheduler plugin need.
+
+Written once per run to ``<store>/runs/<run_id>/spec.pkl`` (cloudpickle) and read once per
+process.  It holds no secret: the store inside pickles as its location and non-secret options.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["RunSpec", "load_spec", "save_spec", "spec_path"]
+
+
+def spec_path(run_id: str) -> str:
+    """Where a run's spec lives, relative to ``<store>/runs``."""
+    return f"{run_id}/spec.pkl"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything about a run that workers and the scheduler plugin need; stored once per run."""
+
+    run_id: str
+    store: Any  # ParamStore (pickles as its location)
+    branch: str
+    model: torch.nn.Module  # architecture + initial weights (a template; workers copy it)
+    loss: Any
+    optimizer: Any  # callable(params) -> torch.optim.Optimizer
+    local_epochs: int
+    batch_size: int
+    seed: int
+    train: Any  # DataSource
+    shards: Any  # Shards
+    validation: Any  # DataSource or None
+    metrics: dict[str, Any]
+    classification: bool
+    x_dtype: torch.dtype
+    max_epochs: int
+    merge: Any  # vcdask.merge.MergeRule
+    target: dict[str, float] | None
+    commit_every: int
+    validate_every: int
+    keep_updates: bool = False
+    tasks_per_slot: int = 2
+    resilience: Any = None  # vcdask.Resilience
+    torch_threads: int = 1
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def spec_path(self) -> str:
+        return spec_path(self.run_id)
+
+
+_lock = threading.Lock()
+_specs: dict[tuple[str, str], RunSpec] = {}
+
+
+def save_spec(spec: RunSpec) -> None:
+    """Write ``spec`` to its run's folder in its store."""
+    import cloudpickle
+
+    spec.store.files.put(spec.spec_path, cloudpickle.dumps(spec))
+
+
+def load_spec(store, run_id: str) -> RunSpec:
+    """The run's spec, read from the store once per process."""
+    import cloudpickle
+
+    key = (store.location, run_id)
+    with _lock:
+        spec = _specs.get(key)
+    if spec is None:
+        spec = cloudpickle.loads(store.files.get(spec_path(run_id)))
+        with _lock:
+            _specs[key] = spec
+    return spec

@@ -1,0 +1,357 @@
+"""Store credentials: kept in the processes that use them, never in the store, never in task arguments.
+
+A store pickles as its location and its non-secret options.  Where it is unpickled (a Dask
+worker, the scheduler) the secrets come from, in order:
+
+1. this process's credential registry, filled by opening a store with explicit secret options
+   (``open_store("s3://...", secret_access_key=...)``), by the worker plugin
+   :class:`StoreCredentials`, or by :func:`share_credentials`;
+2. the provider's standard chain: environment variables (``AWS_ACCESS_KEY_ID`` ...), an AWS
+   profile (``AWS_PROFILE``), an instance role or workload identity.
+
+Secrets given on the client reach the cluster only if you ask for it with
+:func:`share_credentials`; :func:`check_cluster_access` tells, before any work starts, which
+processes of a cluster cannot read a store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from distributed import WorkerPlugin
+
+from ..errors import InvalidLocationError, StoreAccessDeniedError, StoreCredentialsError, StoreError
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from ._base import ParamStore
+
+__all__ = [
+    "FSSPEC_SECRET_OPTIONS",
+    "StoreCredentials",
+    "check_cluster_access",
+    "forget_credentials",
+    "lookup_credentials",
+    "redact",
+    "register_credentials",
+    "share_credentials",
+    "store_holds_secrets",
+]
+
+_registry: dict[str, dict[str, str | _EnvVar]] = {}
+_lock = threading.Lock()
+_MASK = "***"
+
+#: fsspec storage-option names that carry a secret (s3fs, gcsfs, adlfs and HTTP spellings).
+FSSPEC_SECRET_OPTIONS = frozenset(
+    {
+        "key",
+        "secret",
+        "token",
+        "access_key_id",
+        "secret_access_key",
+        "session_token",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "account_key",
+        "sas_token",
+        "client_secret",
+        "password",
+        "credential",
+        "connection_string",
+        "bearer_token",
+        "service_account_key",
+    }
+)
+
+
+class _EnvVar(str):
+    """The name of an environment variable that holds a secret, read where the secret is used."""
+
+    __slots__ = ()
+
+
+def _key(location: str) -> str:
+    return location.rstrip("/") or location
+
+
+def _location(store_or_location: ParamStore | str | os.PathLike) -> str:
+    from ._base import ParamStore
+
+    if isinstance(store_or_location, ParamStore):
+        return store_or_location.location
+    return os.fspath(store_or_location)
+
+
+def _canonical(location: str, secrets: Mapping[str, Any]) -> dict[str, Any]:
+    """``secrets`` under their canonical names; a name that is not a secret option of the backend raises."""
+    from . import BACKENDS
+    from ._object import _ALIASES
+
+    scheme = location.split("://", 1)[0].lower() if "://" in location else "file"
+    names: frozenset[str] = getattr(BACKENDS.get(scheme), "secret_options", frozenset())
+    out = {_ALIASES.get(k, k): v for k, v in secrets.items()}
+    unknown = sorted(set(out) - names)
+    if unknown:
+        raise InvalidLocationError(
+            f"{unknown} are not secret options of {location!r}; its secret options: {sorted(names)}"
+        )
+    return out
+
+
+def register_credentials(location: str, **secrets: str) -> None:
+    """Use ``secrets`` in this process for the store at ``location`` (replacing any registered before).
+
+    A store unpickled in this process (a task's argument, a run's spec) reopens ``location``
+    with them.  Opening a store with explicit secret options registers them already.
+
+    Parameters
+    ----------
+    location : str
+        The store's location, e.g. ``"s3://bucket/prefix"``.
+    **secrets : str
+        Secret storage options (S3: ``access_key_id``, ``secret_access_key``, ``session_token``).
+
+    Raises
+    ------
+    InvalidLocationError
+        A name that is not a secret option of the location's backend (the message lists them).
+    """
+    canonical = _canonical(location, secrets)
+    with _lock:
+        _registry[_key(location)] = canonical
+
+
+def forget_credentials(location: str) -> None:
+    """Drop the secrets registered for ``location`` in this process (if any)."""
+    with _lock:
+        _registry.pop(_key(location), None)
+
+
+def lookup_credentials(location: str) -> dict[str, str]:
+    """The secrets registered for ``location`` in this process (empty when there are none).
+
+    Raises
+    ------
+    StoreCredentialsError
+        A secret was registered as an environment variable that this process does not have.
+    """
+    with _lock:
+        found = dict(_registry.get(_key(location), {}))
+    out = {}
+    for name, value in found.items():
+        if isinstance(value, _EnvVar):
+            if str(value) not in os.environ:
+                raise StoreCredentialsError(
+                    f"the credentials for {location!r} name the environment variable {str(value)!r} for "
+                    f"{name!r}, and this process (pid {os.getpid()}) has no such variable"
+                )
+            value = os.environ[str(value)]
+        out[name] = str(value)
+    return out
+
+
+def redact(text: str) -> str:
+    """``text`` with every secret registered in this process replaced by ``***``."""
+    with _lock:
+        values = {
+            os.environ.get(v, "") if isinstance(v, _EnvVar) else v
+            for secrets in _registry.values()
+            for v in secrets.values()
+        }
+    for value in sorted(values, key=len, reverse=True):
+        if isinstance(value, str) and len(value) >= 4:
+            text = text.replace(value, _MASK)
+    return text
+
+
+def store_holds_secrets(store: ParamStore | str) -> bool:
+    """Whether ``store`` was opened in this process with explicit secret options.
+
+    Such a store cannot give those secrets to other processes: unpickled there, it uses their
+    own credentials.  Check them with :func:`check_cluster_access` before a run.
+    """
+    from ._base import ParamStore
+
+    return isinstance(store, ParamStore) and store.holds_secrets
+
+
+class StoreCredentials(WorkerPlugin):
+    """A Dask worker plugin that gives every worker (present and future) a store's credentials.
+
+    The secrets travel inside the plugin over the cluster's connections (use TLS, e.g.
+    ``distributed.security.Security``, on an untrusted network) and are kept by the scheduler
+    for workers that join later; they are never written into the store.  Give ``env`` instead to
+    send only the *names* of environment variables that each worker reads in its own environment.
+    Most users call :func:`share_credentials`, which also registers them on the scheduler.
+
+    Parameters
+    ----------
+    location : str
+        The store's location (``store.location``).
+    env : mapping of str to str, optional
+        Secret option -> name of the environment variable holding it on the workers,
+        e.g. ``{"secret_access_key": "TEAM_S3_SECRET"}``.
+    **secrets : str
+        Secret options with their values (S3: ``access_key_id``, ``secret_access_key``,
+        ``session_token``; GCS: ``service_account_key``, ``bearer_token``; Azure: ``access_key``,
+        ``sas_token``, ``bearer_token``).
+
+    Examples
+    --------
+    >>> plugin = StoreCredentials("s3://bucket/params", env={"secret_access_key": "TEAM_S3_SECRET"})
+    >>> plugin  # doctest: +ELLIPSIS
+    <StoreCredentials 's3://bucket/params' secret_access_key>
+    """
+
+    idempotent = False
+
+    def __init__(self, location: str, *, env: Mapping[str, str] | None = None, **secrets: str):
+        self.location = _location(location)
+        named = {k: _EnvVar(v) for k, v in (env or {}).items()}
+        self.secrets: dict[str, Any] = _canonical(self.location, {**secrets, **named})
+        self.name = f"vcdask-store-credentials-{_key(self.location)}"
+
+    def setup(self, worker: Any = None) -> None:
+        """Register the credentials in this process."""
+        with _lock:
+            _registry[_key(self.location)] = dict(self.secrets)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.location!r} {' '.join(sorted(self.secrets))}>"
+
+
+def _register_here(plugin: StoreCredentials) -> None:
+    plugin.setup()
+
+
+def share_credentials(
+    client: Client, store_or_location: ParamStore | str, *, env: Mapping[str, str] | None = None, **secrets: str
+) -> None:
+    """Give the workers and the scheduler of ``client`` credentials for a store.
+
+    Without ``secrets`` or ``env``, the secrets this process opened the store with are shared.
+    They travel over the cluster's connections (use TLS on an untrusted network) and stay in the
+    memory of the scheduler and the workers; they are never written into the store nor put in
+    task arguments.  Prefer credentials the workers already have (environment, an AWS profile,
+    an instance role) where you can: then nothing needs sharing.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    store_or_location : ParamStore or str
+        The store, or its location.
+    env : mapping of str to str, optional
+        Secret option -> environment variable to read it from on each worker and the scheduler.
+    **secrets : str
+        Secret options with their values (see :class:`StoreCredentials`).
+
+    Raises
+    ------
+    ValueError
+        No secrets given and none registered for the store in this process.
+    InvalidLocationError
+        A name that is not a secret option of the store's backend.
+
+    Examples
+    --------
+    >>> share_credentials(client, store)  # doctest: +SKIP
+    >>> check_cluster_access(store, client)  # doctest: +SKIP
+    """
+    location = _location(store_or_location)
+    if not secrets and not env:
+        with _lock:
+            secrets = dict(_registry.get(_key(location), {}))
+        if not secrets:
+            raise ValueError(
+                f"no credentials to share for {location!r}: none were given and this process has none registered "
+                "(open the store with its secret options, or pass them here)"
+            )
+    plugin = StoreCredentials(location, env=env, **secrets)
+    client.register_plugin(plugin)
+    client.run_on_scheduler(_register_here, plugin)
+
+
+async def _probe(payload: bytes) -> BaseException | None:
+    """Unpickle a store here (as a task would) and read its main branch; the error, or None."""
+    return await asyncio.to_thread(_probe_blocking, payload)
+
+
+def _probe_blocking(payload: bytes) -> BaseException | None:
+    try:
+        store = pickle.loads(payload)
+        store.head("main")
+    except StoreError as e:
+        return e
+    except Exception as e:  # noqa: BLE001 - reported to the caller as data, naming the process that raised it
+        return StoreError(redact(f"{type(e).__name__}: {e}"))
+    return None
+
+
+def _remedy(location: str) -> str:
+    env = {
+        "s3": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)",
+        "gs": "GOOGLE_APPLICATION_CREDENTIALS",
+        "gcs": "GOOGLE_APPLICATION_CREDENTIALS",
+        "az": "AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_TOKEN)",
+    }
+    scheme = location.split("://", 1)[0].lower() if "://" in location else "file"
+    return (
+        "A store never sends its secrets to other processes.  Give them credentials in one of these ways: "
+        f"set {env.get(scheme, 'the provider credentials')} in the workers' and scheduler's environment; "
+        "use an AWS profile or an instance role / workload identity the cluster's machines have; or call "
+        "vcdask.store.share_credentials(client, store) to send this process's credentials to the cluster "
+        "(they travel over its connections, so use TLS, and are never written into the store)."
+    )
+
+
+def check_cluster_access(store: ParamStore, client: Client) -> None:
+    """Check that every worker and the scheduler of ``client`` can read ``store`` with their own credentials.
+
+    Each process unpickles the store, as a task would (so without the secrets it was opened
+    with here), and reads the head of its ``main`` branch.  Workers that join later are not checked.
+
+    Parameters
+    ----------
+    store : ParamStore
+    client : distributed.Client
+
+    Raises
+    ------
+    StoreCredentialsError
+        Some process has no credentials for the store, or they are refused; the message names
+        the store, those processes and the remedies.
+    StoreError
+        Some process cannot read the store for another reason (e.g. the endpoint is unreachable from it).
+    """
+    payload = pickle.dumps(store)
+    found: dict[str, BaseException | None] = dict(client.run(_probe, payload, on_error="return"))
+    found["the scheduler"] = client.run_on_scheduler(_probe, payload)
+    failed = {where: e for where, e in found.items() if e is not None}
+    if not failed:
+        return
+    describe = store.describe()
+    denied = {w: e for w, e in failed.items() if isinstance(e, StoreAccessDeniedError)}
+    if denied:
+        where, refused = next(iter(denied.items()))
+        raise StoreCredentialsError(
+            redact(
+                f"{len(denied)} of {len(found)} processes of the cluster cannot read the store {describe} with their "
+                f"own credentials: {', '.join(sorted(denied))} (first error, on {where}: {refused}).  "
+                f"{_remedy(store.location)}"
+            )
+        )
+    where, first = next(iter(failed.items()))
+    raise StoreError(
+        redact(
+            f"{len(failed)} of {len(found)} processes of the cluster cannot read the store {describe}: "
+            f"{', '.join(sorted(failed))} (first error, on {where}: {first})"
+        )
+    )

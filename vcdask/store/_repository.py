@@ -1,0 +1,132 @@
+"""Open or create a store's Icechunk repository, also when several threads or processes create it at once.
+
+Creating is serialised where the backend can lock (a local directory: its file lock; memory: a
+process lock).  On object storage the service arbitrates with conditional writes: a creator
+that loses waits until the winner's repository is there and opens it.  Either way every
+opener of a new location ends up with the same, single repository.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import StoreExistsError, StoreNotFoundError
+from ._errors import translate
+
+if TYPE_CHECKING:
+    import icechunk
+
+    from ._backend import StoreBackend
+
+logger = logging.getLogger(__name__)
+
+#: How long a creator that lost the race waits for the winner's repository to appear (seconds).
+CREATE_RACE_WAIT = 30.0
+# What Icechunk says when another creator wrote to the location first.
+_RACE_SIGNS = ("can only be created in clean prefixes", "updated by other session", "already exists", "File exists")
+
+
+def open_repository(backend: StoreBackend, mode: str, max_tries: int) -> icechunk.Repository:
+    """Open the repository at ``backend``'s location, creating it when ``mode`` allows.
+
+    Raises
+    ------
+    StoreExistsError
+        ``mode="w-"`` and a store exists there (or another opener created it first).
+    StoreNotFoundError
+        ``mode="r"``/``"r+"`` and no store exists there, or the bucket does not exist.
+    StoreError
+        Any other storage fault (translated, see :func:`._errors.translate`).
+    """
+    import icechunk
+
+    what = f"opening {backend.describe()}"
+    config = icechunk.RepositoryConfig(
+        storage=icechunk.StorageSettings(retries=icechunk.StorageRetriesSettings(max_tries=max_tries))
+    )
+    backend.preflight(mode)
+    try:
+        storage = backend.storage()
+        exists = icechunk.Repository.exists(storage)
+    except icechunk.IcechunkError as e:
+        raise translate(e, what) from None
+    if not exists and mode in ("r", "r+"):
+        raise StoreNotFoundError(
+            f"no vcdask store at {backend.describe()} (mode={mode!r} opens existing stores only; "
+            "use mode='a' to create one)"
+        )
+    if not exists:
+        with backend.create_lock():
+            return _create(backend, storage, config, mode, what)
+    if mode == "w-":
+        raise _exists_error(backend)
+    return _open(storage, config, what)
+
+
+def _create(
+    backend: StoreBackend, storage: icechunk.Storage, config: icechunk.RepositoryConfig, mode: str, what: str
+) -> icechunk.Repository:
+    """Create the repository (holding the backend's create lock), or open the one another opener made."""
+    import icechunk
+
+    try:
+        exists = icechunk.Repository.exists(storage)  # another creator may have finished while we waited
+    except icechunk.IcechunkError as e:
+        raise translate(e, what) from None
+    if exists:
+        if mode == "w-":
+            raise _exists_error(backend)
+        return _open(storage, config, what)
+    backend.check_creatable()
+    try:
+        repo = icechunk.Repository.create(storage, config=config)
+    except icechunk.IcechunkError as e:
+        if not _lost_race(e) or not _wait_until_exists(storage):
+            raise translate(e, what) from None
+        logger.debug("%s: another opener created the store first; opening theirs", what)
+        if mode == "w-":
+            raise _exists_error(backend) from None
+        return _open(storage, config, what)
+    logger.info("created a new vcdask store at %s", backend.describe())
+    return repo
+
+
+def _lost_race(exc: Exception) -> bool:
+    """Whether a failed create says that another creator wrote to the same location first."""
+    import icechunk
+
+    text = str(exc)
+    return isinstance(exc, icechunk.ConflictError) or any(sign in text for sign in _RACE_SIGNS)
+
+
+def _wait_until_exists(storage: icechunk.Storage) -> bool:
+    """Whether a repository appears at ``storage`` within :data:`CREATE_RACE_WAIT` seconds."""
+    import icechunk
+
+    deadline = time.monotonic() + CREATE_RACE_WAIT
+    delay = 0.02
+    while True:
+        try:
+            if icechunk.Repository.exists(storage):
+                return True
+        except icechunk.IcechunkError:
+            return False  # the storage itself fails: report the creation error
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def _open(storage: icechunk.Storage, config: icechunk.RepositoryConfig, what: str) -> icechunk.Repository:
+    import icechunk
+
+    try:
+        return icechunk.Repository.open(storage, config=config)
+    except icechunk.IcechunkError as e:
+        raise translate(e, what) from None
+
+
+def _exists_error(backend: StoreBackend) -> StoreExistsError:
+    return StoreExistsError(f"{backend.describe()} already holds a store and mode='w-' refuses to reuse it")
