@@ -33,7 +33,7 @@ def test_epoch_closes_when_its_shards_are_merged_or_skipped():
     led, sched = _ledger()
     assert led.remaining(1) == 3 and not led.completes(1, 0)
     led.record(1, 0, 0, "merged", accepted=True, train_loss=1.0, new_version=1)
-    led.merge(1, 0, seconds=2.0, step=1)
+    assert led.merge(1, 0, seconds=2.0, step=1) is False
     led.record(1, 1, 0, "merged", accepted=True, train_loss=3.0, new_version=2)
     led.merge(1, 1, seconds=4.0, step=2)
     assert led.done(1, 1) and not led.done(1, 2) and led.completes(1, 2) and not led.completes(1, 1)
@@ -51,7 +51,7 @@ def test_epoch_closes_when_its_shards_are_merged_or_skipped():
 def test_validated_epochs_wait_for_their_numbers_and_stop_at_the_target():
     led, _ = _ledger(n_shards=1, validated=True, target={"accuracy": 0.9})
     led.record(1, 0, 0, "merged", accepted=True, train_loss=0.5, new_version=1)
-    led.merge(1, 0, 1.0, step=1)
+    assert led.merge(1, 0, 1.0, step=1) is True  # the only shard: it completes the epoch
     assert led.close_epochs() is None and not led.epochs  # waits for the validation of step 1
     led.validate(1, {"accuracy": 0.8, "loss": 0.6})
     assert led.close_epochs() is None and led.epochs[0]["accuracy"] == 0.8
@@ -78,6 +78,7 @@ def test_history_rows_have_every_column_and_a_typed_outcome():
     led, _ = _ledger()
     row = led.record(1, 2, 0, "late", reason="late: (epoch, shard) already merged from a re-issued copy")
     assert set(row) == set(HISTORY_COLUMNS) and row["outcome"] == "late" and row["time"] == 0.0
+    assert led.record(1, 2, 1, "merged", time=42.0)["time"] == 42.0  # the time a result arrived, when given
     assert math.isnan(row["train_loss"]) and row["accepted"] is False
 
 

@@ -77,3 +77,57 @@ def test_fit_result_html_and_plot(run):
 
     sources = {id(r.data_source): r.data_source for r in layout.select({"type": GlyphRenderer})}
     assert sources and all(isinstance(s, ColumnDataSource) and len(s.data["epoch"]) == 2 for s in sources.values())
+
+
+def test_a_spec_written_before_the_modules_moved_still_loads(tmp_path):
+    """Specs pickle vcdask's classes and functions by reference: one written when they lived in vcdask.task,
+    vcdask.rules and vcdask.api loads into today's classes, and vcdask.load finds its model."""
+    import functools
+
+    import cloudpickle
+
+    from vcdask.data import Shards
+    from vcdask.merge import Nesterov
+    from vcdask.options import accuracy
+    from vcdask.spec import RunSpec, load_spec
+
+    store = vcdask.open_store(tmp_path / "s")
+    model = digits_cnn(3)
+    store.create_branch("run-old")
+    version = store.commit(model, {"run_id": "run-old", "step": 0}, branch="run-old")
+    spec = RunSpec(
+        run_id="run-old",
+        store=store,
+        branch="run-old",
+        model=model,
+        loss=torch.nn.functional.mse_loss,
+        optimizer=functools.partial(torch.optim.Adam, lr=1e-3),
+        local_epochs=1,
+        batch_size=8,
+        seed=0,
+        train=None,
+        shards=Shards(10, 2),
+        validation=None,
+        metrics={"accuracy": accuracy},
+        classification=True,
+        x_dtype=torch.float32,
+        max_epochs=1,
+        merge=Nesterov(delay=4),
+        target=None,
+        commit_every=1,
+        validate_every=1,
+    )
+    data = cloudpickle.dumps(spec, protocol=2)  # protocol 2 names globals as text: "module\nname\n"
+    old = data.replace(b"vcdask.spec\nRunSpec", b"vcdask.task\nRunSpec")
+    old = old.replace(b"vcdask.merge.nesterov\nNesterov", b"vcdask.rules\nNesterov")
+    old = old.replace(b"vcdask.options\naccuracy", b"vcdask.api\naccuracy")
+    assert old.count(b"vcdask.task\n") == old.count(b"vcdask.rules\n") == old.count(b"vcdask.api\n") == 1
+    store.files.put("run-old/spec.pkl", old)
+
+    loaded = load_spec(store, "run-old")
+    assert type(loaded) is RunSpec and loaded.merge == Nesterov(delay=4) and loaded.metrics["accuracy"] is accuracy
+    restored = vcdask.load(store, version=version)  # no model given: the spec's model
+    assert restored.vcdask_version["id"] == version
+    assert all(
+        torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values(), strict=True)
+    )

@@ -274,7 +274,9 @@ def plan_run(
         raise ValueError(
             f"n_shards={n_shards} is more than the {prepared.n} training samples; choose 1 <= n_shards <= {prepared.n}"
         )
-    param_store = open_store(DEFAULT_STORE if store is None else store)
+    rule = get_rule(merge, alpha, samples_per_epoch=prepared.n)
+    optimizer_fn = resolve_optimizer(optimizer, lr)
+    param_store = open_store(DEFAULT_STORE if store is None else store)  # last: it may create a directory
     if not param_store.shared_across_processes and client is None:
         raise ValueError(
             f"store {param_store.location!r} lives in this process only, but the embedded cluster "
@@ -286,9 +288,9 @@ def plan_run(
         train=prepared,
         validation=val_prepared or split_val,
         store=param_store,
-        rule=get_rule(merge, alpha, samples_per_epoch=prepared.n),
+        rule=rule,
         loss=loss_fn,
-        optimizer=resolve_optimizer(optimizer, lr),
+        optimizer=optimizer_fn,
         metrics=metric_fns,
         target=target,
         x_dtype=x_dtype,

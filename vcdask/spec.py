@@ -6,6 +6,8 @@ process.  It holds no secret: the store inside pickles as its location and non-s
 
 from __future__ import annotations
 
+import io
+import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RunSpec", "load_spec", "save_spec", "spec_path"]
+__all__ = ["MOVED_MODULES", "RunSpec", "load_spec", "loads", "save_spec", "spec_path"]
 
 
 def spec_path(run_id: str) -> str:
@@ -67,15 +69,32 @@ def save_spec(spec: RunSpec) -> None:
     spec.store.files.put(spec.spec_path, cloudpickle.dumps(spec))
 
 
+#: Where names that specs of earlier vcdask versions refer to live now (a spec pickles vcdask's own classes
+#: and functions by reference, so a run written before a module moved still loads, resumes and exports).
+MOVED_MODULES = {
+    "vcdask.task": "vcdask.spec",  # RunSpec (train_shard / validate_version are in vcdask.worker)
+    "vcdask.rules": "vcdask.merge",  # the merge rules
+    "vcdask.api": "vcdask.options",  # the loss and metric functions
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(MOVED_MODULES.get(module, module), name)
+
+
+def loads(data: bytes) -> RunSpec:
+    """A spec from its bytes (as :func:`save_spec` wrote them, by this or an earlier vcdask version)."""
+    return _Unpickler(io.BytesIO(data)).load()
+
+
 def load_spec(store, run_id: str) -> RunSpec:
     """The run's spec, read from the store once per process."""
-    import cloudpickle
-
     key = (store.location, run_id)
     with _lock:
         spec = _specs.get(key)
     if spec is None:
-        spec = cloudpickle.loads(store.files.get(spec_path(run_id)))
+        spec = loads(store.files.get(spec_path(run_id)))
         with _lock:
             _specs[key] = spec
     return spec

@@ -14,18 +14,16 @@ from .inflight import TaskRecord
 if TYPE_CHECKING:
     from .run import Run
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = ["update", "validation"]
 
 
 async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
     """Merge (or turn down) one shard's result and record the outcome."""
     epoch, shard, worker = rec["epoch"], rec["shard"], rec["worker"]
+    arrived = run.now()  # the history's time: when the result arrived, not when its merge finished
     wrec = run.pool.finished(worker, rec["seconds"])
     fields = {k: rec[k] for k in ("train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds")}
-    fields.update(worker=worker, update=rec["update"], base_version=rec["base_step"])
+    fields.update(worker=worker, update=rec["update"], base_version=rec["base_step"], time=arrived)
     completes = False
     if run.ledger.done(epoch, shard):
         if task.overdue:
@@ -44,14 +42,14 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         if not run.spec.keep_updates:
             await run.in_thread(faults.drop_update, run.store, rec["update"])
     else:
-        completes = run.ledger.completes(epoch, shard)
-        merged = await run.in_thread(run.server.merge, rec, completes, run.staleness_limit())
+        # the epoch's last shard is committed at once (its version is validated and closes the epoch)
+        merged = await run.in_thread(run.server.merge, rec, run.ledger.completes(epoch, shard), run.staleness_limit())
         fault = merged.pop("fault", None)
         row = run.ledger.record(
             epoch, shard, rec["attempt"], "merged" if merged["accepted"] else "rejected", **fields, **merged
         )
         if row["accepted"]:
-            run.ledger.merge(epoch, shard, rec["seconds"], run.server.step)
+            completes = run.ledger.merge(epoch, shard, rec["seconds"], run.server.step)
             run.dispatch.home[shard] = worker
             await faults.cancel_other_copies(run, epoch, shard)
         else:
@@ -80,10 +78,14 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         return
     if run.spec.validation is None:
         run.close_epochs()
-    elif run.server.committed and (completes or run.server.step % run.spec.validate_every == 0):
+        return
+    if completes and not run.server.committed:  # another shard of the epoch was skipped during the merge
+        await run.in_thread(run.server.commit)
+    if run.server.committed and (completes or run.server.step % run.spec.validate_every == 0):
         run.submit_validation()
 
 
 def validation(run: Run, rec: dict[str, Any]) -> None:
+    """A validation task's numbers came back: record them; an epoch may close."""
     run.ledger.validate(rec["step"], rec["metrics"])
     run.close_epochs()

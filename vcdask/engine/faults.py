@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from .run import Run
 
 __all__ = [
+    "blame",
+    "overdue",
     "cancel_other_copies",
     "final_validation",
     "preempt",

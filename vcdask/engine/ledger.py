@@ -109,13 +109,15 @@ class Ledger:
         self.shard_state[(epoch, shard)] = state
         self.events.emit("shard", epoch=epoch, shard=shard, state=state)
 
-    def merge(self, epoch: int, shard: int, seconds: float, step: int) -> None:
-        """(epoch, shard) was merged at ``step``; its epoch ends there if it was the last shard."""
+    def merge(self, epoch: int, shard: int, seconds: float, step: int) -> bool:
+        """(epoch, shard) was merged at ``step``; return whether that completed its epoch (which ends there)."""
         self.merged.setdefault(epoch, set()).add(shard)
         self.set_shard(epoch, shard, "merged")
         self.shard_seconds.append(seconds)
         if self.remaining(epoch) == 0:
             self.epoch_end[epoch] = (step, self.clock())
+            return True
+        return False
 
     def skip(self, epoch: int, shard: int, step: int) -> bool:
         """Leave (epoch, shard) out of its epoch; return whether that completed the epoch."""
@@ -127,8 +129,9 @@ class Ledger:
         return False
 
     def record(self, epoch: int, shard: int, attempt: int, outcome: Outcome, **kw: Any) -> dict[str, Any]:
-        """Append one history row (``time`` filled in) and return it."""
-        row = history_row(epoch, shard, attempt, outcome, time=self.clock(), **kw)
+        """Append one history row (``time``: now, unless given) and return it."""
+        kw.setdefault("time", self.clock())
+        row = history_row(epoch, shard, attempt, outcome, **kw)
         self.history.append(row)
         return row
 

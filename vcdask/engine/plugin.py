@@ -135,7 +135,7 @@ class VcdaskPlugin(SchedulerPlugin):
         return moved
 
     def handle_started(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> None:
-        """A task began to run on ``worker`` (sent by the task itself)."""
+        """A shard task began to run on ``worker`` (sent by the task itself)."""
         run = self.runs.get(run_id)
         if run is not None:
             run.task_started(key, worker)

@@ -96,7 +96,8 @@ def overdue(
     worker : str or None
         The worker the task reported running on.
     behind : int
-        Merges since the copy's base version.
+        Merges since the copy's base version (0 for a copy that has not asked for its base yet: it will
+        train from the newest version).
     stale_after : int or None
         The staleness limit in force.
     limit : float

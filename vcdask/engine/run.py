@@ -221,7 +221,8 @@ class Run:
     def submit_validation(self, version: str | None = None, step: int | None = None, retry: int = 0) -> None:
         """Validate ``version`` (default: the newest committed one), once."""
         if version is None or step is None:
-            version, step = self.server.version, self.server.version_step
+            head = self.server.head  # one read: the merge thread replaces it as a whole
+            version, step = head.version, head.version_step
         key = validate_key(self.id, step, retry)
         if key in self.tasks.futures or step in self.ledger.validations:
             return

@@ -46,7 +46,7 @@ def base_for(run: Run, key: str) -> dict[str, Any] | None:
     if task is None or task.kind != "update":
         return None
     head = run.server.head
-    task.step = head.version_step
+    task.step, task.based = head.version_step, True
     return {"version": head.version, "step": head.version_step}
 
 
@@ -82,13 +82,14 @@ async def deadlines(run: Run) -> None:
                 started=task.started,
                 running_on=running_on,
                 worker=task.worker,
-                behind=run.server.step - task.step,
+                # a copy that has not asked for its base yet will train from the newest version
+                behind=run.server.step - task.step if task.based else 0,
                 stale_after=stale_after,
                 limit=limit,
                 patience=warm * (tps + 2),
             )
             if verdict == "restart":  # its worker died: Dask is moving it, it starts afresh
-                task.started, task.submitted = None, now
+                task.started, task.submitted, task.based = None, now, False
             elif verdict is not None:
                 where = task.worker if verdict.blame and task.started is not None else running_on
                 await faults.overdue(run, task, verdict, where)

@@ -383,5 +383,6 @@ def _reopen(open_store, location, kwargs):
     key = (location, repr(sorted(kwargs.items())))
     store = _reopened.get(key)
     if store is None:
-        store = _reopened.setdefault(key, open_store(location, **kwargs, **lookup_credentials(location)))
+        # (a store pickled by an earlier vcdask version may still carry its secrets in kwargs)
+        store = _reopened.setdefault(key, open_store(location, **{**kwargs, **lookup_credentials(location)}))
     return store
