@@ -372,6 +372,18 @@ def test_staleness_limit_auto_default():
     assert staleness_limit(None, n_shards=50, in_flight=4) is None
 
 
+def _uploaded_not_committed(store, run_id: str) -> bool:
+    committed = {(e, sh) for v in store.versions(run_id) for e, sh, _ in v.metadata["merged"]}
+    for path in store.files.list(f"{run_id}/updates"):
+        try:
+            meta = vcdask.updates.read_update_meta(store.files, path)
+        except Exception:  # noqa: BLE001 - an upload still being written, or deleted meanwhile
+            continue
+        if meta and (meta["epoch"], meta["shard"]) not in committed:
+            return True
+    return False
+
+
 def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path):
     """Kill the scheduler (with its workers) mid-run; resume on a new cluster from the store."""
     (X, y), _ = digits_data
@@ -398,11 +410,11 @@ def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path)
     run_id = None
     while time.monotonic() < deadline:
         runs = [b for b in store.branches() if b.startswith("run-")]
-        if runs and len(store.versions(runs[0])) >= 3:
+        # kill between two commits, once an upload exists that no committed version merged
+        if runs and len(store.versions(runs[0])) >= 3 and _uploaded_not_committed(store, runs[0]):
             run_id = runs[0]
-            time.sleep(0.15)  # between two commits: merged-but-uncommitted updates exist
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     assert run_id is not None, "the first run never got going"
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(30)
