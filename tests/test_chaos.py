@@ -68,7 +68,10 @@ def test_a_repeated_worker_kills(digits_data, tmp_path):
         Client(cluster, set_as_default=False) as client,
     ):
         clean = vcdask.fit(digits_cnn(7), (X, y), client=client, store=tmp_path / "clean", **fit)
-        killer = Killer(client, period=1.5, seed=1)
+        # a kill every 1.5 s where a shard takes ~0.1 s; on a slower machine the same pace relative to a shard
+        # (a kill faster than a restarted worker's first shard would kill every copy of it, on any version)
+        period = max(1.5, 15 * float(clean.history[clean.history.accepted].seconds.median()))
+        killer = Killer(client, period=period, seed=1)
         thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", **fit)
         running_run(client)
         killer.start()
