@@ -77,14 +77,7 @@ async def task_failed(run: Run, task: TaskRecord, exc: BaseException) -> None:
                 worker_row=run.pool.record(address).as_row(),
                 why=f"{type(exc).__name__}",
             )
-        run.ledger.record(
-            task.epoch,
-            task.shard,
-            task.attempt,
-            "lost",
-            base_version=task.step,
-            reason=f"lost: {type(exc).__name__}: {exc}",
-        )
+        run.ledger.record_copy(task, "lost", f"lost: {type(exc).__name__}: {exc}")
         if not run.ledger.is_merged(task.epoch, task.shard):
             # A task that never started was only queued on the dead worker: not its fault.
             await retry_or_give_up(run, task.epoch, task.shard, f"{type(exc).__name__}", count=task.started is not None)
@@ -105,15 +98,7 @@ def store_fault(run: Run, task: TaskRecord, exc: BaseException) -> None:
         run.events.emit("paused", cause="store", why=str(exc))
         logger.warning("run %s paused: a task could not reach the store: %s", run.id, exc)
     if task.kind == "update":
-        run.ledger.record(
-            task.epoch,
-            task.shard,
-            task.attempt,
-            "store fault",
-            base_version=task.step,
-            worker=task.worker,
-            reason=f"store fault: {exc}",
-        )
+        run.ledger.record_copy(task, "store fault", f"store fault: {exc}", worker=task.worker)
         if not run.ledger.is_merged(task.epoch, task.shard) and not run.tasks.copy_running(task.epoch, task.shard):
             run.dispatch.returned.append((task.epoch, task.shard))
     else:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import policy
 from .events import ACTIVE_STATES, FINAL_STATES, EventLog, Outcome, ShardState
+
+if TYPE_CHECKING:
+    from .inflight import TaskRecord
 
 __all__ = ["Ledger", "history_row"]
 
@@ -134,6 +137,10 @@ class Ledger:
         row = history_row(epoch, shard, attempt, outcome, **kw)
         self.history.append(row)
         return row
+
+    def record_copy(self, task: TaskRecord, outcome: Outcome, reason: str, **kw: Any) -> dict[str, Any]:
+        """Append the history row of a shard copy that ended without a result (lost, cancelled, store fault)."""
+        return self.record(task.epoch, task.shard, task.attempt, outcome, base_version=task.step, reason=reason, **kw)
 
     # -- epochs ---------------------------------------------------------------------------------
     def validate(self, step: int, metrics: dict[str, float]) -> None:

@@ -134,14 +134,7 @@ class Run:
             if task.kind == "update":
                 superseded = self.ledger.is_merged(task.epoch, task.shard)
                 why = "superseded: another copy of this shard was merged" if superseded else self.stopping
-                self.ledger.record(
-                    task.epoch,
-                    task.shard,
-                    task.attempt,
-                    "cancelled",
-                    base_version=task.step,
-                    reason=f"cancelled: {why}",
-                )
+                self.ledger.record_copy(task, "cancelled", f"cancelled: {why}")
             return
         try:
             record = await self.result(future)
@@ -250,14 +243,7 @@ class Run:
         for key in leftover:
             task = self.tasks.pop(key)
             if task is not None:
-                self.ledger.record(
-                    task.epoch,
-                    task.shard,
-                    task.attempt,
-                    "cancelled",
-                    base_version=task.step,
-                    reason=f"cancelled: {self.stopping or 'run finished'}",
-                )
+                self.ledger.record_copy(task, "cancelled", f"cancelled: {self.stopping or 'run finished'}")
         await self.in_thread(self.server.commit)
         head = self.server.head
         if self.spec.validation is not None and head.step not in self.ledger.validations:
