@@ -14,9 +14,14 @@ WORKER_PROCESS_FIXTURES = frozenset({"cluster"})
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
 def pytest_collection_modifyitems(items):
+    import torch
+
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if WORKER_PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
 
 
 @pytest.fixture(autouse=True)

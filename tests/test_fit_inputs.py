@@ -119,7 +119,7 @@ def test_model_cannot_take_data(xy, tmp_path):
 
 
 def test_bad_data_type(tmp_path):
-    _bad(_linear(), {"X": 1}, tmp_path, TypeError, "unsupported data type dict")
+    _bad(_linear(), 42, tmp_path, TypeError, "unsupported data type int")
 
 
 @pytest.mark.parametrize(

@@ -62,24 +62,37 @@ def fit(
     tasks_per_slot: int = 2,
     resilience: Resilience | None = None,
     progress: bool = True,
+    train_step: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+    eval_step: Callable[[torch.nn.Module, Any], Mapping[str, Any]] | None = None,
+    collate_fn: Callable | None = None,
+    device: str | torch.device = "auto",
+    precision: str = "32",
+    optimizer_state: str = "fresh",
+    lr_schedule: Callable[[int, int], float] | None = None,
+    clip_grad_norm: float | None = None,
 ) -> FitResult:
     """Train ``model`` on ``data`` with VC-ASGD on a Dask cluster.
 
     The data is split into ``n_shards`` shards; one epoch trains every shard once.
     Each shard task starts from the current server parameters, trains ``local_epochs``
-    with a fresh optimizer, and its result is merged as it arrives:
-    ``W_s <- alpha * W_s + (1 - alpha) * W_c``.  Every merge is a version in ``store``.
+    on its worker's device, and its result is merged as it arrives (by default an outer
+    Nesterov step on ``W_c - W_s``; the paper's ``W_s <- alpha * W_s + (1 - alpha) * W_c`` with
+    ``merge="vc-asgd"``).  Every merge is a version in ``store``.
 
     Parameters
     ----------
     model : torch.nn.Module
         The model to train; it ends up holding the final server parameters.
-    data : (X, y), xarray.Dataset, Zarr URL/path or Icechunk session
-        Training data.  Arrays may be numpy, torch or dask.
+    data : (X, y), dict of arrays, xarray.Dataset, Zarr URL/path, Icechunk session or torch Dataset
+        Training data.  Arrays may be numpy, torch or dask.  A batch mirrors the data: ``(x, y)``
+        for ``(X, y)``; a dict of tensors for a dict of arrays, and for xarray / Zarr data when a
+        ``train_step`` is given (one entry per variable); a map-style ``torch.utils.data.Dataset``
+        is sharded by index ranges and its items put together by ``collate_fn``.
     loss : str or callable, optional
-        Default: cross-entropy for integer labels, MSE otherwise.
+        For the default step: cross-entropy for integer labels, MSE otherwise.
     optimizer : torch.optim.Optimizer subclass or callable, optional
-        Default: Adam with learning rate ``lr``.  A fresh one is made for every shard.
+        Default: Adam with learning rate ``lr``.  Fresh for every shard unless
+        ``optimizer_state="worker"``.
     lr : float, default 1e-3
     max_epochs : int, default 10
     n_shards : int, optional
@@ -129,6 +142,29 @@ def fit(
         Deadlines, update checks and failure policies (see :class:`vcdask.Resilience`).
     progress : bool, default True
         Show progress (a tqdm bar).
+    train_step : callable, optional
+        ``train_step(model, batch) -> loss tensor`` for models that are not ``model(X) -> output``
+        (batches are already on the worker's device).  Default: ``loss(model(x), y)``.
+    eval_step : callable, optional
+        ``eval_step(model, batch) -> {"name": value}`` (with ``train_step``): run without gradients on
+        the validation batches; each value is averaged weighted by batch size and becomes a column of
+        ``FitResult.epochs`` (and may be a ``target``).  Default with ``train_step``: its loss.
+    collate_fn : callable, optional
+        For a torch ``Dataset``: items -> batch (default ``torch.utils.data.default_collate``).
+    device : {"auto", "cpu", "cuda", "cuda:N", "mps"} or torch.device, default "auto"
+        Where each worker trains: ``"auto"`` takes the worker's own accelerator, so one run can mix
+        GPU and CPU workers.  Parameters travel and merge on CPU.
+    precision : {"32", "bf16", "16-mixed"}, default "32"
+        ``"bf16"``: bfloat16 autocast; ``"16-mixed"``: float16 autocast with a gradient scaler.
+        Parameters stay in the model's dtype.
+    optimizer_state : {"fresh", "worker"}, default "fresh"
+        ``"fresh"``: a new optimizer for every shard task (the paper).  ``"worker"``: each worker keeps
+        its optimizer state (e.g. Adam's moments) between its tasks of this run (see :mod:`vcdask.inner`).
+    lr_schedule : callable, optional
+        ``lr_schedule(epoch, step) -> factor`` scales the learning rate at every local step
+        (``epoch`` of the run, from 1; ``step`` within the task, from 0).
+    clip_grad_norm : float, optional
+        Clip the gradients' total norm to this before every local step.
 
     Returns
     -------
@@ -169,6 +205,14 @@ def fit(
         keep_updates=keep_updates,
         tasks_per_slot=tasks_per_slot,
         resilience=resilience,
+        train_step=train_step,
+        eval_step=eval_step,
+        collate_fn=collate_fn,
+        device=device,
+        precision=precision,
+        optimizer_state=optimizer_state,
+        lr_schedule=lr_schedule,
+        clip_grad_norm=clip_grad_norm,
     )
     t0 = time.perf_counter()
     run_id = f"run-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"

@@ -6,7 +6,13 @@ Accepted inputs (checked before any cluster work):
 * an ``xarray.Dataset`` (feature and label variables and the sample dimension named by
   the caller or inferred);
 * a Zarr location (local path, ``s3://...``, any fsspec URL) or an Icechunk session/store
-  holding such a dataset.
+  holding such a dataset;
+* a dict of equal-length arrays (each batch a dict of tensors; needs ``train_step``);
+* a map-style ``torch.utils.data.Dataset`` (see :mod:`vcdask.torch_data`).
+
+A batch mirrors the data: ``(x, y)`` for ``(X, y)`` arrays and for xarray / Zarr data trained with
+the default step; a dict of tensors for dict data and for xarray / Zarr data when the caller gives a
+``train_step`` (one entry per variable, so several input variables stay apart).
 
 Zarr locations are read by the workers where they are.  In-memory and dask data is
 staged once, as a Zarr group, into the run's folder of the parameter store; workers
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,6 +69,9 @@ class DataSource:
         The parameter store that holds the staged group (None for data read where it lives).
     path : str or None
         The staged group's path in the store's side files (``<run_id>/train.zarr``).
+    form : {"xy", "dict"}
+        ``"xy"``: rows read as ``X`` (the features, stacked) and ``y`` (the label); ``"dict"``: one
+        array per variable in ``features`` (``label`` unused).
     """
 
     url: str | None
@@ -74,6 +84,13 @@ class DataSource:
     offset: int = 0
     store: Any = None
     path: str | None = None
+    form: str = "xy"
+
+    @property
+    def cache_key(self) -> tuple:
+        """What identifies these rows in a worker's cache."""
+        where = self.url, id(self.zarr_store) if self.zarr_store is not None else None, self.path
+        return (*where, self.offset, self.form, self.features, self.label)
 
     def open(self):
         """Open the dataset lazily (no dask, no data read)."""
@@ -92,6 +109,16 @@ class DataSource:
         ds = self.open() if ds is None else ds
         rows = ds.isel({self.sample_dim: slice(self.offset + start, self.offset + stop)})
         return _to_xy(rows, self.features, self.label, self.sample_dim)
+
+    def read_columns(self, start: int, stop: int, ds=None) -> dict[str, np.ndarray]:
+        """Read samples ``[start, stop)``: ``{"X": ..., "y": ...}`` for the ``"xy"`` form, else one
+        array per variable (sample axis first)."""
+        if self.form == "xy":
+            X, y = self.read(start, stop, ds)
+            return {"X": X, "y": y}
+        ds = self.open() if ds is None else ds
+        rows = ds.isel({self.sample_dim: slice(self.offset + start, self.offset + stop)})
+        return {name: np.asarray(rows[name].transpose(self.sample_dim, ...).values) for name in self.features}
 
     def slice(self, start: int, stop: int) -> DataSource:
         """A source for samples ``[start, stop)`` of this one."""
@@ -199,16 +226,37 @@ class PreparedData:
     sample_y: np.ndarray | None = None
     y_min: float | None = None
     y_max: float | None = None
+    form: str = "xy"  # "xy", "dict" or "dataset": the shape of a batch
+    columns: dict[str, Any] | None = None  # dict data to stage (form "dict")
+    sample: Any = None  # dict data: a few rows of each column; a Dataset: a collated probe batch
 
     @property
     def classification(self) -> bool:
-        return np.issubdtype(np.dtype(self.y_dtype), np.integer)
+        return self.y_dtype is not None and np.issubdtype(np.dtype(self.y_dtype), np.integer)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each input's per-sample shape (what validation data must match)."""
+        if self.form == "dict":
+            return {k: tuple(v.shape[1:]) for k, v in self.sample.items()}
+        return {"X": tuple(self.x_shape)}
 
 
 def prepare_data(
-    data: Any, *, features=None, label=None, sample_dim=None, storage_options=None, what: str = "data"
+    data: Any,
+    *,
+    features=None,
+    label=None,
+    sample_dim=None,
+    storage_options=None,
+    what: str = "data",
+    batches: str = "xy",
+    collate_fn=None,
 ) -> PreparedData:
     """Check ``data`` and describe it; reads at most a few rows (and the labels' range for checks).
+
+    ``batches="dict"`` (the caller has a ``train_step``) reads xarray / Zarr data as one input per
+    variable instead of stacking the features into ``X``.
 
     Raises
     ------
@@ -219,6 +267,12 @@ def prepare_data(
     """
     import xarray as xr
 
+    from .torch_data import is_dataset, prepare_dataset
+
+    if is_dataset(data):
+        return prepare_dataset(data, collate_fn=collate_fn, what=what)
+    if isinstance(data, Mapping) and not isinstance(data, xr.Dataset):
+        return _prepare_dict(data, what)
     if isinstance(data, (tuple, list)):
         if len(data) != 2:
             raise DataError(f"{what} as a sequence must be (X, y), got {len(data)} items")
@@ -256,6 +310,9 @@ def prepare_data(
             None if lo is None else int(lo),
             None if hi is None else int(hi),
         )
+    if isinstance(data, xr.Dataset) and batches == "dict":
+        names, dim = _dict_vars(data, features, label, sample_dim, what)
+        return _prepare_dict({n: data[n].transpose(dim, ...).data for n in names}, what)
     if isinstance(data, xr.Dataset):
         features, label = _infer_vars(data, features, label)
         dim = _infer_sample_dim(data, features, label, sample_dim)
@@ -271,6 +328,11 @@ def prepare_data(
             ds = src.open()
         except (FileNotFoundError, KeyError, OSError) as e:
             raise DataError(f"cannot open {what} {data!r} as a Zarr dataset: {e}") from None
+        if batches == "dict":
+            names, dim = _dict_vars(ds, features, label, sample_dim, what)
+            src = replace(src, features=names, sample_dim=dim, n=ds.sizes[dim], form="dict")
+            sample = src.read_columns(0, min(4, src.n), ds)
+            return PreparedData(src, n=src.n, form="dict", sample=sample)
         features, label = _infer_vars(ds, features, label)
         dim = _infer_sample_dim(ds, features, label, sample_dim)
         n = ds.sizes[dim]
@@ -288,6 +350,55 @@ def prepare_data(
         f"unsupported {what} type {type(data).__name__}; expected (X, y) arrays (numpy, torch or dask), "
         "an xarray.Dataset, a Zarr URL/path, or an Icechunk session"
     )
+
+
+def _dict_vars(ds, features, label, sample_dim, what) -> tuple[tuple[str, ...], str]:
+    """The variables of a dataset read as a dict batch, and the sample dimension."""
+    if features is None:
+        names = list(ds.data_vars)
+    else:
+        names = [features] if isinstance(features, str) else list(features)
+        if label is not None and label not in names:
+            names.append(label)
+    missing = [n for n in names if n not in ds.data_vars]
+    if missing or not names:
+        raise DataError(f"{what}: variable(s) {missing} not in the dataset; variables: {list(ds.data_vars)}")
+    if sample_dim is None:
+        common = [d for d in ds[names[0]].dims if all(d in ds[n].dims for n in names)]
+        if len(common) != 1:
+            raise DataError(
+                f"cannot infer the sample dimension of {names}: candidates {common}; pass sample_dim=<name>"
+            )
+        sample_dim = common[0]
+    bad = [n for n in names if sample_dim not in ds[n].dims]
+    if bad:
+        raise DataError(f"sample dimension {sample_dim!r} is not a dimension of {bad}")
+    if ds.sizes[sample_dim] == 0:
+        raise DataError(f"{what} is empty (0 samples along {sample_dim!r})")
+    return tuple(names), sample_dim
+
+
+def _prepare_dict(data: Mapping, what: str) -> PreparedData:
+    """Dict data: equal-length arrays, one per input (each batch a dict of tensors)."""
+    if not data:
+        raise DataError(f"{what} as a dict needs at least one array")
+    columns: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str) or not key or "/" in key:
+            raise DataError(f"{what}: dict keys must be non-empty strings without '/', got {key!r}")
+        a = value.data if type(value).__module__.startswith("xarray") else value
+        a = a if _is_dask(a) else _as_numpy(a, f"{what}[{key!r}]")
+        if a.ndim == 0:
+            raise DataError(f"{what}[{key!r}] needs a sample axis; got a scalar")
+        columns[key] = a
+    lengths = {k: a.shape[0] for k, a in columns.items()}
+    if len(set(lengths.values())) != 1:
+        raise DataError(f"{what}: the arrays must have equal lengths (one row per sample), got {lengths}")
+    n = next(iter(lengths.values()))
+    if n == 0 or any(math.isnan(s) for a in columns.values() for s in a.shape):
+        raise DataError(f"{what} is empty (0 samples) or has unknown chunk sizes")
+    sample = {k: np.asarray(a[: min(4, n)]) for k, a in columns.items()}
+    return PreparedData(None, n=int(n), form="dict", columns=columns, sample=sample)
 
 
 def _stack(ds, features, dim):
@@ -333,19 +444,24 @@ def stage(prepared: PreparedData, files, path: str, *, client=None, sample_dim: 
     """
     import xarray as xr
 
-    X, y = prepared.X, prepared.y
-    xdims = (sample_dim, *[f"x_dim_{i}" for i in range(1, X.ndim)])
-    ydims = (sample_dim, *[f"y_dim_{i}" for i in range(1, y.ndim)])
-    ds = xr.Dataset({"X": (xdims, X), "y": (ydims, y)})
-    if _is_dask(X) or _is_dask(y):
-        ds = ds.chunk({sample_dim: _rows_per_chunk(X)})
+    columns = prepared.columns if prepared.form == "dict" else {"X": prepared.X, "y": prepared.y}
+    assert columns is not None
+    ds = xr.Dataset(
+        {k: ((sample_dim, *[f"{k}_dim_{i}" for i in range(1, a.ndim)]), a) for k, a in columns.items()}
+    )
+    lazy = any(_is_dask(a) for a in columns.values())
+    rows = min(_rows_per_chunk(a) for a in columns.values())
     target = files.zarr_store(path)
-    lazy = _is_dask(X) or _is_dask(y)
-    encoding = None if _is_dask(X) else {v: {"chunks": (_rows_per_chunk(X),) + ds[v].shape[1:]} for v in ("X", "y")}
+    if lazy:
+        ds = ds.chunk({sample_dim: rows})
+    encoding = None if lazy else {k: {"chunks": (rows,) + ds[k].shape[1:]} for k in columns}
     if lazy and client is not None:  # the workers write their chunks
         client.compute(ds.to_zarr(target, mode="w", consolidated=False, zarr_format=3, compute=False)).result()
     else:
         ds.to_zarr(target, mode="w", consolidated=False, zarr_format=3, encoding=encoding)
+    if prepared.form == "dict":
+        names = tuple(columns)
+        return DataSource(files.url(path), names, "", sample_dim, prepared.n, store=files.store, path=path, form="dict")
     return DataSource(files.url(path), ("X",), "y", sample_dim, prepared.n, store=files.store, path=path)
 
 
@@ -359,7 +475,12 @@ def split(
 ) -> tuple[PreparedData, PreparedData | None]:
     """Shuffle in-memory data once (seeded) and split off a ``validation`` fraction (the last rows)."""
     rng = np.random.default_rng(seed)
-    if prepared.source is None and shuffle and isinstance(prepared.X, np.ndarray):
+    if prepared.form == "dict" and prepared.columns is not None:
+        cols = prepared.columns
+        if shuffle and all(isinstance(a, np.ndarray) for a in cols.values()):
+            order = rng.permutation(prepared.n)
+            prepared.columns = {k: a[order] for k, a in cols.items()}
+    elif prepared.source is None and shuffle and isinstance(prepared.X, np.ndarray):
         order = rng.permutation(prepared.n)
         prepared.X, prepared.y = prepared.X[order], prepared.y[order]
     if not isinstance(validation, float):
@@ -375,6 +496,12 @@ def split(
         val.source, val.n = prepared.source.slice(n_train, prepared.n), n_val
         return train, val
     train, val = copy.copy(prepared), copy.copy(prepared)
+    if prepared.form == "dict":
+        assert prepared.columns is not None
+        train.columns = {k: a[:n_train] for k, a in prepared.columns.items()}
+        val.columns = {k: a[n_train:] for k, a in prepared.columns.items()}
+        train.n, val.n = n_train, n_val
+        return train, val
     train.X, train.y, train.n = prepared.X[:n_train], prepared.y[:n_train], n_train
     val.X, val.y, val.n = prepared.X[n_train:], prepared.y[n_train:], n_val
     return train, val

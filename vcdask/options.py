@@ -16,8 +16,11 @@ import torch
 
 from .cluster import check_client
 from .data import DataError, PreparedData, prepare_data, split
+from .device import check_device, check_precision
+from .inner import check_optimizer_state, check_schedule
 from .merge import MergeRule, get_rule
 from .resilience import Resilience
+from .steps import check_steps
 from .store import ParamStore, open_store
 
 logger = logging.getLogger(__name__)
@@ -131,18 +134,39 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def check_model(model, prepared: PreparedData, loss, classification: bool, x_dtype) -> None:
-    """One forward pass on a few rows: the model accepts the data and its outputs fit the labels."""
+def check_model(model, prepared: PreparedData, loss, classification: bool, x_dtype) -> bool:
+    """One forward pass on a few rows: the model accepts the data and its outputs fit the labels.
+
+    Returns whether ``X`` is cast to the model's dtype (True), or stays integer (False: integer
+    inputs such as token ids that the model takes as they are, and not as floats).
+    """
     probe = copy.deepcopy(model).eval()
-    X = torch.as_tensor(np.ascontiguousarray(prepared.sample_X)).to(x_dtype)
+    if prepared.form == "dataset":
+        if prepared.sample_X is None:
+            raise DataError(
+                "the default step needs dataset items (x, y) of tensors; pass train_step=fn(model, batch) "
+                "(and eval_step=) for other items"
+            )
+        X = torch.as_tensor(prepared.sample_X)
+        X, cast = (X.to(x_dtype), True) if X.is_floating_point() else (X, False)
+    else:
+        X = torch.as_tensor(np.ascontiguousarray(prepared.sample_X))
+        cast = True
     try:
         with torch.no_grad():
-            out = probe(X)
+            out = probe(X.to(x_dtype) if cast else X)
     except Exception as e:
-        raise DataError(
-            f"the model cannot process the training data: samples of shape {tuple(prepared.x_shape)} "
-            f"and dtype {prepared.x_dtype} -> {type(e).__name__}: {e}"
-        ) from e
+        integer = not X.is_floating_point() and cast
+        try:
+            if not integer:
+                raise
+            with torch.no_grad():  # integer inputs (token ids...) the model takes as they are
+                out, cast = probe(X), False
+        except Exception:
+            raise DataError(
+                f"the model cannot process the training data: samples of shape {tuple(prepared.x_shape)} "
+                f"and dtype {prepared.x_dtype} -> {type(e).__name__}: {e}"
+            ) from e
     if classification:
         n_classes = out.shape[-1] if out.dim() > 1 else 1
         assert prepared.y_min is not None and prepared.y_max is not None  # set for classification data
@@ -160,6 +184,24 @@ def check_model(model, prepared: PreparedData, loss, classification: bool, x_dty
             f"the loss cannot compare model outputs of shape {tuple(out.shape)} with labels of "
             f"shape {tuple(y.shape)}: {type(e).__name__}: {e}"
         ) from e
+    return cast
+
+
+def probe_batch(prepared: PreparedData, x_dtype: torch.dtype) -> Any:
+    """A few rows of the data as the batch a custom step will get (on CPU)."""
+    if prepared.form == "dataset":
+        from .device import to
+
+        return to(prepared.sample, torch.device("cpu"), x_dtype)
+
+    def tensor(a) -> torch.Tensor:
+        t = torch.as_tensor(np.ascontiguousarray(a))
+        return t.to(x_dtype) if t.is_floating_point() else t
+
+    if prepared.form == "dict":
+        return {k: tensor(a) for k, a in prepared.sample.items()}
+    y = tensor(prepared.sample_y)
+    return tensor(prepared.sample_X), y.long() if prepared.classification else y
 
 
 def check_target(target, metric_names) -> dict[str, float] | None:
@@ -223,6 +265,14 @@ def plan_run(
     keep_updates,
     tasks_per_slot,
     resilience,
+    train_step=None,
+    eval_step=None,
+    collate_fn=None,
+    device="auto",
+    precision="32",
+    optimizer_state="fresh",
+    lr_schedule=None,
+    clip_grad_norm=None,
 ) -> RunPlan:
     """Check every argument of :func:`fit` and prepare the data; raise before any cluster work."""
     if not isinstance(model, torch.nn.Module):
@@ -246,27 +296,41 @@ def plan_run(
         raise TypeError(f"resilience must be a vcdask.Resilience, got {type(resilience).__name__}")
     if not isinstance(lr, (int, float)) or not lr > 0 or math.isinf(lr):
         raise ValueError(f"lr must be a positive number, got {lr!r}")
+    training = _check_training(
+        train_step, eval_step, loss, metrics, device, precision, optimizer_state, lr_schedule, clip_grad_norm
+    )
     if validation is not None and isinstance(validation, (int, float)) and not isinstance(validation, bool):
         if not 0.0 < float(validation) < 1.0:
             raise ValueError(f"validation as a fraction must be in (0, 1), got {validation!r}")
         validation = float(validation)
 
     names = {"features": features, "label": label, "sample_dim": sample_dim, "storage_options": storage_options}
+    names.update(batches="dict" if train_step is not None else "xy", collate_fn=collate_fn)
     prepared = prepare_data(data, **names)
-    loss_fn = resolve_loss(loss, prepared.classification)
-    metric_fns = resolve_metrics(metrics, prepared.classification)
-    target = check_target(target, list(metric_fns))
+    if train_step is None and prepared.form == "dict":
+        raise TypeError(
+            "dict data gives dict batches, which the default step (loss(model(X), y)) cannot train on; "
+            "pass train_step=fn(model, batch) -> loss (and eval_step=fn(model, batch) -> dict of metrics)"
+        )
     x_dtype = model_dtype(model)
-    check_model(model, prepared, loss_fn, prepared.classification, x_dtype)
+    if train_step is None:
+        loss_fn = resolve_loss(loss, prepared.classification)
+        metric_fns = resolve_metrics(metrics, prepared.classification)
+        cast_x = check_model(model, prepared, loss_fn, prepared.classification, x_dtype)
+        metric_names = ("loss", *metric_fns)
+    else:
+        loss_fn, metric_fns, cast_x = resolve_loss(loss, prepared.classification), {}, False
+        metric_names = tuple(check_steps(model, probe_batch(prepared, x_dtype), train_step, eval_step))
+    target = check_target(target, [m for m in metric_names if m != "loss"])
     if target is not None and validation is None:
         logger.info("target given without validation data: holding out 10%% of the training data")
         validation = 0.1
     val_prepared = None
     if validation is not None and not isinstance(validation, float):
         val_prepared = prepare_data(validation, **names, what="validation")
-        if val_prepared.x_shape != prepared.x_shape:
+        if val_prepared.form != prepared.form or (prepared.form != "dataset" and val_prepared.shapes != prepared.shapes):
             raise DataError(
-                f"validation samples have shape {val_prepared.x_shape}, training samples {prepared.x_shape}"
+                f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}"
             )
     prepared, split_val = split(prepared, validation, seed, shuffle)
     n_shards = positive_int("n_shards", min(10, prepared.n) if n_shards is None else n_shards)
@@ -295,5 +359,43 @@ def plan_run(
         target=target,
         x_dtype=x_dtype,
         n_shards=n_shards,
-        options={**ints, "seed": seed, "keep_updates": keep_updates, "resilience": resilience},
+        options={
+            **ints,
+            "seed": seed,
+            "keep_updates": keep_updates,
+            "resilience": resilience,
+            **training,
+            "metric_names": metric_names if train_step is not None else (),
+            "batch_form": prepared.form,
+            "cast_x": cast_x,
+        },
     )
+
+
+def _check_training(
+    train_step, eval_step, loss, metrics, device, precision, optimizer_state, lr_schedule, clip_grad_norm
+) -> dict[str, Any]:
+    """The options of local training, checked: the RunSpec fields they become."""
+    for name, fn in (("train_step", train_step), ("eval_step", eval_step)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a callable (model, batch) -> ..., got {type(fn).__name__}")
+    if eval_step is not None and train_step is None:
+        raise TypeError("eval_step needs train_step (the default step evaluates loss and metrics= itself)")
+    if train_step is not None and (metrics is not None or loss is not None):
+        raise TypeError(
+            "loss= and metrics= belong to the default step; with train_step, compute the loss there "
+            "and return metrics from eval_step"
+        )
+    if clip_grad_norm is not None and (
+        isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) or not clip_grad_norm > 0
+    ):
+        raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
+    return {
+        "train_step": train_step,
+        "eval_step": eval_step,
+        "device": check_device(device),
+        "precision": check_precision(precision),
+        "optimizer_state": check_optimizer_state(optimizer_state),
+        "lr_schedule": check_schedule(lr_schedule),
+        "clip_grad_norm": None if clip_grad_norm is None else float(clip_grad_norm),
+    }

@@ -272,13 +272,14 @@ def _grid_html(st: PanelState) -> str:
 def _workers_html(rows: list[dict]) -> str:
     head = "".join(
         f"<th style='padding:1px 6px;text-align:right'>{h}</th>"
-        for h in ("worker", "state", "done", "failed", "timed out", "rejected", "mean s")
+        for h in ("worker", "device", "state", "done", "failed", "timed out", "rejected", "mean s")
     )
     body = []
     for r in rows:
         color = {"active": "#3aa35b", "lost": "#d9534f", "excluded": "#d9534f", "preempted": "#f0a630"}[r["state"]]
         cells = [
             html.escape(str(r["worker"]).removeprefix("tcp://")),
+            html.escape(str(r.get("device") or "–")),
             f"<span style='color:{color}'>{r['state']}</span>",
             r["done"],
             r["failed"],

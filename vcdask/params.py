@@ -242,7 +242,7 @@ def _as_state(obj: Any) -> Mapping[str, Any]:
     raise TypeError(f"expected a torch.nn.Module, a state dict or FlatParams, got {type(obj).__name__}")
 
 
-def flatten(obj: torch.nn.Module | Mapping[str, Any] | FlatParams) -> FlatParams:
+def flatten(obj: torch.nn.Module | Mapping[str, Any] | FlatParams, *, device: Any = None) -> FlatParams:
     """Pack a module's state (or a state dict of tensors / arrays) into :class:`FlatParams`.
 
     Values are copied exactly: floats bit for bit, integer buffers unchanged, dtypes kept.
@@ -251,6 +251,9 @@ def flatten(obj: torch.nn.Module | Mapping[str, Any] | FlatParams) -> FlatParams
     ----------
     obj : torch.nn.Module, mapping or FlatParams
         The state to pack.  A FlatParams is returned as is.
+    device : torch.device, optional
+        Where the flat arrays are made (default the CPU): packing a GPU model on its GPU and copying
+        the result once is faster than one copy per tensor.
 
     Returns
     -------
@@ -269,7 +272,7 @@ def flatten(obj: torch.nn.Module | Mapping[str, Any] | FlatParams) -> FlatParams
         t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
         tensors.append((str(name), t.detach()))
     layout = Layout.from_shapes([(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors])
-    arrays = {d: torch.empty(n, dtype=torch_dtype(d)) for d, n in layout.sizes.items()}
+    arrays = {d: torch.empty(n, dtype=torch_dtype(d), device=device) for d, n in layout.sizes.items()}
     for (_, t), e in zip(tensors, layout.entries, strict=True):
         arrays[e.dtype][e.offset : e.offset + e.size].copy_(t.reshape(-1))
     return FlatParams(layout, arrays)

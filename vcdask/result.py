@@ -19,6 +19,7 @@ HISTORY_COLUMNS = [
     "shard",
     "attempt",
     "worker",
+    "device",
     "base_version",
     "new_version",
     "version_id",
@@ -46,7 +47,7 @@ class FitResult:
     model : torch.nn.Module
         The model, holding the final server parameters.
     history : pandas.DataFrame
-        One row per update: epoch, shard, attempt, worker, base_version, new_version,
+        One row per update: epoch, shard, attempt, worker, device (where it trained), base_version, new_version,
         version_id, alpha, staleness, train_loss, seconds (of the task: read_seconds for the
         version and rows, train_seconds, upload_seconds), accepted, outcome (one of
         :data:`vcdask.engine.events.OUTCOMES`: merged, rejected, duplicate, late, lost, cancelled,
@@ -56,7 +57,7 @@ class FitResult:
         One row per epoch: validation metrics of the epoch's last version, their mean, min
         and max over the epoch's validated versions, train loss, shards skipped, wall time.
     workers : pandas.DataFrame
-        One row per worker: shards done, failed, timed out, rejected, mean shard seconds,
+        One row per worker: its device, shards done, failed, timed out, rejected, mean shard seconds,
         preempted, and why it was excluded (if it was).
     run_id : str
     store : ParamStore

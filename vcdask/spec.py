@@ -52,6 +52,17 @@ class RunSpec:
     resilience: Any = None  # vcdask.Resilience
     torch_threads: int = 1
     started_at: float = field(default_factory=time.time)
+    # added with devices and custom steps (class-level defaults: specs written before still load)
+    device: str = "auto"  # each worker resolves it (vcdask.device.resolve_device)
+    precision: str = "32"
+    train_step: Any = None  # fn(model, batch) -> loss; None: loss(model(x), y)
+    eval_step: Any = None  # fn(model, batch) -> {name: value}
+    metric_names: tuple[str, ...] = ()  # what validation reports besides the default step's loss and metrics
+    batch_form: str = "xy"  # "xy", "dict" or "dataset"
+    cast_x: bool = True  # (X, y) data: X takes the model's dtype (False: integer inputs such as tokens stay integer)
+    optimizer_state: str = "fresh"  # or "worker" (vcdask.inner)
+    lr_schedule: Any = None  # fn(epoch, step) -> factor
+    clip_grad_norm: float | None = None
 
     @property
     def spec_path(self) -> str:

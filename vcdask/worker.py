@@ -2,8 +2,8 @@
 
 Both read everything big from the parameter store (the run spec, the server version,
 their rows of data) and cache it per worker process; they return small records only.
-A shard task reads like a plain training loop: spec and rows, the newest version, a fresh
-optimizer, ``local_epochs`` passes, upload ``W_c``.
+A shard task reads like a plain training loop: spec and rows, the newest version on this
+worker's device, an optimizer, ``local_epochs`` passes of ``train_step``, upload ``W_c``.
 """
 
 from __future__ import annotations
@@ -15,26 +15,27 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
 import torch
 
-from .errors import ParameterMismatchError, StoreError
+from . import batches as _batches
+from .device import Precision, describe, resolve_device
+from .errors import ParameterMismatchError
+from .inner import InnerOptimizer
 from .params import FlatParams, flatten, load_into
 from .spec import RunSpec, load_spec
+from .steps import SupervisedStep, evaluate
 from .updates import update_path, write_update
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["evaluate", "train_shard", "validate_version"]
+__all__ = ["train_shard", "validate_version"]
 
 
 # -- per-process caches -------------------------------------------------------------------
 _lock = threading.Lock()
 _versions: OrderedDict[str, FlatParams] = OrderedDict()
-_rows: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _models = threading.local()
 _MAX_VERSIONS = 4
-_MAX_ROW_BYTES = 2 << 30
 
 
 def _version(store, version: str) -> FlatParams:
@@ -44,6 +45,8 @@ def _version(store, version: str) -> FlatParams:
             _versions.move_to_end(version)
             return params
     params = store.read(version).params
+    if torch.cuda.is_available():  # copies to a GPU from pinned memory do not block
+        params = FlatParams(params.layout, {d: a.pin_memory() for d, a in params.arrays.items()})
     with _lock:
         _versions[version] = params
         while len(_versions) > _MAX_VERSIONS:
@@ -51,50 +54,53 @@ def _version(store, version: str) -> FlatParams:
     return params
 
 
-def _data(spec: RunSpec, source, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows [start, stop) of ``source`` as tensors, cached (the paper's "sticky files")."""
-    key = (source.url, id(source.zarr_store) if source.zarr_store is not None else None, source.offset, start, stop)
-    with _lock:
-        hit = _rows.get(key)
-        if hit is not None:
-            _rows.move_to_end(key)
-            return hit
-    try:
-        X, y = source.read(start, stop)
-    except (FileNotFoundError, PermissionError):
-        raise  # not transient: the data is not there, or not for us
-    except OSError as e:  # the storage holding the data failed (e.g. a 503): a store fault, not the worker's
-        raise StoreError(f"reading rows {start}:{stop} of {source.url or 'the data'}: {e}") from e
-    Xt = torch.as_tensor(np.ascontiguousarray(X)).to(spec.x_dtype)
-    yt = torch.as_tensor(np.ascontiguousarray(y))
-    yt = yt.long() if spec.classification else yt.to(spec.x_dtype)
-    with _lock:
-        _rows[key] = (Xt, yt)
-        while sum(a.nbytes + b.nbytes for a, b in _rows.values()) > _MAX_ROW_BYTES and len(_rows) > 1:
-            _rows.popitem(last=False)
-    return Xt, yt
-
-
-def _model(spec: RunSpec) -> torch.nn.Module:
-    """A private copy of the run's model for this thread (threads never share a module)."""
+def _model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
+    """A private copy of the run's model on ``device`` for this thread (threads never share a module)."""
     models = getattr(_models, "by_run", None)
     if models is None:
         models = _models.by_run = {}
-    model = models.get(spec.run_id)
+    key = (spec.run_id, str(device))
+    model = models.get(key)
     if model is None:
-        model = models[spec.run_id] = copy.deepcopy(spec.model)
+        model = models[key] = copy.deepcopy(spec.model).to(device)
     return model
 
 
-def _loaded_model(spec: RunSpec, store, version: str) -> torch.nn.Module:
-    """This thread's copy of the model holding ``version``."""
-    model = _model(spec)
+def _loaded_model(spec: RunSpec, store, version: str, device: torch.device) -> torch.nn.Module:
+    """This thread's copy of the model holding ``version``, on ``device``."""
+    params = _version(store, version)
+    if device.type != "cpu":  # one copy per dtype to the device, then device-to-device into the tensors
+        params = FlatParams(params.layout, {d: a.to(device, non_blocking=True) for d, a in params.arrays.items()})
+    model = _model(spec, device)
     try:
-        load_into(model, _version(store, version))
+        load_into(model, params)
     except ParameterMismatchError:  # user code reshaped this copy last time: start afresh
-        _models.by_run[spec.run_id] = model = copy.deepcopy(spec.model)
-        load_into(model, _version(store, version))
+        _models.by_run[(spec.run_id, str(device))] = model = copy.deepcopy(spec.model).to(device)
+        load_into(model, params)
     return model
+
+
+def _to_cpu(model: torch.nn.Module, device: torch.device) -> FlatParams:
+    """``W_c`` as CPU flat arrays (packed on the device, then one copy per dtype)."""
+    if device.type == "cpu":
+        return flatten(model)
+    on_device = flatten(model, device=device)
+    pin = device.type == "cuda"
+    arrays = {
+        d: torch.empty(a.shape, dtype=a.dtype, pin_memory=pin).copy_(a, non_blocking=pin)
+        for d, a in on_device.arrays.items()
+    }
+    if pin:
+        torch.cuda.synchronize(device)
+    return FlatParams(on_device.layout, arrays)
+
+
+def _setup(spec: RunSpec) -> tuple[torch.device, Precision]:
+    torch.set_num_threads(spec.torch_threads)
+    device = resolve_device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, Precision(spec.precision, device)
 
 
 def _tell_run(handler: str, run_id: str) -> dict[str, Any] | None:
@@ -144,28 +150,28 @@ def train_shard(
     t0 = time.perf_counter()
     _tell_run("vcdask_started", run_id)  # its deadline counts from here
     spec = load_spec(store, run_id)
-    torch.set_num_threads(spec.torch_threads)
+    device, precision = _setup(spec)
     start, stop = spec.shards.bounds(shard)
-    X, y = _data(spec, spec.train, start, stop)
+    rows = _batches.rows(spec, spec.train, start, stop, pin=device.type == "cuda")
     newest = _tell_run("vcdask_base", run_id)  # ready to train: from the newest version
     if newest is not None and newest.get("version") is not None:
         base_version, base_step = newest["version"], int(newest["step"])
-    model = _loaded_model(spec, store, base_version)
+    model = _loaded_model(spec, store, base_version, device)
     t_read = time.perf_counter()
-    optimizer = spec.optimizer(model.parameters())  # fresh optimizer state for every shard
+    inner = InnerOptimizer(spec, model, precision, epoch)  # fresh, or this worker's kept state
+    train_step = spec.train_step or SupervisedStep(spec.loss)
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 10_007 + shard * 101 + attempt)
 
     model.train()
     losses = []
     for _ in range(spec.local_epochs):
-        order = torch.randperm(len(X), generator=g)
-        for i in range(0, len(X), spec.batch_size):
-            idx = order[i : i + spec.batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = spec.loss(model(X[idx]), y[idx])
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        for batch, _n in _batches.batches(spec, rows, device, spec.batch_size, generator=g):
+            with precision.autocast():
+                loss = train_step(model, batch)
+            inner.step(loss)
+            losses.append(loss.detach())
+    inner.done()
+    train_loss = float(torch.stack(losses).float().mean()) if losses else float("nan")
 
     t_train = time.perf_counter()
     path = update_path(run_id, epoch, shard, attempt)
@@ -179,40 +185,28 @@ def train_shard(
         "base_step": base_step,
         "update": path,
         "n_samples": stop - start,
-        "train_loss": float(np.mean(losses)) if losses else float("nan"),
+        "train_loss": train_loss,
         "read_seconds": t_read - t0,
         "train_seconds": t_train - t_read,
         "worker": _worker_address(),
+        "device": describe(device),
+        "steps": inner.step_count,
     }
     # the record travels with the update, so a resumed run can merge an upload nobody reported
-    record["nbytes"] = write_update(store.files, path, flatten(model), meta=record)
+    record["nbytes"] = write_update(store.files, path, _to_cpu(model, device), meta=record)
     t_end = time.perf_counter()
     record.update(seconds=t_end - t0, upload_seconds=t_end - t_train)
     return record
-
-
-def evaluate(spec: RunSpec, model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """Loss and metrics of ``model`` on ``(X, y)``, in batches, without gradients."""
-    model.eval()
-    outs = []
-    with torch.no_grad():
-        for i in range(0, len(X), 1024):
-            outs.append(model(X[i : i + 1024]))
-    out = torch.cat(outs) if outs else torch.empty(0)
-    result = {"loss": float(spec.loss(out, y))}
-    for name, fn in spec.metrics.items():
-        result[name] = float(fn(out, y))
-    return result
 
 
 def validate_version(store, run_id: str, version: str, step: int) -> dict[str, Any]:
     """Validation loss and metrics of one server version."""
     t0 = time.perf_counter()
     spec = load_spec(store, run_id)
-    torch.set_num_threads(spec.torch_threads)
-    model = _loaded_model(spec, store, version)
-    X, y = _data(spec, spec.validation, 0, spec.validation.n)
-    metrics = evaluate(spec, model, X, y)
+    device, precision = _setup(spec)
+    model = _loaded_model(spec, store, version, device)
+    rows = _batches.rows(spec, spec.validation, 0, spec.validation.n, pin=device.type == "cuda")
+    metrics = evaluate(spec, model, _batches.batches(spec, rows, device, max(spec.batch_size, 512)), precision)
     return {
         "kind": "validation",
         "run_id": run_id,
@@ -221,4 +215,5 @@ def validate_version(store, run_id: str, version: str, step: int) -> dict[str, A
         "metrics": metrics,
         "seconds": time.perf_counter() - t0,
         "worker": _worker_address(),
+        "device": describe(device),
     }

@@ -21,9 +21,10 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
     """Merge (or turn down) one shard's result and record the outcome."""
     epoch, shard, worker = rec["epoch"], rec["shard"], rec["worker"]
     arrived = run.now()  # the history's time: when the result arrived, not when its merge finished
-    wrec = run.pool.finished(worker, rec["seconds"])
+    wrec = run.pool.finished(worker, rec["seconds"], device=rec.get("device"))
     fields = {k: rec[k] for k in ("train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds")}
-    fields.update(worker=worker, update=rec["update"], base_version=rec["base_step"], time=arrived)
+    fields.update(worker=worker, device=rec.get("device"), update=rec["update"], base_version=rec["base_step"])
+    fields["time"] = arrived
     completes = False
     if run.ledger.done(epoch, shard):
         if task.overdue:

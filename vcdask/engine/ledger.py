@@ -26,6 +26,7 @@ def history_row(epoch: int, shard: int, attempt: int, outcome: Outcome | None = 
         "shard": shard,
         "attempt": attempt,
         "worker": None,
+        "device": None,
         "update": None,
         "base_version": None,
         "new_version": None,

@@ -34,6 +34,7 @@ class WorkerRecord:
     preempted: bool = False
     excluded: str | None = None
     recent: list[float] = field(default_factory=list)
+    device: str | None = None  # where it trains, as its last result said (e.g. "cuda:0 (NVIDIA H100 ...)")
 
     @property
     def faults(self) -> int:
@@ -51,6 +52,7 @@ class WorkerRecord:
     def as_row(self) -> dict[str, Any]:
         return {
             "worker": self.address,
+            "device": self.device,
             "done": self.done,
             "failed": self.failed,
             "timed_out": self.timed_out,
@@ -95,9 +97,10 @@ class WorkerPool:
             rec = self.records[address] = WorkerRecord(address)
         return rec
 
-    def finished(self, address: str, seconds: float) -> WorkerRecord:
-        """``address`` handed back a shard's result after ``seconds``."""
+    def finished(self, address: str, seconds: float, device: str | None = None) -> WorkerRecord:
+        """``address`` handed back a shard's result after ``seconds``, trained on ``device``."""
         rec = self.record(address)
+        rec.device = device or rec.device
         rec.done += 1
         rec.seconds += seconds
         return rec

@@ -57,7 +57,7 @@ def panel_state(run: Run, recent_epochs: int = 50) -> dict[str, Any]:
     """Everything the progress panel shows, for a panel that starts (or re-attaches) mid-run;
     events keep it current from there."""
     first = max(1, run.dispatch.epoch - recent_epochs + 1)
-    metrics = list(run.spec.metrics) or ["loss"]
+    metrics = list(run.spec.metric_names or run.spec.metrics) or ["loss"]
     return {
         "status": status_dict(run),
         "epochs": list(run.ledger.epochs),

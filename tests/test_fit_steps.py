@@ -1,0 +1,187 @@
+"""fit with devices, precisions, custom steps and every kind of data (real workers, real training)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import xarray as xr
+
+import vcdask
+
+
+def _mlp(seed=0, d_in=64):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(d_in, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def _fit(model, data, client, tmp_path, **kw):
+    kw = {"max_epochs": 3, "n_shards": 4, "lr": 3e-3, "progress": False, **kw}
+    return vcdask.fit(model, data, client=client, store=str(tmp_path / "store"), **kw)
+
+
+def test_cpu_device_is_recorded_per_update_and_worker(client, tmp_path, digits_data):
+    (X, y), val = digits_data
+    result = _fit(_mlp(), (X, y), client, tmp_path, validation=val, device="cpu")
+    merged = result.history[result.history.outcome == "merged"]
+    assert set(merged.device) == {"cpu"}
+    assert set(result.workers.device) == {"cpu"}
+    assert result.metrics["accuracy"] > 0.6
+
+
+def test_bf16_autocast_on_cpu_trains(client, tmp_path, digits_data):
+    (X, y), val = digits_data
+    result = _fit(_mlp(), (X, y), client, tmp_path, validation=val, precision="bf16")
+    assert result.model[1].weight.dtype == torch.float32  # parameters stay float32; the forward pass is bf16
+    assert result.metrics["accuracy"] > 0.6
+
+
+def _two_inputs(X, y):
+    flat = X.reshape(len(X), -1)
+    return {"left": flat[:, :32].copy(), "right": flat[:, 32:].copy(), "label": y}
+
+
+class TwoTower(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.left, self.right = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, left, right):
+        return self.head(torch.relu(torch.cat([self.left(left), self.right(right)], dim=1)))
+
+
+def two_tower_step(model, batch):
+    return F.cross_entropy(model(batch["left"], batch["right"]), batch["label"])
+
+
+def two_tower_eval(model, batch):
+    out = model(batch["left"], batch["right"])
+    return {"loss": F.cross_entropy(out, batch["label"]), "acc": (out.argmax(1) == batch["label"]).float().mean()}
+
+
+def test_train_step_over_dict_batches_with_eval_step_metrics(client, tmp_path, digits_data):
+    (X, y), (Xv, yv) = digits_data
+    result = _fit(
+        TwoTower(),
+        _two_inputs(X, y),
+        client,
+        tmp_path,
+        validation=_two_inputs(Xv, yv),
+        train_step=two_tower_step,
+        eval_step=two_tower_eval,
+        target={"acc": 0.99},
+    )
+    assert {"loss", "acc", "acc_mean", "acc_min", "acc_max"} <= set(result.epochs.columns)
+    assert len(result.epochs) == 3 and result.epochs["acc"].iloc[-1] > 0.6
+    assert set(result.metrics) == {"loss", "acc"}
+    # the numbers are the eval step's, averaged over the validation set: recompute on the final model
+    model = result.model.eval()
+    with torch.no_grad():
+        data = {k: torch.as_tensor(v) for k, v in _two_inputs(Xv, yv).items()}
+        acc = float((model(data["left"], data["right"]).argmax(1) == data["label"]).float().mean())
+    assert result.metrics["acc"] == pytest.approx(acc, abs=1e-6)
+
+
+def test_xarray_dataset_with_several_inputs_gives_dict_batches(client, tmp_path, digits_data):
+    (X, y), _ = digits_data
+    parts = _two_inputs(X, y)
+    ds = xr.Dataset({k: (("sample", *[f"{k}_{i}" for i in range(1, v.ndim)]), v) for k, v in parts.items()})
+    result = _fit(TwoTower(), ds, client, tmp_path, validation=0.2, train_step=two_tower_step)
+    assert list(result.epochs["loss"]) == sorted(result.epochs["loss"], reverse=True)  # validation loss falls
+
+
+class DigitsDataset(torch.utils.data.Dataset):
+    """Map-style: items (image as float64, label), as a user's dataset might give them."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X.astype(np.float64), y
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        return torch.from_numpy(self.X[i]), int(self.y[i])
+
+
+def flip_collate(items):
+    xs, ys = zip(*items, strict=True)
+    return torch.stack(xs).flip(-1), torch.tensor(ys)
+
+
+@pytest.mark.parametrize("collate_fn", [None, flip_collate])
+def test_map_style_dataset_is_sharded_by_index_ranges(client, tmp_path, digits_data, collate_fn):
+    (X, y), (Xv, yv) = digits_data
+    result = _fit(
+        _mlp(), DigitsDataset(X, y), client, tmp_path, validation=DigitsDataset(Xv, yv), collate_fn=collate_fn
+    )
+    assert result.metrics["accuracy"] > 0.45  # chance is 0.1
+    assert len(result.history[result.history.outcome == "merged"]) == 12
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(vocab, 16), torch.nn.Linear(16, vocab)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens))
+
+
+def test_integer_inputs_reach_the_model_as_integers(client, tmp_path):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 16, size=(400, 8))
+    nxt = (tokens + 1) % 16  # learnable: the next token is one more
+
+    def loss(out, target):
+        return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    result = _fit(TinyLM(), (tokens, nxt), client, tmp_path, loss=loss, validation=0.2, lr=0.05, metrics=[])
+    assert result.epochs["loss"].iloc[-1] < 1.0  # from ln(16) = 2.8
+
+
+def test_worker_optimizer_state_with_schedule_and_clipping(client, tmp_path, digits_data):
+    (X, y), val = digits_data
+    result = _fit(
+        _mlp(),
+        (X, y),
+        client,
+        tmp_path,
+        validation=val,
+        optimizer_state="worker",
+        lr=1e-2,
+        lr_schedule=lambda epoch, step: min(1.0, (step + 1) / 3) * 0.8 ** (epoch - 1),
+        clip_grad_norm=1.0,
+    )
+    assert result.metrics["accuracy"] > 0.6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["32", "bf16", "16-mixed"])
+def test_cuda_training(client, tmp_path, digits_data, precision):
+    (X, y), val = digits_data
+    result = _fit(_mlp(), (X, y), client, tmp_path, validation=val, device="cuda", precision=precision)
+    assert all(d.startswith("cuda:") for d in result.history.device.dropna())
+    assert result.metrics["accuracy"] > 0.6
+    assert next(result.model.parameters()).device.type == "cpu"  # parameters come back to the caller on CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.cluster
+def test_one_run_mixes_cuda_and_cpu_workers(tmp_path, digits_data):
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    workers = {
+        "gpu": {"cls": Nanny, "options": {"nthreads": 1}},
+        "cpu": {"cls": Nanny, "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": ""}}},
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    (X, y), val = digits_data
+    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as c:
+        result = _fit(_mlp(), (X, y), c, tmp_path, validation=val, max_epochs=4)
+    devices = set(result.history[result.history.outcome == "merged"].device)
+    assert "cpu" in devices and any(d.startswith("cuda:") for d in devices), devices
+    assert result.metrics["accuracy"] > 0.6

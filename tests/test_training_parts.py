@@ -1,0 +1,211 @@
+"""The parts of local training without a cluster: devices and precision, batches, steps, the inner optimizer."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import vcdask
+from vcdask import batches, inner
+from vcdask.device import Precision, check_device, check_precision, resolve_device, to
+from vcdask.errors import DataError
+from vcdask.steps import check_steps, evaluate
+
+
+def test_check_device_and_precision():
+    assert check_device("cuda:1") == "cuda:1" and check_device(torch.device("cpu")) == "cpu"
+    with pytest.raises(ValueError, match=r"device must be one of \['auto', 'cpu', 'cuda', 'cuda:N', 'mps'\].*'gpu'"):
+        check_device("gpu")
+    assert check_precision("bf16-mixed") == "bf16" and check_precision(32) == "32"
+    with pytest.raises(ValueError, match=r"precision must be one of \['32', 'bf16', '16-mixed'\], got 'fp8'"):
+        check_precision("fp8")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a worker without CUDA")
+def test_explicit_cuda_on_a_worker_without_one_fails_the_task():
+    assert resolve_device("auto") == torch.device("cpu") or resolve_device("auto").type == "mps"
+    with pytest.raises(RuntimeError, match="this worker has no CUDA device"):
+        resolve_device("cuda")
+
+
+def _step_once(precision: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    before = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    p = Precision(precision, torch.device("cpu"))
+    with p.autocast():
+        out = model(torch.randn(16, 8))
+        loss = torch.nn.functional.cross_entropy(out, torch.randint(0, 3, (16,)))
+    p.step(loss, opt, clip_grad_norm=None)
+    return model, before, out
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("32", torch.float32), ("bf16", torch.bfloat16)])
+def test_precision_autocasts_on_cpu(precision, dtype):
+    model, before, out = _step_once(precision)
+    assert out.dtype == dtype
+    assert model.weight.dtype == torch.float32 and not torch.equal(model.weight, before)
+
+
+def test_fp16_mixed_scales_gradients_on_cpu():
+    model, before, out = _step_once("16-mixed")
+    assert out.dtype == torch.float16 and not torch.equal(model.weight, before)
+
+
+def test_gradient_clipping_bounds_the_step():
+    model = torch.nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss = (model(torch.full((2, 4), 100.0)) - 1000.0).pow(2).mean()
+    Precision("32", torch.device("cpu")).step(loss, opt, clip_grad_norm=0.5)
+    assert float(model.weight.detach().norm()) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_to_moves_nested_batches_and_casts_only_floats():
+    batch = {"a": torch.zeros(2, dtype=torch.float64), "b": (torch.arange(2), [torch.ones(1, dtype=torch.float64)])}
+    moved = to(batch, torch.device("cpu"), torch.float32)
+    assert moved["a"].dtype == torch.float32 and moved["b"][0].dtype == torch.int64
+    assert moved["b"][1][0].dtype == torch.float32 and isinstance(moved["b"][1], list)
+
+
+def test_prefetch_keeps_order_and_raises_where_the_item_failed():
+    assert list(batches.prefetch(iter(range(50)), depth=3)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise KeyError("item 2 is broken")
+
+    got = []
+    with pytest.raises(KeyError, match="item 2 is broken"):
+        for item in batches.prefetch(failing()):
+            got.append(item)
+    assert got == [1]
+
+
+def test_prefetch_stopped_early_leaves_no_thread():
+    before = threading.active_count()
+    for i in batches.prefetch(iter(range(1000)), depth=2):
+        if i == 3:
+            break
+    assert threading.active_count() <= before + 1  # the producer exits once it sees the stop
+
+
+def _spec(**kw):
+    base = dict(
+        run_id="r1",
+        optimizer=lambda params: torch.optim.Adam(params, lr=0.1),
+        optimizer_state="fresh",
+        lr_schedule=None,
+        clip_grad_norm=None,
+        batch_form="xy",
+        classification=True,
+        x_dtype=torch.float32,
+        cast_x=True,
+    )
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def _train_task(spec, model, epoch=1):
+    opt = inner.InnerOptimizer(spec, model, Precision("32", torch.device("cpu")), epoch)
+    for _ in range(3):
+        opt.step(model(torch.ones(2, 3)).pow(2).mean())
+    opt.done()
+    return opt
+
+
+def test_worker_optimizer_state_is_kept_per_run_and_fresh_by_default():
+    model = torch.nn.Linear(3, 1)
+    fresh = _spec()
+    assert not _train_task(fresh, model).resumed and not _train_task(fresh, model).resumed
+    kept = _spec(run_id="kept-run", optimizer_state="worker")
+    first = _train_task(kept, model)
+    second = inner.InnerOptimizer(kept, model, Precision("32", torch.device("cpu")), 1)
+    assert not first.resumed and second.resumed
+    state = second.optimizer.state_dict()["state"][0]
+    assert int(state["step"]) == 3  # Adam's step count (and moments) carried over
+    assert not inner.InnerOptimizer(_spec(run_id="other", optimizer_state="worker"), model, first.precision, 1).resumed
+
+
+def test_lr_schedule_scales_each_local_step():
+    model = torch.nn.Linear(3, 1)
+    seen = []
+    spec = _spec(lr_schedule=lambda epoch, step: seen.append((epoch, step)) or 0.5**step)
+    opt = _train_task(spec, model, epoch=4)
+    assert seen == [(4, 0), (4, 1), (4, 2)]
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        inner.check_schedule(lambda e, s: -1)
+
+
+def test_integer_inputs_stay_integer_without_cast():
+    src = types.SimpleNamespace(
+        cache_key=("mem", id(test_integer_inputs_stay_integer_without_cast)),
+        url=None,
+        read_columns=lambda a, b: {"X": np.arange(12).reshape(6, 2)[a:b], "y": np.arange(6)[a:b]},
+    )
+    cols = batches.rows(_spec(cast_x=False), src, 0, 6)
+    assert cols["X"].dtype == torch.int64 and cols["y"].dtype == torch.int64
+    cols = batches.rows(_spec(cast_x=True), src, 1, 6)
+    assert cols["X"].dtype == torch.float32
+    got = list(batches.batches(_spec(), cols, torch.device("cpu"), 2))
+    assert [n for _, n in got] == [2, 2, 1] and torch.equal(got[0][0][0], cols["X"][:2])
+
+
+def test_check_steps_names_what_is_wrong():
+    model = torch.nn.Linear(2, 1)
+    batch = (torch.ones(3, 2), torch.ones(3, 1))
+    ok = check_steps(model, batch, lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), lambda m, b: {"mse": 0.5, "n": 3})
+    assert ok == ["mse", "n"]
+    with pytest.raises(DataError, match=r"scalar loss tensor, got a tensor of shape \(3, 1\)"):
+        check_steps(model, batch, lambda m, b: m(b[0]), None)
+    with pytest.raises(DataError, match="train_step fails on a batch.*TypeError: tuple indices"):
+        check_steps(model, batch, lambda m, b: m(b["x"]), None)
+    with pytest.raises(TypeError, match="eval_step must return a non-empty dict"):
+        check_steps(model, batch, lambda m, b: m(b[0]).sum(), lambda m, b: [1.0])
+
+
+def test_evaluate_weights_eval_step_values_by_batch_size():
+    spec = types.SimpleNamespace(train_step=lambda m, b: None, eval_step=lambda m, b: {"v": b.float().mean()})
+    parts = [(torch.tensor([1.0, 1.0, 1.0]), 3), (torch.tensor([5.0]), 1)]
+    got = evaluate(spec, torch.nn.Identity(), parts, Precision("32", torch.device("cpu")))
+    assert got == {"v": pytest.approx((3 * 1.0 + 5.0) / 4)}
+
+
+class _Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), i % 2
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+@pytest.mark.parametrize(
+    ("data", "kwargs", "error", "match"),
+    [
+        ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"device": "gpu"}, ValueError, r"device must be one of"),
+        ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"precision": "fp8"}, ValueError, r"precision must be one of"),
+        ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"optimizer_state": "kept"}, ValueError, r"\['fresh', 'worker'\]"),
+        ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"eval_step": lambda m, b: {}}, TypeError, "eval_step needs"),
+        ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"clip_grad_norm": 0}, ValueError, "clip_grad_norm must be"),
+        ({"a": np.ones((8, 2), "f4"), "b": np.ones(8)}, {}, TypeError, "dict data gives dict batches"),
+        ({"a": np.ones((8, 2), "f4"), "b": np.ones(7)}, {"train_step": len}, DataError, "equal lengths"),
+        (_Stream(), {}, TypeError, "iterable-style dataset"),
+        (_Squares(), {"train_step": lambda m, b: m(b[0]).sum(), "metrics": ["accuracy"]}, TypeError, "metrics="),
+    ],
+)
+def test_bad_training_options_fail_before_cluster_work(tmp_path, data, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        vcdask.fit(torch.nn.Linear(2, 2), data, store=str(tmp_path / "s"), progress=False, **kwargs)
+    assert not (tmp_path / "s").exists()

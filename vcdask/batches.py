@@ -1,0 +1,154 @@
+"""A shard's rows on a worker, and the batches a task trains or validates on.
+
+Rows read from arrays (staged or where they live) are cached per worker process as tensors (the
+paper's "sticky files"); a task then cuts batches from them in a seeded order and moves each to its
+device.  On a GPU a shard that fits is copied once (from pinned memory, without blocking) and cut
+there; otherwise, and for a torch ``Dataset`` (whose items may be slow to read), the next batch is
+made in a background thread while the current one trains.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .device import to
+from .errors import StoreError
+from .torch_data import DatasetSource
+
+__all__ = ["Rows", "batches", "prefetch", "rows"]
+
+_lock = threading.Lock()
+_cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+_MAX_ROW_BYTES = 2 << 30
+_ON_DEVICE_BYTES = 1 << 30  # a GPU shard up to this size is copied whole, then cut into batches there
+
+#: The rows of a shard: columns of tensors (``{"X", "y"}`` for (X, y) data), or a dataset's index range.
+Rows = dict[str, torch.Tensor] | DatasetSource
+
+
+def _tensor(a: np.ndarray, spec, name: str) -> torch.Tensor:
+    t = torch.as_tensor(np.ascontiguousarray(a))
+    if spec.batch_form == "xy" and name == "y":
+        return t.long() if spec.classification else t.to(spec.x_dtype)
+    if t.is_floating_point() or (spec.cast_x and name == "X"):
+        return t.to(spec.x_dtype)
+    return t
+
+
+def rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows:
+    """Rows ``[start, stop)`` of ``source``, cached per process (pinned when the worker trains on a GPU).
+
+    Raises
+    ------
+    StoreError
+        The storage holding the data failed (a store fault, not the worker's).
+    """
+    if isinstance(source, DatasetSource):
+        return source.slice(start, stop)
+    key = (*source.cache_key, start, stop, pin)
+    with _lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+            return hit
+    try:
+        arrays = source.read_columns(start, stop)
+    except (FileNotFoundError, PermissionError):
+        raise  # not transient: the data is not there, or not for us
+    except OSError as e:  # e.g. a 503 from object storage
+        raise StoreError(f"reading rows {start}:{stop} of {source.url or 'the data'}: {e}") from e
+    columns = {k: _tensor(a, spec, k) for k, a in arrays.items()}
+    if pin:
+        columns = {k: t.pin_memory() for k, t in columns.items()}
+    with _lock:
+        _cache[key] = columns
+        while sum(_nbytes(c) for c in _cache.values()) > _MAX_ROW_BYTES and len(_cache) > 1:
+            _cache.popitem(last=False)
+    return columns
+
+
+def _nbytes(columns: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in columns.values())
+
+
+def n_rows(r: Rows) -> int:
+    return r.n if isinstance(r, DatasetSource) else len(next(iter(r.values())))
+
+
+def _cut(columns: dict[str, torch.Tensor], idx: torch.Tensor, form: str) -> Any:
+    if form == "xy":
+        return columns["X"][idx], columns["y"][idx]
+    return {k: t[idx] for k, t in columns.items()}
+
+
+def batches(
+    spec,
+    r: Rows,
+    device: torch.device,
+    batch_size: int,
+    *,
+    generator: torch.Generator | None = None,
+) -> Iterator[tuple[Any, int]]:
+    """``(batch, n_samples)`` pairs over ``r`` on ``device``: shuffled by ``generator``, else in order."""
+    n = n_rows(r)
+    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    spans = [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    if isinstance(r, DatasetSource):
+        yield from prefetch(((to(r.batch(idx.tolist()), device, spec.x_dtype), len(idx)) for idx in spans))
+        return
+    if device.type == "cpu":
+        yield from ((_cut(r, idx, spec.batch_form), len(idx)) for idx in spans)
+        return
+    if _nbytes(r) <= _ON_DEVICE_BYTES:  # one copy of the shard, then batches cut on the device
+        on_device = {k: t.to(device, non_blocking=t.is_pinned()) for k, t in r.items()}
+        yield from ((_cut(on_device, idx.to(device), spec.batch_form), len(idx)) for idx in spans)
+        return
+    yield from prefetch(((to(_cut(r, idx, spec.batch_form), device), len(idx)) for idx in spans))
+
+
+_DONE = object()
+
+
+def prefetch(items: Iterable[Any], depth: int = 2) -> Iterator[Any]:
+    """Iterate ``items`` with up to ``depth`` of them made ahead in a background thread.
+
+    An exception raised while making an item is raised here, in order; stopping early stops the thread.
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def fill() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                q.put((item, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((_DONE, e))
+            return
+        q.put((_DONE, None))
+
+    thread = threading.Thread(target=fill, name="vcdask-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = q.get()
+            if error is not None:
+                raise error
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                thread.join(0.01)

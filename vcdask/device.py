@@ -1,0 +1,153 @@
+"""Where a shard trains and in what precision.
+
+The client checks the ``device`` and ``precision`` options of :func:`vcdask.fit` (:func:`check_device`,
+:func:`check_precision`); each worker then resolves ``device`` against what it has
+(:func:`resolve_device`: ``"auto"`` takes the worker's accelerator), so one run can mix GPU and CPU
+workers.  Parameters travel and merge as CPU flat arrays; a worker moves them to its device, trains
+under :class:`Precision` and brings ``W_c`` back to CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["DEVICES", "PRECISIONS", "Precision", "check_device", "check_precision", "describe", "resolve_device", "to"]
+
+#: What ``device=`` accepts (``"cuda:N"`` names one GPU of the worker's machine).
+DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
+
+#: What ``precision=`` accepts, and aliases in Lightning's spelling.
+PRECISIONS = ("32", "bf16", "16-mixed")
+_PRECISION_ALIASES = {"32": "32", "32-true": "32", "bf16": "bf16", "bf16-mixed": "bf16", "16-mixed": "16-mixed"}
+
+
+def check_device(device: Any) -> str:
+    """``device`` as the string every worker resolves; raise if it names no kind of device.
+
+    Raises
+    ------
+    ValueError
+        Naming the bad value and the valid choices.
+    """
+    if isinstance(device, torch.device):
+        device = str(device)
+    if isinstance(device, str) and (device in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d+", device)):
+        return device
+    raise ValueError(f"device must be one of {list(DEVICES)} (or a torch.device), got {device!r}")
+
+
+def check_precision(precision: Any) -> str:
+    """``precision`` in its canonical spelling (``"32"``, ``"bf16"`` or ``"16-mixed"``).
+
+    Raises
+    ------
+    ValueError
+        Naming the bad value and the valid choices.
+    """
+    key = str(precision) if isinstance(precision, (str, int)) and not isinstance(precision, bool) else None
+    if key not in _PRECISION_ALIASES:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    return _PRECISION_ALIASES[key]
+
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch device this process trains on for the option ``device``.
+
+    ``"auto"`` is the worker's CUDA device if it has one (``torch.cuda.current_device()``, which
+    ``CUDA_VISIBLE_DEVICES`` or dask-cuda choose per worker), else Apple's MPS, else the CPU.
+
+    Raises
+    ------
+    RuntimeError
+        An explicit ``"cuda"`` / ``"mps"`` on a worker without one: the task fails on this worker
+        and the run's failure policy sends the shard elsewhere.
+    """
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("mps") if _mps_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device={device!r} but this worker has no CUDA device (torch {torch.__version__})")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise RuntimeError(f"device={device!r} but this worker has {torch.cuda.device_count()} CUDA device(s)")
+        return torch.device("cuda", index)
+    if dev.type == "mps" and not _mps_available():
+        raise RuntimeError(f"device={device!r} but this worker has no MPS device")
+    return dev
+
+
+def describe(device: torch.device) -> str:
+    """A short name for the worker table, e.g. ``"cuda:0 (NVIDIA H100 80GB HBM3)"`` or ``"cpu"``."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def to(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """``batch`` (a tensor, or tuples, lists and dicts of them) on ``device``; floating tensors take
+    ``dtype`` when given.  Copies from pinned memory do not block."""
+    if isinstance(batch, torch.Tensor):
+        if dtype is not None and batch.is_floating_point() and batch.dtype != dtype:
+            batch = batch.to(dtype)
+        return batch.to(device, non_blocking=batch.is_pinned())
+    if isinstance(batch, Mapping):
+        return {k: to(v, device, dtype) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to(v, device, dtype) for v in batch)
+    return batch
+
+
+class Precision:
+    """Autocast and (for fp16) gradient scaling around a training step.
+
+    Parameters
+    ----------
+    precision : {"32", "bf16", "16-mixed"}
+        ``"bf16"`` runs the forward pass under ``torch.autocast(dtype=torch.bfloat16)`` (parameters
+        stay float32); ``"16-mixed"`` under float16 autocast with a :class:`torch.amp.GradScaler`.
+    device : torch.device
+    """
+
+    def __init__(self, precision: str, device: torch.device):
+        self.precision = precision
+        self.device = device
+        self.dtype = {"bf16": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The forward pass's context (a no-op in full precision)."""
+        if self.dtype is None:
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            yield
+
+    def step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None) -> None:
+        """Backward pass, optional gradient clipping (on unscaled gradients), optimizer step."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.scaler is None:
+            loss.backward()
+            if clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            optimizer.step()
+            return
+        self.scaler.scale(loss).backward()
+        if clip_grad_norm is not None:
+            self.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        self.scaler.step(optimizer)
+        self.scaler.update()

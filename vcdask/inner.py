@@ -1,0 +1,110 @@
+"""The inner (local) optimizer of shard tasks: fresh or kept per worker, learning-rate schedules.
+
+``optimizer_state="fresh"`` (the paper's rule) makes a new optimizer for every shard task.
+``"worker"`` keeps each worker's optimizer state (Adam's moments, momentum buffers, the fp16 grad
+scaler) between its tasks of one run, as DiLoCo keeps its workers' inner AdamW: the state lives in
+the worker process, keyed by run, so a shard re-issued to another worker starts clean there, and a
+worker that restarts starts clean.  Tasks running at once on one worker never share a state.
+
+``lr_schedule=fn(epoch, step) -> factor`` scales the optimizer's learning rate(s) at every local
+step: ``epoch`` is the run's epoch (1-based) and ``step`` the task's local step (0-based), so warm-up
+over local steps and decay over epochs are both one line.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["OPTIMIZER_STATES", "InnerOptimizer", "check_optimizer_state", "check_schedule"]
+
+#: What ``optimizer_state=`` accepts.
+OPTIMIZER_STATES = ("fresh", "worker")
+
+_lock = threading.Lock()
+_kept: dict[str, list[dict[str, Any]]] = {}  # run_id -> states set aside by finished tasks (newest run last)
+_KEEP_RUNS = 4
+
+
+def check_optimizer_state(value: Any) -> str:
+    if value not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state must be one of {list(OPTIMIZER_STATES)}, got {value!r}")
+    return value
+
+
+def check_schedule(schedule: Any) -> Callable[[int, int], float] | None:
+    """``lr_schedule`` checked on its first step.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Not a callable ``(epoch, step) -> factor``, or a negative / non-finite factor.
+    """
+    if schedule is None:
+        return None
+    if not callable(schedule):
+        raise TypeError(f"lr_schedule must be a callable (epoch, step) -> factor, got {type(schedule).__name__}")
+    factor = schedule(1, 0)
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 <= float(factor) < float("inf"):
+        raise ValueError(f"lr_schedule(1, 0) must return a finite number >= 0, got {factor!r}")
+    return schedule
+
+
+class InnerOptimizer:
+    """One shard task's optimizer: made fresh or taken from the worker's kept state; handed back after.
+
+    Parameters
+    ----------
+    spec : RunSpec
+    model : torch.nn.Module
+        The model on its training device.
+    precision : vcdask.device.Precision
+        Its grad scaler (fp16) is kept with the optimizer state.
+    epoch : int
+        The run's epoch (for ``lr_schedule``).
+    """
+
+    def __init__(self, spec, model: torch.nn.Module, precision, epoch: int):
+        self.spec = spec
+        self.precision = precision
+        self.epoch = epoch
+        self.optimizer: torch.optim.Optimizer = spec.optimizer(model.parameters())
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.step_count = 0
+        self.resumed = False
+        if spec.optimizer_state == "worker":
+            with _lock:
+                kept = _kept.get(spec.run_id)
+                state = kept.pop() if kept else None
+            if state is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+                if self.precision.scaler is not None and state.get("scaler"):
+                    self.precision.scaler.load_state_dict(state["scaler"])
+                self.resumed = True
+
+    def step(self, loss: torch.Tensor) -> None:
+        """Backward, clip, scheduled learning rate, optimizer step."""
+        if self.spec.lr_schedule is not None:
+            factor = float(self.spec.lr_schedule(self.epoch, self.step_count))
+            for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+                group["lr"] = base * factor
+        self.optimizer.zero_grad(set_to_none=True)
+        self.precision.step(loss, self.optimizer, self.spec.clip_grad_norm)
+        self.step_count += 1
+
+    def done(self) -> None:
+        """The task trained to its end: keep the state for this worker's next task (``"worker"``)."""
+        if self.spec.optimizer_state != "worker":
+            return
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.precision.scaler is not None:
+            state["scaler"] = self.precision.scaler.state_dict()
+        with _lock:
+            _kept.setdefault(self.spec.run_id, []).append(state)
+            for old in list(_kept)[:-_KEEP_RUNS]:  # a long-lived cluster: forget runs long gone
+                del _kept[old]

@@ -1,0 +1,126 @@
+"""Training and evaluation steps: the default ``loss(model(x), y)`` and the caller's own.
+
+``fit(..., train_step=fn)`` takes ``fn(model, batch) -> loss tensor`` for models that are not
+``model(X) -> output`` (several inputs, dict batches, a language model's shifted targets...), and
+``eval_step=fn`` takes ``fn(model, batch) -> {"name": value}``: each value is averaged over the
+validation set, weighted by batch size, and becomes a column of ``FitResult.epochs``.  Without an
+``eval_step``, a run with a ``train_step`` reports the validation ``loss`` (the train step's loss,
+without gradients); the default step reports the loss and the ``metrics`` of the outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from .errors import DataError
+
+__all__ = ["SupervisedStep", "check_steps", "evaluate"]
+
+
+def _xy(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(
+        f"the default step needs (x, y) batches, got a {type(batch).__name__}; pass train_step=fn(model, batch) "
+        "(and eval_step=) for other batches"
+    )
+
+
+class SupervisedStep:
+    """The default training step: ``loss(model(x), y)`` on an ``(x, y)`` batch."""
+
+    def __init__(self, loss: Callable):
+        self.loss = loss
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y = _xy(batch)
+        return self.loss(model(x), y)
+
+
+def _value(v: Any, name: str) -> float:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"eval_step's {name!r} must be a number or a 0-d tensor, got shape {tuple(v.shape)}")
+        return float(v.detach())
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    raise TypeError(f"eval_step's {name!r} must be a number or a 0-d tensor, got {type(v).__name__}")
+
+
+def evaluate(spec, model: torch.nn.Module, batches: Iterable[tuple[Any, int]], precision) -> dict[str, float]:
+    """Validation numbers of ``model`` over ``(batch, n)`` pairs, without gradients.
+
+    The default step concatenates the outputs and computes ``loss`` and each metric over all of them;
+    an ``eval_step`` (or a ``train_step`` alone) is averaged over batches, weighted by their size.
+    """
+    model.eval()
+    with torch.no_grad(), precision.autocast():
+        if spec.train_step is None:
+            outs, ys = [], []
+            for batch, _ in batches:
+                x, y = _xy(batch)
+                outs.append(model(x).float().cpu())
+                ys.append(y.cpu())
+            out, y = torch.cat(outs), torch.cat(ys)
+            result = {"loss": float(spec.loss(out, y))}
+            result.update({name: float(fn(out, y)) for name, fn in spec.metrics.items()})
+            return result
+        sums: dict[str, float] = {}
+        total = 0
+        for batch, n in batches:
+            if spec.eval_step is None:
+                values: Mapping[str, Any] = {"loss": spec.train_step(model, batch)}
+            else:
+                values = spec.eval_step(model, batch)
+                if not isinstance(values, Mapping):
+                    raise TypeError(f"eval_step must return a dict of metric values, got {type(values).__name__}")
+            for name, v in values.items():
+                sums[str(name)] = sums.get(str(name), 0.0) + _value(v, name) * n
+            total += n
+        return {name: s / total for name, s in sums.items()} if total else {}
+
+
+def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None) -> list[str]:
+    """Run the steps once on a probe batch (a copy of the model, on CPU); return the metric names.
+
+    Raises
+    ------
+    DataError
+        A step fails on the probe batch, or the train step returns something that is not a scalar loss.
+    TypeError
+        ``eval_step`` returns something other than a dict of numbers.
+    """
+    probe = copy.deepcopy(model)
+    probe.train()
+    try:
+        loss = train_step(probe, sample)
+    except Exception as e:
+        raise DataError(f"train_step fails on a batch of the training data: {type(e).__name__}: {e}") from e
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        grad = "" if not isinstance(loss, torch.Tensor) or loss.requires_grad else " that requires grad"
+        raise DataError(f"train_step must return a scalar loss tensor{grad}, got {what}")
+    if eval_step is None:
+        return ["loss"]
+    probe.eval()
+    try:
+        with torch.no_grad():
+            values = eval_step(probe, sample)
+    except Exception as e:
+        raise DataError(f"eval_step fails on a batch of the data: {type(e).__name__}: {e}") from e
+    if not isinstance(values, Mapping) or not values:
+        raise TypeError(f"eval_step must return a non-empty dict of metric values, got {values!r}")
+    names = []
+    for name, v in values.items():
+        f = _value(v, name)
+        if not isinstance(name, str):
+            raise TypeError(f"eval_step's metric names must be strings, got {name!r}")
+        if math.isinf(f):
+            raise DataError(f"eval_step's {name!r} is infinite on a probe batch")
+        names.append(name)
+    return names

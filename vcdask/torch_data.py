@@ -1,0 +1,105 @@
+"""A map-style ``torch.utils.data.Dataset`` as training or validation data.
+
+Shards are index ranges.  The dataset travels to the workers inside the run's spec (cloudpickle), so
+it must pickle: a dataset that reads files should keep their paths and open them on first use in
+the worker, as one written for ``DataLoader(num_workers>0)`` already does.  Batches are the
+dataset's items put together by ``collate_fn`` (default: ``torch.utils.data.default_collate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import DataError
+
+__all__ = ["DatasetSource", "is_dataset", "prepare_dataset"]
+
+
+def is_dataset(data: Any) -> bool:
+    """Whether ``data`` is a torch dataset (map-style or iterable)."""
+    return isinstance(data, torch.utils.data.Dataset)
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """Items ``[offset, offset + n)`` of a map-style dataset.
+
+    Attributes
+    ----------
+    dataset : torch.utils.data.Dataset
+    n : int
+    offset : int
+    collate_fn : callable or None
+        Items -> batch; None for ``torch.utils.data.default_collate``.
+    """
+
+    dataset: Any
+    n: int
+    offset: int = 0
+    collate_fn: Any = None
+    url = None  # for messages that name a source's location
+
+    @property
+    def cache_key(self) -> tuple:
+        return (id(self.dataset), self.offset, self.n)
+
+    def batch(self, indices) -> Any:
+        """The collated batch of items ``indices`` (relative to this source)."""
+        collate = self.collate_fn or torch.utils.data.default_collate
+        return collate([self.dataset[self.offset + int(i)] for i in indices])
+
+    def slice(self, start: int, stop: int) -> DatasetSource:
+        """A source for items ``[start, stop)`` of this one."""
+        return replace(self, n=stop - start, offset=self.offset + start)
+
+
+def prepare_dataset(data: Any, *, collate_fn=None, what: str = "data"):
+    """Check a torch dataset and describe it (collates a probe batch of its first items).
+
+    Raises
+    ------
+    TypeError
+        An iterable-style dataset (it has no index ranges to shard), or one that does not pickle.
+    DataError
+        An empty dataset, or items that ``collate_fn`` cannot put together.
+    """
+    from .data import PreparedData
+
+    if isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__len__"):
+        raise TypeError(
+            f"{what}: an iterable-style dataset ({type(data).__name__}) has no index ranges to shard; "
+            "pass a map-style Dataset (with __len__ and __getitem__), arrays, or an xarray/Zarr dataset"
+        )
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(f"collate_fn must be a callable list of items -> batch, got {type(collate_fn).__name__}")
+    n = len(data)
+    if n == 0:
+        raise DataError(f"{what} is an empty dataset (len 0)")
+    try:
+        import cloudpickle
+
+        cloudpickle.dumps(data)
+    except Exception as e:
+        raise TypeError(
+            f"{what}: the dataset must pickle to reach the workers ({type(e).__name__}: {e}); keep file paths "
+            "in it and open files on first use"
+        ) from e
+    source = DatasetSource(data, n, collate_fn=collate_fn)
+    try:
+        sample = source.batch(range(min(4, n)))
+    except Exception as e:
+        raise DataError(f"{what}: cannot make a batch of the dataset's first items: {type(e).__name__}: {e}") from e
+    prepared = PreparedData(None, n=n, form="dataset", sample=sample)
+    prepared.source = source  # type: ignore[assignment]  # a DatasetSource reads where the data lives too
+    if isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[1], torch.Tensor):
+        x, y = sample
+        prepared.y_dtype = np.dtype(str(y.dtype).removeprefix("torch."))
+        if isinstance(x, torch.Tensor):
+            prepared.x_shape, prepared.sample_X, prepared.sample_y = tuple(x.shape[1:]), x.numpy(), y.numpy()
+        if not y.is_floating_point():  # the probe's labels are checked against the model's outputs
+            prepared.y_min, prepared.y_max = int(y.min()), int(y.max())
+    return prepared
