@@ -175,10 +175,10 @@ def test_one_run_mixes_cuda_and_cpu_workers(tmp_path, digits_data):
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
     workers = {
-        "gpu": {"cls": Nanny, "options": {"nthreads": 1}},
-        "cpu": {"cls": Nanny, "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": ""}}},
+        "gpu": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}},
+        "cpu": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": ""}}},
     }
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
     (X, y), val = digits_data
     with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as c:
         result = _fit(_mlp(), (X, y), c, tmp_path, validation=val, max_epochs=4)
