@@ -446,9 +446,7 @@ def stage(prepared: PreparedData, files, path: str, *, client=None, sample_dim: 
 
     columns = prepared.columns if prepared.form == "dict" else {"X": prepared.X, "y": prepared.y}
     assert columns is not None
-    ds = xr.Dataset(
-        {k: ((sample_dim, *[f"{k}_dim_{i}" for i in range(1, a.ndim)]), a) for k, a in columns.items()}
-    )
+    ds = xr.Dataset({k: ((sample_dim, *[f"{k}_dim_{i}" for i in range(1, a.ndim)]), a) for k, a in columns.items()})
     lazy = any(_is_dask(a) for a in columns.values())
     rows = min(_rows_per_chunk(a) for a in columns.values())
     target = files.zarr_store(path)

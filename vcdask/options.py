@@ -155,14 +155,14 @@ def check_model(model, prepared: PreparedData, loss, classification: bool, x_dty
     try:
         with torch.no_grad():
             out = probe(X.to(x_dtype) if cast else X)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the user's model; retried with integer inputs, else reported
         integer = not X.is_floating_point() and cast
         try:
             if not integer:
                 raise
             with torch.no_grad():  # integer inputs (token ids...) the model takes as they are
                 out, cast = probe(X), False
-        except Exception:
+        except Exception:  # noqa: BLE001 - reported with the first error
             raise DataError(
                 f"the model cannot process the training data: samples of shape {tuple(prepared.x_shape)} "
                 f"and dtype {prepared.x_dtype} -> {type(e).__name__}: {e}"
@@ -328,10 +328,10 @@ def plan_run(
     val_prepared = None
     if validation is not None and not isinstance(validation, float):
         val_prepared = prepare_data(validation, **names, what="validation")
-        if val_prepared.form != prepared.form or (prepared.form != "dataset" and val_prepared.shapes != prepared.shapes):
-            raise DataError(
-                f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}"
-            )
+        if val_prepared.form != prepared.form or (
+            prepared.form != "dataset" and val_prepared.shapes != prepared.shapes
+        ):
+            raise DataError(f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}")
     prepared, split_val = split(prepared, validation, seed, shuffle)
     n_shards = positive_int("n_shards", min(10, prepared.n) if n_shards is None else n_shards)
     if n_shards > prepared.n:
