@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from .cluster import check_client, resolve_client
-from .data import Shards, stage
+from .data import Shards
 from .errors import VersionNotFoundError
 from .handle import FitResult, RunHandle, ensure_plugin
 from .options import DEFAULT_STORE, RunPlan, plan_run
 from .resilience import Resilience
 from .spec import RunSpec, save_spec, spec_path
+from .staging import stage
 from .store import ParamStore, check_cluster_access, open_store, share_credentials, store_holds_secrets
 
 logger = logging.getLogger(__name__)

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 
 from .cluster import check_client
-from .data import DataError, PreparedData, prepare_data, split
+from .data import DataError, PreparedData, prepare_data
 from .device import check_device, check_precision
 from .inner import check_optimizer_state, check_schedule
 from .merge import MergeRule, get_rule
 from .resilience import Resilience
-from .steps import check_steps
+from .staging import split
+from .steps import check_steps, probe_batch
 from .store import ParamStore, open_store
 
 logger = logging.getLogger(__name__)
@@ -185,23 +186,6 @@ def check_model(model, prepared: PreparedData, loss, classification: bool, x_dty
             f"shape {tuple(y.shape)}: {type(e).__name__}: {e}"
         ) from e
     return cast
-
-
-def probe_batch(prepared: PreparedData, x_dtype: torch.dtype) -> Any:
-    """A few rows of the data as the batch a custom step will get (on CPU)."""
-    if prepared.form == "dataset":
-        from .device import to
-
-        return to(prepared.sample, torch.device("cpu"), x_dtype)
-
-    def tensor(a) -> torch.Tensor:
-        t = torch.as_tensor(np.ascontiguousarray(a))
-        return t.to(x_dtype) if t.is_floating_point() else t
-
-    if prepared.form == "dict":
-        return {k: tensor(a) for k, a in prepared.sample.items()}
-    y = tensor(prepared.sample_y)
-    return tensor(prepared.sample_X), y.long() if prepared.classification else y
 
 
 def check_target(target, metric_names) -> dict[str, float] | None:

@@ -13,13 +13,17 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from .errors import DataError
 
-__all__ = ["SupervisedStep", "check_steps", "evaluate"]
+if TYPE_CHECKING:
+    from .data import PreparedData
+
+__all__ = ["SupervisedStep", "check_steps", "evaluate", "probe_batch"]
 
 
 def _xy(batch: Any) -> tuple[Any, Any]:
@@ -124,3 +128,20 @@ def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_
             raise DataError(f"eval_step's {name!r} is infinite on a probe batch")
         names.append(name)
     return names
+
+
+def probe_batch(prepared: PreparedData, x_dtype: torch.dtype) -> Any:
+    """A few rows of the data as the batch a custom step will get (on CPU)."""
+    if prepared.form == "dataset":
+        from .device import to
+
+        return to(prepared.sample, torch.device("cpu"), x_dtype)
+
+    def tensor(a) -> torch.Tensor:
+        t = torch.as_tensor(np.ascontiguousarray(a))
+        return t.to(x_dtype) if t.is_floating_point() else t
+
+    if prepared.form == "dict":
+        return {k: tensor(a) for k, a in prepared.sample.items()}
+    y = tensor(prepared.sample_y)
+    return tensor(prepared.sample_X), y.long() if prepared.classification else y
