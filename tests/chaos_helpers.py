@@ -34,17 +34,27 @@ def wait_for_busy_worker(client, timeout: float = 60) -> str:
     raise TimeoutError("no worker was training")
 
 
-def _executing_training(dask_worker=None) -> bool:
-    return any(str(ts.key).startswith("vcdask-train-") for ts in dask_worker.state.executing)
+def _executing_training(dask_worker=None) -> list[str]:
+    return [str(ts.key) for ts in dask_worker.state.executing if str(ts.key).startswith("vcdask-train-")]
+
+
+def _started_keys(dask_scheduler=None) -> list[str]:
+    """Training copies the live runs have seen start (their deadlines are running)."""
+    plugin = dask_scheduler.plugins.get("vcdask")
+    runs = plugin.runs.values() if plugin is not None else ()
+    return [str(k) for run in runs if not run.done.is_set() for k, t in run.tasks.updates() if t.started is not None]
 
 
 def wait_for_executing_worker(client, timeout: float = 60) -> str:
-    """A worker whose thread is running a training task right now (not merely holding one queued)."""
+    """A worker whose thread is running a training task right now (not merely holding one queued),
+    and whose copy the run has seen start: stopped any earlier, the run would see a copy that never
+    started (re-issued without blame) rather than one running past its deadline."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for address, executing in client.run(_executing_training).items():
-            if executing:
-                return address
+        executing = {key: address for address, keys in client.run(_executing_training).items() for key in keys}
+        started = set(client.run_on_scheduler(_started_keys)) if executing else set()
+        for key in sorted(set(executing) & started):
+            return executing[key]
         time.sleep(0.01)
     raise TimeoutError("no worker was executing a training task")
 
