@@ -48,7 +48,7 @@ def _cluster(setup: str):
     )
 
 
-def _wide(epochs: int):
+def _wide():
     from strategies import wide_cnn
 
     from vcdask.demo import digits
@@ -58,7 +58,7 @@ def _wide(epochs: int):
     return wide_cnn(0), (X, y), kwargs, "accuracy"
 
 
-def _lm(epochs: int):
+def _lm():
     import char_lm
 
     train, val = char_lm.load_data(256 * 1024, 32 * 1024, 64)
@@ -80,7 +80,7 @@ TASKS = {"wide": _wide, "lm": _lm}
 
 
 def run(task: str, setup: str, precision: str, epochs: int) -> list[dict]:
-    model, data, kwargs, metric = TASKS[task](epochs)
+    model, data, kwargs, metric = TASKS[task]()
     store = tempfile.mkdtemp(prefix="vcdask-bench-devices-")
     from distributed import Client
 

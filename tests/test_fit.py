@@ -34,6 +34,7 @@ def test_fit_digits_reaches_accuracy(client, digits_data, tmp_path):
         client=client,
         store=tmp_path / "store",
         progress=False,
+        retention=False,  # every version stays (checked below)
     )
     # stated accuracy: >= 0.95 on the held-out test set
     assert accuracy_on(result.model, X_test, y_test) >= 0.95
@@ -89,6 +90,7 @@ def test_merge_arithmetic_end_to_end(client, digits_data, tmp_path, alpha):
         store=tmp_path / "s",
         keep_updates=True,
         progress=False,
+        retention=False,  # every version stays: each one is checked
     )
     store = result.store
     history = result.history[result.history.accepted]

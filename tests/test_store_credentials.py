@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from vcdask import open_store
-from vcdask.data import prepare_data, stage
+from vcdask.data import prepare_data
 from vcdask.errors import InvalidLocationError, StoreAccessDeniedError, StoreCredentialsError
+from vcdask.staging import stage
 from vcdask.store import StoreCredentials, check_cluster_access, share_credentials, store_holds_secrets
 from vcdask.store._credentials import forget_credentials, redact
 from vcdask.store._errors import translate

@@ -141,7 +141,7 @@ def test_lr_schedule_scales_each_local_step():
     assert seen == [(4, 0), (4, 1), (4, 2)]
     assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
     with pytest.raises(ValueError, match="lr_schedule"):
-        inner.check_schedule(lambda e, s: -1)
+        inner.check_schedule(lambda _epoch, _step: -1)
 
 
 def test_integer_inputs_stay_integer_without_cast():
@@ -161,18 +161,18 @@ def test_integer_inputs_stay_integer_without_cast():
 def test_check_steps_names_what_is_wrong():
     model = torch.nn.Linear(2, 1)
     batch = (torch.ones(3, 2), torch.ones(3, 1))
-    ok = check_steps(model, batch, lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), lambda m, b: {"mse": 0.5, "n": 3})
+    ok = check_steps(model, batch, lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), lambda _m, _b: {"mse": 0.5, "n": 3})
     assert ok == ["mse", "n"]
     with pytest.raises(DataError, match=r"scalar loss tensor, got a tensor of shape \(3, 1\)"):
         check_steps(model, batch, lambda m, b: m(b[0]), None)
     with pytest.raises(DataError, match="train_step fails on a batch.*TypeError: tuple indices"):
         check_steps(model, batch, lambda m, b: m(b["x"]), None)
     with pytest.raises(TypeError, match="eval_step must return a non-empty dict"):
-        check_steps(model, batch, lambda m, b: m(b[0]).sum(), lambda m, b: [1.0])
+        check_steps(model, batch, lambda m, b: m(b[0]).sum(), lambda _m, _b: [1.0])
 
 
 def test_evaluate_weights_eval_step_values_by_batch_size():
-    spec = types.SimpleNamespace(train_step=lambda m, b: None, eval_step=lambda m, b: {"v": b.float().mean()})
+    spec = types.SimpleNamespace(train_step=lambda _m, _b: None, eval_step=lambda _m, b: {"v": b.float().mean()})
     parts = [(torch.tensor([1.0, 1.0, 1.0]), 3), (torch.tensor([5.0]), 1)]
     got = evaluate(spec, torch.nn.Identity(), parts, Precision("32", torch.device("cpu")))
     assert got == {"v": pytest.approx((3 * 1.0 + 5.0) / 4)}
@@ -197,7 +197,7 @@ class _Stream(torch.utils.data.IterableDataset):
         ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"device": "gpu"}, ValueError, r"device must be one of"),
         ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"precision": "fp8"}, ValueError, r"precision must be one of"),
         ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"optimizer_state": "kept"}, ValueError, r"\['fresh', 'worker'\]"),
-        ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"eval_step": lambda m, b: {}}, TypeError, "eval_step needs"),
+        ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"eval_step": lambda _m, _b: {}}, TypeError, "eval_step needs"),
         ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"clip_grad_norm": 0}, ValueError, "clip_grad_norm must be"),
         ({"a": np.ones((8, 2), "f4"), "b": np.ones(8)}, {}, TypeError, "dict data gives dict batches"),
         ({"a": np.ones((8, 2), "f4"), "b": np.ones(7)}, {"train_step": len}, DataError, "equal lengths"),

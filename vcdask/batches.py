@@ -101,7 +101,7 @@ def batches(
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
     spans = [order[i : i + batch_size] for i in range(0, n, batch_size)]
     if isinstance(r, DatasetSource):
-        yield from prefetch(((to(r.batch(idx.tolist()), device, spec.x_dtype), len(idx)) for idx in spans))
+        yield from prefetch((to(r.batch(idx.tolist()), device, spec.x_dtype), len(idx)) for idx in spans)
         return
     if device.type == "cpu":
         yield from ((_cut(r, idx, spec.batch_form), len(idx)) for idx in spans)
@@ -110,7 +110,7 @@ def batches(
         on_device = {k: t.to(device, non_blocking=t.is_pinned()) for k, t in r.items()}
         yield from ((_cut(on_device, idx.to(device), spec.batch_form), len(idx)) for idx in spans)
         return
-    yield from prefetch(((to(_cut(r, idx, spec.batch_form), device), len(idx)) for idx in spans))
+    yield from prefetch((to(_cut(r, idx, spec.batch_form), device), len(idx)) for idx in spans)
 
 
 _DONE = object()

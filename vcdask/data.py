@@ -21,7 +21,6 @@ then read only their shard's rows.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -31,10 +30,10 @@ import numpy as np
 
 from .errors import DataError
 from .store import FSSPEC_SECRET_OPTIONS
+from .variables import dict_vars, infer_sample_dim, infer_vars
 
-__all__ = ["DataError", "DataSource", "Shards", "prepare_data", "split", "stage"]
+__all__ = ["DataError", "DataSource", "PreparedData", "Shards", "prepare_data"]
 
-_LABEL_NAMES = ("y", "label", "labels", "target", "targets")
 _FEATURE_NAMES = ("X", "x", "features", "image", "images", "data")
 
 
@@ -169,48 +168,6 @@ def _is_dask(a: Any) -> bool:
     return type(a).__module__.startswith("dask.array") or hasattr(a, "__dask_graph__")
 
 
-def _infer_vars(ds, features, label) -> tuple[tuple[str, ...], str]:
-    names = list(ds.data_vars)
-    if label is None:
-        found = [n for n in _LABEL_NAMES if n in ds.data_vars]
-        if not found:
-            raise DataError(
-                f"cannot tell which variable holds the labels among {names}; pass label=<name> "
-                f"(variables named {list(_LABEL_NAMES)} are found automatically)"
-            )
-        label = found[0]
-    if label not in ds.data_vars:
-        raise DataError(f"label variable {label!r} not in the dataset; variables: {names}")
-    if features is None:
-        features = [n for n in names if n != label]
-        if not features:
-            raise DataError(f"the dataset has no feature variables besides the label {label!r}")
-    elif isinstance(features, str):
-        features = [features]
-    missing = [f for f in features if f not in ds.data_vars]
-    if missing:
-        raise DataError(f"feature variable(s) {missing} not in the dataset; variables: {names}")
-    return tuple(features), label
-
-
-def _infer_sample_dim(ds, features, label, sample_dim) -> str:
-    if sample_dim is not None:
-        for name in (*features, label):
-            if sample_dim not in ds[name].dims:
-                raise DataError(
-                    f"sample dimension {sample_dim!r} is not a dimension of {name!r} "
-                    f"(its dimensions: {list(ds[name].dims)})"
-                )
-        return sample_dim
-    common = [d for d in ds[label].dims if all(d in ds[f].dims for f in features)]
-    if len(common) != 1:
-        raise DataError(
-            f"cannot infer the sample dimension: candidates {common} (dimensions shared by "
-            f"{[*features, label]}); pass sample_dim=<name>"
-        )
-    return common[0]
-
-
 @dataclass
 class PreparedData:
     """Data checked on the client: what to stage (if anything) and how workers will read it."""
@@ -311,11 +268,11 @@ def prepare_data(
             None if hi is None else int(hi),
         )
     if isinstance(data, xr.Dataset) and batches == "dict":
-        names, dim = _dict_vars(data, features, label, sample_dim, what)
+        names, dim = dict_vars(data, features, label, sample_dim, what)
         return _prepare_dict({n: data[n].transpose(dim, ...).data for n in names}, what)
     if isinstance(data, xr.Dataset):
-        features, label = _infer_vars(data, features, label)
-        dim = _infer_sample_dim(data, features, label, sample_dim)
+        features, label = infer_vars(data, features, label)
+        dim = infer_sample_dim(data, features, label, sample_dim)
         n = data.sizes[dim]
         if n == 0:
             raise DataError(f"{what} is empty (0 samples along {dim!r})")
@@ -329,12 +286,12 @@ def prepare_data(
         except (FileNotFoundError, KeyError, OSError) as e:
             raise DataError(f"cannot open {what} {data!r} as a Zarr dataset: {e}") from None
         if batches == "dict":
-            names, dim = _dict_vars(ds, features, label, sample_dim, what)
+            names, dim = dict_vars(ds, features, label, sample_dim, what)
             src = replace(src, features=names, sample_dim=dim, n=ds.sizes[dim], form="dict")
             sample = src.read_columns(0, min(4, src.n), ds)
             return PreparedData(src, n=src.n, form="dict", sample=sample)
-        features, label = _infer_vars(ds, features, label)
-        dim = _infer_sample_dim(ds, features, label, sample_dim)
+        features, label = infer_vars(ds, features, label)
+        dim = infer_sample_dim(ds, features, label, sample_dim)
         n = ds.sizes[dim]
         if n == 0:
             raise DataError(f"{what} {data!r} is empty (0 samples along {dim!r})")
@@ -350,32 +307,6 @@ def prepare_data(
         f"unsupported {what} type {type(data).__name__}; expected (X, y) arrays (numpy, torch or dask), "
         "an xarray.Dataset, a Zarr URL/path, or an Icechunk session"
     )
-
-
-def _dict_vars(ds, features, label, sample_dim, what) -> tuple[tuple[str, ...], str]:
-    """The variables of a dataset read as a dict batch, and the sample dimension."""
-    if features is None:
-        names = list(ds.data_vars)
-    else:
-        names = [features] if isinstance(features, str) else list(features)
-        if label is not None and label not in names:
-            names.append(label)
-    missing = [n for n in names if n not in ds.data_vars]
-    if missing or not names:
-        raise DataError(f"{what}: variable(s) {missing} not in the dataset; variables: {list(ds.data_vars)}")
-    if sample_dim is None:
-        common = [d for d in ds[names[0]].dims if all(d in ds[n].dims for n in names)]
-        if len(common) != 1:
-            raise DataError(
-                f"cannot infer the sample dimension of {names}: candidates {common}; pass sample_dim=<name>"
-            )
-        sample_dim = common[0]
-    bad = [n for n in names if sample_dim not in ds[n].dims]
-    if bad:
-        raise DataError(f"sample dimension {sample_dim!r} is not a dimension of {bad}")
-    if ds.sizes[sample_dim] == 0:
-        raise DataError(f"{what} is empty (0 samples along {sample_dim!r})")
-    return tuple(names), sample_dim
 
 
 def _prepare_dict(data: Mapping, what: str) -> PreparedData:
@@ -433,75 +364,3 @@ def _zarr_source(data: Any, storage_options) -> DataSource | None:
         store = data.store if hasattr(data, "snapshot_id") else data  # a Session or its store
         return DataSource(None, (), "", "", 0, {}, store)
     return None
-
-
-def stage(prepared: PreparedData, files, path: str, *, client=None, sample_dim: str = "sample") -> DataSource:
-    """Write in-memory or dask ``(X, y)`` as a Zarr group at ``<store>/runs/<path>``; return its source.
-
-    ``files`` is the parameter store's :attr:`~vcdask.store.ParamStore.files`.  dask arrays are
-    written by the workers of ``client`` (``to_zarr``), not through this process; the graph and
-    the returned source carry the store (which pickles without secrets), never credentials.
-    """
-    import xarray as xr
-
-    columns = prepared.columns if prepared.form == "dict" else {"X": prepared.X, "y": prepared.y}
-    assert columns is not None
-    ds = xr.Dataset(
-        {k: ((sample_dim, *[f"{k}_dim_{i}" for i in range(1, a.ndim)]), a) for k, a in columns.items()}
-    )
-    lazy = any(_is_dask(a) for a in columns.values())
-    rows = min(_rows_per_chunk(a) for a in columns.values())
-    target = files.zarr_store(path)
-    if lazy:
-        ds = ds.chunk({sample_dim: rows})
-    encoding = None if lazy else {k: {"chunks": (rows,) + ds[k].shape[1:]} for k in columns}
-    if lazy and client is not None:  # the workers write their chunks
-        client.compute(ds.to_zarr(target, mode="w", consolidated=False, zarr_format=3, compute=False)).result()
-    else:
-        ds.to_zarr(target, mode="w", consolidated=False, zarr_format=3, encoding=encoding)
-    if prepared.form == "dict":
-        names = tuple(columns)
-        return DataSource(files.url(path), names, "", sample_dim, prepared.n, store=files.store, path=path, form="dict")
-    return DataSource(files.url(path), ("X",), "y", sample_dim, prepared.n, store=files.store, path=path)
-
-
-def _rows_per_chunk(X) -> int:
-    row_bytes = max(1, int(np.prod(X.shape[1:])) * np.dtype(X.dtype).itemsize)
-    return max(1, min(int(X.shape[0]), (4 << 20) // row_bytes))
-
-
-def split(
-    prepared: PreparedData, validation: float | None, seed: int, shuffle: bool
-) -> tuple[PreparedData, PreparedData | None]:
-    """Shuffle in-memory data once (seeded) and split off a ``validation`` fraction (the last rows)."""
-    rng = np.random.default_rng(seed)
-    if prepared.form == "dict" and prepared.columns is not None:
-        cols = prepared.columns
-        if shuffle and all(isinstance(a, np.ndarray) for a in cols.values()):
-            order = rng.permutation(prepared.n)
-            prepared.columns = {k: a[order] for k, a in cols.items()}
-    elif prepared.source is None and shuffle and isinstance(prepared.X, np.ndarray):
-        order = rng.permutation(prepared.n)
-        prepared.X, prepared.y = prepared.X[order], prepared.y[order]
-    if not isinstance(validation, float):
-        return prepared, None
-    n_val = max(1, int(round(prepared.n * validation)))
-    if n_val >= prepared.n:
-        raise ValueError(f"validation={validation} leaves no training samples out of {prepared.n}")
-    n_train = prepared.n - n_val
-    if prepared.source is not None:
-        train = copy.copy(prepared)
-        train.source, train.n = prepared.source.slice(0, n_train), n_train
-        val = copy.copy(prepared)
-        val.source, val.n = prepared.source.slice(n_train, prepared.n), n_val
-        return train, val
-    train, val = copy.copy(prepared), copy.copy(prepared)
-    if prepared.form == "dict":
-        assert prepared.columns is not None
-        train.columns = {k: a[:n_train] for k, a in prepared.columns.items()}
-        val.columns = {k: a[n_train:] for k, a in prepared.columns.items()}
-        train.n, val.n = n_train, n_val
-        return train, val
-    train.X, train.y, train.n = prepared.X[:n_train], prepared.y[:n_train], n_train
-    val.X, val.y, val.n = prepared.X[n_train:], prepared.y[n_train:], n_val
-    return train, val

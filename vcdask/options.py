@@ -15,13 +15,15 @@ import numpy as np
 import torch
 
 from .cluster import check_client
-from .data import DataError, PreparedData, prepare_data, split
+from .data import DataError, PreparedData, prepare_data
 from .device import check_device, check_precision
 from .inner import check_optimizer_state, check_schedule
 from .merge import MergeRule, get_rule
 from .resilience import Resilience
+from .staging import split
 from .steps import check_steps
 from .store import ParamStore, open_store
+from .store._retention import check_retention
 
 logger = logging.getLogger(__name__)
 
@@ -155,14 +157,14 @@ def check_model(model, prepared: PreparedData, loss, classification: bool, x_dty
     try:
         with torch.no_grad():
             out = probe(X.to(x_dtype) if cast else X)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the user's model; retried with integer inputs, else reported
         integer = not X.is_floating_point() and cast
         try:
             if not integer:
                 raise
             with torch.no_grad():  # integer inputs (token ids...) the model takes as they are
                 out, cast = probe(X), False
-        except Exception:
+        except Exception:  # noqa: BLE001 - reported with the first error
             raise DataError(
                 f"the model cannot process the training data: samples of shape {tuple(prepared.x_shape)} "
                 f"and dtype {prepared.x_dtype} -> {type(e).__name__}: {e}"
@@ -270,9 +272,10 @@ def plan_run(
     collate_fn=None,
     device="auto",
     precision="32",
-    optimizer_state="fresh",
+    optimizer_state="worker",
     lr_schedule=None,
     clip_grad_norm=None,
+    retention=None,
 ) -> RunPlan:
     """Check every argument of :func:`fit` and prepare the data; raise before any cluster work."""
     if not isinstance(model, torch.nn.Module):
@@ -290,6 +293,7 @@ def plan_run(
             ("tasks_per_slot", tasks_per_slot),
         )
     }
+    retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
     if resilience is None:
         resilience = Resilience()
     elif not isinstance(resilience, Resilience):
@@ -328,10 +332,10 @@ def plan_run(
     val_prepared = None
     if validation is not None and not isinstance(validation, float):
         val_prepared = prepare_data(validation, **names, what="validation")
-        if val_prepared.form != prepared.form or (prepared.form != "dataset" and val_prepared.shapes != prepared.shapes):
-            raise DataError(
-                f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}"
-            )
+        if val_prepared.form != prepared.form or (
+            prepared.form != "dataset" and val_prepared.shapes != prepared.shapes
+        ):
+            raise DataError(f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}")
     prepared, split_val = split(prepared, validation, seed, shuffle)
     n_shards = positive_int("n_shards", min(10, prepared.n) if n_shards is None else n_shards)
     if n_shards > prepared.n:
@@ -364,6 +368,7 @@ def plan_run(
             "seed": seed,
             "keep_updates": keep_updates,
             "resilience": resilience,
+            "retention": retention,
             **training,
             "metric_names": metric_names if train_step is not None else (),
             "batch_form": prepared.form,

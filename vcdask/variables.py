@@ -1,0 +1,78 @@
+"""Which variables of an xarray / Zarr dataset are the features, the label and the sample dimension
+(named by the caller, or inferred when unambiguous; each error names the candidates)."""
+
+from __future__ import annotations
+
+from .errors import DataError
+
+__all__ = ["dict_vars", "infer_sample_dim", "infer_vars"]
+
+_LABEL_NAMES = ("y", "label", "labels", "target", "targets")
+
+
+def infer_vars(ds, features, label) -> tuple[tuple[str, ...], str]:
+    names = list(ds.data_vars)
+    if label is None:
+        found = [n for n in _LABEL_NAMES if n in ds.data_vars]
+        if not found:
+            raise DataError(
+                f"cannot tell which variable holds the labels among {names}; pass label=<name> "
+                f"(variables named {list(_LABEL_NAMES)} are found automatically)"
+            )
+        label = found[0]
+    if label not in ds.data_vars:
+        raise DataError(f"label variable {label!r} not in the dataset; variables: {names}")
+    if features is None:
+        features = [n for n in names if n != label]
+        if not features:
+            raise DataError(f"the dataset has no feature variables besides the label {label!r}")
+    elif isinstance(features, str):
+        features = [features]
+    missing = [f for f in features if f not in ds.data_vars]
+    if missing:
+        raise DataError(f"feature variable(s) {missing} not in the dataset; variables: {names}")
+    return tuple(features), label
+
+
+def infer_sample_dim(ds, features, label, sample_dim) -> str:
+    if sample_dim is not None:
+        for name in (*features, label):
+            if sample_dim not in ds[name].dims:
+                raise DataError(
+                    f"sample dimension {sample_dim!r} is not a dimension of {name!r} "
+                    f"(its dimensions: {list(ds[name].dims)})"
+                )
+        return sample_dim
+    common = [d for d in ds[label].dims if all(d in ds[f].dims for f in features)]
+    if len(common) != 1:
+        raise DataError(
+            f"cannot infer the sample dimension: candidates {common} (dimensions shared by "
+            f"{[*features, label]}); pass sample_dim=<name>"
+        )
+    return common[0]
+
+
+def dict_vars(ds, features, label, sample_dim, what) -> tuple[tuple[str, ...], str]:
+    """The variables of a dataset read as a dict batch, and the sample dimension."""
+    if features is None:
+        names = list(ds.data_vars)
+    else:
+        names = [features] if isinstance(features, str) else list(features)
+        if label is not None and label not in names:
+            names.append(label)
+    missing = [n for n in names if n not in ds.data_vars]
+    if missing or not names:
+        raise DataError(f"{what}: variable(s) {missing} not in the dataset; variables: {list(ds.data_vars)}")
+    if sample_dim is None:
+        common = [d for d in ds[names[0]].dims if all(d in ds[n].dims for n in names)]
+        if len(common) != 1:
+            raise DataError(
+                f"cannot infer the sample dimension of {names}: candidates {common}; pass sample_dim=<name>"
+            )
+        sample_dim = common[0]
+    bad = [n for n in names if sample_dim not in ds[n].dims]
+    if bad:
+        raise DataError(f"sample dimension {sample_dim!r} is not a dimension of {bad}")
+    if ds.sizes[sample_dim] == 0:
+        raise DataError(f"{what} is empty (0 samples along {sample_dim!r})")
+    return tuple(names), sample_dim
