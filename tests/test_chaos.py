@@ -51,7 +51,8 @@ def assert_every_shard_once(result, epochs: int, shards: int) -> None:
     assert sorted(merged) == sorted(map(tuple, accepted[["epoch", "shard"]].values.tolist()))
 
 
-FIT = dict(validation=0.1, max_epochs=8, n_shards=8, local_epochs=4, alpha=0.5, seed=7, progress=False)
+# retention=False: the checks read every (epoch, shard) back from the versions' metadata, so every version stays
+FIT = dict(validation=0.1, max_epochs=8, n_shards=8, local_epochs=4, alpha=0.5, seed=7, progress=False, retention=False)
 
 
 def test_a_repeated_worker_kills(digits_data, tmp_path):
@@ -403,7 +404,8 @@ def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path)
         from vcdask.demo import digits_cnn
         X, y = torch.load({str(data)!r})
         vcdask.fit(digits_cnn(7), (X.numpy(), y.numpy()), store={str(store_path)!r}, validation=0.1,
-                   max_epochs=8, n_shards=8, local_epochs=4, alpha=0.5, commit_every=6, progress=False)
+                   max_epochs=8, n_shards=8, local_epochs=4, alpha=0.5, commit_every=6, progress=False,
+                   retention=False)
     """),
         ],
         start_new_session=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import subprocess
 import sys
@@ -135,3 +136,32 @@ def test_export_version_both_formats(released, tmp_path):
     )
     assert "nightly-99" in out and "nightly-1" in out  # names the missing tag and lists those there are
     assert not (tmp_path / "x.pt2").exists()
+
+
+@pytest.mark.timeout(600)
+def test_char_lm_within_5_percent_of_single_process_torch(tmp_path):
+    """examples/char_lm.py --quick --check: a character-level GPT on the standard library's source, trained with
+    vcdask on the embedded cluster, reaches a validation loss within 5% of plain single-process torch trained on
+    the same number of tokens from the same initial weights; both learn far beyond byte frequencies."""
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "char_lm.py"), "--quick", "--device", "cpu", "--check", "--store", "store"],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=tmp_path,
+    )
+    print(proc.stdout)  # both losses, in the test's log
+    assert proc.returncode == 0, f"exit code {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+    rows = {  # the table: method, tokens, val loss, perplexity, wall (s)
+        m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4)))
+        for m in re.finditer(r"^(\S.*?)\s{2,}(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+\S+$", proc.stdout, re.M)
+    }
+    assert set(rows) == {"unigram (byte counts)", "vcdask", "torch, 1 process (cpu)"}, proc.stdout
+    (tokens, loss, perplexity), (base_tokens, base_loss, _) = rows["vcdask"], rows["torch, 1 process (cpu)"]
+    assert tokens == base_tokens > 500_000  # equal tokens: every shard of every epoch was merged
+    assert loss <= 1.05 * base_loss
+    assert perplexity == pytest.approx(math.exp(loss), rel=1e-3)
+    unigram = rows["unigram (byte counts)"][1]
+    assert base_loss < unigram - 0.4 and loss < unigram - 0.4  # both use the context, not just byte frequencies
+    run_id = re.search(r"run (run-[\w-]+)", proc.stdout).group(1)
+    assert run_id in vcdask.open_store(str(tmp_path / "store"), mode="r").branches()

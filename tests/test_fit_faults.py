@@ -50,6 +50,7 @@ def test_worker_sigkill_mid_run(digits_data, tmp_path):
                     client=client,
                     store=tmp_path / "s",
                     progress=False,
+                    retention=False,  # every version stays: the merges are read back from them
                 )
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 out["error"] = e

@@ -12,11 +12,11 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
-EXPECTED = {"alpha-schedules", "fault-tolerance", "object-storage", "quickstart"}
+EXPECTED = {"alpha-schedules", "char-lm", "fault-tolerance", "object-storage", "quickstart"}
 
 
 def test_every_notebook_is_collected_and_saved_clean():
-    """The four notebooks exist, name the python3 kernel, and are saved without outputs."""
+    """The notebooks exist, name the python3 kernel, and are saved without outputs."""
     assert {p.stem for p in NOTEBOOKS} == EXPECTED
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)

@@ -133,6 +133,23 @@ def test_worker_optimizer_state_is_kept_per_run_and_fresh_by_default():
     assert not inner.InnerOptimizer(_spec(run_id="other", optimizer_state="worker"), model, first.precision, 1).resumed
 
 
+def test_a_task_that_diverged_keeps_no_optimizer_state():
+    """A NaN loss, or NaN moments, would poison every later task on the worker: nothing is kept."""
+    spec = _spec(run_id="diverged-run", optimizer_state="worker")
+    model = torch.nn.Linear(3, 1)
+    opt = inner.InnerOptimizer(spec, model, Precision("32", torch.device("cpu")), 1)
+    opt.step(model(torch.ones(2, 3)).pow(2).mean())
+    opt.done(finite=False)  # the task's loss was NaN
+    assert not inner.InnerOptimizer(spec, model, opt.precision, 1).resumed
+    opt = inner.InnerOptimizer(spec, model, opt.precision, 1)
+    opt.step(model(torch.ones(2, 3)).pow(2).mean())
+    opt.optimizer.state[model.weight]["exp_avg"].fill_(float("nan"))  # a finite loss, poisoned moments
+    opt.done()
+    assert not inner.InnerOptimizer(spec, model, opt.precision, 1).resumed
+    _train_task(spec, model)  # a healthy task is kept
+    assert inner.InnerOptimizer(spec, model, opt.precision, 1).resumed
+
+
 def test_lr_schedule_scales_each_local_step():
     model = torch.nn.Linear(3, 1)
     seen = []

@@ -12,15 +12,17 @@ from .loading import load
 from .params import FlatParams, Layout, flatten, load_into
 from .resilience import Resilience
 from .result import FitResult
-from .store import Checkpoint, ParamStore, VersionInfo, open_store
+from .store import Checkpoint, GCReport, ParamStore, Retention, VersionInfo, open_store
 
 __all__ = [
     "Checkpoint",
     "FitResult",
     "FlatParams",
+    "GCReport",
     "Layout",
     "ParamStore",
     "Resilience",
+    "Retention",
     "RunFailedError",
     "RunHandle",
     "VcdaskError",

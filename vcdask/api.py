@@ -26,7 +26,7 @@ from .options import DEFAULT_STORE, RunPlan, plan_run
 from .resilience import Resilience
 from .spec import RunSpec, save_spec, spec_path
 from .staging import stage
-from .store import ParamStore, check_cluster_access, open_store, share_credentials, store_holds_secrets
+from .store import ParamStore, Retention, check_cluster_access, open_store, share_credentials, store_holds_secrets
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,14 @@ def fit(
     keep_updates: bool = False,
     tasks_per_slot: int = 2,
     resilience: Resilience | None = None,
+    retention: Retention | bool | None = None,
     progress: bool = True,
     train_step: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
     eval_step: Callable[[torch.nn.Module, Any], Mapping[str, Any]] | None = None,
     collate_fn: Callable | None = None,
     device: str | torch.device = "auto",
     precision: str = "32",
-    optimizer_state: str = "fresh",
+    optimizer_state: str = "worker",
     lr_schedule: Callable[[int, int], float] | None = None,
     clip_grad_norm: float | None = None,
 ) -> FitResult:
@@ -92,8 +93,8 @@ def fit(
     loss : str or callable, optional
         For the default step: cross-entropy for integer labels, MSE otherwise.
     optimizer : torch.optim.Optimizer subclass or callable, optional
-        Default: Adam with learning rate ``lr``.  Fresh for every shard unless
-        ``optimizer_state="worker"``.
+        Default: Adam with learning rate ``lr``.  Its state is kept per worker between shard tasks
+        (``optimizer_state``).
     lr : float, default 1e-3
     max_epochs : int, default 10
     n_shards : int, optional
@@ -141,6 +142,10 @@ def fit(
         2 workers it cut the run time by a third at equal accuracy (benchmarks/time_to_accuracy.py).
     resilience : Resilience, optional
         Deadlines, update checks and failure policies (see :class:`vcdask.Resilience`).
+    retention : Retention or False, optional
+        Which versions the run keeps in its store (see :class:`vcdask.Retention`).  Default: the
+        newest 5, each epoch's last version and every tagged one; the others are removed during the
+        run, and only the newest version keeps the merge rule's state.  ``False`` keeps every version.
     progress : bool, default True
         Show progress (a tqdm bar).
     train_step : callable, optional
@@ -158,9 +163,10 @@ def fit(
     precision : {"32", "bf16", "16-mixed"}, default "32"
         ``"bf16"``: bfloat16 autocast; ``"16-mixed"``: float16 autocast with a gradient scaler.
         Parameters stay in the model's dtype.
-    optimizer_state : {"fresh", "worker"}, default "fresh"
-        ``"fresh"``: a new optimizer for every shard task (the paper).  ``"worker"``: each worker keeps
-        its optimizer state (e.g. Adam's moments) between its tasks of this run (see :mod:`vcdask.inner`).
+    optimizer_state : {"worker", "fresh"}, default "worker"
+        ``"worker"``: each worker keeps its optimizer state (e.g. Adam's moments) between its tasks of
+        this run (see :mod:`vcdask.inner`); measured better than ``"fresh"`` on every benchmark task
+        (docs/user-guide/custom-steps.md).  ``"fresh"``: a new optimizer for every shard task (the paper).
     lr_schedule : callable, optional
         ``lr_schedule(epoch, step) -> factor`` scales the learning rate at every local step
         (``epoch`` of the run, from 1; ``step`` within the task, from 0).
@@ -206,6 +212,7 @@ def fit(
         keep_updates=keep_updates,
         tasks_per_slot=tasks_per_slot,
         resilience=resilience,
+        retention=retention,
         train_step=train_step,
         eval_step=eval_step,
         collate_fn=collate_fn,

@@ -23,6 +23,7 @@ from .resilience import Resilience
 from .staging import split
 from .steps import check_steps, probe_batch
 from .store import ParamStore, open_store
+from .store._retention import check_retention
 
 logger = logging.getLogger(__name__)
 
@@ -254,9 +255,10 @@ def plan_run(
     collate_fn=None,
     device="auto",
     precision="32",
-    optimizer_state="fresh",
+    optimizer_state="worker",
     lr_schedule=None,
     clip_grad_norm=None,
+    retention=None,
 ) -> RunPlan:
     """Check every argument of :func:`fit` and prepare the data; raise before any cluster work."""
     if not isinstance(model, torch.nn.Module):
@@ -274,6 +276,7 @@ def plan_run(
             ("tasks_per_slot", tasks_per_slot),
         )
     }
+    retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
     if resilience is None:
         resilience = Resilience()
     elif not isinstance(resilience, Resilience):
@@ -348,6 +351,7 @@ def plan_run(
             "seed": seed,
             "keep_updates": keep_updates,
             "resilience": resilience,
+            "retention": retention,
             **training,
             "metric_names": metric_names if train_step is not None else (),
             "batch_form": prepared.form,

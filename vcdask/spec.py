@@ -60,9 +60,10 @@ class RunSpec:
     metric_names: tuple[str, ...] = ()  # what validation reports besides the default step's loss and metrics
     batch_form: str = "xy"  # "xy", "dict" or "dataset"
     cast_x: bool = True  # (X, y) data: X takes the model's dtype (False: integer inputs such as tokens stay integer)
-    optimizer_state: str = "fresh"  # or "worker" (vcdask.inner)
+    optimizer_state: str = "fresh"  # "worker" for new runs; runs written before the option resume as they trained
     lr_schedule: Any = None  # fn(epoch, step) -> factor
     clip_grad_norm: float | None = None
+    retention: Any = None  # vcdask.Retention; None: keep every version (and in specs written before retention)
 
     @property
     def spec_path(self) -> str:

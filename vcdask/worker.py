@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -170,8 +171,8 @@ def train_shard(
                 loss = train_step(model, batch)
             inner.step(loss)
             losses.append(loss.detach())
-    inner.done()
     train_loss = float(torch.stack(losses).float().mean()) if losses else float("nan")
+    inner.done(finite=math.isfinite(train_loss))
 
     t_train = time.perf_counter()
     path = update_path(run_id, epoch, shard, attempt)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import faults
+from . import faults, watch
 from .inflight import TaskRecord
 
 if TYPE_CHECKING:
@@ -44,7 +44,9 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
             await run.in_thread(faults.drop_update, run.store, rec["update"])
     else:
         # the epoch's last shard is committed at once (its version is validated and closes the epoch)
-        merged = await run.in_thread(run.server.merge, rec, run.ledger.completes(epoch, shard), run.staleness_limit())
+        last = run.ledger.completes(epoch, shard)  # (recorded in the version's progress, for a resume)
+        run.server.in_use_step = watch.in_use_step(run)  # what the merge thread's retention must keep
+        merged = await run.in_thread(run.server.merge, rec, last, run.staleness_limit(), last)
         fault = merged.pop("fault", None)
         row = run.ledger.record(
             epoch, shard, rec["attempt"], "merged" if merged["accepted"] else "rejected", **fields, **merged

@@ -2,7 +2,12 @@
 
 Everything that touches parameter arrays runs in the run's merge thread, never on the scheduler's
 event loop.  The loop reads :attr:`ParamsServer.head`, an immutable :class:`Head` that the merge
-thread replaces as one object after each merge or commit.
+thread replaces as one object after each merge or commit.  The run's retention policy is applied
+here too, between merges, at most once per ``Retention.interval`` (:meth:`ParamsServer.collect`).
+
+Each version's metadata records the run's progress (``progress``: the epochs done, with the step at
+which each ended, and the shards merged in the epochs still open), so that a resumed run knows what
+was merged even after retention removed the versions that merged it.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError
+from ..errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError, VersionNotFoundError
 from ..merge import VCASGD, Arrival, MergeRule, RuleState
 from ..params import FlatParams
+from ..store import Retention
 from ..updates import delete_update, read_update
 from .outage import retry_through
 from .policy import check_update
@@ -60,6 +66,8 @@ class ParamsServer:
         Reject updates further than this from ``W_s``.
     outage_timeout : float
         Seconds to wait through a store outage before giving up.
+    retention : Retention, optional
+        Which versions of the branch to keep (None: all of them).
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class ParamsServer:
         keep_updates: bool = False,
         max_update_norm: float | None = None,
         outage_timeout: float = 600.0,
+        retention: Retention | None = None,
     ):
         self.store = store
         self.branch = branch
@@ -88,6 +97,14 @@ class ParamsServer:
         self.params: FlatParams | None = None
         self.head = Head()
         self.uncommitted: list[dict[str, Any]] = []
+        self.retention = retention
+        #: The oldest step the run's tasks still read (the loop sets it; older is conservative).
+        self.in_use_step: int | None = None
+        self.keep_from = 0  # retention: the kept versions before this step are pinned (the marker for others)
+        self.progress: dict[str, list[list[int]]] = {"done": [], "open": []}
+        self._collected = time.monotonic()
+        self.collect_seconds: list[float] = []  # how long each collection took (for benchmarks/storage.py)
+        self._said_held_back = False
 
     # -- the loop's read-only views (each one attribute read) -----------------------------------
     @property
@@ -127,6 +144,9 @@ class ParamsServer:
         meta = checkpoint.metadata
         saved = meta.get("merge", {}).get("name") if isinstance(meta.get("merge"), dict) else None
         fresh = self.rule.init_state(self.params)
+        if meta.get("run_id") == self.run_id:
+            progress = meta.get("progress") or {}
+            self.progress = {"done": list(progress.get("done", [])), "open": list(progress.get("open", []))}
         if meta.get("run_id") == self.run_id and saved == self.rule.name:  # this run's own version: resume
             self.rule_state = RuleState(
                 arrays=self.store.read_state(checkpoint.version),
@@ -141,9 +161,16 @@ class ParamsServer:
             self.rule_state = fresh
 
     def merge(
-        self, record: dict[str, Any], force_commit: bool = False, max_staleness: int | None = None
+        self,
+        record: dict[str, Any],
+        force_commit: bool = False,
+        max_staleness: int | None = None,
+        completes: bool = False,
     ) -> dict[str, Any]:
         """Merge the update described by ``record`` (epoch, shard, attempt, base_step, update path).
+
+        ``completes``: this merge completes its epoch (it is committed at once, and the epoch's end
+        recorded in the run's progress).
 
         Returns the history fields of the merge: accepted, alpha, new_version, staleness, version_id;
         or, for an update that fails :func:`~vcdask.engine.policy.check_update` (``max_staleness``: the
@@ -170,7 +197,8 @@ class ParamsServer:
         )
         self.head = Head(self.step + 1, self.version, self.version_step)
         self.uncommitted.append(record)
-        if force_commit or len(self.uncommitted) >= self.commit_every:
+        self._progress(record, completes)
+        if force_commit or completes or len(self.uncommitted) >= self.commit_every:
             self.commit()
         return {
             "accepted": True,
@@ -179,6 +207,14 @@ class ParamsServer:
             "staleness": self.step - 1 - record["base_step"],
             "version_id": self.version if self.committed else None,
         }
+
+    def _progress(self, record: dict[str, Any], completes: bool) -> None:
+        epoch = int(record["epoch"])
+        if completes:
+            self.progress["open"] = [m for m in self.progress["open"] if m[0] != epoch]
+            self.progress["done"].append([epoch, self.step])
+        else:
+            self.progress["open"].append([epoch, int(record["shard"]), int(record["attempt"])])
 
     def _reject(self, record: dict[str, Any], staleness: int, fault: str, reason: str) -> dict[str, Any]:
         if not self.keep_updates:
@@ -202,6 +238,7 @@ class ParamsServer:
             "epoch": last["epoch"],
             "merged": [[r["epoch"], r["shard"], r["attempt"]] for r in self.uncommitted],
             "merge": self.rule.describe(),
+            "progress": {k: [list(m) for m in v] for k, v in self.progress.items()},
         }
         schedule = getattr(self.rule, "schedule", None)
         if schedule is not None:
@@ -214,6 +251,36 @@ class ParamsServer:
             for r in self.uncommitted:  # merged and committed: the update has done its job
                 delete_update(self.store.files, r["update"])
         self.uncommitted = []
+        self.collect()
+
+    def collect(self, final: bool = False) -> None:
+        """Apply the run's retention policy to its branch (:meth:`vcdask.ParamStore.gc`).
+
+        At most once per ``retention.interval`` seconds (``final``: now), in the merge thread, so it
+        never runs beside a commit of this run.  Versions at or after ``in_use_step`` (what the run's
+        tasks read) are kept.  A failed collection is logged and tried again at the next interval:
+        nothing is lost meanwhile, the store only holds more.
+        """
+        if self.retention is None or self.version is None:
+            return
+        if not final and time.monotonic() - self._collected < self.retention.interval:
+            return
+        self._collected = t0 = time.monotonic()
+        head_step = self.version_step
+        in_use = head_step if self.in_use_step is None else min(self.in_use_step, head_step)
+        try:
+            report = self.store.gc(self.retention, branches=[self.branch], in_use={self.branch: in_use})
+        except (StoreError, VersionNotFoundError) as e:  # e.g. another collection removed what this one read
+            logger.warning("run %s: collecting old versions failed (tried again later): %s", self.run_id, e)
+            return
+        self.keep_from = max(self.keep_from, head_step)  # everything older it keeps is pinned now
+        self.collect_seconds.append(time.monotonic() - t0)
+        if report.held_back and not self._said_held_back:  # once per run
+            self._said_held_back = True
+            logger.warning(
+                "run %s: retention cannot remove all it should: %s", self.run_id, "; ".join(report.held_back)
+            )
+        logger.debug("run %s: retention removed %d versions", self.run_id, report.n_removed)
 
     def _commit_once(self, metadata: dict[str, Any]) -> str:
         try:
@@ -224,6 +291,7 @@ class ParamsServer:
                 parent=self.version,
                 message=f"{self.run_id} step {self.step}",
                 state=self.rule_state.arrays,
+                keep_from=self._keep_from(),
             )
         except StoreConflict:
             version = self._landed(metadata)
@@ -244,6 +312,13 @@ class ParamsServer:
             if version is None:
                 raise
             return version
+
+    def _keep_from(self) -> int | None:
+        """The marker for other collectors: this run may still need its versions from this step on."""
+        if self.retention is None:
+            return None
+        in_use = self.version_step if self.in_use_step is None else self.in_use_step
+        return min(in_use, self.keep_from)
 
     def _through_outages(self, fn: Callable[[], Any], what: str) -> Any:
         """``fn()`` through store outages (:func:`~vcdask.engine.outage.retry_through`); ``waiting`` and

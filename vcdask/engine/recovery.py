@@ -25,6 +25,10 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
     """Load ``server`` (a :class:`~vcdask.engine.params_server.ParamsServer`) from the branch head and
     read the run's history back from the store.
 
+    What was merged comes from the newest version's ``progress`` record (which outlives the
+    versions that retention removed) and from the ``merged`` lists of the versions still there
+    (all of them for a run that keeps every version, or one written before ``progress`` existed).
+
     Returns
     -------
     merged : dict epoch -> set of shards
@@ -41,7 +45,15 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
     merged: dict[int, set[int]] = {}
     attempts: dict[tuple[int, int], int] = {}
     ends: dict[int, tuple[int, str]] = {}
-    for info in reversed(store.versions(branch)):  # oldest first
+    versions = list(reversed(store.versions(branch)))  # oldest first
+    for epoch, step in server.progress["done"]:
+        merged[epoch] = set(range(n_shards))
+        at_or_after = [v for v in versions if v.metadata.get("step", -1) >= step]  # the epoch's end, if kept
+        ends[epoch] = (step, (at_or_after[0] if at_or_after else versions[-1]).id)
+    for epoch, shard, attempt in server.progress["open"]:
+        merged.setdefault(epoch, set()).add(shard)
+        attempts[(epoch, shard)] = max(attempts.get((epoch, shard), 0), attempt + 1)
+    for info in versions:
         for epoch, shard, attempt in info.metadata.get("merged", []):
             merged.setdefault(epoch, set()).add(shard)
             attempts[(epoch, shard)] = max(attempts.get((epoch, shard), 0), attempt + 1)

@@ -56,6 +56,7 @@ class Run:
             keep_updates=spec.keep_updates,
             max_update_norm=self.res.max_update_norm,
             outage_timeout=self.res.store_outage_timeout,
+            retention=spec.retention,
         )
         self.pool = WorkerPool(self.res, spec.tasks_per_slot, {a: ws.nthreads for a, ws in scheduler.workers.items()})
         self.dispatch = Dispatcher(spec.shards.n_shards, spec.max_epochs, spec.seed)
@@ -250,6 +251,8 @@ class Run:
             await faults.final_validation(self, head.version, head.step)
         if not self.spec.keep_updates:
             await self.in_thread(faults.drop_run_updates, self.store, self.id)
+        self.server.in_use_step = watch.in_use_step(self)
+        await self.in_thread(self.server.collect, True)  # the run's retention, once more at the end
         self.status = "finished"
         self.events.emit("finished", version=head.version, step=head.step, reason=self.stopping or "max_epochs")
 

@@ -17,7 +17,7 @@ from . import faults, policy
 if TYPE_CHECKING:
     from .run import Run
 
-__all__ = ["INTERVAL", "base_for", "check_workers", "deadlines", "idle", "task_started"]
+__all__ = ["INTERVAL", "base_for", "check_workers", "deadlines", "idle", "in_use_step", "task_started"]
 
 INTERVAL = 0.2  # seconds between deadline checks
 
@@ -48,6 +48,19 @@ def base_for(run: Run, key: str) -> dict[str, Any] | None:
     head = run.server.head
     task.step, task.based = head.version_step, True
     return {"version": head.version, "step": head.version_step}
+
+
+def in_use_step(run: Run) -> int:
+    """The oldest version step the run's tasks may still read: the bases of the shard copies in flight,
+    the versions its validations measure, and the newest version (which the next copy gets).
+
+    Published to the merge thread (``run.server.in_use_step``), whose retention keeps every version from
+    there on.  A value read a while ago is only lower than the truth: versions handed out later are the
+    newest committed one at the time, never older.
+    """
+    steps = [task.step for task in run.tasks.tasks.values()]
+    steps += [step for _, step, _ in run.dispatch.parked_validations]
+    return min([*steps, run.server.head.version_step])
 
 
 async def deadlines(run: Run) -> None:

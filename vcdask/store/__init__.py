@@ -28,13 +28,16 @@ from ._icechunk import IcechunkParamStore
 from ._local import LocalBackend
 from ._memory import MemoryBackend
 from ._object import AzureBackend, GCSBackend, S3Backend
+from ._retention import GCReport, Retention
 
 __all__ = [
     "BACKENDS",
     "FSSPEC_SECRET_OPTIONS",
     "Checkpoint",
+    "GCReport",
     "IcechunkParamStore",
     "ParamStore",
+    "Retention",
     "StoreBackend",
     "StoreCredentials",
     "VersionInfo",

@@ -31,6 +31,9 @@ class StoreBackend(Protocol):
         Whether other processes (Dask workers) can open the same store from ``location``.
     durable : bool
         Whether the data outlives the process that wrote it.
+    locked_commits : bool
+        Whether every vcdask commit holds :meth:`commit_lock` (a real lock), so that a collection
+        holding it never deletes the chunks of another writer's commit in progress.
     options : mapping
         The storage options, with their canonical names (aliases such as ``key`` resolved).
     secret_options : frozenset of str
@@ -42,6 +45,7 @@ class StoreBackend(Protocol):
     location: str
     shared_across_processes: bool
     durable: bool
+    locked_commits: bool
     secret_options: frozenset[str]
 
     def __init__(self, location: str, options: dict[str, Any]) -> None:

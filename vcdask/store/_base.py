@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
 
     from ..params import FlatParams
     from ._files import SideFiles
+    from ._retention import GCReport, Retention
 
 __all__ = ["Checkpoint", "ParamStore", "VersionInfo"]
 
@@ -145,12 +147,14 @@ class ParamStore(ABC):
         message: str | None = None,
         parent: str | None = None,
         state: Mapping[str, FlatParams] | None = None,
+        keep_from: int | None = None,
     ) -> str:
         """Commit ``params`` (and a merge rule's ``state``) as a new version on ``branch``; return its id."""
 
     @abstractmethod
     def read_state(self, version: str) -> dict[str, FlatParams]:
-        """The merge rule's state committed with ``version`` (empty when there is none)."""
+        """The merge rule's state committed with ``version`` (empty when there is none; only a
+        branch's newest version keeps it)."""
 
     @abstractmethod
     def read(self, version: str | None = None, *, branch: str = "main", tag: str | None = None) -> Checkpoint:
@@ -179,6 +183,108 @@ class ParamStore(ABC):
     @abstractmethod
     def branches(self) -> dict[str, str | None]:
         """Branch name -> newest version id (None for an empty branch)."""
+
+    # -- retention ------------------------------------------------------------------------
+    def gc(
+        self,
+        retention: Retention | None = None,
+        *,
+        branches: str | Iterable[str] | None = None,
+        dry_run: bool = False,
+        in_use: Mapping[str, int | None] | None = None,
+    ) -> GCReport:
+        """Expire the versions ``retention`` does not keep, and delete their data.
+
+        Kept: the newest ``keep_last`` versions of each branch, tagged versions, the last version of
+        each epoch, every ``every``-th, and every version in use (by a running run's tasks, or held
+        by a reader with :meth:`hold`).  The rest is expired with Icechunk's snapshot expiry and its
+        chunks, manifests and snapshots deleted with Icechunk's garbage collection.  Old versions a
+        policy keeps stay readable by id and are listed by :meth:`versions`.  ``vcdask.fit`` does
+        this for its own branch during the run (see its ``retention`` option); call it for the runs
+        of a store written before, or with another policy (``vcdask gc STORE`` from a shell).
+
+        Parameters
+        ----------
+        retention : Retention, optional
+            Default: ``Retention()`` (the newest 5, tagged versions, each epoch's last version).
+        branches : str or iterable of str, optional
+            The branches to apply the policy to (default: every branch).  The others keep what
+            they need: a running run the versions it still uses, a branch without a policy all
+            of its history (which then holds back expiry in the whole store: see
+            ``GCReport.held_back``).
+        dry_run : bool, default False
+            Only report what would be removed.
+        in_use : mapping of str to int, optional
+            Branch -> the oldest step the tasks of the run writing it still read (``vcdask.fit``
+            passes it).  Without it, a branch written in the last hour keeps what its writer marked
+            in use with its newest version.
+
+        Returns
+        -------
+        GCReport
+            What was kept and removed, per branch, and the bytes deleted.
+
+        Raises
+        ------
+        VersionNotFoundError
+            An unknown branch.
+        ReadOnlyStoreError
+            The store was opened with ``mode="r"`` (and ``dry_run`` is False).
+        TypeError
+            ``retention`` is not a :class:`vcdask.Retention`.
+
+        Examples
+        --------
+        >>> store = vcdask.open_store("vcdask-runs")                    # doctest: +SKIP
+        >>> store.gc(vcdask.Retention(keep_last=2), dry_run=True).n_removed   # doctest: +SKIP
+        118
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support retention")
+
+    def hold(self, version: str, *, ttl: float = 3600.0) -> AbstractContextManager[str]:
+        """Keep ``version`` readable while a ``with`` block runs, whatever collections run meanwhile.
+
+        A collection in any process (:meth:`gc`, a run's retention) keeps a held version.  Take the
+        hold before reading a version the policy does not keep.
+
+        Parameters
+        ----------
+        version : str
+        ttl : float, default 3600
+            Seconds after which the hold of a process that died without releasing it stops counting.
+
+        Returns
+        -------
+        context manager
+            Yields ``version``; releases the hold on exit.
+
+        Raises
+        ------
+        VersionNotFoundError
+            The version is gone, or a collection is removing it.
+        ReadOnlyStoreError
+            The store was opened with ``mode="r"`` (a hold is written to the store).
+
+        Examples
+        --------
+        >>> with store.hold(version):                                   # doctest: +SKIP
+        ...     model = vcdask.load(store, version=version)
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support holds")
+
+    def version_nbytes(self, version: str) -> int:
+        """Bytes of one version's parameter arrays as stored (its rule state not included).
+
+        Raises
+        ------
+        VersionNotFoundError
+            Unknown version.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not report sizes")
+
+    def store_nbytes(self) -> int:
+        """Bytes of every object of the store: versions, the repository's metadata, side files."""
+        raise NotImplementedError(f"{type(self).__name__} does not report sizes")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.location!r} mode={self.mode!r}>"

@@ -107,3 +107,26 @@ def _translate(exc: BaseException, what: str) -> Exception:
     if any(k in text for k in _NOT_FOUND):
         return StoreNotFoundError(f"{what}: not found ({cause})")
     return StoreError(f"{what}: {cause}")
+
+
+def ref_error(repo, where: str, e: Exception, *, version=None, tag=None, branch=None) -> Exception:
+    """The vcdask error for a failed lookup of a version, tag or branch of ``repo`` (at ``where``, in words)."""
+    import icechunk
+
+    err = translate(e, f"reading {where}")
+    if not isinstance(err, (VersionNotFoundError, StoreNotFoundError)):
+        return err
+    # Icechunk reports "snapshot not found" also when fetching the snapshot failed (e.g. the
+    # object store answered 503 past its retries): only a store that answers can say "no such".
+    try:
+        repo.lookup_branch("main")
+    except icechunk.IcechunkError as probe:
+        fault = translate(probe, f"reading {where}")
+        if not isinstance(fault, (VersionNotFoundError, StoreNotFoundError)):
+            return fault
+    if tag is not None:
+        return VersionNotFoundError(f"no tag {tag!r} in {where}; tags: {sorted(repo.list_tags())}")
+    if version is not None:
+        return VersionNotFoundError(f"no version {version!r} in {where}")
+    branches = sorted(b for b in repo.list_branches() if not b.startswith(("vcdask.keep.", "vcdask.hold.")))
+    return VersionNotFoundError(f"no branch {branch!r} in {where}; branches: {branches}")

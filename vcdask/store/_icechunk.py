@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from .. import config
-from ..errors import ReadOnlyStoreError, StoreConflict, StoreNotFoundError, VersionNotFoundError
+from ..errors import ReadOnlyStoreError, StoreConflict, VersionNotFoundError
 from ..params import FlatParams, flatten
 from ._base import Checkpoint, ParamStore, VersionInfo, check_metadata
+from ._collect import KEEP_FROM_KEY, gc, hold
 from ._credentials import lookup_credentials, register_credentials
-from ._errors import translate
+from ._errors import ref_error, translate
 from ._files import SideFiles
+from ._history import history, is_reserved, store_nbytes, version_nbytes
 from ._layout import FORMAT, FORMAT_KEY, is_version, read_flat, version_info, write_flat, write_state
 from ._repository import open_repository
+from ._retention import GCReport
+from ._state import STATE_KEY, delete_state, read_state, write_state_object
 
 if TYPE_CHECKING:
     from ._backend import StoreBackend
@@ -65,6 +70,8 @@ class IcechunkParamStore(ParamStore):
         )
         self._holds_secrets = bool(secrets)
         self._repo = open_repository(backend, mode, self.max_tries)
+        self._pinned: dict[str, VersionInfo] = {}  # versions kept by a pin (immutable): read once
+        self._histories: dict[tuple[str, str], list] = {}  # (branch, head) -> history of a branch without policy
         if secrets:  # copies unpickled in this process (an in-process scheduler or worker) use them too
             register_credentials(self.location, **secrets)
 
@@ -104,7 +111,9 @@ class IcechunkParamStore(ParamStore):
         return (_reopen, (open_store, self.location, self._open_args))
 
     # -- writing ----------------------------------------------------------------------
-    def commit(self, params, metadata=None, *, branch="main", message=None, parent=None, state=None) -> str:
+    def commit(
+        self, params, metadata=None, *, branch="main", message=None, parent=None, state=None, keep_from=None
+    ) -> str:
         """Commit ``params`` as a new, immutable version on ``branch``.
 
         Parameters
@@ -123,8 +132,14 @@ class IcechunkParamStore(ParamStore):
             that races another writer is retried on top of the new head (up to
             ``commit_retries`` times), so both commits land.
         state : mapping of str to FlatParams, optional
-            A merge rule's state (e.g. momentum buffers), committed in the same version under
-            ``/rule/<name>`` so that a resumed run continues exactly; see :meth:`read_state`.
+            A merge rule's state (e.g. momentum buffers), so that a resumed run continues exactly;
+            see :meth:`read_state`.  Only the newest version of a branch keeps it: it is written
+            beside the version (``<store>/runs/<branch>/rule-state/``) and the state of the version
+            this one replaces is deleted once this one has landed.
+        keep_from : int, optional
+            The writer's retention marker: versions of this branch at or after this step may still
+            be needed by it (its newest versions, versions its tasks read), so a collection by
+            another process keeps them (see :class:`vcdask.Retention`).
 
         Returns
         -------
@@ -146,6 +161,8 @@ class IcechunkParamStore(ParamStore):
             raise ReadOnlyStoreError(f"cannot commit to {self.location!r}: it was opened with mode='r'")
         flat = flatten(params)
         meta = {**check_metadata(metadata), FORMAT_KEY: FORMAT}
+        if keep_from is not None:
+            meta[KEEP_FROM_KEY] = int(keep_from)
         what = f"committing to branch {branch!r} of {self._backend.describe()}"
         for attempt in range(self.commit_retries + 1):
             with self._backend.commit_lock():
@@ -159,16 +176,23 @@ class IcechunkParamStore(ParamStore):
                         raise StoreConflict(
                             f"{what}: expected the branch head to be {parent!r} but it is {head!r}; nothing was written"
                         )
+                if state and STATE_KEY not in meta:  # first: a version never names a state object that is not there
+                    meta[STATE_KEY] = write_state_object(self.files, branch, state)
                 try:
                     write_flat(session.store, flat, self.chunk_bytes)
-                    write_state(session.store, state, self.chunk_bytes)
-                    return session.commit(message or "vcdask version", metadata=meta)
+                    write_state(session.store, None, self.chunk_bytes)  # (earlier vcdask kept it inside)
+                    replaced = self._repo.lookup_snapshot(session.snapshot_id).metadata or {}
+                    version = session.commit(message or "vcdask version", metadata=meta)
                 except icechunk.ConflictError as e:
                     if parent is not None:
                         raise translate(e, what) from None
                     logger.debug("commit to %r lost a race (attempt %d); retrying", branch, attempt + 1)
+                    continue
                 except icechunk.IcechunkError as e:
                     raise translate(e, what) from None
+            # (a failed attempt leaves its state object: the branch's writer sweeps it, see ParamStore.gc)
+            delete_state(self.files, replaced.get(STATE_KEY), branch)
+            return version
         raise StoreConflict(
             f"{what}: lost the race to other writers {self.commit_retries + 1} times; nothing was written"
         )
@@ -227,29 +251,26 @@ class IcechunkParamStore(ParamStore):
     def read_state(self, version: str) -> dict[str, FlatParams]:
         """The merge rule's state committed with ``version`` (empty when the rule keeps none).
 
+        Only the newest version of a branch keeps its state (resuming needs nothing else); versions
+        written by earlier vcdask releases kept it inside the version, and still have it.
+
         Raises
         ------
         VersionNotFoundError
-            Unknown version.
+            Unknown version, or one whose state is no longer kept (a newer version replaced it).
         """
         import icechunk
-        import zarr
 
         try:
-            session = self._repo.readonly_session(snapshot_id=version)
+            return read_state(self, version)
         except icechunk.IcechunkError as e:
             raise self._ref_error(e, version=version) from None
-        try:
-            root = zarr.open_group(session.store, mode="r")
-            if "rule" not in root:
-                return {}
-            rule = zarr.open_group(session.store, mode="r", path="rule")
-            return {name: read_flat(group) for name, group in rule.groups()}
-        except icechunk.IcechunkError as e:
-            raise translate(e, f"reading the rule state of {version!r} from {self._backend.describe()}") from None
 
     def versions(self, branch="main") -> list[VersionInfo]:
-        """The history of ``branch``, newest first (a branch made from another includes its history).
+        """The versions of ``branch``, newest first: its history (a branch made from another includes
+        that history), and the older versions a retention policy keeps for it (see :meth:`gc`).
+
+        Read afresh from the store each time: another process may have expired history since.
 
         Raises
         ------
@@ -259,10 +280,9 @@ class IcechunkParamStore(ParamStore):
         import icechunk
 
         try:
-            snaps = [s for s in self._repo.ancestry(branch=branch) if is_version(s)]
+            return history(self, branch)
         except icechunk.IcechunkError as e:
             raise self._ref_error(e, branch=branch) from None
-        return [version_info(s, snaps[i + 1].id if i + 1 < len(snaps) else None) for i, s in enumerate(snaps)]
 
     def head(self, branch="main") -> str | None:
         """The newest version id on ``branch``, or None when the branch has no versions yet."""
@@ -310,6 +330,8 @@ class IcechunkParamStore(ParamStore):
         import icechunk
 
         self._check_writable("create a branch in")
+        if is_reserved(name):
+            raise ValueError(f"branch names starting with 'vcdask.keep.' or 'vcdask.hold.' belong to vcdask: {name!r}")
         if name in self._repo.list_branches():
             from ..errors import BranchExistsError
 
@@ -322,7 +344,32 @@ class IcechunkParamStore(ParamStore):
 
     def branches(self) -> dict[str, str | None]:
         """Branch name -> newest version id (None for a branch with no versions)."""
-        return {b: self.head(b) for b in sorted(self._repo.list_branches())}
+        return {b: self.head(b) for b in sorted(self._repo.list_branches()) if not is_reserved(b)}
+
+    # -- retention (see ParamStore.gc and ParamStore.hold for the documentation) -------------
+    def gc(self, retention=None, *, branches=None, dry_run=False, in_use=None) -> GCReport:
+        """Expire the versions ``retention`` does not keep and delete their data; see :meth:`ParamStore.gc`."""
+        if not dry_run:
+            self._check_writable("collect versions in")
+        return gc(self, retention, branches=branches, dry_run=dry_run, in_use=in_use)
+
+    def hold(self, version: str, *, ttl: float = 3600.0) -> AbstractContextManager[str]:
+        """Keep ``version`` readable while a ``with`` block runs; see :meth:`ParamStore.hold`."""
+        self._check_writable("hold a version of")
+        return hold(self, version, float(ttl))
+
+    def version_nbytes(self, version: str) -> int:
+        """Bytes of one version's parameter arrays as stored; see :meth:`ParamStore.version_nbytes`."""
+        import icechunk
+
+        try:
+            return version_nbytes(self, version)
+        except icechunk.IcechunkError as e:
+            raise self._ref_error(e, version=version) from None
+
+    def store_nbytes(self) -> int:
+        """Bytes of every object of the store; see :meth:`ParamStore.store_nbytes`."""
+        return store_nbytes(self)
 
     # -- helpers ----------------------------------------------------------------------
     def _check_writable(self, action: str) -> None:
@@ -350,25 +397,7 @@ class IcechunkParamStore(ParamStore):
         return root.id
 
     def _ref_error(self, e: Exception, *, version=None, tag=None, branch=None) -> Exception:
-        import icechunk
-
-        where = self._backend.describe()
-        err = translate(e, f"reading {where}")
-        if not isinstance(err, (VersionNotFoundError, StoreNotFoundError)):
-            return err
-        # Icechunk reports "snapshot not found" also when fetching the snapshot failed (e.g. the
-        # object store answered 503 past its retries): only a store that answers can say "no such".
-        try:
-            self._repo.lookup_branch("main")
-        except icechunk.IcechunkError as probe:
-            fault = translate(probe, f"reading {where}")
-            if not isinstance(fault, (VersionNotFoundError, StoreNotFoundError)):
-                return fault
-        if tag is not None:
-            return VersionNotFoundError(f"no tag {tag!r} in {where}; tags: {sorted(self._repo.list_tags())}")
-        if version is not None:
-            return VersionNotFoundError(f"no version {version!r} in {where}")
-        return VersionNotFoundError(f"no branch {branch!r} in {where}; branches: {sorted(self._repo.list_branches())}")
+        return ref_error(self._repo, self._backend.describe(), e, version=version, tag=tag, branch=branch)
 
 
 _reopened: dict[tuple, IcechunkParamStore] = {}

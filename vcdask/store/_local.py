@@ -39,6 +39,7 @@ class LocalBackend:
     scheme = "file"
     shared_across_processes = True
     durable = True
+    locked_commits = True  # every commit holds the directory's file lock (and so does a collection)
     secret_options: frozenset[str] = frozenset()
 
     def __init__(self, location: str, options: dict[str, Any]):

@@ -19,6 +19,7 @@ class MemoryBackend:
     scheme = "memory"
     shared_across_processes = False
     durable = False
+    locked_commits = True  # every commit holds the store's lock (and so does a collection)
     secret_options: frozenset[str] = frozenset()
 
     def __init__(self, location: str, options: dict[str, Any]):

@@ -44,6 +44,7 @@ def _check_options(location: str, options: dict[str, Any], valid: set[str]) -> d
 class _ObjectBackend:
     shared_across_processes = True
     durable = True
+    locked_commits = False  # the service arbitrates commits: a collection cannot hold other writers off
     #: Options that are secrets: never pickled, logged or written into the store.
     secret_options: frozenset[str] = frozenset()
     location: str

@@ -226,3 +226,46 @@ class StoreTests:
             store.read(v).load_into(wrong)
         right = load_into(make_model(5), store.read(v).params)
         assert torch.equal(right[0].weight, trained_state(0)[0].weight)
+
+    # -- retention ------------------------------------------------------------------------
+    def test_gc_keeps_what_the_policy_keeps(self, store):
+        from vcdask import Retention
+
+        store.create_branch("run")
+        ids = [
+            store.commit(_constant_state(s), {"step": s, "epoch": (s + 3) // 4}, branch="run") for s in range(12)
+        ]  # epochs end at steps 0, 4, 8 and 11
+        store.tag("keep-me", ids[2])
+        report = store.gc(Retention(keep_last=2, grace=0), branches="run")
+        kept = [v.id for v in store.versions("run")]
+        assert kept == [ids[s] for s in (11, 10, 8, 4, 2, 0)]
+        assert sorted(report.removed["run"]) == sorted(ids[s] for s in (1, 3, 5, 6, 7, 9))
+        for s in (11, 10, 8, 4, 2, 0):  # bit for bit
+            assert torch.equal(store.read(ids[s]).state_dict()["w"], torch.full((1000,), float(s)))
+        with pytest.raises(VersionNotFoundError):
+            store.read(ids[5])
+        assert store.branches() == {"main": None, "run": ids[11]}
+
+    def test_rule_state_only_with_the_newest_version(self, store):
+        momentum = [flatten({"w": torch.full((10,), float(i))}) for i in range(2)]
+        v0 = store.commit(_constant_state(0), state={"momentum": momentum[0]})
+        v1 = store.commit(_constant_state(1), state={"momentum": momentum[1]})
+        assert store.read_state(v1)["momentum"].equal(momentum[1])
+        with pytest.raises(VersionNotFoundError, match="no longer kept"):
+            store.read_state(v0)
+        assert store.read_state(store.commit(_constant_state(2))) == {}
+
+    def test_hold_keeps_a_version_through_gc(self, store):
+        from vcdask import Retention
+
+        ids = [store.commit(_constant_state(s), {"step": s}) for s in range(6)]
+        with store.hold(ids[1]):
+            report = store.gc(Retention(keep_last=1, grace=0))
+            assert ids[1] in report.deferred["main"] and ids[2] in report.removed["main"]
+            assert torch.equal(store.read(ids[1]).state_dict()["w"], torch.full((1000,), 1.0))
+        store.gc(Retention(keep_last=1, grace=0))
+        with pytest.raises(VersionNotFoundError):
+            store.read(ids[1])
+        with pytest.raises(VersionNotFoundError, match="gone"):
+            with store.hold(ids[2]):
+                pass

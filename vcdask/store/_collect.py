@@ -1,0 +1,278 @@
+"""Removing the versions a :class:`~._retention.Retention` does not keep, with Icechunk's own tools.
+
+Icechunk expires by age only: :meth:`icechunk.Repository.expire_snapshots` drops, from the history
+of every branch and tag, the snapshots older than a cutoff, except those a branch or tag points at;
+:meth:`icechunk.Repository.garbage_collect` then deletes what no branch or tag reaches.  So one
+collection:
+
+1. decides, per branch it manages, what the policy keeps (:func:`._retention.select`);
+2. *pins* every kept version with a hidden branch ``vcdask.keep.<version>.<branch>`` (the newest too:
+   its writer may commit meanwhile), unpins the versions it no longer keeps, and pins every version a
+   reader holds (:func:`hold`) with ``vcdask.hold.<version>``: what is kept no longer depends on age;
+3. takes as cutoff the oldest time another branch still needs that no ref keeps: for a branch with
+   a writer's ``vcdask:keep_from_step`` marker (a running run: what it committed since its last
+   collection, and what its tasks read), its versions from that step on; for a branch without a
+   policy, its whole history (which holds back expiry in the whole store: see ``GCReport.held_back``);
+   never later than when the collection listed the branches (less ``grace``);
+4. expires the snapshots older than the cutoff, reads the holds again (a reader that came meanwhile
+   gets its pin before anything is deleted), then garbage-collects objects older than ``grace``.
+
+A reader that holds a version (:func:`hold`) writes its hold first and then checks that the version
+is still reachable: either a collection saw the hold before deleting anything, or the reader sees
+that the version is gone.  Holds and pins are plain objects and refs: they work across processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from .. import config
+from ..errors import VersionNotFoundError
+from ._errors import translate
+from ._history import HOLD_PREFIX, is_reserved, parse_pin, pin_name, reachable
+from ._layout import is_version
+from ._retention import GCReport, Retention, select
+from ._state import STATE_KEY, sweep_states
+
+if TYPE_CHECKING:
+    from ._icechunk import IcechunkParamStore
+
+__all__ = ["KEEP_FROM_KEY", "collect", "gc", "hold"]
+
+logger = logging.getLogger(__name__)
+
+#: Version metadata: versions of this branch at or after this step may still be needed by its writer.
+KEEP_FROM_KEY = "vcdask:keep_from_step"
+#: A writer's marker counts while its newest version is younger than this (seconds); older runs are over.
+ACTIVE_SECONDS = 3600.0
+HOLDS = "_holds"
+
+
+# -- holds: readers that need a version for a while ------------------------------------------------
+def _live_holds(store: IcechunkParamStore, *, tidy: bool = True) -> set[str]:
+    """Versions held by readers now (``tidy``: holds past their time are deleted)."""
+    files, now, held = store.files, time.time(), set()
+    for path in files.list(HOLDS):
+        try:
+            record = json.loads(files.get(path))
+        except (FileNotFoundError, ValueError):
+            continue  # released meanwhile, or being written
+        if record.get("until", 0) < now:
+            if tidy:
+                files.delete(path)  # its reader died without releasing it
+        else:
+            held.add(record["version"])
+    return held
+
+
+@contextlib.contextmanager
+def hold(store: IcechunkParamStore, version: str, ttl: float) -> Iterator[str]:
+    """Keep ``version`` from being collected while the block runs (see :meth:`ParamStore.hold`)."""
+    path = f"{HOLDS}/{uuid.uuid4().hex}.json"
+    store.files.put(path, json.dumps({"version": version, "until": time.time() + ttl}).encode())
+    try:
+        if not reachable(store, version):
+            raise VersionNotFoundError(
+                f"version {version!r} of {store.describe()} is gone or being collected (the retention "
+                "policy does not keep it); hold or tag a version before it leaves the newest ones"
+            )
+        yield version
+    finally:
+        store.files.delete(path)
+
+
+# -- one collection -----------------------------------------------------------------------------
+def gc(
+    store: IcechunkParamStore,
+    retention: Retention | None,
+    *,
+    branches: str | list[str] | None,
+    dry_run: bool,
+    in_use: Mapping[str, int | None] | None,
+) -> GCReport:
+    """:meth:`ParamStore.gc`: check the arguments, then :func:`collect`."""
+    import icechunk
+
+    chosen = [branches] if isinstance(branches, str) else None if branches is None else list(branches)
+    names = store._repo.list_branches()
+    for b in chosen or ():
+        if b not in names or is_reserved(b):
+            raise VersionNotFoundError(
+                f"no branch {b!r} in {store.describe()}; branches: {sorted(n for n in names if not is_reserved(n))}"
+            )
+    policy = Retention() if retention is None else retention
+    if not isinstance(policy, Retention):
+        raise TypeError(f"retention must be a vcdask.Retention (or None: the default policy), got {retention!r}")
+    try:
+        return collect(store, policy, branches=chosen, in_use=dict(in_use or {}), dry_run=dry_run)
+    except icechunk.IcechunkError as e:
+        raise translate(e, f"collecting old versions in {store.describe()}") from None
+
+
+def collect(
+    store: IcechunkParamStore,
+    retention: Retention,
+    *,
+    branches: list[str] | None,
+    in_use: Mapping[str, int | None],
+    dry_run: bool,
+) -> GCReport:
+    """One collection over ``store`` (see the module docstring); ``branches=None``: every branch."""
+    repo = store._repo
+    grace = timedelta(seconds=retention.grace if retention.grace is not None else _default_grace(store))
+    listed_at = datetime.now(UTC)  # anything committed after this is newer than the cutoff
+    fresh = repo.reopen()  # another process may have expired history since this one last looked
+    names = set(fresh.list_branches())
+    heads = {b: fresh.lookup_branch(b) for b in names}
+    tagged = {fresh.lookup_tag(t) for t in fresh.list_tags()}
+    held = _live_holds(store, tidy=not dry_run)
+    managed = sorted(b for b in names if not is_reserved(b)) if branches is None else list(branches)
+    report = GCReport(dry_run=dry_run)
+    want_pins: dict[str, str] = {}  # pin name -> version: every kept version (its head too: it may move meanwhile)
+    drops = {}
+    for b in managed:
+        versions = store.versions(b)
+        if not versions:
+            continue
+        floor = in_use[b] if b in in_use else _marker(fresh, b, listed_at, active_only=True)
+        sel = select(versions, retention, tagged=tagged, in_use_step=floor)
+        report.kept[b], drops[b] = [v.id for v in sel.keep], sel.drop
+        want_pins.update((pin_name(v.id, b), v.id) for v in sel.keep)
+    refs = set(heads.values()) | tagged | held | set(want_pins.values())
+    bounds = [listed_at - grace]  # (the clocks of other writers may lag this one's)
+    for b in sorted(names - set(managed)):
+        if not is_reserved(b):
+            bounds.extend(_bound(store, fresh, b, refs, listed_at, report))
+    cutoff = min(bounds)
+    for b, dropped in drops.items():
+        report.removed[b] = [v.id for v in dropped if v.written_at < cutoff and v.id not in refs]
+        report.deferred[b] = [v.id for v in dropped if v.id not in report.removed[b]]
+    stale_pins = {n for n in names if (p := parse_pin(n)) is not None and p[1] in drops and n not in want_pins}
+    if dry_run:
+        return report
+    for name, version in want_pins.items():
+        if name not in names:
+            repo.create_branch(name, version)
+    released = _pin_holds(repo, names, held)
+    for name in stale_pins:
+        _unpin(repo, name)
+    if any(report.removed.values()) or stale_pins or released:
+        with store._backend.commit_lock():  # no vcdask commit (whose chunks no branch reaches yet) meanwhile
+            repo.expire_snapshots(cutoff)
+            _pin_holds(repo, set(repo.list_branches()), _live_holds(store))  # readers that came meanwhile
+            summary = repo.garbage_collect(datetime.now(UTC) - grace)
+        deleted = summary.chunks_deleted + summary.manifests_deleted + summary.snapshots_deleted
+        report = replace(
+            report, bytes_deleted=summary.bytes_deleted, objects_deleted=deleted + summary.transaction_logs_deleted
+        )
+    for b in drops:  # by the branch's writer, or on a branch nobody writes any more: only the newest state stays
+        head = fresh.lookup_snapshot(heads[b])
+        if b in in_use or (listed_at - head.written_at).total_seconds() > ACTIVE_SECONDS:
+            sweep_states(store.files, b, (head.metadata or {}).get(STATE_KEY))
+    return report
+
+
+def _pin_holds(repo: Any, names: set[str], held: set[str]) -> int:
+    """A pin for every held version (even one already expired: it is there until collected); return how
+    many pins of released holds were removed."""
+    import icechunk
+
+    for version in held:
+        name = f"{HOLD_PREFIX}{version}"
+        if name not in names:
+            try:
+                repo.create_branch(name, version)
+            except icechunk.IcechunkError:
+                logger.debug("held version %s is gone already", version)
+    released = [n for n in names if n.startswith(HOLD_PREFIX) and n[len(HOLD_PREFIX) :] not in held]
+    for name in released:
+        _unpin(repo, name)
+    return len(released)
+
+
+def _unpin(repo: Any, name: str) -> None:
+    """Delete a pin (another collection may have deleted it already)."""
+    import icechunk
+
+    try:
+        repo.delete_branch(name)
+    except icechunk.IcechunkError:
+        if name in repo.list_branches():
+            raise
+
+
+def _marker(repo: Any, branch: str, now: datetime, *, active_only: bool) -> int | None:
+    """The ``keep_from_step`` marker of ``branch``'s newest version (None without one, or when stale)."""
+    head = repo.lookup_snapshot(repo.lookup_branch(branch))
+    step = (head.metadata or {}).get(KEEP_FROM_KEY)
+    if not isinstance(step, int):
+        return None
+    if active_only and (now - head.written_at).total_seconds() > ACTIVE_SECONDS:
+        return None
+    return step
+
+
+def _bound(
+    store: IcechunkParamStore, repo: Any, branch: str, refs: set[str], now: datetime, report: GCReport
+) -> list[datetime]:
+    """The oldest time a branch this collection does not manage still needs (empty: it needs nothing).
+
+    With a writer's marker: its versions from that step on that nothing else keeps (what its writer
+    committed since it last collected, and what its tasks read).  Without one: its whole history, read
+    once per head and process (not again at every collection), and again once the oldest version it
+    holds back is gone (someone applied a policy to it).
+    """
+    step = _marker(repo, branch, now, active_only=False)
+    head = repo.lookup_branch(branch)
+    cached = store._histories.get((branch, head)) if step is None else None
+    oldest = _oldest(cached or [], refs)
+    if cached is None or (oldest is not None and not _exists(repo, oldest[0])):  # (first time, or expired since)
+        history = []
+        for snap in repo.ancestry(branch=branch):
+            if not is_version(snap) or (step is not None and (snap.metadata or {}).get("step", step) < step):
+                break
+            history.append((snap.id, snap.written_at))
+        if step is None:
+            store._histories[(branch, head)] = history
+        oldest = _oldest(history, refs)
+    if oldest is None:
+        return []
+    when = oldest[1]
+    if step is None:
+        why = "it keeps its whole history (no retention policy)"
+    elif (now - repo.lookup_snapshot(head).written_at).total_seconds() > ACTIVE_SECONDS:
+        why = "its run stopped before it could apply its retention policy"
+    else:
+        return [when]  # a running run: it collects itself soon
+    report.held_back.append(
+        f"branch {branch!r} holds back expiry of everything written after {when:%Y-%m-%d %H:%M:%S} UTC: {why}; "
+        "apply a policy to it with ParamStore.gc(branches=...) or `vcdask gc STORE --branch ...`"
+    )
+    return [when]
+
+
+def _oldest(history: list[tuple[str, datetime]], refs: set[str]) -> tuple[str, datetime] | None:
+    """The oldest (version, time) of ``history`` (newest first) that no ref keeps."""
+    return next((entry for entry in reversed(history) if entry[0] not in refs), None)
+
+
+def _exists(repo: Any, version: str) -> bool:
+    import icechunk
+
+    try:
+        repo.lookup_snapshot(version)
+    except icechunk.IcechunkError:
+        return False
+    return True
+
+
+def _default_grace(store: IcechunkParamStore) -> float:
+    return 0.0 if getattr(store._backend, "locked_commits", False) else float(config.get("store.gc-grace"))

@@ -1,0 +1,112 @@
+"""Reading what a store holds after retention: a branch's versions (its history and its pinned
+versions), whether a version is still reachable, and sizes.
+
+Expiry edits history (the oldest version a branch keeps gets the repository's root as parent),
+and Icechunk caches the snapshots it read per repository object: a process that read history
+before another process expired it would still see the old one.  So everything here reads
+through a fresh :meth:`icechunk.Repository.reopen` (no I/O; an empty cache).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._base import VersionInfo
+from ._layout import is_version, version_info
+
+if TYPE_CHECKING:
+    from ._icechunk import IcechunkParamStore
+
+__all__ = [
+    "HOLD_PREFIX",
+    "PIN_PREFIX",
+    "history",
+    "is_reserved",
+    "parse_pin",
+    "pin_name",
+    "pins",
+    "reachable",
+    "store_nbytes",
+    "version_nbytes",
+]
+
+#: Hidden branches that keep a version for a branch's retention policy, and for a reader's hold.
+PIN_PREFIX = "vcdask.keep."
+HOLD_PREFIX = "vcdask.hold."
+
+
+def is_reserved(branch: str) -> bool:
+    """Whether ``branch`` is one of the store's own pins (hidden from :meth:`ParamStore.branches`)."""
+    return branch.startswith((PIN_PREFIX, HOLD_PREFIX))
+
+
+def pin_name(version: str, branch: str) -> str:
+    """The hidden branch that keeps ``version`` for ``branch``'s policy."""
+    return f"{PIN_PREFIX}{version}.{branch}"
+
+
+def parse_pin(name: str) -> tuple[str, str] | None:
+    """(version, branch) of a pin made by :func:`pin_name`; None for any other branch name."""
+    rest = name[len(PIN_PREFIX) :]
+    if not name.startswith(PIN_PREFIX) or "." not in rest:
+        return None
+    version, branch = rest.split(".", 1)  # version ids have no dots; branch names may
+    return version, branch
+
+
+def pins(names: set[str], branch: str) -> dict[str, str]:
+    """Version id -> pin name, of the pins among ``names`` that keep versions of ``branch``."""
+    return {p[0]: name for name in names if (p := parse_pin(name)) is not None and p[1] == branch}
+
+
+def history(store: IcechunkParamStore, branch: str) -> list[VersionInfo]:
+    """The versions of ``branch``, newest first: its history, and the older versions pinned for it."""
+    repo = store._repo.reopen()
+    snaps = [s for s in repo.ancestry(branch=branch) if is_version(s)]
+    out = [version_info(s, snaps[i + 1].id if i + 1 < len(snaps) else None) for i, s in enumerate(snaps)]
+    seen = {v.id for v in out}
+    for version in pins(repo.list_branches(), branch).keys() - seen:
+        info = store._pinned.get(version)
+        if info is None:  # a pinned version never changes: read once per process
+            info = store._pinned[version] = version_info(repo.lookup_snapshot(version), None)
+        out.append(info)
+    return sorted(out, key=lambda v: v.written_at, reverse=True)
+
+
+def reachable(store: IcechunkParamStore, version: str) -> bool:
+    """Whether a branch or tag still reaches ``version`` (so no collection can delete it unseen)."""
+    import icechunk
+
+    repo = store._repo.reopen()
+    try:
+        when = repo.lookup_snapshot(version).written_at
+        names = repo.list_branches()
+        if version in {repo.lookup_branch(b) for b in names} | {repo.lookup_tag(t) for t in repo.list_tags()}:
+            return True
+        for b in names:
+            for snap in repo.ancestry(branch=b):
+                if snap.id == version:
+                    return True
+                if snap.written_at < when:
+                    break
+    except icechunk.IcechunkError:
+        return False
+    return False
+
+
+def version_nbytes(store: IcechunkParamStore, version: str) -> int:
+    """Bytes of one version's parameter arrays as stored (uncompressed chunks; metadata only is read)."""
+    import zarr
+
+    session = store._repo.readonly_session(snapshot_id=version)
+    group = zarr.open_group(session.store, mode="r", path="params")
+    return sum(int(a.nbytes) for _, a in group.arrays())
+
+
+def store_nbytes(store: IcechunkParamStore) -> int:
+    """Bytes of every object of the store: versions, Icechunk's metadata and the side files."""
+    fs, root = store._backend.filesystem(max_tries=store.max_tries)
+    total = int(fs.du(root, total=True)) if fs.exists(root) else 0
+    if store._backend.scheme == "memory":  # the repository itself lives in Icechunk's memory storage
+        total += int(store._repo.chunk_storage_stats().native_bytes)
+    return total
