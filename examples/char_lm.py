@@ -423,7 +423,7 @@ def generate(model: CharGPT, prompt: str, n_bytes: int = 200, *, temperature: fl
 
 
 # -- the script ---------------------------------------------------------------------------------------------
-QUICK = {"train_kb": 192, "val_kb": 32, "epochs": 6, "shards": 32}
+QUICK = {"train_kb": 128, "val_kb": 32, "epochs": 4, "shards": 32}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -450,7 +450,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--optimizer-state", choices=["fresh", "worker"], default="fresh", help="vcdask (default: %(default)s)"
     )
-    ap.add_argument("--tasks-per-slot", type=int, default=2, help="vcdask (default: %(default)s)")
+    ap.add_argument("--tasks-per-slot", type=int, default=1, help="vcdask (default: %(default)s)")
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: %(default)s)")
     ap.add_argument("--precision", choices=["32", "bf16", "16-mixed"], default="32", help="vcdask (default: 32)")
     ap.add_argument("--store", default="vcdask-runs", help="vcdask parameter store (default: %(default)s)")
