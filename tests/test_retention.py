@@ -6,6 +6,7 @@ Real Icechunk stores in temporary directories; the end-to-end tests use the sess
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import threading
 import time
@@ -268,6 +269,7 @@ def test_resume_after_gc_continues_exactly(tmp_path):
 def test_runs_one_after_another_in_one_store_each_keep_their_policy(tmp_path, caplog):
     """A finished run pins what it keeps, so it never holds back the next run's collections; a run that
     keeps everything does (and the next run says so)."""
+    caplog.set_level(logging.WARNING, logger="vcdask")  # whatever level earlier tests left the root logger at
     store = vcdask.open_store(tmp_path / "s")
     policy = Retention(keep_last=2, interval=0)
     kept = {}

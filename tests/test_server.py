@@ -46,6 +46,24 @@ def test_merge_commits_with_metadata_and_drops_the_upload(tmp_path):
     assert store.files.list("run-x/updates") == []
 
 
+def test_merges_with_results_queued_behind_them_share_one_commit(tmp_path):
+    """While more results wait (``more=True``) the commit is left to the last of them, up to FOLD_MAX
+    merges in one version; every merge is in the version's ``merged`` list and its upload kept until then."""
+    from vcdask.engine.params_server import FOLD_MAX
+
+    store, state = _state(tmp_path)
+    outs = [state.merge(_upload(store, shard, shard), more=True) for shard in range(3)]
+    assert [o["new_version"] for o in outs] == [1, 2, 3] and all(o["version_id"] is None for o in outs)
+    assert state.folded and not state.committed and len(store.files.list("run-x/updates")) == 3
+    last = state.merge(_upload(store, 3, 3.0))  # nothing more queued: one commit for the four
+    assert last["version_id"] == state.version and not state.folded
+    assert store.read(branch="run-x").metadata["merged"] == [[1, s, 0] for s in range(4)]
+    assert len(store.versions("run-x")) == 2 and store.files.list("run-x/updates") == []
+    outs = [state.merge(_upload(store, 10 + i, 1.0), more=True) for i in range(FOLD_MAX + 1)]
+    assert [o["version_id"] is not None for o in outs] == [False] * (FOLD_MAX - 1) + [True, False]  # bounded
+    assert state.merge(_upload(store, 99, 1.0), completes=True, more=True)["version_id"] == state.version
+
+
 def test_commit_whose_answer_was_lost_is_adopted_not_repeated(tmp_path):
     """The store took the commit but its answer never came back: the retry sees a conflict, finds
     its own commit at the head, and adopts it — one version, not two."""

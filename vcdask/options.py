@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .cluster import check_client
+from .compress import check_compression
 from .data import DataError, PreparedData, prepare_data
 from .device import check_device, check_precision
 from .inner import check_optimizer_state, check_schedule
@@ -259,6 +260,7 @@ def plan_run(
     lr_schedule=None,
     clip_grad_norm=None,
     retention=None,
+    compression=None,
 ) -> RunPlan:
     """Check every argument of :func:`fit` and prepare the data; raise before any cluster work."""
     if not isinstance(model, torch.nn.Module):
@@ -277,6 +279,7 @@ def plan_run(
         )
     }
     retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
+    compression = check_compression(compression)
     if resilience is None:
         resilience = Resilience()
     elif not isinstance(resilience, Resilience):
@@ -352,6 +355,7 @@ def plan_run(
             "keep_updates": keep_updates,
             "resilience": resilience,
             "retention": retention,
+            "compression": compression,
             **training,
             "metric_names": metric_names if train_step is not None else (),
             "batch_form": prepared.form,

@@ -30,6 +30,7 @@ HISTORY_COLUMNS = [
     "read_seconds",
     "train_seconds",
     "upload_seconds",
+    "nbytes",
     "accepted",
     "outcome",
     "reason",
@@ -49,7 +50,7 @@ class FitResult:
     history : pandas.DataFrame
         One row per update: epoch, shard, attempt, worker, device (where it trained), base_version, new_version,
         version_id, alpha, staleness, train_loss, seconds (of the task: read_seconds for the
-        version and rows, train_seconds, upload_seconds), accepted, outcome (one of
+        version and rows, train_seconds, upload_seconds), nbytes (the update as sent), accepted, outcome (one of
         :data:`vcdask.engine.events.OUTCOMES`: merged, rejected, duplicate, late, lost, cancelled,
         skipped, store fault), reason (why, in words, for an update not merged), time (since the
         run started), update (path of W_c under ``<store>/runs``).

@@ -64,6 +64,7 @@ class RunSpec:
     lr_schedule: Any = None  # fn(epoch, step) -> factor
     clip_grad_norm: float | None = None
     retention: Any = None  # vcdask.Retention; None: keep every version (and in specs written before retention)
+    compression: str | None = None  # vcdask.compress codec of the updates; None: full W_c
 
     @property
     def spec_path(self) -> str:

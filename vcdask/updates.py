@@ -2,7 +2,9 @@
 
 An update is an uncompressed ``.npz`` (readable with ``numpy.load``): one array per dtype
 plus the layout as JSON bytes, written in a single request by the worker that trained
-it, read once by the merge thread, deleted once its merge is committed.  This module is the
+it, read once by the merge thread, deleted once its merge is committed.  A compressed update
+(:mod:`vcdask.compress`) holds its encoded parts (``"<dtype>.<part>"``) and a ``__codec__``
+record (the codec and the base version) instead of the float arrays.  This module is the
 only place that writes, reads, lists or deletes updates.
 """
 
@@ -15,6 +17,7 @@ import logging
 import numpy as np
 import torch
 
+from .compress import EncodedUpdate
 from .params import FlatParams, Layout, torch_dtype
 
 __all__ = [
@@ -39,13 +42,14 @@ def _folder(run_id: str) -> str:
     return f"{run_id}/updates"
 
 
-def write_update(files, path: str, params: FlatParams, meta: dict | None = None) -> int:
+def write_update(files, path: str, params: FlatParams | EncodedUpdate, meta: dict | None = None) -> int:
     """Write ``params`` (and a small JSON ``meta`` record) to ``path`` in one request; return the bytes written."""
-    arrays = {}
-    for dtype, a in params.arrays.items():
-        arrays[dtype] = (a.view(torch.uint16) if dtype == "bfloat16" else a).numpy()
-    arrays["__layout__"] = np.frombuffer(json.dumps(params.layout.to_dict()).encode(), dtype=np.uint8)
-    arrays["__meta__"] = np.frombuffer(json.dumps(meta or {}).encode(), dtype=np.uint8)
+    tensors = params.arrays if isinstance(params, FlatParams) else params.parts
+    arrays = {name: _to_numpy(a) for name, a in tensors.items()}
+    arrays["__layout__"] = _json(params.layout.to_dict())
+    arrays["__meta__"] = _json(meta or {})
+    if isinstance(params, EncodedUpdate):
+        arrays["__codec__"] = _json({"codec": params.codec, "base_version": params.base_version})
     buf = io.BytesIO()
     np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy stubs type **kwds as allow_pickle
     data = buf.getvalue()
@@ -53,15 +57,33 @@ def write_update(files, path: str, params: FlatParams, meta: dict | None = None)
     return len(data)
 
 
-def read_update(files, path: str) -> FlatParams:
-    """Read an update written by :func:`write_update`."""
+def read_update(files, path: str) -> FlatParams | EncodedUpdate:
+    """Read an update written by :func:`write_update`: ``W_c``, or an :class:`EncodedUpdate` to decode
+    against its base version."""
     with np.load(io.BytesIO(files.get(path)), allow_pickle=False) as z:
         layout = Layout.from_dict(json.loads(z["__layout__"].tobytes()))
-        arrays = {}
-        for dtype in layout.sizes:
-            t = torch.from_numpy(z[dtype].copy())
-            arrays[dtype] = t.view(torch_dtype(dtype)) if dtype == "bfloat16" else t
-    return FlatParams(layout, arrays)
+        if "__codec__" not in z.files:
+            return FlatParams(layout, {dtype: _to_torch(z[dtype], dtype) for dtype in layout.sizes})
+        codec = json.loads(z["__codec__"].tobytes())
+        parts = {}
+        for name in z.files:
+            if not name.startswith("__"):
+                bf16 = codec["codec"] == "bf16" and name.endswith(".delta")  # stored as uint16
+                parts[name] = _to_torch(z[name], "bfloat16" if bf16 else None)
+        return EncodedUpdate(layout, codec["codec"], codec["base_version"], parts)
+
+
+def _to_numpy(a: torch.Tensor) -> np.ndarray:
+    return (a.view(torch.uint16) if a.dtype == torch.bfloat16 else a).numpy()
+
+
+def _to_torch(a: np.ndarray, dtype: str | None) -> torch.Tensor:
+    t = torch.from_numpy(a.copy())
+    return t.view(torch_dtype(dtype)) if dtype == "bfloat16" else t
+
+
+def _json(record: dict) -> np.ndarray:
+    return np.frombuffer(json.dumps(record).encode(), dtype=np.uint8)
 
 
 def read_update_meta(files, path: str) -> dict:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from . import batches as _batches
+from .compress import EncodedUpdate, encode
 from .device import Precision, describe, resolve_device
 from .errors import ParameterMismatchError
 from .inner import InnerOptimizer
@@ -194,7 +195,11 @@ def train_shard(
         "steps": inner.step_count,
     }
     # the record travels with the update, so a resumed run can merge an upload nobody reported
-    record["nbytes"] = write_update(store.files, path, _to_cpu(model, device), meta=record)
+    w_c = _to_cpu(model, device)
+    update: FlatParams | EncodedUpdate = w_c
+    if spec.compression is not None:  # W_c - W_base in fewer bits, with error feedback
+        update = encode(spec.compression, w_c, _version(store, base_version), base_version, run_id)
+    record["nbytes"] = write_update(store.files, path, update, meta=record)
     t_end = time.perf_counter()
     record.update(seconds=t_end - t0, upload_seconds=t_end - t_train)
     return record

@@ -24,7 +24,7 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
     wrec = run.pool.finished(worker, rec["seconds"], device=rec.get("device"))
     fields = {k: rec[k] for k in ("train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds")}
     fields.update(worker=worker, device=rec.get("device"), update=rec["update"], base_version=rec["base_step"])
-    fields["time"] = arrived
+    fields.update(time=arrived, nbytes=rec.get("nbytes", float("nan")))
     completes = False
     if run.ledger.done(epoch, shard):
         if task.overdue:
@@ -46,7 +46,8 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         # the epoch's last shard is committed at once (its version is validated and closes the epoch)
         last = run.ledger.completes(epoch, shard)  # (recorded in the version's progress, for a resume)
         run.server.in_use_step = watch.in_use_step(run)  # what the merge thread's retention must keep
-        merged = await run.in_thread(run.server.merge, rec, last, run.staleness_limit(), last)
+        more = run.tasks.completed is not None and run.tasks.completed.has_ready()  # fold their commits
+        merged = await run.in_thread(run.server.merge, rec, last, run.staleness_limit(), last, more)
         fault = merged.pop("fault", None)
         row = run.ledger.record(
             epoch, shard, rec["attempt"], "merged" if merged["accepted"] else "rejected", **fields, **merged

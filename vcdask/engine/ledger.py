@@ -38,6 +38,7 @@ def history_row(epoch: int, shard: int, attempt: int, outcome: Outcome | None = 
         "read_seconds": float("nan"),
         "train_seconds": float("nan"),
         "upload_seconds": float("nan"),
+        "nbytes": float("nan"),
         "accepted": False,
         "outcome": outcome,
         "reason": None,

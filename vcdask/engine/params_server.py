@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import time
 import zipfile
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..compress import EncodedUpdate
 from ..errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError, VersionNotFoundError
 from ..merge import VCASGD, Arrival, MergeRule, RuleState
 from ..params import FlatParams
@@ -26,6 +28,11 @@ from ..store import Retention
 from ..updates import delete_update, read_update
 from .outage import retry_through
 from .policy import check_update
+
+#: Base versions of compressed updates the merge thread keeps in memory (the newest commits).
+BASES_KEPT = 8
+#: At most this many merges wait for one commit while more results queue behind them.
+FOLD_MAX = 8
 
 __all__ = ["Head", "ParamsServer"]
 
@@ -105,6 +112,9 @@ class ParamsServer:
         self._collected = time.monotonic()
         self.collect_seconds: list[float] = []  # how long each collection took (for benchmarks/storage.py)
         self._said_held_back = False
+        self._bases: OrderedDict[str, FlatParams] = OrderedDict()  # base versions of compressed updates
+        #: Merges are waiting for a commit only because more results were queued (see ``merge``).
+        self.folded = False
 
     # -- the loop's read-only views (each one attribute read) -----------------------------------
     @property
@@ -166,11 +176,14 @@ class ParamsServer:
         force_commit: bool = False,
         max_staleness: int | None = None,
         completes: bool = False,
+        more: bool = False,
     ) -> dict[str, Any]:
         """Merge the update described by ``record`` (epoch, shard, attempt, base_step, update path).
 
         ``completes``: this merge completes its epoch (it is committed at once, and the epoch's end
-        recorded in the run's progress).
+        recorded in the run's progress).  ``more``: other results are waiting to be merged; the commit
+        is left to the last of them (up to :data:`FOLD_MAX` merges in one version), so a backed-up
+        queue costs one commit, not one per merge.
 
         Returns the history fields of the merge: accepted, alpha, new_version, staleness, version_id;
         or, for an update that fails :func:`~vcdask.engine.policy.check_update` (``max_staleness``: the
@@ -184,8 +197,10 @@ class ParamsServer:
                 lambda: read_update(self.store.files, record["update"]),
                 f"reading the update of shard {record['shard']}",
             )
+            if isinstance(client, EncodedUpdate):  # W_c - W_base, compressed: add it to its base
+                client = client.decode(self._base(client.base_version))
         except (ValueError, KeyError, FileNotFoundError, EOFError, zipfile.BadZipFile) as e:
-            # unreadable (missing, truncated, not an update): a rejected update, not a crash
+            # unreadable (missing, truncated, not an update, its base gone): rejected, not a crash
             return self._reject(record, staleness, "unreadable", f"unreadable update: {e}")
         problem = check_update(
             self.params, client, staleness=staleness, max_staleness=max_staleness, max_norm=self.max_update_norm
@@ -198,8 +213,10 @@ class ParamsServer:
         self.head = Head(self.step + 1, self.version, self.version_step)
         self.uncommitted.append(record)
         self._progress(record, completes)
-        if force_commit or completes or len(self.uncommitted) >= self.commit_every:
+        due = len(self.uncommitted) >= self.commit_every
+        if force_commit or completes or (due and not (more and len(self.uncommitted) < FOLD_MAX)):
             self.commit()
+        self.folded = due and not self.committed
         return {
             "accepted": True,
             "alpha": outcome.get("alpha"),
@@ -207,6 +224,18 @@ class ParamsServer:
             "staleness": self.step - 1 - record["base_step"],
             "version_id": self.version if self.committed else None,
         }
+
+    def _base(self, version: str) -> FlatParams:
+        """The parameters of ``version`` (a compressed update's base): kept since this server committed
+        them, or read from the store (then kept: the next updates are often based on it too)."""
+        params = self._bases.get(version)
+        if params is None:
+            params = self._through_outages(lambda: self.store.read(version).params, f"reading version {version}")
+            self._bases[version] = params
+        self._bases.move_to_end(version)
+        while len(self._bases) > BASES_KEPT:
+            self._bases.popitem(last=False)
+        return params
 
     def _progress(self, record: dict[str, Any], completes: bool) -> None:
         epoch = int(record["epoch"])
@@ -247,10 +276,15 @@ class ParamsServer:
             metadata["rule_state"] = dict(self.rule_state.scalars)
         version = self._through_outages(lambda: self._commit_once(metadata), f"committing step {self.step}")
         self.head = Head(self.step, version, self.step)
+        if self._bases and self.params is not None:  # compressed updates: the next ones start from here
+            self._bases[version] = self.params.clone()
+            while len(self._bases) > BASES_KEPT:
+                self._bases.popitem(last=False)
         if not self.keep_updates:
             for r in self.uncommitted:  # merged and committed: the update has done its job
                 delete_update(self.store.files, r["update"])
         self.uncommitted = []
+        self.folded = False
         self.collect()
 
     def collect(self, final: bool = False) -> None:

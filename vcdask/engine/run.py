@@ -111,6 +111,8 @@ class Run:
                 if nxt.done():
                     future, nxt = nxt.result(), None
                     await self._on_done(future)
+                    if self.server.folded and not self.tasks.completed.has_ready():  # the queue ran dry
+                        await self.in_thread(self.server.commit)
             if nxt is not None:
                 nxt.cancel()
             await self._finish()

@@ -1,0 +1,120 @@
+"""Compressed updates (``fit(compression=...)``): bytes per update and the accuracy they cost.
+
+usage: python benchmarks/compression.py [--tasks digits,wide] [--codecs none,fp16,int8,int4]
+                                        [--workers 2] [--epochs 6] [--seeds 0,1,2]
+
+Each task trains with vcdask's defaults on an embedded cluster of ``--workers`` worker processes
+(one thread each), once per seed and codec: the same data, shards, epochs and seeds for every codec.
+The table gives the median over seeds of the bytes one update takes in the store (``history.nbytes``),
+its ratio to full float32 updates (``none``) measured in the same run, the final validation accuracy,
+and its difference from ``none`` in points (negative: the codec cost accuracy).
+
+* ``digits``: the demo CNN (40k parameters) on 8x8 digits, 10 shards, 2 local epochs.
+* ``wide``: the wide CNN of ``benchmarks/strategies.py`` (3.3M parameters), the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import vcdask
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def _task(name: str, seed: int):
+    from strategies import MODELS
+
+    from vcdask.demo import digits
+
+    train, val = digits()
+    return MODELS[name](seed), train, {"validation": val, "n_shards": 10, "local_epochs": 2, "lr": 1e-3}
+
+
+def run(task: str, codec: str, seed: int, epochs: int, client) -> dict:
+    model, data, kwargs = _task(task, seed)
+    store = tempfile.mkdtemp(prefix="vcdask-bench-compression-")
+    try:
+        t0 = time.perf_counter()
+        result = vcdask.fit(
+            model,
+            data,
+            client=client,
+            store=store,
+            max_epochs=epochs,
+            seed=seed,
+            compression=None if codec == "none" else codec,
+            progress=False,
+            **kwargs,
+        )
+        wall = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    merged = result.history[result.history.accepted]
+    return {
+        "accuracy": float(result.epochs["accuracy"].iloc[-1]),
+        "nbytes": float(merged.nbytes.median()),
+        "merged": len(merged),
+        "wall": wall,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default="digits,wide")
+    ap.add_argument("--codecs", default="none,fp16,int8,int4")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--seeds", default="0,1,2")
+    args = ap.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    codecs = args.codecs.split(",")
+    if codecs[0] != "none":
+        ap.error("--codecs must start with none (the float32 updates the others are compared with)")
+    from distributed import Client
+
+    from vcdask.cluster import embedded_cluster
+
+    rows = []
+    with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
+        for task in args.tasks.split(","):
+            ref: dict = {}
+            for codec in codecs:
+                runs = [run(task, codec, seed, args.epochs, client) for seed in seeds]
+                print(task, codec, [(round(r["accuracy"], 4), int(r["nbytes"])) for r in runs], flush=True)
+                nbytes = statistics.median(r["nbytes"] for r in runs)
+                acc = statistics.median(r["accuracy"] for r in runs)
+                ref = ref or {"nbytes": nbytes, "accuracy": acc}
+                rows.append(
+                    {
+                        "task": task,
+                        "compression": codec,
+                        "bytes/update": int(nbytes),
+                        "vs float32": nbytes / ref["nbytes"],
+                        "accuracy": acc,
+                        "points vs float32": 100 * (acc - ref["accuracy"]),
+                        "accuracy by seed": " ".join(f"{r['accuracy']:.3f}" for r in runs),
+                        "wall s": statistics.median(r["wall"] for r in runs),
+                    }
+                )
+    from devices import markdown
+
+    print(
+        f"\n{args.workers} workers, {args.epochs} epochs, seeds {seeds}, device: "
+        f"{'cuda' if torch.cuda.is_available() else 'cpu'}"
+    )
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Merges per second in a real run whose merge path is the bottleneck.
+
+usage: python benchmarks/merge_bound.py [--params 5000000] [--shards 60] [--epochs 2] [--workers 2]
+                                        [--rules nesterov,vc-asgd] [--compression none,int8]
+
+A model of ``--params`` float32 parameters that trains in no time (a linear head on the digits and a
+large table the loss does not touch) on many tiny shards: every task is a read, a few steps and an
+upload, so the run is as fast as its merge thread.  Each row is one ``vcdask.fit`` on an embedded
+cluster with a local-directory store (removed after): merges per second sustained (accepted merges
+after the first epoch over the time they took), the median time the merge thread spent per update,
+and the median upload size.  ``benchmarks/merge_path.py`` measures the merge path alone for the
+floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import vcdask
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+class TableNet(torch.nn.Module):
+    """Digits logits from a linear head; ``table`` is merged and stored like any parameter."""
+
+    def __init__(self, n_params: int):
+        super().__init__()
+        self.head = torch.nn.Linear(64, 10)
+        self.table = torch.nn.Parameter(torch.zeros(max(1, n_params - 650)))
+
+    def forward(self, x):
+        return self.head(x.flatten(1)) + 0.0 * self.table[:1]
+
+
+def run(args, rule: str, codec: str, client) -> dict:
+    from vcdask.demo import digits
+
+    (X, y), _ = digits()
+    store = tempfile.mkdtemp(prefix="vcdask-bench-mergebound-")
+    try:
+        t0 = time.perf_counter()
+        result = vcdask.fit(
+            TableNet(args.params),
+            (X, y),
+            merge=rule,
+            n_shards=args.shards,
+            max_epochs=args.epochs,
+            batch_size=256,
+            validation=None,
+            compression=None if codec == "none" else codec,
+            client=client,
+            store=store,
+            seed=0,
+            progress=False,
+        )
+        wall = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    h = result.history[result.history.accepted].sort_values("time")
+    later = h[h.epoch > 1]
+    span = later.time.iloc[-1] - h[h.epoch == 1].time.iloc[-1]
+    return {
+        "rule": rule,
+        "compression": codec,
+        "merges": len(h),
+        "merges/s (after epoch 1)": len(later) / span if span > 0 else float("nan"),
+        "task s (median)": float(h.seconds.median()),
+        "upload MB (median)": float(h.nbytes.median()) / 1e6,
+        "wall s": wall,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=int, default=5_000_000)
+    ap.add_argument("--shards", type=int, default=60)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rules", default="nesterov,vc-asgd")
+    ap.add_argument("--compression", default="none,int8")
+    args = ap.parse_args(argv)
+    from devices import markdown
+    from distributed import Client
+
+    from vcdask.cluster import embedded_cluster
+
+    rows = []
+    with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
+        for rule in args.rules.split(","):
+            for codec in args.compression.split(","):
+                rows.append(run(args, rule, codec, client))
+                print(rows[-1], flush=True)
+    print(f"\n{args.params:,} parameters, {args.workers} workers, {args.shards} shards x {args.epochs} epochs")
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

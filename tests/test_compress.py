@@ -1,0 +1,156 @@
+"""Compressed updates (vcdask.compress): codecs, error feedback, the update file, the merge, a real run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vcdask
+from vcdask import compress
+from vcdask.compress import BLOCK, EncodedUpdate, check_compression, encode
+from vcdask.demo import accuracy_on, digits_cnn
+from vcdask.engine.params_server import ParamsServer
+from vcdask.merge import VCASGD
+from vcdask.params import FlatParams, flatten
+from vcdask.updates import read_update, update_path, write_update
+
+
+class Mixed(torch.nn.Module):
+    """float32 weights, a float64 and a bfloat16 parameter, and an integer buffer (BatchNorm-style)."""
+
+    def __init__(self, n: int = 10_000):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+        self.d = torch.nn.Parameter(torch.zeros(300, dtype=torch.float64))
+        self.h = torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))
+        self.register_buffer("count", torch.tensor(3, dtype=torch.int64))
+
+
+def _pair(seed: int = 0, scale: float = 1e-2, n: int = 10_000) -> tuple[FlatParams, FlatParams]:
+    g = torch.Generator().manual_seed(seed)
+    model = Mixed(n)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+    base = flatten(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((scale * torch.randn(p.shape, generator=g)).to(p.dtype))
+        model.count += 5
+    return base, flatten(model)
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_residuals():
+    compress._residuals.clear()
+    yield
+    compress._residuals.clear()
+
+
+@pytest.mark.parametrize(("codec", "rel"), [("fp16", 1e-3), ("bf16", 1e-2), ("int8", 1e-2), ("int4", 0.2)])
+def test_each_codec_decodes_close_to_w_c_and_integers_travel_as_they_are(codec, rel):
+    base, w_c = _pair()
+    update = encode(codec, w_c, base, "v0", run_id=f"r-{codec}")
+    out = update.decode(base)
+    assert out.layout == w_c.layout and set(out.arrays) == set(w_c.arrays)
+    assert torch.equal(out.arrays["int64"], w_c.arrays["int64"])  # the counter, exactly
+    for dtype in ("float32", "float64"):
+        delta = w_c.arrays[dtype].double() - base.arrays[dtype].double()
+        err = out.arrays[dtype].double() - w_c.arrays[dtype].double()
+        assert err.norm() <= rel * delta.norm(), (codec, dtype)
+    if codec == "int8":  # round to nearest: at most half a step of its block's scale
+        delta = w_c.arrays["float32"] - base.arrays["float32"]
+        step = delta[:BLOCK].abs().max() / 127
+        assert (out.arrays["float32"][:BLOCK] - w_c.arrays["float32"][:BLOCK]).abs().max() <= 0.51 * step + 1e-6
+    with pytest.raises(ValueError, match="layout"):
+        update.decode(flatten(torch.nn.Linear(2, 2)))
+
+
+def test_error_feedback_sends_what_rounding_left_out():
+    """One large value sets a block's scale; the small ones round to 0 every time. Without feedback
+    they never reach the server; with it, the sum of what arrives follows the sum of what was trained."""
+    model = torch.nn.Linear(BLOCK, 1, bias=False)
+    base = flatten(model)
+    delta = torch.full((BLOCK,), 1e-3)
+    delta[0] = 1.0  # int8 step 1/127 ~ 8e-3: the 1e-3 values round to 0 alone
+    w_c = FlatParams(base.layout, {"float32": base.arrays["float32"] + delta})
+    sent = torch.zeros(BLOCK)
+    for _ in range(40):
+        sent += encode("int8", w_c, base, "v", run_id="ef").decode(base).arrays["float32"] - base.arrays["float32"]
+    alone = encode("int8", w_c, base, "v", run_id="no-feedback-yet").decode(base).arrays["float32"]
+    assert torch.equal(alone[1:], base.arrays["float32"][1:])  # a single update drops the small values
+    assert (sent - 40 * delta).abs().max() <= 1.0 / 127  # with feedback: behind by less than one step
+    assert sent[1:].min() > 0.03
+
+
+def test_a_non_finite_update_decodes_non_finite_and_leaves_no_residual():
+    base, w_c = _pair()
+    w_c.arrays["float32"][5] = float("nan")
+    for codec in ("int8", "int4", "fp16"):
+        out = encode(codec, w_c, base, "v0", run_id="nan").decode(base)
+        assert not torch.isfinite(out.arrays["float32"]).all(), codec  # the merge's check rejects it
+    assert not compress._residuals.get("nan")
+
+
+def test_int8_and_int4_files_are_a_quarter_and_an_eighth_of_float32(tmp_path):
+    store = vcdask.open_store(tmp_path / "s")
+    base, w_c = _pair(n=1_000_000)
+    sizes = {None: write_update(store.files, "r/updates/raw.npz", w_c)}
+    for codec in ("fp16", "int8", "int4"):
+        path = f"r/updates/{codec}.npz"
+        sizes[codec] = write_update(store.files, path, encode(codec, w_c, base, "v0", run_id="bytes"))
+        back = read_update(store.files, path)
+        assert isinstance(back, EncodedUpdate) and back.codec == codec and back.base_version == "v0"
+        assert all(torch.equal(back.parts[k], v) for k, v in encode(codec, w_c, base, "v0", "x").parts.items())
+    assert isinstance(read_update(store.files, "r/updates/raw.npz"), FlatParams)
+    assert sizes["fp16"] <= 0.51 * sizes[None]
+    assert sizes["int8"] <= 0.27 * sizes[None]
+    assert sizes["int4"] <= 0.14 * sizes[None]
+
+
+def test_the_merge_decodes_against_the_base_version_kept_or_read(tmp_path):
+    """A compressed update based on an older version merges as its W_c would (within rounding), whether
+    the server still holds that base or reads it from the store."""
+    store = vcdask.open_store(tmp_path / "s")
+    store.create_branch("run")
+    base, w_c = _pair()
+    v0 = store.commit(base, {"run_id": "run", "step": 0, "epoch": 0, "merged": []}, branch="run")
+    server = ParamsServer(store, "run", VCASGD(alpha=0.5), "run")
+    server.load()
+    records = []
+    for shard in range(3):  # three updates, all trained from v0
+        path = update_path("run", 1, shard, 0)
+        write_update(store.files, path, encode("int8", w_c, base, v0, run_id=f"w{shard}"))
+        records.append({"epoch": 1, "shard": shard, "attempt": 0, "base_step": 0, "update": path, "n_samples": 1})
+    want = base.arrays["float32"].clone()
+    for record in records:
+        assert server.merge(record)["accepted"]
+        want = 0.5 * want + 0.5 * w_c.arrays["float32"]
+        assert v0 in server._bases and server.version in server._bases  # read once, then kept with each commit
+    assert torch.allclose(server.params.arrays["float32"], want, atol=1e-3)
+    assert torch.equal(server.params.arrays["int64"], w_c.arrays["int64"])
+    path = update_path("run", 1, 9, 0)
+    write_update(store.files, path, encode("int8", w_c, base, "NOSUCHVERSION0000000", run_id="w9"))
+    out = server.merge({"epoch": 1, "shard": 9, "attempt": 0, "base_step": 3, "update": path, "n_samples": 1})
+    assert not out["accepted"] and out["reason"].startswith("unreadable update")
+
+
+def test_bad_compression_is_named_before_any_cluster_work(digits_data):
+    (X, y), _ = digits_data
+    assert check_compression(None) is None and check_compression("int4") == "int4"
+    with pytest.raises(
+        ValueError, match=r"compression must be None or one of \['fp16', 'bf16', 'int8', 'int4'\], got 'int9'"
+    ):
+        vcdask.fit(digits_cnn(0), (X, y), compression="int9", progress=False)
+
+
+@pytest.mark.cluster
+def test_fit_with_int8_updates_trains_as_well_with_a_quarter_of_the_bytes(client, digits_data, tmp_path):
+    (X, y), (Xt, yt) = digits_data
+    fit = dict(validation=0.1, max_epochs=4, n_shards=6, seed=3, client=client, progress=False)
+    full = vcdask.fit(digits_cnn(3), (X, y), store=tmp_path / "full", **fit)
+    small = vcdask.fit(digits_cnn(3), (X, y), store=tmp_path / "int8", compression="int8", **fit)
+    assert small.history.accepted.all() and len(small.history) == 4 * 6  # every update decoded and merged
+    ratio = small.history.nbytes.median() / full.history.nbytes.median()
+    assert ratio <= 0.3, ratio
+    assert accuracy_on(small.model, Xt, yt) >= accuracy_on(full.model, Xt, yt) - 0.03
