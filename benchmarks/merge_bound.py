@@ -8,8 +8,9 @@ large table the loss does not touch) on many tiny shards: every task is a read, 
 upload, so the run is as fast as its merge thread.  Each row is one ``vcdask.fit`` on an embedded
 cluster with a local-directory store (removed after): merges per second sustained (accepted merges
 after the first epoch over the time they took), the median time the merge thread spent per update,
-and the median upload size.  ``benchmarks/merge_path.py`` measures the merge path alone for the
-floor.
+and the median upload size; with queued merges folded into one commit (``fold on``, vcdask's
+behaviour) and committed one by one (``off``).  ``benchmarks/merge_path.py`` measures the merge path
+alone for the floor.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rules", default="nesterov,vc-asgd")
     ap.add_argument("--compression", default="none,int8")
+    ap.add_argument("--fold", default="on,off", help="on, off or both: commit queued merges together or one by one")
     args = ap.parse_args(argv)
+    from vcdask.engine import params_server
     from devices import markdown
     from distributed import Client
 
@@ -94,10 +97,13 @@ def main(argv=None) -> int:
 
     rows = []
     with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
-        for rule in args.rules.split(","):
-            for codec in args.compression.split(","):
-                rows.append(run(args, rule, codec, client))
-                print(rows[-1], flush=True)
+        for fold in args.fold.split(","):
+            # the embedded cluster's scheduler (and so the merge thread) runs in this process
+            params_server.FOLD_MAX = 8 if fold == "on" else 1
+            for rule in args.rules.split(","):
+                for codec in args.compression.split(","):
+                    rows.append({"fold": fold, **run(args, rule, codec, client)})
+                    print(rows[-1], flush=True)
     print(f"\n{args.params:,} parameters, {args.workers} workers, {args.shards} shards x {args.epochs} epochs")
     print(markdown(rows))
     return 0

@@ -350,7 +350,9 @@ def test_fit_of_200_merges_keeps_at_most_epochs_k_and_tags(client, tmp_path):
     assert len(versions) <= 10 + 3 + 1  # epochs + K + tags
     steps = [v.metadata["step"] for v in versions]
     ends = [step for _, step in versions[0].metadata["progress"]["done"]]  # (epochs may overlap a little)
-    assert steps[:3] == [200, 199, 198] and {0, *ends} <= set(steps) and len(ends) == 10
+    # the newest 3 versions (a version may hold several merges: results queued together share a commit)
+    assert steps[0] == 200 and steps[:3] == sorted(set(steps[:3]), reverse=True)
+    assert {0, *ends} <= set(steps) and len(ends) == 10
     assert tagged in {v.id for v in versions}
     h = result.history
     assert (h.outcome == "merged").sum() == 200 and h.accepted.all()  # no task lost its version

@@ -10,13 +10,13 @@ only place that writes, reads, lists or deletes updates.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 
 import numpy as np
 import torch
 
+from . import _npz
 from .compress import EncodedUpdate
 from .params import FlatParams, Layout, torch_dtype
 
@@ -50,9 +50,7 @@ def write_update(files, path: str, params: FlatParams | EncodedUpdate, meta: dic
     arrays["__meta__"] = _json(meta or {})
     if isinstance(params, EncodedUpdate):
         arrays["__codec__"] = _json({"codec": params.codec, "base_version": params.base_version})
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy stubs type **kwds as allow_pickle
-    data = buf.getvalue()
+    data = _npz.dumps(arrays)
     files.put(path, data)
     return len(data)
 
@@ -60,17 +58,17 @@ def write_update(files, path: str, params: FlatParams | EncodedUpdate, meta: dic
 def read_update(files, path: str) -> FlatParams | EncodedUpdate:
     """Read an update written by :func:`write_update`: ``W_c``, or an :class:`EncodedUpdate` to decode
     against its base version."""
-    with np.load(io.BytesIO(files.get(path)), allow_pickle=False) as z:
-        layout = Layout.from_dict(json.loads(z["__layout__"].tobytes()))
-        if "__codec__" not in z.files:
-            return FlatParams(layout, {dtype: _to_torch(z[dtype], dtype) for dtype in layout.sizes})
-        codec = json.loads(z["__codec__"].tobytes())
-        parts = {}
-        for name in z.files:
-            if not name.startswith("__"):
-                bf16 = codec["codec"] == "bf16" and name.endswith(".delta")  # stored as uint16
-                parts[name] = _to_torch(z[name], "bfloat16" if bf16 else None)
-        return EncodedUpdate(layout, codec["codec"], codec["base_version"], parts)
+    z = _npz.loads(bytearray(files.get(path)))  # arrays viewing one writable buffer: no further copy
+    layout = Layout.from_dict(json.loads(z["__layout__"].tobytes()))
+    if "__codec__" not in z:
+        return FlatParams(layout, {dtype: _to_torch(z[dtype], dtype) for dtype in layout.sizes})
+    codec = json.loads(z["__codec__"].tobytes())
+    parts = {}
+    for name, a in z.items():
+        if not name.startswith("__"):
+            bf16 = codec["codec"] == "bf16" and name.endswith(".delta")  # stored as uint16
+            parts[name] = _to_torch(a, "bfloat16" if bf16 else None)
+    return EncodedUpdate(layout, codec["codec"], codec["base_version"], parts)
 
 
 def _to_numpy(a: torch.Tensor) -> np.ndarray:
@@ -78,7 +76,7 @@ def _to_numpy(a: torch.Tensor) -> np.ndarray:
 
 
 def _to_torch(a: np.ndarray, dtype: str | None) -> torch.Tensor:
-    t = torch.from_numpy(a.copy())
+    t = torch.from_numpy(a)
     return t.view(torch_dtype(dtype)) if dtype == "bfloat16" else t
 
 
@@ -88,8 +86,8 @@ def _json(record: dict) -> np.ndarray:
 
 def read_update_meta(files, path: str) -> dict:
     """The ``meta`` record stored with an update (epoch, shard, attempt, base_step, ...)."""
-    with np.load(io.BytesIO(files.get(path)), allow_pickle=False) as z:
-        return json.loads(z["__meta__"].tobytes()) if "__meta__" in z.files else {}
+    z = _npz.loads(files.get(path))
+    return json.loads(z["__meta__"].tobytes()) if "__meta__" in z else {}
 
 
 def list_updates(files, run_id: str) -> list[str]:

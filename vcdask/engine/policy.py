@@ -156,21 +156,16 @@ def check_update(
     """
     if client.layout != server.layout:
         return "layout", "layout mismatch: " + "; ".join(server.layout.diff(client.layout)[:4])
+    floats = {d: c for d, c in client.arrays.items() if c.is_floating_point()}
     bad = []
-    for name, value in client.state_dict().items():
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            bad.append(name)
+    if not all(bool(torch.isfinite(c).all()) for c in floats.values()):  # one pass; names only when needed
+        bad = [n for n, v in client.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
         return "non-finite", f"non-finite values (NaN/inf) in {bad[:4]}{' ...' if len(bad) > 4 else ''}"
     if max_staleness is not None and staleness > max_staleness:
         return "stale", f"stale: based on a version {staleness} merges old (max_staleness={max_staleness})"
     if max_norm is not None:
-        sq = sum(
-            float(torch.sum((c.double() - server.arrays[d].double()) ** 2))
-            for d, c in client.arrays.items()
-            if c.is_floating_point()
-        )
-        norm = math.sqrt(sq)
+        norm = math.sqrt(sum(float(torch.dist(c.float(), server.arrays[d].float())) ** 2 for d, c in floats.items()))
         if norm > max_norm:
             return "norm", f"update norm ||W_c - W_s|| = {norm:.4g} > max_update_norm={max_norm:.4g}"
     return None

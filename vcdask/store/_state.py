@@ -12,7 +12,6 @@ An object is an uncompressed ``.npz``: for each state name, one array per dtype 
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import uuid
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _npz
 from ..params import FlatParams, Layout, torch_dtype
 
 __all__ = [
@@ -55,25 +55,23 @@ def write_state_object(files: Any, branch: str, state: Mapping[str, FlatParams])
             data = values.view(torch.uint16) if dtype == "bfloat16" else values
             arrays[f"{name}/{dtype}"] = data.detach().cpu().numpy()
     arrays["__layouts__"] = np.frombuffer(json.dumps(layouts).encode(), dtype=np.uint8)
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy stubs type **kwds as allow_pickle
     path = f"{state_folder(branch)}/{uuid.uuid4().hex}.npz"
-    files.put(path, buf.getvalue())
+    files.put(path, _npz.dumps(arrays))
     return path
 
 
 def read_state_object(files: Any, path: str) -> dict[str, FlatParams]:
     """The state in the object at ``path`` (FileNotFoundError when it is gone)."""
-    with np.load(io.BytesIO(files.get(path)), allow_pickle=False) as z:
-        layouts = json.loads(z["__layouts__"].tobytes())
-        out = {}
-        for name, layout_dict in layouts.items():
-            layout = Layout.from_dict(layout_dict)
-            arrays = {}
-            for dtype in layout.sizes:
-                t = torch.from_numpy(z[f"{name}/{dtype}"].copy())
-                arrays[dtype] = t.view(torch_dtype(dtype)) if dtype == "bfloat16" else t
-            out[name] = FlatParams(layout, arrays)
+    z = _npz.loads(bytearray(files.get(path)))  # arrays viewing one writable buffer
+    layouts = json.loads(z["__layouts__"].tobytes())
+    out = {}
+    for name, layout_dict in layouts.items():
+        layout = Layout.from_dict(layout_dict)
+        arrays = {}
+        for dtype in layout.sizes:
+            t = torch.from_numpy(z[f"{name}/{dtype}"])
+            arrays[dtype] = t.view(torch_dtype(dtype)) if dtype == "bfloat16" else t
+        out[name] = FlatParams(layout, arrays)
     return out
 
 
