@@ -89,11 +89,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compression", default="none,int8")
     ap.add_argument("--fold", default="on,off", help="on, off or both: commit queued merges together or one by one")
     args = ap.parse_args(argv)
-    from vcdask.engine import params_server
     from devices import markdown
     from distributed import Client
 
     from vcdask.cluster import embedded_cluster
+    from vcdask.engine import params_server
 
     rows = []
     with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
