@@ -7,10 +7,10 @@ A model of ``--params`` float32 parameters that trains in no time (a linear head
 large table the loss does not touch) on many tiny shards: every task is a read, a few steps and an
 upload, so the run is as fast as its merge thread.  Each row is one ``vcdask.fit`` on an embedded
 cluster with a local-directory store (removed after): merges per second sustained (accepted merges
-after the first epoch over the time they took), the median time the merge thread spent per update,
-and the median upload size; with queued merges folded into one commit (``fold on``, vcdask's
-behaviour) and committed one by one (``off``).  ``benchmarks/merge_path.py`` measures the merge path
-alone for the floor.
+after the first epoch over the time they took), the median shard-task time,
+and the median upload size; with queued merges folded into one commit (``fold on``:
+``commit_every="auto"``) and committed one by one (``off``: the default ``commit_every=1``).
+``benchmarks/merge_path.py`` measures the merge path alone for the floor.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class TableNet(torch.nn.Module):
         return self.head(x.flatten(1)) + 0.0 * self.table[:1]
 
 
-def run(args, rule: str, codec: str, client) -> dict:
+def run(args, rule: str, codec: str, client, commit_every) -> dict:
     from vcdask.demo import digits
 
     (X, y), _ = digits()
@@ -52,6 +52,7 @@ def run(args, rule: str, codec: str, client) -> dict:
             TableNet(args.params),
             (X, y),
             merge=rule,
+            commit_every=commit_every,
             n_shards=args.shards,
             max_epochs=args.epochs,
             batch_size=256,
@@ -93,16 +94,13 @@ def main(argv=None) -> int:
     from distributed import Client
 
     from vcdask.cluster import embedded_cluster
-    from vcdask.engine import params_server
 
     rows = []
     with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
         for fold in args.fold.split(","):
-            # the embedded cluster's scheduler (and so the merge thread) runs in this process
-            params_server.FOLD_MAX = 8 if fold == "on" else 1
             for rule in args.rules.split(","):
                 for codec in args.compression.split(","):
-                    rows.append({"fold": fold, **run(args, rule, codec, client)})
+                    rows.append({"fold": fold, **run(args, rule, codec, client, "auto" if fold == "on" else 1)})
                     print(rows[-1], flush=True)
     print(f"\n{args.params:,} parameters, {args.workers} workers, {args.shards} shards x {args.epochs} epochs")
     print(markdown(rows))

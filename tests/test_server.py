@@ -47,11 +47,14 @@ def test_merge_commits_with_metadata_and_drops_the_upload(tmp_path):
 
 
 def test_merges_with_results_queued_behind_them_share_one_commit(tmp_path):
-    """While more results wait (``more=True``) the commit is left to the last of them, up to FOLD_MAX
-    merges in one version; every merge is in the version's ``merged`` list and its upload kept until then."""
+    """``commit_every="auto"``: while more results wait (``more=True``) the commit is left to the last of
+    them, up to FOLD_MAX merges in one version; every merge is in the version's ``merged`` list and its
+    upload kept until then.  The default (``commit_every=1``) commits every merge, queue or not."""
     from vcdask.engine.params_server import FOLD_MAX
 
-    store, state = _state(tmp_path)
+    store, state = _state(tmp_path / "every")
+    assert state.merge(_upload(store, 0, 1.0), more=True)["version_id"] == state.version is not None
+    store, state = _state(tmp_path, commit_every="auto")
     outs = [state.merge(_upload(store, shard, shard), more=True) for shard in range(3)]
     assert [o["new_version"] for o in outs] == [1, 2, 3] and all(o["version_id"] is None for o in outs)
     assert state.folded and not state.committed and len(store.files.list("run-x/updates")) == 3
@@ -103,3 +106,13 @@ def test_a_foreign_commit_on_the_branch_is_a_conflict(tmp_path):
     with pytest.raises(StoreConflict):
         state.commit()
     assert state.uncommitted, "nothing is dropped: the merge is still pending"
+
+
+@pytest.mark.parametrize("bad", [0, "often", 1.5, True])
+def test_commit_every_names_the_bad_value_and_what_is_allowed(bad, digits_data):
+    import vcdask
+    from vcdask.demo import digits_cnn
+
+    (X, y), _ = digits_data
+    with pytest.raises(ValueError, match=r"commit_every must be an integer >= 1 or 'auto', got "):
+        vcdask.fit(digits_cnn(0), (X, y), commit_every=bad, progress=False)

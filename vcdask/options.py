@@ -267,17 +267,27 @@ def plan_run(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_client(client)
     get_rule(merge, alpha)  # a bad rule name fails before the data is read
-    ints = {
+    ints: dict[str, int | str] = {
         name: positive_int(name, value)
         for name, value in (
             ("max_epochs", max_epochs),
             ("local_epochs", local_epochs),
             ("batch_size", batch_size),
-            ("commit_every", commit_every),
             ("validate_every", validate_every),
             ("tasks_per_slot", tasks_per_slot),
         )
     }
+    if commit_every == "auto":  # every merge, except that results queued together share a commit
+        ints["commit_every"] = "auto"
+    elif (
+        isinstance(commit_every, str)
+        or isinstance(commit_every, bool)
+        or not isinstance(commit_every, (int, np.integer))
+        or commit_every < 1
+    ):
+        raise ValueError(f"commit_every must be an integer >= 1 or 'auto', got {commit_every!r}")
+    else:
+        ints["commit_every"] = int(commit_every)
     retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
     compression = check_compression(compression)
     if resilience is None:

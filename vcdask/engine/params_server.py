@@ -65,7 +65,7 @@ class ParamsServer:
     rule : MergeRule or callable
         The merge rule (a callable ``epoch -> alpha`` means :class:`~vcdask.merge.VCASGD` with it).
     run_id : str
-    commit_every : int
+    commit_every : int or "auto"
         Commit after this many merges (``merge(..., force_commit=True)`` commits at once).
     keep_updates : bool
         Keep update objects after their merge is committed.
@@ -84,7 +84,7 @@ class ParamsServer:
         rule: MergeRule | Callable[[int], float],
         run_id: str,
         *,
-        commit_every: int = 1,
+        commit_every: int | str = 1,
         keep_updates: bool = False,
         max_update_norm: float | None = None,
         outage_timeout: float = 600.0,
@@ -95,7 +95,9 @@ class ParamsServer:
         self.rule = rule if isinstance(rule, MergeRule) else VCASGD(alpha=rule)
         self.rule_state = RuleState()
         self.run_id = run_id
-        self.commit_every = commit_every
+        #: ``commit_every="auto"``: commit every merge, or with the last of the results queued behind it
+        self.fold = commit_every == "auto"
+        self.commit_every = 1 if self.fold else int(commit_every)
         self.keep_updates = keep_updates
         self.max_update_norm = max_update_norm
         self.outage_timeout = outage_timeout
@@ -181,9 +183,9 @@ class ParamsServer:
         """Merge the update described by ``record`` (epoch, shard, attempt, base_step, update path).
 
         ``completes``: this merge completes its epoch (it is committed at once, and the epoch's end
-        recorded in the run's progress).  ``more``: other results are waiting to be merged; the commit
-        is left to the last of them (up to :data:`FOLD_MAX` merges in one version), so a backed-up
-        queue costs one commit, not one per merge.
+        recorded in the run's progress).  ``more``: other results are waiting to be merged; with
+        ``commit_every="auto"`` the commit is left to the last of them (up to :data:`FOLD_MAX` merges
+        in one version), so a backed-up queue costs one commit, not one per merge.
 
         Returns the history fields of the merge: accepted, alpha, new_version, staleness, version_id;
         or, for an update that fails :func:`~vcdask.engine.policy.check_update` (``max_staleness``: the
@@ -214,7 +216,7 @@ class ParamsServer:
         self.uncommitted.append(record)
         self._progress(record, completes)
         due = len(self.uncommitted) >= self.commit_every
-        if force_commit or completes or (due and not (more and len(self.uncommitted) < FOLD_MAX)):
+        if force_commit or completes or (due and not (self.fold and more and len(self.uncommitted) < FOLD_MAX)):
             self.commit()
         self.folded = due and not self.committed
         return {
