@@ -72,9 +72,10 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> float:
 METRICS: dict[str, Callable] = {"accuracy": accuracy, "mae": mae, "mse": mse}
 
 
-def positive_int(name: str, value: Any, minimum: int = 1) -> int:
+def positive_int(name: str, value: Any, minimum: int = 1, *, also: str = "") -> int:
+    """``value`` as an int >= ``minimum``; the error names the value (and ``also``, another choice)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be an integer >= {minimum}{f' or {also}' if also else ''}, got {value!r}")
     return int(value)
 
 
@@ -277,17 +278,10 @@ def plan_run(
             ("tasks_per_slot", tasks_per_slot),
         )
     }
-    if commit_every == "auto":  # every merge, except that results queued together share a commit
-        ints["commit_every"] = "auto"
-    elif (
-        isinstance(commit_every, str)
-        or isinstance(commit_every, bool)
-        or not isinstance(commit_every, (int, np.integer))
-        or commit_every < 1
-    ):
-        raise ValueError(f"commit_every must be an integer >= 1 or 'auto', got {commit_every!r}")
-    else:
-        ints["commit_every"] = int(commit_every)
+    # "auto": every merge, except that results queued together share a commit
+    ints["commit_every"] = (
+        "auto" if commit_every == "auto" else positive_int("commit_every", commit_every, also="'auto'")
+    )
     retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
     compression = check_compression(compression)
     if resilience is None:
