@@ -16,10 +16,8 @@ and its difference from ``none`` in points (negative: the codec cost accuracy).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +27,8 @@ import vcdask
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+from _scratch import scratch_store  # noqa: E402
 
 
 def _task(name: str, seed: int):
@@ -42,8 +42,7 @@ def _task(name: str, seed: int):
 
 def run(task: str, codec: str, seed: int, epochs: int, client) -> dict:
     model, data, kwargs = _task(task, seed)
-    store = tempfile.mkdtemp(prefix="vcdask-bench-compression-")
-    try:
+    with scratch_store(None, "compression") as store:
         t0 = time.perf_counter()
         result = vcdask.fit(
             model,
@@ -57,8 +56,6 @@ def run(task: str, codec: str, seed: int, epochs: int, client) -> dict:
             **kwargs,
         )
         wall = time.perf_counter() - t0
-    finally:
-        shutil.rmtree(store, ignore_errors=True)
     merged = result.history[result.history.accepted]
     return {
         "accuracy": float(result.epochs["accuracy"].iloc[-1]),

@@ -16,9 +16,7 @@ and the median upload size; with queued merges folded into one commit (``fold on
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +25,8 @@ import torch
 import vcdask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _scratch import scratch_store
 
 
 class TableNet(torch.nn.Module):
@@ -45,8 +45,7 @@ def run(args, rule: str, codec: str, client, commit_every) -> dict:
     from vcdask.demo import digits
 
     (X, y), _ = digits()
-    store = tempfile.mkdtemp(prefix="vcdask-bench-mergebound-")
-    try:
+    with scratch_store(None, "mergebound") as store:
         t0 = time.perf_counter()
         result = vcdask.fit(
             TableNet(args.params),
@@ -64,8 +63,6 @@ def run(args, rule: str, codec: str, client, commit_every) -> dict:
             progress=False,
         )
         wall = time.perf_counter() - t0
-    finally:
-        shutil.rmtree(store, ignore_errors=True)
     h = result.history[result.history.accepted].sort_values("time")
     later = h[h.epoch > 1]
     span = later.time.iloc[-1] - h[h.epoch == 1].time.iloc[-1]
