@@ -105,3 +105,30 @@ def test_check_update_kinds():
     )
     kind, reason = policy.check_update(server, ok, staleness=0, max_staleness=None, max_norm=1.0)
     assert kind == "norm" and reason == "update norm ||W_c - W_s|| = 1.732 > max_update_norm=1"
+
+
+def test_work_fraction_sizes_tasks_to_speed():
+    assert policy.work_fraction(float("nan"), 0.01) == 1.0  # not measured yet: a whole shard
+    assert policy.work_fraction(0.01, 0.01) == 1.0  # the fastest
+    assert policy.work_fraction(0.011, 0.01) == 1.0  # within timing noise of it
+    assert policy.work_fraction(0.02, 0.01) == pytest.approx(0.5)  # 2x slower: half its shard
+    assert policy.work_fraction(0.05, 0.01) == pytest.approx(0.2)
+    assert policy.work_fraction(1.0, 0.01) == policy.MIN_WORK_FRACTION  # never less than a tenth
+
+
+def test_pool_measures_step_seconds_and_gives_fractions():
+    from vcdask.engine.pool import SPEED_WEIGHT, WorkerPool
+
+    pool = WorkerPool(Resilience(), tasks_per_slot=2, connected={"fast": 1, "slow": 1, "new": 1})
+    pool.finished("fast", 1.0, step_seconds=0.01)
+    pool.finished("slow", 3.0, step_seconds=0.05)
+    assert pool.work_fraction("fast") == 1.0
+    assert pool.work_fraction("slow") == pytest.approx(0.2)
+    assert pool.work_fraction("new") == 1.0  # nothing measured: a whole shard
+    pool.finished("slow", 1.0, step_seconds=0.02)  # the average moves towards it
+    expected = (1 - SPEED_WEIGHT) * 0.05 + SPEED_WEIGHT * 0.02
+    assert pool.records["slow"].step_seconds == pytest.approx(expected)
+    pool.finished("slow", 1.0, step_seconds=None)  # a task that trained no step changes nothing
+    assert pool.records["slow"].step_seconds == pytest.approx(expected)
+    pool.left("fast")  # the fastest left: the slow worker is now the fastest one
+    assert pool.work_fraction("slow") == 1.0

@@ -144,7 +144,9 @@ def test_char_lm_within_5_percent_of_single_process_torch(tmp_path):
     vcdask on the embedded cluster, reaches a validation loss within 5% of plain single-process torch trained on
     the same number of tokens from the same initial weights; both learn far beyond byte frequencies."""
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "char_lm.py"), "--quick", "--device", "cpu", "--check", "--store", "store"],
+        # --quick at the notebook's size (64 KiB, 3 epochs of 16 shards): half of --quick's 2 minutes of CI
+        [sys.executable, str(EXAMPLES / "char_lm.py"), "--quick", "--train-kb", "64", "--val-kb", "16", "--epochs", "3"]
+        + ["--shards", "16", "--device", "cpu", "--check", "--store", "store"],
         capture_output=True,
         text=True,
         timeout=540,
@@ -158,10 +160,11 @@ def test_char_lm_within_5_percent_of_single_process_torch(tmp_path):
     }
     assert set(rows) == {"unigram (byte counts)", "vcdask", "torch, 1 process (cpu)"}, proc.stdout
     (tokens, loss, perplexity), (base_tokens, base_loss, _) = rows["vcdask"], rows["torch, 1 process (cpu)"]
-    assert tokens == base_tokens > 500_000  # equal tokens: every shard of every epoch was merged
+    assert tokens == base_tokens > 150_000  # equal tokens: every shard of every epoch was merged
     assert loss <= 1.05 * base_loss
     assert perplexity == pytest.approx(math.exp(loss), rel=1e-3)
     unigram = rows["unigram (byte counts)"][1]
-    assert base_loss < unigram - 0.4 and loss < unigram - 0.4  # both use the context, not just byte frequencies
+    # both use the context, not just byte frequencies (at 64 KiB and 3 epochs: 0.27 nats below them, measured)
+    assert base_loss < unigram - 0.15 and loss < unigram - 0.15
     run_id = re.search(r"run (run-[\w-]+)", proc.stdout).group(1)
     assert run_id in vcdask.open_store(str(tmp_path / "store"), mode="r").branches()

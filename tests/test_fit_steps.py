@@ -185,3 +185,49 @@ def test_one_run_mixes_cuda_and_cpu_workers(tmp_path, digits_data):
     devices = set(result.history[result.history.outcome == "merged"].device)
     assert "cpu" in devices and any(d.startswith("cuda:") for d in devices), devices
     assert result.metrics["accuracy"] > 0.6
+
+
+class _SlowOn:
+    """The default step, sleeping ``delay`` s per batch on the worker at ``address`` (a slower machine)."""
+
+    def __init__(self, address, delay):
+        self.address, self.delay = address, delay
+
+    def __call__(self, model, batch):
+        import time
+
+        from distributed import get_worker
+
+        try:
+            if get_worker().address == self.address:
+                time.sleep(self.delay)
+        except ValueError:  # the probe, on the client
+            pass
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+
+def test_speed_adaptive_gives_a_slow_worker_a_share_of_its_shard(client, tmp_path, digits_data):
+    (X, y), val = digits_data
+    slow = sorted(client.scheduler_info()["workers"])[1]
+    result = _fit(
+        _mlp(),
+        (X, y),
+        client,
+        tmp_path,
+        validation=val,
+        max_epochs=4,
+        train_step=_SlowOn(slow, 0.02),
+        speed_adaptive=True,
+    )
+    h = result.history
+    merged = h[h.outcome == "merged"]
+    assert len(merged) == 4 * 4 and not merged.duplicated(["epoch", "shard"]).any()  # every shard, once
+    assert (merged[merged.worker != slow].fraction == 1.0).all()
+    on_slow = merged[merged.worker == slow]
+    assert len(on_slow) >= 1
+    # its first tasks measure its speed (whole shards); later ones train a share of their shard
+    assert (on_slow.fraction >= 0.1).all() and (on_slow.fraction < 0.8).any()
+    from vcdask.demo import accuracy_on
+
+    assert accuracy_on(result.model, *val) > 0.6

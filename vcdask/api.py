@@ -73,6 +73,7 @@ def fit(
     lr_schedule: Callable[[int, int], float] | None = None,
     clip_grad_norm: float | None = None,
     compression: str | None = None,
+    speed_adaptive: bool = False,
 ) -> FitResult:
     """Train ``model`` on ``data`` with VC-ASGD on a Dask cluster.
 
@@ -180,6 +181,11 @@ def fit(
         Send each update as its difference from the version it trained from, in fewer bits
         (``"int8"``: about a quarter of the bytes), with error feedback on the worker (see
         :mod:`vcdask.compress`).  Default: the full float32 ``W_c``.
+    speed_adaptive : bool, default False
+        Size each task to its worker's measured speed: a worker slower than the fastest one trains
+        that share of its shard's batches (at least a tenth), so its task takes about as long as a
+        fast worker's and its update is no staler (``history.fraction``).  A slow worker then trains
+        fewer samples in an epoch.
 
     Returns
     -------
@@ -230,6 +236,7 @@ def fit(
         lr_schedule=lr_schedule,
         clip_grad_norm=clip_grad_norm,
         compression=compression,
+        speed_adaptive=speed_adaptive,
     )
     t0 = time.perf_counter()
     run_id = f"run-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"

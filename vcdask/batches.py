@@ -95,11 +95,13 @@ def batches(
     batch_size: int,
     *,
     generator: torch.Generator | None = None,
+    limit: int | None = None,
 ) -> Iterator[tuple[Any, int]]:
-    """``(batch, n_samples)`` pairs over ``r`` on ``device``: shuffled by ``generator``, else in order."""
+    """``(batch, n_samples)`` pairs over ``r`` on ``device``: shuffled by ``generator``, else in order;
+    only the first ``limit`` batches when given (a speed-adapted task's share of its shard)."""
     n = n_rows(r)
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    spans = [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    spans = [order[i : i + batch_size] for i in range(0, n, batch_size)][:limit]
     if isinstance(r, DatasetSource):
         yield from prefetch((to(r.batch(idx.tolist()), device, spec.x_dtype), len(idx)) for idx in spans)
         return

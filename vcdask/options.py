@@ -262,6 +262,7 @@ def plan_run(
     clip_grad_norm=None,
     retention=None,
     compression=None,
+    speed_adaptive=False,
 ) -> RunPlan:
     """Check every argument of :func:`fit` and prepare the data; raise before any cluster work."""
     if not isinstance(model, torch.nn.Module):
@@ -284,6 +285,8 @@ def plan_run(
     )
     retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
     compression = check_compression(compression)
+    if not isinstance(speed_adaptive, bool):
+        raise TypeError(f"speed_adaptive must be True or False, got {speed_adaptive!r}")
     if resilience is None:
         resilience = Resilience()
     elif not isinstance(resilience, Resilience):
@@ -360,6 +363,7 @@ def plan_run(
             "resilience": resilience,
             "retention": retention,
             "compression": compression,
+            "speed_adaptive": speed_adaptive,
             **training,
             "metric_names": metric_names if train_step is not None else (),
             "batch_form": prepared.form,

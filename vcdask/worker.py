@@ -9,8 +9,10 @@ worker's device, an optimizer, ``local_epochs`` passes of ``train_step``, upload
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
+import statistics
 import threading
 import time
 from collections import OrderedDict
@@ -158,6 +160,10 @@ def train_shard(
     newest = _tell_run("vcdask_base", run_id)  # ready to train: from the newest version
     if newest is not None and newest.get("version") is not None:
         base_version, base_step = newest["version"], int(newest["step"])
+    # speed_adaptive: a slow worker trains the share of its shard's batches the run gives it
+    fraction = float(newest.get("fraction", 1.0)) if newest is not None else 1.0
+    per_pass = -(-_batches.n_rows(rows) // spec.batch_size)
+    limit = None if fraction >= 1.0 else max(1, math.ceil(fraction * per_pass))
     model = _loaded_model(spec, store, base_version, device)
     t_read = time.perf_counter()
     inner = InnerOptimizer(spec, model, precision, epoch)  # fresh, or this worker's kept state
@@ -166,12 +172,14 @@ def train_shard(
 
     model.train()
     losses = []
+    stamps = [time.perf_counter()]
     for _ in range(spec.local_epochs):
-        for batch, _n in _batches.batches(spec, rows, device, spec.batch_size, generator=g):
+        for batch, _n in _batches.batches(spec, rows, device, spec.batch_size, generator=g, limit=limit):
             with precision.autocast():
                 loss = train_step(model, batch)
             inner.step(loss)
             losses.append(loss.detach())
+            stamps.append(time.perf_counter())
     train_loss = float(torch.stack(losses).float().mean()) if losses else float("nan")
     inner.done(finite=math.isfinite(train_loss))
 
@@ -193,6 +201,9 @@ def train_shard(
         "worker": _worker_address(),
         "device": describe(device),
         "steps": inner.step_count,
+        "fraction": 1.0 if limit is None else limit / per_pass,
+        # this worker's pace: the median step (a task's first steps also pay warm-up and allocation)
+        "step_seconds": statistics.median(b - a for a, b in itertools.pairwise(stamps)) if len(stamps) > 1 else None,
     }
     # the record travels with the update, so a resumed run can merge an upload nobody reported
     w_c = _to_cpu(model, device)

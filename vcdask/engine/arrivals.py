@@ -21,10 +21,15 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
     """Merge (or turn down) one shard's result and record the outcome."""
     epoch, shard, worker = rec["epoch"], rec["shard"], rec["worker"]
     arrived = run.now()  # the history's time: when the result arrived, not when its merge finished
-    wrec = run.pool.finished(worker, rec["seconds"], device=rec.get("device"))
+    wrec = run.pool.finished(
+        worker,
+        rec["seconds"],
+        device=rec.get("device"),
+        step_seconds=rec.get("step_seconds"),
+    )
     fields = {k: rec[k] for k in ("train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds")}
     fields.update(worker=worker, device=rec.get("device"), update=rec["update"], base_version=rec["base_step"])
-    fields.update(time=arrived, nbytes=rec.get("nbytes", float("nan")))
+    fields.update(time=arrived, nbytes=rec.get("nbytes", float("nan")), fraction=rec.get("fraction", 1.0))
     completes = False
     if run.ledger.done(epoch, shard):
         if task.overdue:

@@ -39,6 +39,7 @@ def history_row(epoch: int, shard: int, attempt: int, outcome: Outcome | None = 
         "train_seconds": float("nan"),
         "upload_seconds": float("nan"),
         "nbytes": float("nan"),
+        "fraction": float("nan"),
         "accepted": False,
         "outcome": outcome,
         "reason": None,

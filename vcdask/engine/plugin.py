@@ -143,4 +143,4 @@ class VcdaskPlugin(SchedulerPlugin):
     def handle_base(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> dict | None:
         """The version a shard task that is ready to train starts from (see :func:`vcdask.engine.watch.base_for`)."""
         run = self.runs.get(run_id)
-        return None if run is None else run.base_for(key)
+        return None if run is None else run.base_for(key, worker)

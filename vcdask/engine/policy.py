@@ -28,6 +28,7 @@ __all__ = [
     "overdue",
     "reached",
     "staleness_limit",
+    "work_fraction",
 ]
 
 #: A derived deadline is at least this for a worker's first shard of a run (it also imports torch,
@@ -35,6 +36,10 @@ __all__ = [
 COLD_START_SECONDS = 30.0
 #: Patience with the first shards of a run, before any shard time is measured.
 FIRST_SHARDS_SECONDS = 60.0
+#: speed_adaptive: a worker within this ratio of the fastest one's speed trains whole shards (timing noise).
+FULL_WORK_RATIO = 0.8
+#: speed_adaptive: the smallest share of a shard's batches a task is given.
+MIN_WORK_FRACTION = 0.1
 #: Metrics that improve downwards (a ``target`` is reached when the value is at most the goal).
 LOWER_IS_BETTER = ("loss", "mse", "mae")
 
@@ -169,3 +174,20 @@ def check_update(
         if norm > max_norm:
             return "norm", f"update norm ||W_c - W_s|| = {norm:.4g} > max_update_norm={max_norm:.4g}"
     return None
+
+
+def work_fraction(step_seconds: float, fastest: float) -> float:
+    """The share of a shard's batches a task trains when work is sized to speed (``speed_adaptive``).
+
+    A worker that takes ``step_seconds`` per training step, where the fastest usable worker takes
+    ``fastest``, is given ``fastest / step_seconds`` of its shard (the dynamic local updates of
+    Asynchronous Local-SGD, Liu et al. 2024): its task takes about as long as the fastest worker's,
+    so its update is no staler.  Workers within :data:`FULL_WORK_RATIO` of the fastest, and workers
+    not measured yet, train whole shards; no task gets less than :data:`MIN_WORK_FRACTION`.
+    """
+    if not (step_seconds > 0 and fastest > 0):  # not measured (nan) yet
+        return 1.0
+    ratio = fastest / step_seconds
+    if ratio >= FULL_WORK_RATIO:
+        return 1.0
+    return max(MIN_WORK_FRACTION, ratio)

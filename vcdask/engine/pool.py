@@ -20,6 +20,9 @@ __all__ = ["WorkerPool", "WorkerRecord"]
 
 Fault = Literal["failed", "timed_out", "rejected"]
 
+#: Weight of the newest result in a worker's moving average of seconds per training step.
+SPEED_WEIGHT = 0.3
+
 
 @dataclass
 class WorkerRecord:
@@ -35,6 +38,7 @@ class WorkerRecord:
     excluded: str | None = None
     recent: list[float] = field(default_factory=list)
     device: str | None = None  # where it trains, as its last result said (e.g. "cuda:0 (NVIDIA H100 ...)")
+    step_seconds: float = math.nan  # seconds per training step, a moving average over its results
 
     @property
     def faults(self) -> int:
@@ -97,13 +101,34 @@ class WorkerPool:
             rec = self.records[address] = WorkerRecord(address)
         return rec
 
-    def finished(self, address: str, seconds: float, device: str | None = None) -> WorkerRecord:
-        """``address`` handed back a shard's result after ``seconds``, trained on ``device``."""
+    def finished(
+        self,
+        address: str,
+        seconds: float,
+        device: str | None = None,
+        step_seconds: float | None = None,
+    ) -> WorkerRecord:
+        """``address`` handed back a shard's result after ``seconds``, trained on ``device`` at
+        ``step_seconds`` per training step (its median step)."""
         rec = self.record(address)
         rec.device = device or rec.device
         rec.done += 1
         rec.seconds += seconds
+        if step_seconds is not None and step_seconds >= 0:
+            per_step = step_seconds
+            old = rec.step_seconds
+            rec.step_seconds = per_step if math.isnan(old) else (1 - SPEED_WEIGHT) * old + SPEED_WEIGHT * per_step
         return rec
+
+    def work_fraction(self, address: str) -> float:
+        """The share of a shard's batches a task on ``address`` trains, when the run adapts work to
+        speed (see :func:`vcdask.engine.policy.work_fraction`): against the fastest usable worker."""
+        speeds = [self.records[a].step_seconds for a in self.usable() if a in self.records]
+        known = [s for s in speeds if not math.isnan(s)]
+        rec = self.records.get(address)
+        if rec is None or not known:
+            return 1.0
+        return policy.work_fraction(rec.step_seconds, min(known))
 
     def fault(self, address: str, kind: Fault) -> str | None:
         """Count a fault against ``address``; return why it is now excluded, if this excluded it."""

@@ -34,7 +34,7 @@ def task_started(run: Run, key: str, worker: str) -> None:
         run.ledger.set_shard(task.epoch, task.shard, "running" if task.attempt == 0 else "re-issued")
 
 
-def base_for(run: Run, key: str) -> dict[str, Any] | None:
+def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, Any] | None:
     """The version a shard task that is ready to train should start from: the newest committed one.
 
     A task asks once it has read the run's spec and its rows, so the time a copy waited in a queue
@@ -47,7 +47,11 @@ def base_for(run: Run, key: str) -> dict[str, Any] | None:
         return None
     head = run.server.head
     task.step, task.based = head.version_step, True
-    return {"version": head.version, "step": head.version_step}
+    base: dict[str, Any] = {"version": head.version, "step": head.version_step}
+    worker = worker or task.worker
+    if run.spec.speed_adaptive and worker:  # the share of its shard's batches a task there trains
+        base["fraction"] = run.pool.work_fraction(worker)
+    return base
 
 
 def in_use_step(run: Run) -> int:

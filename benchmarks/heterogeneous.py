@@ -1,0 +1,391 @@
+"""Mixed-speed workers: time to a target accuracy, vcdask vs torch DDP (gloo) vs single-process torch.
+
+usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [--passes 12] [--target 0.95]
+                                          [--seeds 0,1,2] [--kill-every 0] [--vcdask default,adaptive]
+
+Two worker processes of one thread each; worker 1 is made ``--slow`` times slower by a **per-batch
+delay**: before each training batch it sleeps ``(slow - 1) * c``, where ``c`` is the median time of one
+batch (forward, backward, Adam step, batch 32, one thread) measured on this machine at start-up.  The
+same delay, on the same rank, slows DDP, so both see the same hardware.  A sleeping worker gives its
+core back, as a slower machine would.
+
+* ``torch``:  one process, one thread, all the data (the pace of one fast worker; no slow one).
+* ``ddp``:    ``DistributedDataParallel``, gloo, 2 processes; each pass split between the ranks, batch 32
+  per rank; every step waits for the slow rank.  With ``--kill-every``: rank 1 is killed that often and,
+  as ``torchrun --max-restarts`` does, both ranks restart from the last per-pass checkpoint.
+* ``vcdask``: ``vcdask.fit`` on an embedded LocalCluster with 2 worker processes, its defaults except the
+  pass budget (``max_epochs = passes``), one row per ``--vcdask`` variant.  With ``--kill-every``: the
+  busy slow worker's process is SIGKILLed that often; its nanny starts it again.
+
+Everyone makes the same number of passes over the training data.  Accuracy is measured afterwards on
+the same held-out test set, for snapshots taken about ten times per pass (torch, DDP) and for every
+version (vcdask), so evaluation costs no run any time.  Time to target counts from the call that starts
+training (vcdask: ``fit`` with its staging and first commit; DDP: after the process group is up).
+Prints medians over seeds, the ratio vcdask / DDP and the work each vcdask worker did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _scratch import scratch_store  # noqa: E402
+from strategies import MODELS  # noqa: E402
+
+import vcdask  # noqa: E402
+from vcdask.demo import accuracy_on, digits  # noqa: E402
+
+SNAPSHOTS_PER_PASS = 10
+
+
+class SlowStep:
+    """The default step, slowed by ``delay`` seconds per batch on the Dask workers named in ``slow``."""
+
+    def __init__(self, slow: set, delay: float):
+        self.slow, self.delay = slow, delay
+
+    def __call__(self, model, batch):
+        x, y = batch
+        if self.delay > 0:
+            try:
+                from distributed import get_worker
+
+                name = get_worker().name
+            except ValueError:  # the probe on the client
+                name = None
+            if name in self.slow:
+                time.sleep(self.delay)
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def batch_seconds(task: str, X: np.ndarray, y: np.ndarray) -> float:
+    """Median seconds of one training batch (batch 32, Adam, one thread) of ``task``'s model here."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = MODELS[task](0)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        xb, yb = torch.from_numpy(X[:32]), torch.from_numpy(y[:32])
+        times = []
+        for _ in range(25):
+            t = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[5:])
+    finally:
+        torch.set_num_threads(previous)
+
+
+def first_reaching(points: list[tuple[float, dict]], task: str, seed: int, Xt, yt, target: float):
+    """(time to target or nan, final accuracy) of ``(seconds, state_dict)`` snapshots, evaluated here."""
+    model = MODELS[task](seed)
+    reached = float("nan")
+    acc = float("nan")
+    for seconds, state in points:
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+        acc = accuracy_on(model, Xt, yt)
+        if acc >= target and reached != reached:
+            reached = seconds
+    return reached, acc
+
+
+# -- single-process torch ---------------------------------------------------------------------------
+
+
+def torch_single(task, seed, X, y, passes):
+    torch.set_num_threads(1)
+    model, g = MODELS[task](seed), torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    Xb, yb = torch.from_numpy(X), torch.from_numpy(y)
+    steps = -(-len(X) // 32)
+    every = max(1, steps // SNAPSHOTS_PER_PASS)
+    points, n = [], 0
+    t0 = time.perf_counter()
+    for _ in range(passes):
+        model.train()
+        order = torch.randperm(len(Xb), generator=g)
+        for i in range(0, len(Xb), 32):
+            idx = order[i : i + 32]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(Xb[idx]), yb[idx]).backward()
+            opt.step()
+            n += 1
+            if n % every == 0:
+                points.append((time.perf_counter() - t0, {k: v.clone() for k, v in model.state_dict().items()}))
+    points.append((time.perf_counter() - t0, {k: v.clone() for k, v in model.state_dict().items()}))
+    return points, {"total": time.perf_counter() - t0}
+
+
+# -- torch DDP --------------------------------------------------------------------------------------
+
+
+def _ddp_rank(rank, port, task, seed, X, y, passes, delay, start_pass, ckpt, out, origin):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = MODELS[task](seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if start_pass:
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    Xb, yb = torch.from_numpy(X), torch.from_numpy(y)
+    every = max(1, -(-len(X) // 64) // SNAPSHOTS_PER_PASS)
+    dist.barrier()
+    t0 = origin if origin is not None else time.perf_counter()  # (perf_counter is system-wide on Linux)
+    out.put(("up", rank, t0))
+    n = 0
+    for p in range(start_pass, passes):
+        order = torch.randperm(len(Xb), generator=torch.Generator().manual_seed(seed * 1000 + p))[rank::2]
+        model.train()
+        for i in range(0, len(order), 32):
+            if rank == 1 and delay:
+                time.sleep(delay)
+            idx = order[i : i + 32]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(Xb[idx]), yb[idx]).backward()
+            opt.step()
+            n += 1
+            if rank == 0 and n % every == 0:
+                state = {k: v.numpy().copy() for k, v in model.module.state_dict().items()}  # (not via shared memory)
+                out.put(("point", time.perf_counter() - t0, state))
+        if rank == 0:
+            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, ckpt + ".tmp")
+            os.replace(ckpt + ".tmp", ckpt)
+            out.put(("pass", p + 1, time.perf_counter() - t0))
+    if rank == 0:
+        state = {k: v.numpy().copy() for k, v in model.module.state_dict().items()}  # (not via shared memory)
+        out.put(("done", time.perf_counter() - t0, state))
+    dist.destroy_process_group()
+
+
+def torch_ddp(task, seed, X, y, passes, delay, kill_every):
+    """Snapshots of a DDP run; with ``kill_every``, rank 1 is killed that often and the job restarts."""
+    import queue
+
+    import torch.multiprocessing as mp
+
+    from vcdask.testing.s3 import free_port
+
+    ctx = mp.get_context("spawn")
+    points: list = []
+    done_passes, restarts, origin = 0, 0, None
+    with tempfile.TemporaryDirectory(prefix="vcdask-bench-ddp-") as tmp:
+        ckpt = os.path.join(tmp, "ckpt.pt")
+        while True:
+            out, port = ctx.Queue(), free_port()
+            procs = [
+                ctx.Process(
+                    target=_ddp_rank, args=(r, port, task, seed, X, y, passes, delay, done_passes, ckpt, out, origin)
+                )
+                for r in range(2)
+            ]
+            for p in procs:
+                p.start()
+            kill_at = time.perf_counter() + kill_every if kill_every else float("inf")
+            finished = killed = False
+            while not finished and not killed:
+                try:
+                    msg = out.get(timeout=0.05)
+                except queue.Empty:
+                    msg = None
+                    if any(p.exitcode not in (None, 0) for p in procs):
+                        raise RuntimeError(f"a DDP rank failed: {[p.exitcode for p in procs]}") from None
+                if msg and msg[0] == "up":
+                    origin = msg[2] if origin is None else origin
+                    if kill_every:
+                        kill_at = time.perf_counter() + kill_every
+                elif msg and msg[0] == "point":
+                    points.append(msg[1:])
+                elif msg and msg[0] == "pass":
+                    done_passes = msg[1]
+                elif msg and msg[0] == "done":
+                    points.append(msg[1:])
+                    finished = True
+                if not finished and time.perf_counter() >= kill_at:
+                    os.kill(procs[1].pid, signal.SIGKILL)  # the agent sees a rank die and stops the others
+                    procs[0].kill()
+                    killed = True
+                    restarts += 1
+            for p in procs:
+                p.join(30)
+            if finished:
+                break
+    # (a restarted job re-does the passes after its checkpoint; their earlier snapshots still count as reached)
+    return points, {"total": time.perf_counter() - origin, "restarts": restarts}
+
+
+# -- vcdask -----------------------------------------------------------------------------------------
+
+
+class Killer(threading.Thread):
+    """SIGKILL worker 1's process every ``period`` seconds while it runs a task (its nanny restarts it)."""
+
+    def __init__(self, client, period: float):
+        super().__init__(daemon=True)
+        self.client, self.period, self.stopped, self.kills = client, period, threading.Event(), 0
+
+    def run(self):
+        while not self.stopped.wait(self.period):
+            info = self.client.scheduler_info()["workers"]
+            victim = next((a for a, w in info.items() if str(w.get("name")) == "1"), None)
+            if victim is None:
+                continue
+            try:
+                pid = self.client.run(os.getpid, workers=[victim])[victim]
+                os.kill(pid, signal.SIGKILL)
+                self.kills += 1
+            except Exception:  # noqa: BLE001 - the worker was already gone
+                pass
+
+    def stop(self):
+        self.stopped.set()
+        self.join()
+
+
+def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
+    kwargs = {"adaptive": {"speed_adaptive": True}}.get(variant, {})
+    with scratch_store(None, "hetero") as store:
+        killer = Killer(client, kill_every) if kill_every else None
+        t0 = time.perf_counter()
+        if killer:
+            killer.start()
+        try:
+            r = vcdask.fit(
+                MODELS[task](seed),
+                (X, y),
+                max_epochs=passes,
+                seed=seed,
+                train_step=SlowStep({1}, delay),
+                client=client,
+                store=store,
+                retention=False,
+                progress=False,
+                **kwargs,
+            )
+        finally:
+            if killer:
+                killer.stop()
+        total = time.perf_counter() - t0
+        h = r.history
+        merged = h[h.accepted].sort_values("time")
+        setup = total - float(h.time.max())
+        points = []
+        for row in merged.itertuples():
+            model = vcdask.load(store, MODELS[task](seed), version=row.version_id, branch=r.run_id)
+            points.append((float(row.time) + setup, {k: v.clone() for k, v in model.state_dict().items()}))
+    work = h[h.accepted].groupby("worker").size()
+    # worker 0 is never slowed nor killed; worker 1 may come back at a new address after a kill
+    fast = next((a for a, w in client.scheduler_info()["workers"].items() if str(w.get("name")) == "0"), None)
+    share = 1.0 - float(work.get(fast, 0)) / max(1, int(work.sum()))
+    return points, {
+        "total": total,
+        "slow share": share,
+        "merged": int(len(merged)),
+        "lost": int((~h.accepted).sum()),
+        "kills": killer.kills if killer else 0,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=sorted(MODELS), default="digits")
+    ap.add_argument("--slow", default="1,2,5", help="slowdowns of worker 1 (1: equal workers)")
+    ap.add_argument("--passes", type=int, default=12)
+    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--kill-every", type=float, default=0.0, help="seconds between kills of worker 1 (0: none)")
+    ap.add_argument("--vcdask", default="default", help="variants: default, adaptive")
+    ap.add_argument("--peers", default="torch,ddp")
+    args = ap.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    (X, y), (Xt, yt) = digits()
+    c = batch_seconds(args.task, X, y)
+    from distributed import Client
+
+    from vcdask.cluster import embedded_cluster
+
+    rows = []
+    with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+        # warm-up: worker processes import torch and vcdask once, outside the measurements
+        vcdask_run("default", args.task, 0, X[:320], y[:320], 1, 0.0, 0.0, client)
+        torch_runs = {}
+        for slow in [float(s) for s in args.slow.split(",")]:
+            delay = (slow - 1) * c
+            runs: dict[str, list] = {}
+            for seed in seeds:
+                trainers = []
+                if "torch" in args.peers:
+                    if seed not in torch_runs:
+                        torch_runs[seed] = torch_single(args.task, seed, X, y, args.passes)
+                    trainers.append(("torch, 1 process", lambda s=seed: torch_runs[s]))
+                if "ddp" in args.peers:
+                    trainers.append(
+                        (
+                            "torch DDP, 2 ranks",
+                            lambda s=seed, d=delay: torch_ddp(args.task, s, X, y, args.passes, d, args.kill_every),
+                        )
+                    )
+                for v in args.vcdask.split(","):
+                    trainers.append(
+                        (
+                            f"vcdask {v}",
+                            lambda s=seed, v=v, d=delay: vcdask_run(
+                                v, args.task, s, X, y, args.passes, d, args.kill_every, client
+                            ),
+                        )
+                    )
+                for name, make in trainers:
+                    points, info = make()
+                    reached, acc = first_reaching(points, args.task, seed, Xt, yt, args.target)
+                    runs.setdefault(name, []).append({"reached": reached, "final": acc, **info})
+                    print(f"slow {slow} seed {seed} {name}: reached {reached:.2f} final {acc:.4f} {info}", flush=True)
+            ddp = statistics.median(r["reached"] for r in runs.get("torch DDP, 2 ranks", [{"reached": float("nan")}]))
+            ref = statistics.median(r["final"] for r in runs.get("torch, 1 process", [{"final": float("nan")}]))
+            for name, rs in runs.items():
+                reached = [r["reached"] for r in rs]
+                finite = [v for v in reached if v == v]
+                med = statistics.median(finite) if len(finite) > len(reached) // 2 else float("nan")
+                final = statistics.median(r["final"] for r in rs)
+                rows.append(
+                    {
+                        "slow worker": f"{slow:g}x",
+                        "trainer": name,
+                        f"time to {args.target} (s)": med,
+                        "vs DDP": med / ddp,
+                        "final acc": final,
+                        "points vs torch": 100 * (final - ref),
+                        "total (s)": statistics.median(r["total"] for r in rs),
+                        "slow worker's share": statistics.median(r.get("slow share", float("nan")) for r in rs),
+                    }
+                )
+    from devices import markdown
+
+    print(
+        f"\ntask {args.task}, {args.passes} passes, seeds {seeds}, one batch {1000 * c:.1f} ms (1 thread), "
+        f"kill every {args.kill_every or '-'} s, {os.cpu_count()} cores"
+    )
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
