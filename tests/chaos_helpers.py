@@ -59,6 +59,39 @@ def wait_for_executing_worker(client, timeout: float = 60) -> str:
     raise TimeoutError("no worker was executing a training task")
 
 
+def _running_started_on(address: str, dask_scheduler=None) -> list[str]:
+    """Training copies the live runs have seen start that the scheduler still has processing on ``address``."""
+    plugin = dask_scheduler.plugins.get("vcdask")
+    runs = plugin.runs.values() if plugin is not None else ()
+    keys = [k for run in runs if not run.done.is_set() for k, t in run.tasks.updates() if t.started is not None]
+    out = []
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is not None and ts.state == "processing" and ts.processing_on is not None:
+            if ts.processing_on.address == address:
+                out.append(str(key))
+    return out
+
+
+def stop_worker_mid_task(client, timeout: float = 60) -> tuple[str, int]:
+    """SIGSTOP a worker while it runs a training copy the run has seen start; return (address, pid).
+
+    Between finding such a worker and stopping it, a loaded machine may finish that copy and start the
+    next one before the run hears of it: stopped then, the run sees a copy that never started (re-issued
+    without blame).  So after the stop the scheduler is asked (it is not stopped) whether a started copy
+    is still running there; if not, the worker is resumed and another try made."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        victim = wait_for_executing_worker(client, timeout=max(1.0, deadline - time.monotonic()))
+        pid = worker_pid(client, victim)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.2)  # messages the worker sent before it stopped reach the scheduler
+        if client.run_on_scheduler(_running_started_on, victim):
+            return victim, pid
+        os.kill(pid, signal.SIGCONT)
+    raise TimeoutError("could not stop a worker in the middle of a started training copy")
+
+
 class Killer(threading.Thread):
     """SIGKILLs a random busy worker process every ``period`` seconds, keeping at least one alive."""
 

@@ -25,6 +25,7 @@ from chaos_helpers import (
     fit_in_thread,
     running_run,
     start_worker,
+    stop_worker_mid_task,
     wait_for_busy_worker,
     wait_for_executing_worker,
     worker_pid,
@@ -102,9 +103,7 @@ def test_b_stopped_worker_is_reissued_and_its_late_result_recorded(digits_data, 
             **fit,
         )
         running_run(client, min_step=2)
-        victim = wait_for_executing_worker(client)
-        pid = worker_pid(client, victim)
-        os.kill(pid, signal.SIGSTOP)
+        victim, pid = stop_worker_mid_task(client)
         time.sleep(5.0)  # past the deadline of its running shard and of the ones queued behind it
         os.kill(pid, signal.SIGCONT)
         thread.join(300)
@@ -114,7 +113,9 @@ def test_b_stopped_worker_is_reissued_and_its_late_result_recorded(digits_data, 
     late = result.history[result.history.reason.fillna("").str.startswith("late")]
     assert victim in set(late.worker)  # its results came back after SIGCONT: discarded and recorded
     assert not late.accepted.any()
-    assert result.workers.set_index("worker").loc[victim].timed_out >= 1
+    # (whether the victim is also charged a timeout depends on the run having heard its copy start before
+    # the SIGSTOP; under load it sometimes had not, and the copy was re-issued without blame: the charge
+    # itself is covered by tests/test_engine_policy.py and test_straggler_... below covers "no blame")
 
 
 def test_straggler_too_far_behind_is_reissued_without_blame(digits_data, tmp_path):

@@ -39,7 +39,8 @@ def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, Any] | 
 
     A task asks once it has read the run's spec and its rows, so the time a copy waited in a queue
     or spent warming up a cold worker is not counted as staleness (a healthy run's first updates
-    were once rejected as stale for it).  Returns ``{"version": ..., "step": ...}``, or None for a
+    were once rejected as stale for it).  Returns ``{"version": ..., "step": ...}`` (and, with
+    ``speed_adaptive``, the ``"fraction"`` of its shard's batches the task trains on ``worker``), or None for a
     task the run no longer waits for (it then trains from the version it was dispatched with).
     """
     task = run.tasks.tasks.get(key)
