@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 from _scratch import scratch_store  # noqa: E402
+from strategies import _train_passes  # noqa: E402
 
 import vcdask  # noqa: E402
 from vcdask.demo import accuracy_on, digits, digits_cnn  # noqa: E402
@@ -79,13 +80,7 @@ def torch_classifier(task: dict, seed: int) -> float:
     Xb, yb = torch.from_numpy(X), torch.from_numpy(y)
     g = torch.Generator().manual_seed(seed)
     for _ in range(task["epochs"]):
-        model.train()
-        order = torch.randperm(len(Xb), generator=g)
-        for i in range(0, len(Xb), 32):
-            idx = order[i : i + 32]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(Xb[idx]), yb[idx]).backward()
-            opt.step()
+        _train_passes(model, opt, Xb, yb, g, 32)
     return accuracy_on(model, Xt, yt)
 
 

@@ -285,7 +285,7 @@ def plan_run(
     )
     retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
     compression = check_compression(compression)
-    if not isinstance(speed_adaptive, bool):
+    if not isinstance(speed_adaptive, bool):  # (a truthy string would silently switch it on)
         raise TypeError(f"speed_adaptive must be True or False, got {speed_adaptive!r}")
     if resilience is None:
         resilience = Resilience()
