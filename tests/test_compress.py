@@ -150,7 +150,12 @@ def test_fit_with_int8_updates_trains_as_well_with_a_quarter_of_the_bytes(client
     fit = dict(validation=0.1, max_epochs=6, n_shards=6, local_epochs=4, seed=3, client=client, progress=False)
     full = vcdask.fit(digits_cnn(3), (X, y), store=tmp_path / "full", **fit)
     small = vcdask.fit(digits_cnn(3), (X, y), store=tmp_path / "int8", compression="int8", **fit)
-    assert small.history.accepted.all() and len(small.history) == 6 * 6  # every update decoded and merged
+    h = small.history
+    merged = h[h.accepted]
+    assert len(merged) == 6 * 6 and not merged.duplicated(["epoch", "shard"]).any()  # every update decoded and merged
+    # A copy past its deadline under load may come back late; nothing is ever refused as undecodable.
+    assert set(h[~h.accepted].outcome) <= {"late", "duplicate", "lost", "cancelled"}, h[~h.accepted].reason.tolist()
+    assert not h.reason.fillna("").str.startswith("unreadable").any()
     ratio = small.history.nbytes.median() / full.history.nbytes.median()
     assert ratio <= 0.3, ratio
     assert (

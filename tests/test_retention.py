@@ -355,7 +355,8 @@ def test_fit_of_200_merges_keeps_at_most_epochs_k_and_tags(client, tmp_path):
     assert {0, *ends} <= set(steps) and len(ends) == 10
     assert tagged in {v.id for v in versions}
     h = result.history
-    assert (h.outcome == "merged").sum() == 200 and h.accepted.all()  # no task lost its version
+    assert (h.outcome == "merged").sum() == 200  # no task lost its version: a task that failed to read one is "lost"
+    assert set(h[~h.accepted].outcome) <= {"late", "duplicate"}, h[~h.accepted].reason.tolist()  # (copies under load)
     by_version = {row.version_id: row.update for row in h.itertuples()}
     for v in versions:  # bit for bit: alpha=0 stores each merged update as it is
         want = initial if v.metadata["step"] == 0 else read_update(result.store.files, by_version[v.id])
