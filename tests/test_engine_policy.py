@@ -23,6 +23,14 @@ def test_deadline_explicit_derived_cold_and_first():
     assert res.deadline_for([1.0, 3.0, 2.0], 2) == 16.0  # the option group's shortcut says the same
 
 
+def test_base_wait_is_one_recent_shard_time_bounded():
+    assert policy.base_wait([]) == policy.BASE_WAIT_FIRST  # nothing measured yet
+    assert policy.base_wait([2.0, 4.0, 3.0]) == 3.0  # the median shard time
+    assert policy.base_wait([0.01, 0.02]) == policy.BASE_WAIT_MIN  # a merge may take longer than tiny tasks
+    assert policy.base_wait([100.0] * 3) == policy.BASE_WAIT_MAX
+    assert policy.base_wait([9.0] * 100 + [1.0] * 64) == 1.0  # the recent shards (the pace changes)
+
+
 def test_staleness_limit():
     assert policy.staleness_limit("auto", n_shards=8, in_flight=6) == 24
     assert policy.staleness_limit("auto", n_shards=50, in_flight=4) == 100

@@ -207,8 +207,8 @@ def test_fit_with_each_rule(merge, client, digits_data, tmp_path):
     head = result.store.read(result.version)
     name = merge if isinstance(merge, str) else merge.name
     assert head.metadata["merge"]["name"] == name
-    if name == "nesterov":  # delay: the 4 tasks in flight (2 workers x 1 thread x tasks_per_slot 2)
-        assert head.metadata["merge"]["delay"] == 4
+    if name == "nesterov":  # delay: the 2 tasks in flight (2 workers x 1 thread x tasks_per_slot 1)
+        assert head.metadata["merge"]["delay"] == 2
         assert set(result.store.read_state(result.version)) == {"momentum", "pending"}
     if name == "sync":  # one merge per epoch's samples: W_s changes only at the end of each epoch
         assert head.metadata["rule_state"] == {"samples": 0, "updates": 0}

@@ -1,11 +1,11 @@
 """The inner (local) optimizer of shard tasks: fresh or kept per worker, learning-rate schedules.
 
-``optimizer_state="worker"`` (the default) keeps each worker's optimizer state (Adam's moments,
-momentum buffers, the fp16 grad scaler) between its tasks of one run, as DiLoCo keeps its workers'
-inner AdamW: the state lives in the worker process, keyed by run, so a shard re-issued to another
-worker starts clean there, and a worker that restarts starts clean.  Tasks running at once on one
-worker never share a state.  ``"fresh"`` (the paper's rule) makes a new optimizer for every shard
-task.  ``benchmarks/inner_state.py`` measured ``"worker"`` better on every task it runs.
+``optimizer_state="fresh"`` (the default, the paper's rule) makes a new optimizer for every shard task.
+``"worker"`` keeps each worker's optimizer state (Adam's moments, momentum buffers, the fp16 grad
+scaler) between its tasks of one run, as DiLoCo keeps its workers' inner AdamW: the state lives in the
+worker process, keyed by run, so a shard re-issued to another worker starts clean there, and a worker
+that restarts starts clean.  Tasks running at once on one worker never share a state.
+``benchmarks/defaults.py`` chose the default: see ``docs/user-guide/merge-rules.md``.
 
 ``lr_schedule=fn(epoch, step) -> factor`` scales the optimizer's learning rate(s) at every local
 step: ``epoch`` is the run's epoch (1-based) and ``step`` the task's local step (0-based), so warm-up

@@ -257,7 +257,7 @@ def plan_run(
     collate_fn=None,
     device="auto",
     precision="32",
-    optimizer_state="worker",
+    optimizer_state="fresh",
     lr_schedule=None,
     clip_grad_norm=None,
     retention=None,

@@ -48,7 +48,7 @@ class RunSpec:
     commit_every: int
     validate_every: int
     keep_updates: bool = False
-    tasks_per_slot: int = 2
+    tasks_per_slot: int = 1
     resilience: Any = None  # vcdask.Resilience
     torch_threads: int = 1
     started_at: float = field(default_factory=time.time)
@@ -60,7 +60,7 @@ class RunSpec:
     metric_names: tuple[str, ...] = ()  # what validation reports besides the default step's loss and metrics
     batch_form: str = "xy"  # "xy", "dict" or "dataset"
     cast_x: bool = True  # (X, y) data: X takes the model's dtype (False: integer inputs such as tokens stay integer)
-    optimizer_state: str = "fresh"  # "worker" for new runs; runs written before the option resume as they trained
+    optimizer_state: str = "fresh"  # or "worker"; runs written before the option resume as they trained (fresh)
     lr_schedule: Any = None  # fn(epoch, step) -> factor
     clip_grad_norm: float | None = None
     retention: Any = None  # vcdask.Retention; None: keep every version (and in specs written before retention)

@@ -140,7 +140,7 @@ class VcdaskPlugin(SchedulerPlugin):
         if run is not None:
             run.task_started(key, worker)
 
-    def handle_base(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> dict | None:
+    async def handle_base(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> dict | None:
         """The version a shard task that is ready to train starts from (see :func:`vcdask.engine.watch.base_for`)."""
         run = self.runs.get(run_id)
-        return None if run is None else run.base_for(key, worker)
+        return None if run is None else await run.base_for(key, worker)

@@ -22,6 +22,7 @@ __all__ = [
     "LOWER_IS_BETTER",
     "Overdue",
     "after_failure",
+    "base_wait",
     "check_update",
     "deadline",
     "exclusion",
@@ -40,6 +41,12 @@ FIRST_SHARDS_SECONDS = 60.0
 FULL_WORK_RATIO = 0.8
 #: speed_adaptive: the smallest share of a shard's batches a task is given.
 MIN_WORK_FRACTION = 0.1
+#: The longest a task waits for the merges before its base (see :func:`base_wait`), in seconds: at
+#: least ``BASE_WAIT_MIN`` (a merge and commit of a small model on a loaded machine), at most ``BASE_WAIT_MAX``.
+BASE_WAIT_MIN = 0.5
+BASE_WAIT_MAX = 5.0
+#: ... and while no shard time is measured yet.
+BASE_WAIT_FIRST = 1.0
 #: Metrics that improve downwards (a ``target`` is reached when the value is at most the goal).
 LOWER_IS_BETTER = ("loss", "mse", "mae")
 
@@ -58,6 +65,20 @@ def deadline(res: Resilience, shard_seconds: list[float], tasks_per_slot: int, c
         return max(res.deadline_floor, FIRST_SHARDS_SECONDS)
     derived = max(res.deadline_floor, res.deadline_factor * tasks_per_slot * statistics.median(shard_seconds))
     return max(derived, COLD_START_SECONDS) if cold else derived
+
+
+def base_wait(shard_seconds: list[float]) -> float:
+    """Seconds a task ready to train may wait for the results that came back before it to be merged.
+
+    One median shard time of the recent shards (so waiting costs a worker about one task's worth of
+    time at most), within [:data:`BASE_WAIT_MIN`, :data:`BASE_WAIT_MAX`]; :data:`BASE_WAIT_FIRST` while
+    nothing has been measured.  A merge usually takes a small part of a task, so the wait is mostly
+    far shorter than this bound.  When the merge thread is the bottleneck, the wait holds workers
+    back instead of letting results queue up ever staler.
+    """
+    if not shard_seconds:
+        return BASE_WAIT_FIRST
+    return min(BASE_WAIT_MAX, max(BASE_WAIT_MIN, statistics.median(shard_seconds[-64:])))
 
 
 def staleness_limit(max_staleness: int | str | None, n_shards: int, in_flight: int) -> int | None:

@@ -73,6 +73,11 @@ class Run:
         self.stopping: str | None = None
         self.idle_since: float | None = None  # since when no usable worker is connected
         self.no_workers: str | None = None  # why the run waits for workers (status()["paused"])
+        #: Shard results taken from the workers, and how many of them the merge path has finished with
+        #: (merged and committed, or turned down): a task that asks for its base waits for the ones before it.
+        self.arrived = 0
+        self.settled = 0
+        self._settled = asyncio.Event()
 
     async def in_thread(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` in the run's merge thread (the only thread that touches ``W_s``)."""
@@ -113,6 +118,7 @@ class Run:
                     await self._on_done(future)
                     if self.server.folded and not self.tasks.completed.has_ready():  # the queue ran dry
                         await self.in_thread(self.server.commit)
+                    self.note_settled()
             if nxt is not None:
                 nxt.cancel()
             await self._finish()
@@ -152,11 +158,35 @@ class Run:
         if task.kind == "validation":
             arrivals.validation(self, record)
             return
-        # The worker is free: give it its next shard before merging this result, so training never
-        # waits for the merge thread (the new task starts from the newest committed version).
+        # The worker is free: give it its next shard before merging this result, so the new task reads
+        # its spec and rows meanwhile; it then waits (briefly) for this merge before it trains (base_for).
+        self.arrived += 1
         if not self.finished():
             self.fill(record["worker"])
-        await arrivals.update(self, record, task)
+        try:
+            await arrivals.update(self, record, task)
+        finally:
+            self.settled += 1
+
+    def note_settled(self) -> None:
+        """Wake the tasks waiting in :meth:`settled_through` (after a result's merge and its commit)."""
+        if self.server.committed or self.server.commit_every > 1:
+            self._settled.set()
+            self._settled = asyncio.Event()
+
+    async def settled_through(self, arrived: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until the first ``arrived`` results are merged and committed
+        (or turned down); whether they are."""
+        deadline = time.monotonic() + timeout
+        while self.settled < arrived or not (self.server.committed or self.server.commit_every > 1):
+            left = deadline - time.monotonic()
+            if left <= 0 or self.done.is_set():
+                return False
+            try:
+                await asyncio.wait_for(self._settled.wait(), left)
+            except TimeoutError:
+                return False
+        return True
 
     async def result(self, future: Any) -> dict[str, Any]:
         """The finished task's result record (a few hundred bytes, held by the worker that ran it).
