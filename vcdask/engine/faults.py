@@ -175,12 +175,33 @@ async def overdue(run: Run, task: TaskRecord, verdict: policy.Overdue, worker: s
     if worker is not None and task.started is not None:
         blame(run, worker, "timed_out")
         run.events.emit("worker", worker_row=run.pool.record(worker).as_row())
-        for other_key, other in run.tasks.updates():  # stuck behind it: move, no blame
-            if not other.overdue and other.started is None and run.tasks.processing_on(other_key) == worker:
-                other.overdue = True
-                run.submit_shard(other.epoch, other.shard, avoid=worker)
+        move_queued_off(run, {worker})  # stuck behind it: move, no blame
     # a copy that never started (queued while workers died and restarted) is not the shard's failure
     await retry_or_give_up(run, task.epoch, task.shard, verdict.why, avoid=worker, count=task.started is not None)
+
+
+def stuck_workers(run: Run) -> set[str]:
+    """Workers still running a copy that was re-issued (late, or fell too far behind): frozen or far
+    too slow for now.  New copies avoid them (:meth:`Run.submit_shard`), and copies queued there move."""
+    return {
+        t.worker
+        for key, t in run.tasks.updates()
+        if t.overdue and t.started is not None and t.worker is not None and run.tasks.processing_on(key) == t.worker
+    }
+
+
+def move_queued_off(run: Run, stuck: set[str]) -> None:
+    """Re-issue elsewhere, without blame, the copies waiting to start on a ``stuck`` worker.
+
+    A copy is sticky to its shard's last worker; one that worker had queued before it got stuck would
+    otherwise wait there, holding a slot, until the worker resumes (if ever): with one task in flight
+    per worker, a frozen worker once stalled a run this way."""
+    if not stuck:
+        return
+    for key, other in list(run.tasks.updates()):
+        if not other.overdue and other.started is None and run.tasks.processing_on(key) in stuck:
+            other.overdue = True
+            run.submit_shard(other.epoch, other.shard, avoid=stuck)
 
 
 async def final_validation(run: Run, version: str | None, step: int) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import traceback
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -222,10 +223,11 @@ class Run:
             self.submit_shard(*nxt)
             freed_worker = None
 
-    def submit_shard(self, epoch: int, shard: int, avoid: str | None = None) -> str:
+    def submit_shard(self, epoch: int, shard: int, avoid: str | Collection[str] | None = None) -> str:
         attempt = self.dispatch.next_attempt(epoch, shard)
+        avoided = faults.stuck_workers(self) | ({avoid} if isinstance(avoid, str) else set(avoid or ()))
         where = self.dispatch.placement(
-            self.dispatch.home.get(shard), self.pool.usable(), len(self.pool.connected), avoid
+            self.dispatch.home.get(shard), self.pool.usable(), len(self.pool.connected), avoided
         )
         head = self.server.head
         key = self.tasks.submit(

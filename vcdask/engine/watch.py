@@ -121,6 +121,7 @@ async def deadlines(run: Run) -> None:
             elif verdict is not None:
                 where = task.worker if verdict.blame and task.started is not None else running_on
                 await faults.overdue(run, task, verdict, where)
+        faults.move_queued_off(run, faults.stuck_workers(run))  # queued behind a late copy
 
 
 def check_workers(run: Run) -> None:
