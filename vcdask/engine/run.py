@@ -170,10 +170,9 @@ class Run:
             self.settled += 1
 
     def note_settled(self) -> None:
-        """Wake the tasks waiting in :meth:`settled_through` (after a result's merge and its commit)."""
-        if self.server.committed or self.server.commit_every > 1:
-            self._settled.set()
-            self._settled = asyncio.Event()
+        """Wake the tasks waiting in :meth:`settled_through` (they check again what they wait for)."""
+        self._settled.set()
+        self._settled = asyncio.Event()
 
     async def settled_through(self, arrived: int, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until the first ``arrived`` results are merged and committed
