@@ -188,10 +188,11 @@ def test_one_run_mixes_cuda_and_cpu_workers(tmp_path, digits_data):
 
 
 class _SlowOn:
-    """The default step, sleeping ``delay`` s per batch on the worker at ``address`` (a slower machine)."""
+    """The default step, sleeping ``delay`` s per batch on the worker at ``address`` (a slower machine) and
+    ``others`` s on every other worker (so a run lasts long enough for the slow worker to be measured)."""
 
-    def __init__(self, address, delay):
-        self.address, self.delay = address, delay
+    def __init__(self, address, delay, others=0.0):
+        self.address, self.delay, self.others = address, delay, others
 
     def __call__(self, model, batch):
         import time
@@ -199,8 +200,7 @@ class _SlowOn:
         from distributed import get_worker
 
         try:
-            if get_worker().address == self.address:
-                time.sleep(self.delay)
+            time.sleep(self.delay if get_worker().address == self.address else self.others)
         except ValueError:  # the probe, on the client
             pass
         x, y = batch
@@ -216,13 +216,15 @@ def test_speed_adaptive_gives_a_slow_worker_a_share_of_its_shard(client, tmp_pat
         client,
         tmp_path,
         validation=val,
-        max_epochs=4,
-        train_step=_SlowOn(slow, 0.02),
+        max_epochs=8,
+        # 5x slower per step; without the 10 ms on the fast worker, it trained all 32 shards (0.06 s each)
+        # before the slow worker's first task, cold start included, was back
+        train_step=_SlowOn(slow, 0.05, others=0.01),
         speed_adaptive=True,
     )
     h = result.history
     merged = h[h.outcome == "merged"]
-    assert len(merged) == 4 * 4 and not merged.duplicated(["epoch", "shard"]).any()  # every shard, once
+    assert len(merged) == 8 * 4 and not merged.duplicated(["epoch", "shard"]).any()  # every shard, once
     assert (merged[merged.worker != slow].fraction == 1.0).all()
     on_slow = merged[merged.worker == slow]
     assert len(on_slow) >= 1
