@@ -115,6 +115,24 @@ def test_check_update_kinds():
     assert kind == "norm" and reason == "update norm ||W_c - W_s|| = 1.732 > max_update_norm=1"
 
 
+@pytest.mark.parametrize(
+    ("values", "finite"),
+    [
+        ([0.0, 1.0, -2.0], True),
+        ([3e38, 3e38, -1.0], True),  # finite values whose float32 sum overflows: checked one by one
+        ([0.0, float("nan")], False),
+        ([float("inf"), 1.0], False),
+        ([float("inf"), float("-inf")], False),  # their sum is NaN
+        ([3e38, 3e38, float("-inf")], False),
+    ],
+)
+def test_check_update_finds_every_non_finite_value(values, finite):
+    server = flatten({"w": torch.zeros(len(values))})
+    client = flatten({"w": torch.tensor(values, dtype=torch.float32)})
+    verdict = policy.check_update(server, client, staleness=0, max_staleness=None, max_norm=None)
+    assert (verdict is None) == finite, verdict
+
+
 def test_work_fraction_sizes_tasks_to_speed():
     assert policy.work_fraction(float("nan"), 0.01) == 1.0  # not measured yet: a whole shard
     assert policy.work_fraction(0.01, 0.01) == 1.0  # the fastest

@@ -11,6 +11,7 @@ import torch
 
 import vcdask
 from vcdask.demo import accuracy_on, digits_cnn
+from vcdask.engine import policy
 from vcdask.updates import read_update
 
 pytestmark = pytest.mark.slow
@@ -167,6 +168,9 @@ def test_a_workers_next_task_trains_from_its_own_last_update(client, digits_data
     fresh = sum(base >= own for own, base in pairs)
     # before the wait: none; with it, nearly all (bounded by a shard's time, so a CI run under load misses some)
     assert fresh >= 0.5 * len(pairs), pairs
+    # the history says what the wait cost: part of the read time, never more than its bound
+    assert ((h.wait_seconds >= 0) & (h.wait_seconds <= h.read_seconds)).all(), h.wait_seconds
+    assert h.wait_seconds.max() < policy.BASE_WAIT_MAX + 1.0
 
 
 def test_duplicate_result_is_merged_once(client, digits_data, tmp_path):

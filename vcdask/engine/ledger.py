@@ -36,6 +36,7 @@ def history_row(epoch: int, shard: int, attempt: int, outcome: Outcome | None = 
         "train_loss": float("nan"),
         "seconds": float("nan"),
         "read_seconds": float("nan"),
+        "wait_seconds": float("nan"),
         "train_seconds": float("nan"),
         "upload_seconds": float("nan"),
         "nbytes": float("nan"),

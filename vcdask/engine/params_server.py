@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import zipfile
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,9 @@ from .policy import check_update
 BASES_KEPT = 8
 #: At most this many merges wait for one commit while more results queue behind them.
 FOLD_MAX = 8
+#: The stages of the merge path timed in :attr:`ParamsServer.stage_seconds`, and how many merges they keep.
+STAGES = ("read", "check", "rule", "commit")
+STAGES_KEPT = 256
 
 __all__ = ["Head", "ParamsServer"]
 
@@ -113,6 +116,9 @@ class ParamsServer:
         self.progress: dict[str, list[list[int]]] = {"done": [], "open": []}
         self._collected = time.monotonic()
         self.collect_seconds: list[float] = []  # how long each collection took (for benchmarks/storage.py)
+        #: Where the merge path's time goes, per stage (recent merges; for benchmarks/merge_path.py): reading
+        #: the update, checking it, the rule, and the store's commit (parameters, rule state, snapshot).
+        self.stage_seconds: dict[str, deque[float]] = {k: deque(maxlen=STAGES_KEPT) for k in STAGES}
         self._said_held_back = False
         self._bases: OrderedDict[str, FlatParams] = OrderedDict()  # base versions of compressed updates
         #: Merges are waiting for a commit only because more results were queued (see ``merge``).
@@ -194,6 +200,7 @@ class ParamsServer:
         """
         assert self.params is not None, "load() first"
         staleness = self.step - record["base_step"]
+        t0 = time.perf_counter()
         try:
             client = self._through_outages(
                 lambda: read_update(self.store.files, record["update"]),
@@ -204,14 +211,18 @@ class ParamsServer:
         except (ValueError, KeyError, FileNotFoundError, EOFError, zipfile.BadZipFile) as e:
             # unreadable (missing, truncated, not an update, its base gone): rejected, not a crash
             return self._reject(record, staleness, "unreadable", f"unreadable update: {e}")
+        t1 = time.perf_counter()
         problem = check_update(
             self.params, client, staleness=staleness, max_staleness=max_staleness, max_norm=self.max_update_norm
         )
         if problem is not None:
             return self._reject(record, staleness, *problem)
+        t2 = time.perf_counter()
         outcome = self.rule.apply(
             self.params, client, self.rule_state, Arrival(record["epoch"], staleness, int(record.get("n_samples", 1)))
         )
+        for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, time.perf_counter() - t2), strict=False):
+            self.stage_seconds[stage].append(seconds)
         self.head = Head(self.step + 1, self.version, self.version_step)
         self.uncommitted.append(record)
         self._progress(record, completes)
@@ -276,7 +287,9 @@ class ParamsServer:
             metadata["alpha"] = float(schedule(last["epoch"]))
         if self.rule_state.scalars:
             metadata["rule_state"] = dict(self.rule_state.scalars)
+        t0 = time.perf_counter()
         version = self._through_outages(lambda: self._commit_once(metadata), f"committing step {self.step}")
+        self.stage_seconds["commit"].append(time.perf_counter() - t0)
         self.head = Head(self.step, version, self.step)
         if self._bases and self.params is not None:  # compressed updates: the next ones start from here
             self._bases[version] = self.params.clone()
