@@ -173,6 +173,24 @@ def test_a_workers_next_task_trains_from_its_own_last_update(client, digits_data
     assert h.wait_seconds.max() < policy.BASE_WAIT_MAX + 1.0
 
 
+def test_default_shards_are_two_per_worker_thread(client, digits_data, tmp_path):
+    (X, y), _ = digits_data
+    threads = sum(client.nthreads().values())
+    result = vcdask.fit(_linear(), (X, y), max_epochs=2, client=client, store=tmp_path / "s", progress=False)
+    h = result.history[result.history.accepted]
+    assert sorted(set(h.shard)) == list(range(2 * threads)) and len(h) == 2 * 2 * threads
+
+
+def test_default_shard_count_bounds():
+    from vcdask.data import Shards
+
+    assert Shards.default(1000, 2).n_shards == 4
+    assert Shards.default(1000, 0).n_shards == 2  # at least 2 (a cluster whose workers are still coming)
+    assert Shards.default(1000, 1).n_shards == 2
+    assert Shards.default(3, 8).n_shards == 3  # never more shards than samples
+    assert Shards.default(1, 8).n_shards == 1
+
+
 def test_duplicate_result_is_merged_once(client, digits_data, tmp_path):
     (X, y), _ = digits_data
     thread, out = _start_in_thread(

@@ -100,7 +100,10 @@ def fit(
     lr : float, default 1e-3
     max_epochs : int, default 10
     n_shards : int, optional
-        Default: ``min(10, number of samples)``.
+        Default: two per worker thread of the cluster when the run starts (at least 2, at most the
+        number of samples), so each worker trains two shards an epoch.  Pass it for a cluster that
+        will grow during the run (an epoch has at most ``n_shards`` tasks to share out) or to fix the
+        split whatever the cluster.
     local_epochs : int, default 1
         Passes over its shard that each task makes.
     batch_size : int, default 32
@@ -296,7 +299,11 @@ def _stage(plan: RunPlan, run_id: str, c) -> RunSpec:
         loss=plan.loss,
         optimizer=plan.optimizer,
         train=train,
-        shards=Shards(plan.train.n, plan.n_shards),
+        shards=(
+            Shards(plan.train.n, plan.n_shards)
+            if plan.n_shards is not None
+            else Shards.default(plan.train.n, sum(c.nthreads().values()))
+        ),
         validation=val,
         metrics=plan.metrics,
         classification=plan.train.classification,

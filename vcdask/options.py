@@ -219,7 +219,7 @@ class RunPlan:
     metrics: dict[str, Callable]
     target: dict[str, float] | None
     x_dtype: torch.dtype
-    n_shards: int
+    n_shards: int | None  # None: Shards.default, from the cluster's threads when the run starts
     options: dict[str, Any]  # the remaining RunSpec fields
 
 
@@ -330,8 +330,8 @@ def plan_run(
         ):
             raise DataError(f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}")
     prepared, split_val = split(prepared, validation, seed, shuffle)
-    n_shards = positive_int("n_shards", min(10, prepared.n) if n_shards is None else n_shards)
-    if n_shards > prepared.n:
+    n_shards = None if n_shards is None else positive_int("n_shards", n_shards)
+    if n_shards is not None and n_shards > prepared.n:
         raise ValueError(
             f"n_shards={n_shards} is more than the {prepared.n} training samples; choose 1 <= n_shards <= {prepared.n}"
         )
