@@ -90,30 +90,29 @@ def test_a_repeated_worker_kills(digits_data, tmp_path):
 
 def test_b_stopped_worker_is_reissued_and_its_late_result_recorded(digits_data, tmp_path):
     (X, y), _ = digits_data
-    fit = {**FIT, "max_epochs": 12, "local_epochs": 12}  # ~0.2 s shards: easy to catch one running
+    fit = {**FIT, "max_epochs": 12, "local_epochs": 12}  # shards of 0.3-1 s: easy to catch one running
+    # A deadline of twice the median shard time (at least 1 s): a fixed 1 s was below a loaded machine's
+    # shard time, so healthy copies were re-issued in a storm and the victim's copy was often superseded
+    # by a copy elsewhere before its own deadline (its result then came back a duplicate, not late).
+    res = vcdask.Resilience(deadline_factor=2.0, deadline_floor=1.0)
     with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
         thread, out = fit_in_thread(
-            model=digits_cnn(7),
-            data=(X, y),
-            client=client,
-            store=tmp_path / "s",
-            resilience=vcdask.Resilience(deadline=1.0),
-            **fit,
+            model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", resilience=res, **fit
         )
         running_run(client, min_step=2)
         victim, pid = stop_worker_mid_task(client)
-        time.sleep(5.0)  # past the deadline of its running shard and of the ones queued behind it
+        time.sleep(10.0)  # past the deadline of its running copy
         os.kill(pid, signal.SIGCONT)
         thread.join(300)
     assert "error" not in out, out.get("error")
     result = out["result"]
     assert_every_shard_once(result, 12, 8)
-    late = result.history[result.history.reason.fillna("").str.startswith("late")]
-    assert victim in set(late.worker)  # its results came back after SIGCONT: discarded and recorded
-    assert not late.accepted.any()
-    # (whether the victim is also charged a timeout depends on the run having heard its copy start before
-    # the SIGSTOP; under load it sometimes had not, and the copy was re-issued without blame: the charge
-    # itself is covered by tests/test_engine_policy.py and test_straggler_... below covers "no blame")
+    h = result.history
+    back = h[(h.worker == victim) & h.outcome.isin(["late", "duplicate"])]
+    assert len(back) >= 1 and not back.accepted.any()  # its result came back after SIGCONT: recorded, not merged
+    # (No timeout charge is asserted: the stopped copy may itself be a re-issued one whose shard another
+    # copy merges before its deadline; it is then superseded, not late. The charge is covered by
+    # tests/test_engine_policy.py, and "no blame" by test_straggler_... below.)
 
 
 def test_straggler_too_far_behind_is_reissued_without_blame(digits_data, tmp_path):
