@@ -109,7 +109,8 @@ def test_b_stopped_worker_is_reissued_and_its_late_result_recorded(digits_data, 
     assert_every_shard_once(result, 12, 8)
     h = result.history
     back = h[(h.worker == victim) & h.outcome.isin(["late", "duplicate"])]
-    assert len(back) >= 1 and not back.accepted.any()  # its result came back after SIGCONT: recorded, not merged
+    # its result came back after SIGCONT: recorded, not merged
+    assert len(back) >= 1 and not back.accepted.any(), h[h.worker == victim][["epoch", "shard", "outcome", "reason"]]
     # (No timeout charge is asserted: the stopped copy may itself be a re-issued one whose shard another
     # copy merges before its deadline; it is then superseded, not late. The charge is covered by
     # tests/test_engine_policy.py, and "no blame" by test_straggler_... below.)
@@ -139,9 +140,10 @@ def test_straggler_too_far_behind_is_reissued_without_blame(digits_data, tmp_pat
     assert_every_shard_once(result, 12, 8)
     h = result.history
     assert h[h.accepted].staleness.max() <= 6
-    # its result came back after SIGCONT, long after a fresh copy (re-issued at 6 behind) had been merged
-    back = h[(h.worker == victim) & h.reason.fillna("").str.startswith("late")]
-    assert len(back) >= 1 and not back.accepted.any()
+    # its result came back after SIGCONT, long after a fresh copy (re-issued at 6 behind) had been merged:
+    # late, or a duplicate when the stopped copy was itself a second copy whose shard merged elsewhere first
+    back = h[(h.worker == victim) & h.outcome.isin(["late", "duplicate"])]
+    assert len(back) >= 1 and not back.accepted.any(), h[h.worker == victim][["epoch", "shard", "outcome", "reason"]]
     stats = result.workers.set_index("worker").loc[victim]
     assert (stats.timed_out, stats.failed, stats.excluded) == (0, 0, None)
 
