@@ -145,7 +145,7 @@ class Shards:
         with 2 workers, 4 shards reached 0.95 accuracy in about 0.75x the time of 10 (the earlier
         default), at the same accuracy per epoch (``docs/benchmarks.md``).
         """
-        return cls(n, max(1, min(n, max(2, SHARDS_PER_THREAD * threads))))
+        return cls(n, min(n, max(2, SHARDS_PER_THREAD * threads)))
 
     def bounds(self, shard: int) -> tuple[int, int]:
         size, extra = divmod(self.n, self.n_shards)

@@ -159,7 +159,7 @@ def train_shard(
     rows = _batches.rows(spec, spec.train, start, stop, pin=device.type == "cuda")
     t_base = time.perf_counter()
     newest = _tell_run("vcdask_base", run_id)  # ready to train: from the newest version
-    base_wait = time.perf_counter() - t_base  # left out of the run's pace (engine.policy.base_wait)
+    wait = time.perf_counter() - t_base  # the history's wait_seconds
     if newest is not None and newest.get("version") is not None:
         base_version, base_step = newest["version"], int(newest["step"])
     # speed_adaptive: a slow worker trains the share of its shard's batches the run gives it
@@ -199,7 +199,7 @@ def train_shard(
         "n_samples": stop - start,
         "train_loss": train_loss,
         "read_seconds": t_read - t0,
-        "base_wait_seconds": base_wait,
+        "wait_seconds": wait,
         "train_seconds": t_train - t_read,
         "worker": _worker_address(),
         "device": describe(device),

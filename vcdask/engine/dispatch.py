@@ -90,17 +90,14 @@ class Dispatcher:
         return failures
 
     @staticmethod
-    def placement(
-        home: str | None, usable: list[str], n_connected: int, avoid: str | Collection[str] | None = None
-    ) -> dict[str, Any]:
+    def placement(home: str | None, usable: list[str], n_connected: int, avoid: Collection[str] = ()) -> dict[str, Any]:
         """Dask placement restrictions for a new copy (``client.submit(..., **placement)``).
 
         Strict (``workers=usable``) when some connected worker must not get it (excluded, draining,
         the one it is moved away from, or one stuck on a late copy: ``avoid``); else sticky to the
         shard's home, free to move.  If every usable worker is to be avoided, any usable one will do.
         """
-        avoided = {avoid} if isinstance(avoid, str) else set(avoid or ())
-        allowed = [a for a in usable if a not in avoided] or usable
+        allowed = [a for a in usable if a not in avoid] or usable
         if len(allowed) < n_connected:
             return {"workers": allowed}
         if home in allowed:

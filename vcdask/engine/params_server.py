@@ -33,9 +33,8 @@ from .policy import check_update
 BASES_KEPT = 8
 #: At most this many merges wait for one commit while more results queue behind them.
 FOLD_MAX = 8
-#: The stages of the merge path timed in :attr:`ParamsServer.stage_seconds`, and how many merges they keep.
+#: The stages of the merge path timed in :attr:`ParamsServer.stage_seconds` (for the last 256 merges).
 STAGES = ("read", "check", "rule", "commit")
-STAGES_KEPT = 256
 
 __all__ = ["Head", "ParamsServer"]
 
@@ -118,7 +117,7 @@ class ParamsServer:
         self.collect_seconds: list[float] = []  # how long each collection took (for benchmarks/storage.py)
         #: Where the merge path's time goes, per stage (recent merges; for benchmarks/merge_path.py): reading
         #: the update, checking it, the rule, and the store's commit (parameters, rule state, snapshot).
-        self.stage_seconds: dict[str, deque[float]] = {k: deque(maxlen=STAGES_KEPT) for k in STAGES}
+        self.stage_seconds: dict[str, deque[float]] = {k: deque(maxlen=256) for k in STAGES}
         self._said_held_back = False
         self._bases: OrderedDict[str, FlatParams] = OrderedDict()  # base versions of compressed updates
         #: Merges are waiting for a commit only because more results were queued (see ``merge``).
@@ -222,7 +221,7 @@ class ParamsServer:
             self.params, client, self.rule_state, Arrival(record["epoch"], staleness, int(record.get("n_samples", 1)))
         )
         for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, time.perf_counter() - t2), strict=False):
-            self.stage_seconds[stage].append(seconds)
+            self.stage_seconds[stage].append(seconds)  # (commit: in commit())
         self.head = Head(self.step + 1, self.version, self.version_step)
         self.uncommitted.append(record)
         self._progress(record, completes)
