@@ -59,11 +59,18 @@ def wait_for_executing_worker(client, timeout: float = 60) -> str:
     raise TimeoutError("no worker was executing a training task")
 
 
-def _running_started_on(address: str, dask_scheduler=None) -> list[str]:
-    """Training copies the live runs have seen start that the scheduler still has processing on ``address``."""
+def _running_started_on(address: str, based: bool = False, dask_scheduler=None) -> list[str]:
+    """Training copies the live runs have seen start (and, with ``based``, got their base version) that
+    the scheduler still has processing on ``address``."""
     plugin = dask_scheduler.plugins.get("vcdask")
     runs = plugin.runs.values() if plugin is not None else ()
-    keys = [k for run in runs if not run.done.is_set() for k, t in run.tasks.updates() if t.started is not None]
+    keys = [
+        k
+        for run in runs
+        if not run.done.is_set()
+        for k, t in run.tasks.updates()
+        if t.started is not None and (t.based or not based)
+    ]
     out = []
     for key in keys:
         ts = dask_scheduler.tasks.get(key)
@@ -73,8 +80,11 @@ def _running_started_on(address: str, dask_scheduler=None) -> list[str]:
     return out
 
 
-def stop_worker_mid_task(client, timeout: float = 60) -> tuple[str, int]:
+def stop_worker_mid_task(client, timeout: float = 60, based: bool = False) -> tuple[str, int]:
     """SIGSTOP a worker while it runs a training copy the run has seen start; return (address, pid).
+
+    ``based``: only a copy that has its base version (it trains; before it asks, a copy has no
+    staleness, only a deadline).
 
     Between finding such a worker and stopping it, a loaded machine may finish that copy and start the
     next one before the run hears of it: stopped then, the run sees a copy that never started (re-issued
@@ -86,7 +96,7 @@ def stop_worker_mid_task(client, timeout: float = 60) -> tuple[str, int]:
         pid = worker_pid(client, victim)
         os.kill(pid, signal.SIGSTOP)
         time.sleep(0.2)  # messages the worker sent before it stopped reach the scheduler
-        if client.run_on_scheduler(_running_started_on, victim):
+        if client.run_on_scheduler(_running_started_on, victim, based):
             return victim, pid
         os.kill(pid, signal.SIGCONT)
     raise TimeoutError("could not stop a worker in the middle of a started training copy")

@@ -127,7 +127,7 @@ def test_straggler_too_far_behind_is_reissued_without_blame(digits_data, tmp_pat
             model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", resilience=res, **fit
         )
         run_id = running_run(client, min_step=2)
-        victim, pid = stop_worker_mid_task(client)
+        victim, pid = stop_worker_mid_task(client, based=True)
         start = client.sync(client.scheduler.vcdask_status, run_id=run_id)["step"]
         deadline = time.monotonic() + 150  # 30 merges took over 60 s in a loaded CI run
         while client.sync(client.scheduler.vcdask_status, run_id=run_id)["step"] < start + 30:
@@ -143,9 +143,39 @@ def test_straggler_too_far_behind_is_reissued_without_blame(digits_data, tmp_pat
     # its result came back after SIGCONT, long after a fresh copy (re-issued at 6 behind) had been merged:
     # late, or a duplicate when the stopped copy was itself a second copy whose shard merged elsewhere first
     back = h[(h.worker == victim) & h.outcome.isin(["late", "duplicate"])]
-    assert len(back) >= 1 and not back.accepted.any(), h[h.worker == victim][["epoch", "shard", "outcome", "reason"]]
+    rows = h[h.worker == victim][["epoch", "shard", "attempt", "base_version", "outcome", "reason"]].to_string()
+    assert len(back) >= 1 and not back.accepted.any(), rows
     stats = result.workers.set_index("worker").loc[victim]
     assert (stats.timed_out, stats.failed, stats.excluded) == (0, 0, None)
+
+
+def test_a_frozen_worker_holds_one_copy_not_the_run(digits_data, tmp_path):
+    """A worker frozen mid-task, under a deadline it never reaches and no staleness limit: it keeps the
+    one copy it runs, and the shards whose home it is go to the others, so the run goes on without it.
+    (Copies once followed their home there and queued behind the frozen one until they filled every
+    slot: the run stopped until the deadline.)"""
+    (X, y), _ = digits_data
+    fit = {**FIT, "max_epochs": 6, "local_epochs": 8}
+    res = vcdask.Resilience(deadline=600, max_staleness=None)
+    with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
+        thread, out = fit_in_thread(
+            model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", resilience=res, **fit
+        )
+        run_id = running_run(client, min_step=9)  # every worker is a home to some shards by now
+        victim, pid = stop_worker_mid_task(client)
+        start = client.sync(client.scheduler.vcdask_status, run_id=run_id)["step"]
+        deadline, held = time.monotonic() + 150, 0
+        try:
+            while (status := client.sync(client.scheduler.vcdask_status, run_id=run_id))["step"] < start + 24:
+                assert time.monotonic() < deadline and thread.is_alive(), status["tasks"]
+                held = max(held, sum(t["worker"] == victim for t in status["tasks"]))
+                time.sleep(0.1)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        thread.join(300)
+    assert held == 1
+    assert "error" not in out, out.get("error")
+    assert_every_shard_once(out["result"], 6, 8)
 
 
 def test_c_caller_killed_run_finishes_and_attach_gets_result(digits_data, tmp_path):

@@ -90,16 +90,27 @@ class Dispatcher:
         return failures
 
     @staticmethod
-    def placement(home: str | None, usable: list[str], n_connected: int, avoid: Collection[str] = ()) -> dict[str, Any]:
+    def placement(
+        home: str | None,
+        usable: list[str],
+        n_connected: int,
+        avoid: Collection[str] = (),
+        busy: Collection[str] = (),
+    ) -> dict[str, Any]:
         """Dask placement restrictions for a new copy (``client.submit(..., **placement)``).
 
         Strict (``workers=usable``) when some connected worker must not get it (excluded, draining,
         the one it is moved away from, or one stuck on a late copy: ``avoid``); else sticky to the
         shard's home, free to move.  If every usable worker is to be avoided, any usable one will do.
+
+        A home that is ``busy`` (it already holds its share of copies, running or queued there) is no
+        home for this copy: the copy would wait behind the others while another worker sits idle, and
+        behind a frozen worker it would wait for as long as that worker's deadline.  Dask then places it
+        by occupancy.
         """
         allowed = [a for a in usable if a not in avoid] or usable
         if len(allowed) < n_connected:
             return {"workers": allowed}
-        if home in allowed:
+        if home in allowed and home not in busy:
             return {"workers": [home], "allow_other_workers": True}
         return {}

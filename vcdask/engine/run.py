@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import traceback
+from collections import Counter
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -226,7 +227,7 @@ class Run:
         attempt = self.dispatch.next_attempt(epoch, shard)
         avoided = faults.stuck_workers(self) | ({avoid} if isinstance(avoid, str) else set(avoid or ()))
         where = self.dispatch.placement(
-            self.dispatch.home.get(shard), self.pool.usable(), len(self.pool.connected), avoided
+            self.dispatch.home.get(shard), self.pool.usable(), len(self.pool.connected), avoided, self.busy_workers()
         )
         head = self.server.head
         key = self.tasks.submit(
@@ -244,6 +245,13 @@ class Run:
         )
         self.ledger.set_shard(epoch, shard, "queued" if attempt == 0 else "re-issued")
         return key
+
+    def busy_workers(self) -> set[str]:
+        """Workers that hold their share of shard copies (``tasks_per_slot`` per thread), running or
+        queued there: a copy sent to one would wait while another worker is free."""
+        held = Counter(self.tasks.processing_on(key) for key, _ in self.tasks.updates())
+        share = self.spec.tasks_per_slot
+        return {a for a, n in held.items() if a is not None and n >= share * self.pool.connected.get(a, 1)}
 
     def submit_validation(self, version: str | None = None, step: int | None = None, retry: int = 0) -> None:
         """Validate ``version`` (default: the newest committed one), once."""

@@ -88,10 +88,16 @@ async def deadlines(run: Run) -> None:
         ledger, tasks = run.ledger, run.tasks
         tps = run.spec.tasks_per_slot
         warm = policy.deadline(run.res, ledger.shard_seconds, tps)
+        # copies of merged shards that no worker is running (e.g. theirs died); not a finished one: its
+        # result is on its way back to the run, to be recorded for what it is (late), not as cancelled
         redundant = [
-            k for k, t in tasks.updates() if ledger.is_merged(t.epoch, t.shard) and tasks.processing_on(k) is None
+            k
+            for k, t in tasks.updates()
+            if ledger.is_merged(t.epoch, t.shard)
+            and tasks.processing_on(k) is None
+            and tasks.state(k) not in ("memory", "erred")
         ]
-        if redundant:  # copies of merged shards that no worker is running (e.g. theirs died)
+        if redundant:
             await tasks.cancel(redundant)
         if not run.pool.usable():
             continue  # nowhere to re-issue to: copies wait at the scheduler for workers to join
