@@ -7,7 +7,11 @@ Each task trains with vcdask's defaults on an embedded cluster of ``--workers`` 
 (one thread each), once per seed and codec: the same data, shards, epochs and seeds for every codec.
 The table gives the median over seeds of the bytes one update takes in the store (``history.nbytes``),
 its ratio to full float32 updates (``none``) measured in the same run, the final validation accuracy,
-and its difference from ``none`` in points (negative: the codec cost accuracy).
+and its difference from ``none`` in points (negative: the codec cost accuracy).  Runs of one seed differ
+by a few points from arrival order alone, and one validation image is 0.56 points, so the table also gives
+the **paired** difference: per seed, the codec's accuracy minus float32's, as mean +- standard error over
+the seeds (and the same for the validation loss, which moves in finer steps).  Resolving a 0.3-point
+cost takes a dozen seeds or more.
 
 * ``digits``: the demo CNN (40k parameters) on 8x8 digits, 10 shards, 2 local epochs.
 * ``wide``: the wide CNN of ``benchmarks/strategies.py`` (3.3M parameters), the same data.
@@ -59,10 +63,19 @@ def run(task: str, codec: str, seed: int, epochs: int, client) -> dict:
     merged = result.history[result.history.accepted]
     return {
         "accuracy": float(result.epochs["accuracy"].iloc[-1]),
+        "loss": float(result.epochs["loss"].iloc[-1]) if "loss" in result.epochs else float("nan"),
         "nbytes": float(merged.nbytes.median()),
         "merged": len(merged),
         "wall": wall,
     }
+
+
+def _paired(runs: list[dict], ref: list[dict], key: str, scale: float, relative: bool = False) -> str:
+    """Mean +- standard error over seeds of ``runs[i][key] - ref[i][key]`` (``relative``: over ``ref``)."""
+    diffs = [scale * (r[key] - f[key]) / (f[key] if relative else 1.0) for r, f in zip(runs, ref, strict=True)]
+    if len(diffs) < 2 or any(d != d for d in diffs):
+        return "nan"
+    return f"{statistics.mean(diffs):+.2f} +- {statistics.stdev(diffs) / len(diffs) ** 0.5:.2f}"
 
 
 def main(argv=None) -> int:
@@ -90,7 +103,7 @@ def main(argv=None) -> int:
                 print(task, codec, [(round(r["accuracy"], 4), int(r["nbytes"])) for r in runs], flush=True)
                 nbytes = statistics.median(r["nbytes"] for r in runs)
                 acc = statistics.median(r["accuracy"] for r in runs)
-                ref = ref or {"nbytes": nbytes, "accuracy": acc}
+                ref = ref or {"nbytes": nbytes, "accuracy": acc, "runs": runs}
                 rows.append(
                     {
                         "task": task,
@@ -99,6 +112,8 @@ def main(argv=None) -> int:
                         "vs float32": nbytes / ref["nbytes"],
                         "accuracy": acc,
                         "points vs float32": 100 * (acc - ref["accuracy"]),
+                        "paired points": _paired(runs, ref["runs"], "accuracy", 100.0),
+                        "paired loss %": _paired(runs, ref["runs"], "loss", 100.0, relative=True),
                         "accuracy by seed": " ".join(f"{r['accuracy']:.3f}" for r in runs),
                         "wall s": statistics.median(r["wall"] for r in runs),
                     }
