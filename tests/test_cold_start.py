@@ -41,3 +41,45 @@ def test_fresh_cluster_rejects_no_update_as_stale(tmp_path):
     assert not h.outcome.eq("rejected").any(), h[h.outcome == "rejected"][["epoch", "shard", "reason"]]
     assert h.outcome.eq("merged").sum() == 24  # every shard of every epoch, once
     assert h[h.accepted].staleness.max() <= staleness_limit("auto", n_shards=6, in_flight=4)
+
+
+def _imported(name: str) -> bool:
+    import sys
+
+    return name in sys.modules
+
+
+def _wait_all_imported(client, name: str, n_workers: int, timeout: float = 90) -> dict:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = client.run(_imported, name)
+        if len(seen) == n_workers and all(seen.values()):
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"{name} not imported on every worker within {timeout} s: {seen}")
+
+
+def test_workers_import_torch_before_their_first_task():
+    """A cold worker imported torch (1.2 s) when it unpickled its first task and torch._dynamo (1.2 s)
+    when that task built its optimizer.  Workers now import both in the background as soon as the
+    cluster is known to vcdask (``fit`` registers the plugin) or, for the embedded cluster, as they
+    start; a worker that joins later does too."""
+    from distributed import Client, LocalCluster
+
+    from vcdask.cluster import warm_workers
+
+    with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+        _wait_all_imported(client, "torch._dynamo", 1)  # the preload, with no task and no plugin
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        assert not any(client.run(_imported, "torch._dynamo").values())  # a plain worker: not yet
+        warm_workers(client)
+        warm_workers(client)  # once per cluster: registering again changes nothing
+        _wait_all_imported(client, "torch._dynamo", 1)
+        cluster.scale(2)
+        client.wait_for_workers(2, timeout=60)
+        _wait_all_imported(client, "torch._dynamo", 2)  # the worker that joined later
