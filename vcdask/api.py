@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .cluster import check_client, resolve_client, warm_workers
+from .cluster import check_client, resolve_client
 from .data import Shards
 from .errors import VersionNotFoundError
 from .handle import FitResult, RunHandle, ensure_plugin
@@ -249,7 +249,6 @@ def fit(
     t0 = time.perf_counter()
     run_id = f"run-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
     with resolve_client(client) as c:
-        warm_workers(c)
         _check_cluster(c, plan.store, embedded=client is None)
         plan.store.create_branch(run_id)
         save_spec(_stage(plan, run_id, c))
@@ -368,6 +367,5 @@ def resume(
         raise VersionNotFoundError(f"no run {run_id!r} in {param_store.location!r}; runs: {runs}")
     t0 = time.perf_counter()
     with resolve_client(client) as c:
-        warm_workers(c)
         _check_cluster(c, param_store, embedded=client is None)
         return _launch(c, param_store, run_id, resume=True, progress=progress, t0=t0)

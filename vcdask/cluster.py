@@ -13,7 +13,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["embedded_cluster", "preempt", "preemption_notice", "resolve_client", "warm_workers"]
+__all__ = ["embedded_cluster", "preempt", "preemption_notice", "resolve_client"]
 
 
 def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
@@ -34,7 +34,6 @@ def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
     kwargs.setdefault("processes", True)
     kwargs.setdefault("dashboard_address", ":0")
     kwargs.setdefault("silence_logs", logging.ERROR)
-    kwargs.setdefault("preload", ["vcdask._warm"])  # workers import torch while the run is set up
     with dask.config.set({"distributed.nanny.pre-spawn-environ": torch_friendly_environ()}):
         return LocalCluster(n_workers=n, **kwargs)
 
@@ -53,15 +52,6 @@ def torch_friendly_environ() -> dict[str, Any]:
     environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
     environ.pop("MALLOC_TRIM_THRESHOLD_", None)
     return environ
-
-
-def warm_workers(client: Any) -> None:
-    """Have every worker of ``client``'s cluster, and every one that joins later, import torch (and the
-    modules the first optimizer imports) in the background now, not in the run's first shard task.
-    Registered once per cluster (an idempotent worker plugin): see :mod:`vcdask._warm`."""
-    from ._warm import WarmImports
-
-    client.register_plugin(WarmImports())
 
 
 def check_client(client: Any) -> None:
