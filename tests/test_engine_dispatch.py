@@ -58,8 +58,13 @@ def test_placement():
     assert Dispatcher.placement(None, ["w1", "w2"], 2) == {}
     assert Dispatcher.placement("w1", ["w1", "w2"], 2, avoid={"w1"}) == {"workers": ["w2"]}  # strict: moved away
     assert Dispatcher.placement("w1", ["w1"], 2) == {"workers": ["w1"]}  # one connected worker is not usable
-    # a busy home (its share of copies already there): Dask places the copy by occupancy, not behind them
-    assert Dispatcher.placement("w1", ["w1", "w2"], 2, busy={"w1"}) == {}
+    # a busy home (its share of copies already there): the copy goes to a worker that is not busy
+    assert Dispatcher.placement("w1", ["w1", "w2"], 2, busy={"w1"}) == {"workers": ["w2"], "allow_other_workers": True}
+    assert Dispatcher.placement(None, ["w1", "w2", "w3"], 3, busy={"w2"}) == {
+        "workers": ["w1", "w3"],
+        "allow_other_workers": True,
+    }
+    assert Dispatcher.placement("w1", ["w1", "w2"], 2, busy={"w1", "w2"}) == {}  # all busy: Dask decides
     assert Dispatcher.placement("w1", ["w1", "w2"], 2, busy={"w2"}) == {"workers": ["w1"], "allow_other_workers": True}
     assert Dispatcher.placement("w1", ["w1", "w2"], 3, busy={"w1"}) == {"workers": ["w1", "w2"]}  # still strict
     assert Dispatcher.placement("w1", ["w1"], 1, avoid={"w1"}) == {"workers": ["w1"], "allow_other_workers": True}

@@ -105,12 +105,17 @@ class Dispatcher:
 
         A home that is ``busy`` (it already holds its share of copies, running or queued there) is no
         home for this copy: the copy would wait behind the others while another worker sits idle, and
-        behind a frozen worker it would wait for as long as that worker's deadline.  Dask then places it
-        by occupancy.
+        behind a frozen worker it would wait for as long as that worker's deadline.  The copy then goes
+        to the workers that are not busy, free to move: left unrestricted, Dask queues such tasks and
+        hands them to any worker with a free slot by its own count (``worker-saturation`` gives a
+        one-thread worker two), the frozen one included.
         """
         allowed = [a for a in usable if a not in avoid] or usable
         if len(allowed) < n_connected:
             return {"workers": allowed}
         if home in allowed and home not in busy:
             return {"workers": [home], "allow_other_workers": True}
+        free = [a for a in allowed if a not in busy]
+        if busy and free:
+            return {"workers": free, "allow_other_workers": True}
         return {}
