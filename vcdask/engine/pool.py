@@ -154,9 +154,13 @@ class WorkerPool:
         ok = [a for a in self.connected if a not in self.draining and not self.record(a).excluded]
         return sorted(ok, key=lambda a: self.record(a).rank())
 
+    def share(self, address: str) -> int:
+        """Shard copies one worker holds at most: ``tasks_per_slot`` per thread (1 thread if unknown)."""
+        return self.tasks_per_slot * self.connected.get(address, 1)
+
     def slots(self) -> int:
-        """Shard copies to keep in flight: ``tasks_per_slot`` per thread of the usable workers."""
-        return max(1, self.tasks_per_slot * sum(self.connected[a] for a in self.usable()))
+        """Shard copies to keep in flight: the usable workers' shares."""
+        return max(1, sum(self.share(a) for a in self.usable()))
 
     def unusable(self) -> dict[str, str]:
         """Connected workers that get no shards, and why."""

@@ -247,11 +247,10 @@ class Run:
         return key
 
     def busy_workers(self) -> set[str]:
-        """Workers that hold their share of shard copies (``tasks_per_slot`` per thread), running or
-        queued there: a copy sent to one would wait while another worker is free."""
+        """Workers that hold their share of shard copies (``WorkerPool.share``), running or queued
+        there: a copy sent to one would wait while another worker is free."""
         held = Counter(self.tasks.processing_on(key) for key, _ in self.tasks.updates())
-        share = self.spec.tasks_per_slot
-        return {a for a, n in held.items() if a is not None and n >= share * self.pool.connected.get(a, 1)}
+        return {a for a, n in held.items() if a is not None and n >= self.pool.share(a)}
 
     def submit_validation(self, version: str | None = None, step: int | None = None, retry: int = 0) -> None:
         """Validate ``version`` (default: the newest committed one), once."""
