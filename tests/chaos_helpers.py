@@ -11,6 +11,7 @@ import threading
 import time
 
 import torch
+from distributed.diagnostics.plugin import WorkerPlugin
 
 import vcdask
 
@@ -183,6 +184,31 @@ def start_worker(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+class HandoverFault(WorkerPlugin):
+    """A Dask worker plugin: on the worker named ``name``, the first request for the result of a shard
+    task sends the worker process ``signum`` — SIGKILL: it dies holding a finished result the run has not
+    read; SIGSTOP: it freezes holding one.  (It wraps the worker's ``get_data`` handler, the one every
+    result read reaches, whether through the scheduler or straight from the client.)"""
+
+    name = "vcdask-test-handover-fault"
+
+    def __init__(self, worker_name: str, signum: int):
+        self.worker_name, self.signum = worker_name, signum
+
+    def setup(self, worker) -> None:
+        if worker.name != self.worker_name:
+            return
+        original, signum, fired = worker.handlers["get_data"], self.signum, []
+
+        async def get_data(comm=None, keys=(), **kwargs):
+            if not fired and any(str(k).startswith("vcdask-train-") for k in keys):
+                fired.append(True)
+                os.kill(os.getpid(), signum)
+            return await original(comm=comm, keys=keys, **kwargs)
+
+        worker.handlers["get_data"] = get_data
 
 
 class ChaosNet(torch.nn.Module):

@@ -21,6 +21,7 @@ import torch
 from chaos_helpers import (
     ChaosNet,
     FaultyAdam,
+    HandoverFault,
     Killer,
     fit_in_thread,
     running_run,
@@ -176,6 +177,42 @@ def test_a_frozen_worker_holds_one_copy_not_the_run(digits_data, tmp_path):
     assert held == 1
     assert "error" not in out, out.get("error")
     assert_every_shard_once(out["result"], 6, 8)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["died", "froze"])
+def test_a_result_its_worker_cannot_hand_over_is_read_from_the_store(signum, digits_data, tmp_path):
+    """A worker dies (or freezes) holding a finished shard result the run has not read yet: the run
+    reads that result from the store (a task stores it with its update) and goes on at once, instead
+    of waiting for Dask to run the task again on another worker (or for the frozen one: the whole run
+    waited on it, as results are read one at a time)."""
+    (X, y), _ = digits_data
+    fit = {**FIT, "max_epochs": 3}
+    with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+        proc = start_worker(cluster.scheduler_address, name="victim")
+        try:
+            client.wait_for_workers(2, timeout=60)
+            victim = next(a for a, w in client.scheduler_info()["workers"].items() if w["name"] == "victim")
+            client.register_plugin(HandoverFault("victim", signum))
+            thread, out = fit_in_thread(
+                model=digits_cnn(7),
+                data=(X, y),
+                client=client,
+                store=tmp_path / "s",
+                resilience=vcdask.Resilience(deadline_floor=1.0),
+                **fit,
+            )
+            thread.join(240)
+            assert not thread.is_alive()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(30)
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, 3, 8)
+    handed = result.history[result.history.worker == victim]
+    assert handed.accepted.iloc[0], handed  # its first result, read from the store, was merged
+    assert (handed.outcome != "lost").all()
 
 
 def test_c_caller_killed_run_finishes_and_attach_gets_result(digits_data, tmp_path):

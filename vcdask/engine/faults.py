@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StoreAccessDeniedError, StoreError, StoreNotFoundError
 from ..updates import delete_run_updates, delete_update
 from ..worker import validate_version
-from . import policy
+from . import policy, results
 from .events import final_validate_key
 from .inflight import TaskRecord
 
@@ -211,11 +211,14 @@ async def final_validation(run: Run, version: str | None, step: int) -> None:
             validate_version, run.store, run.id, version, step, key=final_validate_key(run.id, attempt), priority=10
         )
         try:
-            rec = await run.result(future)
+            rec = await results.fetch(run, future)
         except StoreError as exc:
             store_fault(run, TaskRecord("validation", step=step, version=version, attempt=attempt), exc)
             run.dispatch.parked_validations.clear()
             await asyncio.sleep(run.outage.wait_seconds())
+            continue
+        if isinstance(rec, str):  # lost with its worker: run it again
+            logger.warning("run %s: the final validation's result is lost (%s); running it again", run.id, rec)
             continue
         store_back(run)
         run.ledger.validations[rec["step"]] = rec["metrics"]

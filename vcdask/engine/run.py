@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import NoWorkersError
 from ..spec import RunSpec
 from ..worker import train_shard, validate_version
-from . import arrivals, faults, views, watch
+from . import arrivals, faults, results, views, watch
 from .dispatch import Dispatcher
 from .events import EventLog, train_key, validate_key
 from .inflight import InFlight, TaskRecord
@@ -148,7 +148,7 @@ class Run:
                 self.ledger.record_copy(task, "cancelled", f"cancelled: {why}")
             return
         try:
-            record = await self.result(future)
+            record = await results.read(self, future, task)
         except NoWorkersError:
             raise  # the run's own verdict while it waited, not the task's failure
         except Exception as exc:  # noqa: BLE001 - a task's error is data for the failure policy
@@ -156,6 +156,8 @@ class Run:
             return
         finally:
             future.release()
+        if record is None:
+            return  # lost with its worker (recorded, and re-issued)
         faults.store_back(self)
         if task.kind == "validation":
             arrivals.validation(self, record)
@@ -188,21 +190,6 @@ class Run:
             except TimeoutError:
                 return False
         return True
-
-    async def result(self, future: Any) -> dict[str, Any]:
-        """The finished task's result record (a few hundred bytes, held by the worker that ran it).
-
-        If that worker dies before handing it over, Dask runs the task again once a worker is there;
-        meanwhile the run keeps watching the pool (``no_worker_timeout``) instead of waiting blind."""
-        fetch = asyncio.ensure_future(_await(future))
-        try:
-            while True:
-                done, _ = await asyncio.wait({fetch}, timeout=1.0)
-                if done:
-                    return fetch.result()
-                self.check_workers()
-        finally:
-            fetch.cancel()
 
     # -- dispatch -------------------------------------------------------------------------------
     def fill(self, freed_worker: str | None = None) -> None:
@@ -313,7 +300,3 @@ class Run:
     status_dict = views.status_dict
     panel_state = views.panel_state
     result_dict = views.result_dict
-
-
-async def _await(future: Any) -> Any:
-    return await future
