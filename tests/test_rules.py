@@ -51,7 +51,7 @@ def test_staleness_weights(function, staleness, expected_weight):
 
 
 def test_nesterov_momentum_over_three_arrivals():
-    rule = Nesterov(lr=0.7, momentum=0.9, delay=1)
+    rule = Nesterov(lr=0.7, momentum=0.9, delay=1, bias_correction=False)
     server = flat(1.0)
     state = rule.init_state(server)
     expected = []
@@ -143,7 +143,14 @@ def test_momentum_state_survives_a_restart(tmp_path):
         b.merge(_upload(store_b, "run-b", 1, i, value, i))
     saved = store_b.read_state(b.version)
     assert saved["momentum"].state_dict()["w"].tolist() == b.rule_state.arrays["momentum"].state_dict()["w"].tolist()
-    assert store_b.read(b.version).metadata["merge"] == {"name": "nesterov", "lr": 0.7, "momentum": 0.9, "delay": 1}
+    assert store_b.read(b.version).metadata["merge"] == {
+        "name": "nesterov",
+        "lr": 0.7,
+        "momentum": 0.9,
+        "delay": 1,
+        "bias_correction": True,
+    }
+    assert store_b.read(b.version).metadata["rule_state"] == {"steps": 2}  # the bias correction resumes too
     del b  # the server dies; a new one resumes from the branch
     _, b2 = start(tmp_path / "b", "run-b")
     assert b2.step == 2
@@ -217,13 +224,54 @@ def test_fit_with_each_rule(merge, client, digits_data, tmp_path):
 
 def test_delayed_nesterov_window_equals_one_step_on_the_mean():
     """N arrivals from the same base make one Nesterov step on their mean pseudo-gradient, spread out."""
-    rule = Nesterov(lr=0.7, momentum=0.9, delay=2)
+    rule = Nesterov(lr=0.7, momentum=0.9, delay=2, bias_correction=False)
     server = flat(1.0)
     state = rule.init_state(server)
     rule.apply(server, flat(0.0), state, Arrival(epoch=1))  # g1 = 1: W = 1 - 0.35 = 0.65, momentum waits
-    assert w(server) == pytest.approx([0.65]) and state.scalars == {"arrivals": 1}
+    assert w(server) == pytest.approx([0.65]) and state.scalars == {"arrivals": 1, "steps": 0}
     rule.apply(server, flat(0.45), state, Arrival(epoch=1))  # g2 = 0.65 - 0.45 = 0.2
     # W = 0.65 - 0.35 * 0.2 = 0.58; m = mean(1, 0.2) = 0.6; W -= 0.7 * 0.9 * 0.6 = 0.378 -> 0.202
     assert w(server) == pytest.approx([0.202])
     assert state.arrays["momentum"].state_dict()["w"].tolist() == pytest.approx([0.6])
-    assert state.scalars == {"arrivals": 0} and state.arrays["pending"].state_dict()["w"].tolist() == [0.0]
+    assert state.scalars == {"arrivals": 0, "steps": 1} and state.arrays["pending"].state_dict()["w"].tolist() == [0.0]
+
+
+@pytest.mark.parametrize("delay", [1, 3])
+def test_nesterov_bias_correction_moves_at_the_steady_pace_from_the_start(delay):
+    """A constant pseudo-gradient g: with the correction every momentum step moves W_s by
+    lr * g * (1 + momentum / (1 - momentum)) per window, the steady pace, from the first window on;
+    without it the first window moves lr * g * (1 + momentum) and the pace builds up."""
+    lr, mom, g = 0.5, 0.8, 0.01
+    steady = lr * g * (1 + mom / (1 - mom))
+    moved = {}
+    for corrected in (True, False):
+        rule = Nesterov(lr=lr, momentum=mom, delay=delay, bias_correction=corrected)
+        server = flat(0.0)
+        state = rule.init_state(server)
+        steps = []
+        for _window in range(4):
+            before = w(server)[0]
+            for _ in range(delay):
+                rule.apply(server, flat(w(server)[0] - g), state, Arrival(epoch=1))
+            steps.append(before - w(server)[0])
+        moved[corrected] = steps
+        assert state.scalars["steps"] == 4
+    assert moved[True] == pytest.approx([steady] * 4)
+    assert moved[False][0] == pytest.approx(lr * g * (1 + mom))
+    assert moved[False][0] < moved[False][1] < moved[False][2] < moved[False][3] < steady
+
+
+def test_nesterov_state_saved_before_the_step_count_is_not_corrected_again():
+    """A momentum buffer already built up (a state saved before vcdask counted momentum steps) is not
+    divided by 1 - momentum: the step is the uncorrected one."""
+    a = Nesterov(lr=0.5, momentum=0.8, delay=1)
+    b = Nesterov(lr=0.5, momentum=0.8, delay=1, bias_correction=False)
+    results = []
+    for rule in (a, b):
+        server = flat(1.0)
+        state = rule.init_state(server)
+        state.arrays["momentum"].arrays["float64"].fill_(0.3)  # built up, and no count saved with it
+        state.scalars.pop("steps")
+        rule.apply(server, flat(0.9), state, Arrival(epoch=1))
+        results.append(w(server)[0])
+    assert results[0] == pytest.approx(results[1])
