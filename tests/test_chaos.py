@@ -184,9 +184,10 @@ def test_a_result_its_worker_cannot_hand_over_is_read_from_the_store(signum, dig
     """A worker dies (or freezes) holding a finished shard result the run has not read yet: the run
     reads that result from the store (a task stores it with its update) and goes on at once, instead
     of waiting for Dask to run the task again on another worker (or for the frozen one: the whole run
-    waited on it, as results are read one at a time)."""
+    waited on it, as results are read one at a time).  A copy the run does not wait for (such as Dask's
+    rerun of that finished task) gives up when it asks for its base: it trains and writes nothing."""
     (X, y), _ = digits_data
-    fit = {**FIT, "max_epochs": 3}
+    fit = {**FIT, "max_epochs": 3, "keep_updates": True}
     with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
         proc = start_worker(cluster.scheduler_address, name="victim")
         try:
@@ -201,6 +202,23 @@ def test_a_result_its_worker_cannot_hand_over_is_read_from_the_store(signum, dig
                 resilience=vcdask.Resilience(deadline_floor=1.0),
                 **fit,
             )
+            if signum == signal.SIGKILL:  # a copy the run does not wait for gives up: trains and writes nothing
+                run_id = running_run(client)
+                head = client.sync(client.scheduler.vcdask_status, run_id=run_id)
+                foreign = client.submit(
+                    vcdask.worker.train_shard,
+                    vcdask.open_store(tmp_path / "s"),
+                    run_id,
+                    1,
+                    0,
+                    99,
+                    head["version"],
+                    head["step"],
+                    key=f"vcdask-train-{run_id}-not-a-copy",
+                    workers=[next(a for a in client.scheduler_info()["workers"] if a != victim)],
+                )
+                assert foreign.result(timeout=60)["kind"] == "abandoned"
+                assert not vcdask.open_store(tmp_path / "s").files.exists(vcdask.updates.update_path(run_id, 1, 0, 99))
             thread.join(240)
             assert not thread.is_alive()
         finally:
@@ -213,6 +231,8 @@ def test_a_result_its_worker_cannot_hand_over_is_read_from_the_store(signum, dig
     handed = result.history[result.history.worker == victim]
     assert handed.accepted.iloc[0], handed  # its first result, read from the store, was merged
     assert (handed.outcome != "lost").all()
+    files = vcdask.open_store(tmp_path / "s").files
+    assert vcdask.updates.read_update_meta(files, handed["update"].iloc[0])["worker"] == victim
 
 
 def test_c_caller_killed_run_finishes_and_attach_gets_result(digits_data, tmp_path):

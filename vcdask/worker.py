@@ -149,7 +149,9 @@ def train_shard(
     Returns
     -------
     dict
-        A small record for the scheduler plugin: where the update is, its base, loss, timing, worker.
+        A small record for the scheduler plugin: where the update is, its base, loss, timing, worker;
+        or, for a copy the run no longer waits for when it asks for its base, ``kind="abandoned"``
+        (nothing trained, nothing written).
     """
     t0 = time.perf_counter()
     _tell_run("vcdask_started", run_id)  # its deadline counts from here
@@ -160,6 +162,8 @@ def train_shard(
     t_base = time.perf_counter()
     newest = _tell_run("vcdask_base", run_id)  # ready to train: from the newest version
     wait = time.perf_counter() - t_base  # the history's wait_seconds
+    if newest is not None and newest.get("abandon"):  # the run no longer waits for this copy
+        return {"kind": "abandoned", "run_id": run_id, "epoch": epoch, "shard": shard, "attempt": attempt}
     if newest is not None and newest.get("version") is not None:
         base_version, base_step = newest["version"], int(newest["step"])
     # speed_adaptive: a slow worker trains the share of its shard's batches the run gives it

@@ -42,9 +42,9 @@ async def read(run: Run, future: Any, task: TaskRecord) -> dict[str, Any] | None
     validation submitted again.  A task's own error is raised, for the failure policy.
     """
     got = await fetch(run, future)
-    if not isinstance(got, str):
+    if not isinstance(got, str) and got.get("kind") != "abandoned":
         return got
-    why = got
+    why = got if isinstance(got, str) else "the copy gave up: the run no longer waited for it"
     record = await run.in_thread(_stored_record, run, task) if task.kind == "update" else None
     if record is not None:
         logger.warning(

@@ -45,17 +45,21 @@ async def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, A
     before that result is merged: without the wait, its next task would train from the version just
     before its own update, every time (half of the work lost with ``alpha=0``; one step staler with
     every rule).  Returns ``{"version": ..., "step": ...}`` (and, with ``speed_adaptive``, the
-    ``"fraction"`` of its shard's batches the task trains on ``worker``), or None for a task the run
-    no longer waits for (it then trains from the version it was dispatched with).
+    ``"fraction"`` of its shard's batches the task trains on ``worker``), or ``{"abandon": True}`` for
+    a copy the run no longer waits for: cancelled, or a finished one that Dask runs again because the
+    worker holding its result died (the run read that result from the store, :mod:`.results`); it
+    would train for nothing and overwrite the update the run merges.
     """
     task = run.tasks.tasks.get(key)
-    if task is None or task.kind != "update":
+    if task is None:
+        return {"abandon": True}
+    if task.kind != "update":
         return None
     if run.settled < run.arrived:
         await run.settled_through(run.arrived, policy.base_wait(run.ledger.shard_seconds))
         task = run.tasks.tasks.get(key)
         if task is None:
-            return None
+            return {"abandon": True}
     head = run.server.head
     task.step, task.based = head.version_step, True
     base: dict[str, Any] = {"version": head.version, "step": head.version_step}
