@@ -72,9 +72,10 @@ def _running_started_on(address: str, based: bool = False, dask_scheduler=None) 
         for k, t in run.tasks.updates()
         if t.started is not None and (t.based or not based)
     ]
-    # A copy that finished there just before the stop, its result not yet read by the run: the run's
-    # read of it would wait for the stopped worker, and every result behind it too (a known, open
-    # limit: results are read one at a time).  Not the fault these tests inject: try another moment.
+    # A copy that finished there just before the stop, its result not yet read by the run: the run
+    # gives up on the stopped worker after results.PATIENCE and reads that result from the store
+    # (test_a_result_its_worker_cannot_hand_over_is_read_from_the_store).  A different fault from the
+    # one these tests inject (a frozen running copy), and it would shift their timing: try another moment.
     # (The run releases a result once read, so any task still in memory there is one.)
     for ts in dask_scheduler.tasks.values():
         if ts.state == "memory" and any(ws.address == address for ws in ts.who_has or ()):
