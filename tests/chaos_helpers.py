@@ -278,3 +278,22 @@ class PoisonNet(torch.nn.Module):
         if bool((x > 100).any()):
             os.kill(os.getpid(), signal.SIGKILL)
         return self.net(x)
+
+
+class SlowOn:
+    """The default step, slowed by ``delay`` seconds per batch on the worker at ``address`` (a slow machine)."""
+
+    def __init__(self, address: str, delay: float):
+        self.address, self.delay = address, delay
+
+    def __call__(self, model, batch):
+        x, y = batch
+        try:
+            from distributed import get_worker
+
+            here = get_worker().address
+        except ValueError:  # the pre-flight probe on the client
+            here = None
+        if here == self.address:
+            time.sleep(self.delay)
+        return torch.nn.functional.cross_entropy(model(x), y)

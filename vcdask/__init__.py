@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from . import cloud, merge
 from . import config as _config  # noqa: F401  (loads vcdask.yaml into dask.config)
-from . import merge
 from .api import fit, resume
 from .cluster import preempt
 from .errors import RunFailedError, VcdaskError
@@ -28,6 +28,7 @@ __all__ = [
     "VcdaskError",
     "VersionInfo",
     "attach",
+    "cloud",
     "fit",
     "flatten",
     "load",

@@ -86,25 +86,28 @@ def resolve_client(client: Any) -> Iterator[Any]:
             yield c
 
 
-def preempt(client: Any, worker: str, *, retire: bool = True) -> dict[str, list[str]]:
+def preempt(client: Any, worker: str, *, retire: bool = True, window: float | None = None) -> dict[str, list[str]]:
     """Tell every vcdask run that ``worker`` is about to be reclaimed (a spot/preemptible notice).
 
     The runs stop giving it shards and re-issue the shards queued on it elsewhere (not counted
-    as failures); with ``retire=True`` the worker is then retired gracefully.  The cloud layer
-    calls this when the provider's notice arrives (AWS: two minutes ahead).
+    as failures).  With ``window`` (seconds until the instance goes), a shard running there is let
+    finish when its expected remaining time fits the window with margin, and re-issued otherwise;
+    without it, every shard there is re-issued at once.  With ``retire=True`` the worker is then
+    retired gracefully (after the shards let finish).  :class:`vcdask.cloud.PreemptionWatcher`
+    calls this when the provider's notice arrives (AWS: two minutes ahead; GCP, Azure: 30 s).
 
     Returns
     -------
     dict
         run id -> keys of the shard copies re-issued.
     """
-    return client.sync(client.scheduler.vcdask_preempt, worker=worker, retire=retire)
+    return client.sync(client.scheduler.vcdask_preempt, worker=worker, retire=retire, window=window)
 
 
-def preemption_notice(*, retire: bool = True) -> dict[str, list[str]]:
+def preemption_notice(*, retire: bool = True, window: float | None = None) -> dict[str, list[str]]:
     """:func:`vcdask.preempt` for the worker this code runs on (call it from a task or a worker plugin)."""
     from distributed import get_worker
     from distributed.utils import sync
 
     worker = get_worker()
-    return sync(worker.loop, worker.scheduler.vcdask_preempt, worker=worker.address, retire=retire)
+    return sync(worker.loop, worker.scheduler.vcdask_preempt, worker=worker.address, retire=retire, window=window)

@@ -1,5 +1,5 @@
 """What a run does when something goes wrong: lost and failed tasks, rejected updates, store faults,
-re-issues, preemption notices, the user stopping it.
+re-issues, the user stopping it (preemption notices: :mod:`.notice`).
 
 Functions of the :class:`~vcdask.engine.run.Run` (the event loop only); the decisions themselves
 are :mod:`~vcdask.engine.policy`'s.
@@ -27,7 +27,6 @@ __all__ = [
     "overdue",
     "cancel_other_copies",
     "final_validation",
-    "preempt",
     "rejected",
     "reissue",
     "retry_or_give_up",
@@ -238,21 +237,6 @@ def reissue(run: Run, epoch: int, shard: int) -> str:
     if run.tasks.completed is None or run.done.is_set():
         raise RuntimeError(f"run {run.id} is not running")
     return run.submit_shard(epoch, shard)
-
-
-def preempt(run: Run, address: str) -> list[str]:
-    """A notice that ``address`` will be reclaimed: no new shards for it; its queued shards go elsewhere.
-
-    Returns the keys of the copies re-issued.  Not counted as failures.
-    """
-    run.pool.drain(address)
-    moved = []
-    for key, task in run.tasks.updates():
-        if run.tasks.processing_on(key) == address and not task.overdue:
-            task.overdue = True  # its slot is free; if it still finishes, the first result wins
-            moved.append(run.submit_shard(task.epoch, task.shard, avoid=address))
-    run.events.emit("preempted", worker=address, reissued=len(moved), worker_row=run.pool.record(address).as_row())
-    return moved
 
 
 def _suspects(exc: BaseException) -> list[str]:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import time
 
 from distributed import SchedulerPlugin
 
 from ..errors import RunNotFoundError
 from ..spec import load_spec
+from . import notice, policy
 from .run import Run
 
 logger = logging.getLogger(__name__)
@@ -122,17 +124,31 @@ class VcdaskPlugin(SchedulerPlugin):
     async def handle_runs(self, comm=None) -> dict:
         return {run_id: run.status for run_id, run in self.runs.items()}
 
-    async def handle_preempt(self, comm=None, worker: str = "", retire: bool = True) -> dict:
-        """A worker will be reclaimed: every run stops giving it shards and moves its queued ones;
-        then the worker is retired gracefully (its running task is not counted as a failure)."""
-        moved = {run.id: run.preempt(worker) for run in self._live()}
+    async def handle_preempt(
+        self, comm=None, worker: str = "", retire: bool = True, window: float | None = None, reason: str = ""
+    ) -> dict:
+        """A worker will be reclaimed (in ``window`` seconds, if known): every run stops giving it shards
+        and moves its queued ones; a running copy that fits the window is let finish (see
+        :mod:`vcdask.engine.notice`); then the worker is retired gracefully.  Nothing is counted as a
+        failure.  Returns run id -> keys of the copies re-issued."""
+        if window is not None and not (isinstance(window, (int, float)) and window >= 0):
+            raise ValueError(f"window must be a number of seconds >= 0 or None, got {window!r}")
+        logger.warning("preemption notice for %s%s", worker, f" ({reason})" if reason else "")
+        answers = {run.id: (run, *run.preempt(worker, window)) for run in self._live()}
         if retire and worker in self.scheduler.workers:
-            asyncio.ensure_future(
-                self.scheduler.retire_workers(
-                    workers=[worker], close_workers=True, stimulus_id=f"vcdask-preempt-{worker}"
-                )
+            kept = [(run, keys) for run, _, keys in answers.values() if keys]
+            asyncio.ensure_future(self._retire(worker, kept, window))
+        return {run_id: moved for run_id, (_, moved, _) in answers.items()}
+
+    async def _retire(self, worker: str, kept: list, window: float | None) -> None:
+        """Retire ``worker`` once the copies let finish there are done (or the notice's margin is reached)."""
+        if kept and window is not None:
+            deadline = time.monotonic() + max(0.0, window - policy.NOTICE_MARGIN)
+            await asyncio.gather(*(notice.settle(run, worker, keys, deadline) for run, keys in kept))
+        if worker in self.scheduler.workers:
+            await self.scheduler.retire_workers(
+                workers=[worker], close_workers=True, stimulus_id=f"vcdask-preempt-{worker}"
             )
-        return moved
 
     def handle_started(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> None:
         """A shard task began to run on ``worker`` (sent by the task itself)."""

@@ -26,6 +26,7 @@ __all__ = [
     "check_update",
     "deadline",
     "exclusion",
+    "fits_notice",
     "overdue",
     "reached",
     "staleness_limit",
@@ -47,6 +48,11 @@ BASE_WAIT_MIN = 0.5
 BASE_WAIT_MAX = 5.0
 #: ... and while no shard time is measured yet.
 BASE_WAIT_FIRST = 1.0
+#: Preemption notices (see :func:`fits_notice`): a running copy is let finish on a worker that got a
+#: notice only if its expected remaining time, times ``NOTICE_SAFETY``, plus ``NOTICE_MARGIN`` seconds
+#: fits the notice; the margin is also kept free at the end of the notice for the worker to retire.
+NOTICE_SAFETY = 1.5
+NOTICE_MARGIN = 5.0
 #: Metrics that improve downwards (a ``target`` is reached when the value is at most the goal).
 LOWER_IS_BETTER = ("loss", "mse", "mae")
 
@@ -219,3 +225,11 @@ def work_fraction(step_seconds: float, fastest: float) -> float:
     if ratio >= FULL_WORK_RATIO:
         return 1.0
     return max(MIN_WORK_FRACTION, ratio)
+
+
+def fits_notice(expected: float, elapsed: float, window: float) -> bool:
+    """Whether a shard copy that has run ``elapsed`` of its ``expected`` seconds finishes inside a
+    preemption notice of ``window`` seconds: its remaining time, times :data:`NOTICE_SAFETY`, plus
+    :data:`NOTICE_MARGIN` (its upload, the result's hand-over, the worker's retirement)."""
+    remaining = max(0.0, expected - elapsed)
+    return remaining * NOTICE_SAFETY + NOTICE_MARGIN <= window

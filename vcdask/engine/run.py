@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import NoWorkersError
 from ..spec import RunSpec
 from ..worker import train_shard, validate_version
-from . import arrivals, faults, results, views, watch
+from . import arrivals, faults, notice, results, views, watch
 from .dispatch import Dispatcher
 from .events import EventLog, train_key, validate_key
 from .inflight import InFlight, TaskRecord
@@ -293,7 +293,7 @@ class Run:
     # -- what the plugin's handlers and hooks call -------------------------------------------------
     stop = faults.stop
     reissue = faults.reissue
-    preempt = faults.preempt
+    preempt = notice.preempt
     check_workers = watch.check_workers
     task_started = watch.task_started
     base_for = watch.base_for

@@ -1,0 +1,94 @@
+"""Spot notices end to end: a fake metadata service per worker, real worker processes, real training.
+
+Each worker runs :class:`vcdask.cloud.PreemptionWatcher` against its own fake service on 127.0.0.1
+(as each cloud instance has its own); the test posts a notice on the victim's and checks the whole
+path: draining, the running shard finished inside the window or re-issued, nothing lost or merged
+twice, the worker retired (and, on Azure, the event acknowledged).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from chaos_helpers import SlowOn, fit_in_thread, running_run
+from distributed import Client
+from fake_metadata import FakeMetadata
+from test_chaos import FIT, assert_every_shard_once
+
+from vcdask.cloud import PreemptionWatcher
+from vcdask.cluster import embedded_cluster
+from vcdask.demo import digits_cnn
+from vcdask.engine.events import topic
+
+pytestmark = [pytest.mark.cluster, pytest.mark.chaos]
+
+
+async def _watch(endpoint, provider, dask_worker=None):
+    await dask_worker.plugin_add(PreemptionWatcher(provider=provider, endpoint=endpoint, interval=0.1))
+
+
+def _copies_started_on(address, dask_scheduler=None):
+    plugin = dask_scheduler.plugins.get("vcdask")
+    return [
+        k
+        for run in (plugin.runs.values() if plugin else ())
+        if not run.done.is_set()
+        for k, t in run.tasks.updates()
+        if t.based and t.worker == address and not t.overdue
+    ]
+
+
+def _wait(predicate, timeout=60.0, what=""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise TimeoutError(what)
+
+
+@pytest.mark.parametrize(
+    "provider, window, kept",
+    [
+        ("aws", 120, True),  # two minutes: the running shard (~1 s here) finishes on the victim
+        ("gcp", 30, True),
+        ("azure", 30, True),
+        ("aws", 3, False),  # too short to finish with margin: re-issued at once
+    ],
+)
+def test_a_notice_drains_the_worker_then_retires_it(provider, window, kept, digits_data, tmp_path):
+    (X, y), _ = digits_data
+    fit = {**FIT, "max_epochs": 5}
+    with FakeMetadata(provider) as at_victim, FakeMetadata(provider) as at_other:
+        with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+            victim, other = sorted(client.scheduler_info()["workers"])
+            client.run(_watch, at_victim.endpoint, provider, workers=[victim])
+            client.run(_watch, at_other.endpoint, "auto", workers=[other])  # auto-detects the provider
+            # the victim is a slow machine: each of its shards takes ~1 s, so one is running at the notice
+            step = SlowOn(victim, 0.025)
+            thread, out = fit_in_thread(
+                model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", train_step=step, **fit
+            )
+            run_id = running_run(client, min_step=2)
+            _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
+            at_victim.notify(window)
+            _wait(lambda: victim not in client.scheduler_info()["workers"], timeout=window, what="not retired")
+            events = [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]
+            thread.join(300)
+            assert not at_other.acknowledged and at_other.notice_at is None
+            if provider == "azure":  # acknowledged once the worker closed
+                _wait(lambda: at_victim.acknowledged == [at_victim.event_id], timeout=10, what="no acknowledgement")
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, fit["max_epochs"], fit["n_shards"])  # nothing lost, nothing merged twice
+    stats = result.workers.set_index("worker").loc[victim]
+    assert stats.preempted and stats.failed == 0 and stats.timed_out == 0 and stats.excluded is None
+    assert events[0]["worker"] == victim and events[0]["window"] == pytest.approx(window, abs=2)
+    h = result.history.set_index(["epoch", "shard", "attempt"])
+    if kept:  # the running shard was let finish there, and merged
+        assert (events[0]["kept"], events[0]["reissued"]) == (1, 0), events
+        (copy,) = events[0]["kept_copies"]
+        assert h.loc[tuple(copy)].worker == victim and h.loc[tuple(copy)].accepted
+    else:
+        assert (events[0]["kept"], events[0]["reissued"]) == (0, 1), events

@@ -1,0 +1,224 @@
+"""The cloud providers' interruption notices, read from their instance metadata services.
+
+Each provider is a small class that speaks its metadata protocol over plain HTTP (the services
+live on a link-local address of the instance, and answer in milliseconds):
+
+* **AWS** (IMDSv2): ``PUT /latest/api/token`` with ``X-aws-ec2-metadata-token-ttl-seconds`` for a
+  session token, then ``GET /latest/meta-data/spot/instance-action`` with ``X-aws-ec2-metadata-token``:
+  404 until a notice, then ``{"action": "terminate" | "stop" | "hibernate", "time": "<ISO 8601>"}``,
+  two minutes ahead.
+* **GCP**: ``GET /computeMetadata/v1/instance/preempted`` with ``Metadata-Flavor: Google``: ``FALSE``,
+  then ``TRUE`` about 30 s before the instance stops.
+* **Azure**: ``GET /metadata/scheduledevents?api-version=2020-07-01`` with ``Metadata: true``: events
+  with ``EventType: "Preempt"`` and ``NotBefore`` (at least 30 s ahead); a ``POST`` of
+  ``{"StartRequests": [{"EventId": ...}]}`` acknowledges one (the instance may then go at once).
+
+The endpoints are configurable (``vcdask.cloud.preemption.endpoint``), so tests run a fake service on
+127.0.0.1.  Only the standard library is used: a worker needs nothing extra to watch.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import ClassVar
+
+__all__ = ["PROVIDERS", "Notice", "MetadataService", "AWS", "GCP", "Azure", "provider_for", "detect"]
+
+
+@dataclass(frozen=True)
+class Notice:
+    """An interruption notice: the instance will be reclaimed ``seconds_left`` seconds after ``seen``."""
+
+    provider: str
+    seconds_left: float
+    action: str = "terminate"
+    event_id: str | None = None  # Azure: the event to acknowledge
+    seen: float = field(default_factory=time.time)
+
+    def describe(self) -> str:
+        return f"{self.provider} {self.action} notice: {self.seconds_left:.0f} s left"
+
+
+class MetadataService:
+    """One provider's metadata protocol at ``endpoint`` (``http://host[:port]``, no trailing path)."""
+
+    name: ClassVar[str] = ""
+    default_endpoint: ClassVar[str] = "http://169.254.169.254"
+    #: The notice window when the service does not say when the instance goes.
+    default_window: ClassVar[float] = 30.0
+
+    def __init__(self, endpoint: str | None = None, timeout: float = 2.0):
+        self.endpoint = (endpoint or self.default_endpoint).rstrip("/")
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(endpoint={self.endpoint!r})"
+
+    def _request(self, method: str, path: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, bytes]:
+        """(status, body); an HTTP error status is an answer, not an exception."""
+        req = urllib.request.Request(self.endpoint + path, data=body, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def probe(self) -> bool:
+        """Whether this provider's metadata service answers at ``endpoint`` (for ``provider="auto"``)."""
+        raise NotImplementedError
+
+    def poll(self) -> Notice | None:
+        """The notice, if one is posted now.
+
+        Raises
+        ------
+        OSError
+            The service could not be reached or answered with an unexpected status.
+        """
+        raise NotImplementedError
+
+    def acknowledge(self, notice: Notice) -> None:
+        """Tell the provider the instance is ready to go (only Azure asks for it)."""
+
+
+def _unexpected(service: MetadataService, path: str, status: int) -> OSError:
+    return ConnectionError(f"{service.name} metadata service at {service.endpoint}{path} answered HTTP {status}")
+
+
+class AWS(MetadataService):
+    """EC2 spot instance-action through IMDSv2 (a session token first)."""
+
+    name = "aws"
+    token_ttl = 21600
+    TOKEN_PATH = "/latest/api/token"
+    NOTICE_PATH = "/latest/meta-data/spot/instance-action"
+
+    def __init__(self, endpoint: str | None = None, timeout: float = 2.0):
+        super().__init__(endpoint, timeout)
+        self._token: str | None = None
+        self._token_expires = 0.0
+
+    def _fresh_token(self) -> str:
+        if self._token is None or time.monotonic() > self._token_expires:
+            headers = {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl)}
+            status, body = self._request("PUT", self.TOKEN_PATH, headers)
+            if status != 200:
+                raise _unexpected(self, self.TOKEN_PATH, status)
+            self._token, self._token_expires = body.decode().strip(), time.monotonic() + self.token_ttl / 2
+        return self._token
+
+    def probe(self) -> bool:
+        try:
+            self._fresh_token()
+        except OSError:
+            return False
+        return True
+
+    def poll(self) -> Notice | None:
+        status, body = self._request("GET", self.NOTICE_PATH, {"X-aws-ec2-metadata-token": self._fresh_token()})
+        if status == 401:  # the token expired early (e.g. the service restarted): once more with a new one
+            self._token = None
+            status, body = self._request("GET", self.NOTICE_PATH, {"X-aws-ec2-metadata-token": self._fresh_token()})
+        if status == 404:
+            return None
+        if status != 200:
+            raise _unexpected(self, self.NOTICE_PATH, status)
+        doc = json.loads(body)
+        when = datetime.fromisoformat(str(doc["time"]).replace("Z", "+00:00"))
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        left = max(0.0, when.timestamp() - time.time())
+        return Notice(self.name, left, action=str(doc.get("action", "terminate")))
+
+
+class GCP(MetadataService):
+    """Compute Engine ``instance/preempted`` (spot and preemptible VMs: about 30 s of notice)."""
+
+    name = "gcp"
+    default_endpoint = "http://metadata.google.internal"
+    PATH = "/computeMetadata/v1/instance/preempted"
+    HEADERS: ClassVar[dict[str, str]] = {"Metadata-Flavor": "Google"}
+
+    def probe(self) -> bool:
+        try:
+            status, _ = self._request("GET", self.PATH, self.HEADERS)
+        except OSError:
+            return False
+        return status == 200
+
+    def poll(self) -> Notice | None:
+        status, body = self._request("GET", self.PATH, self.HEADERS)
+        if status != 200:
+            raise _unexpected(self, self.PATH, status)
+        return Notice(self.name, self.default_window, action="preempt") if body.strip().upper() == b"TRUE" else None
+
+
+class Azure(MetadataService):
+    """Azure Scheduled Events: a ``Preempt`` event (Spot VMs, at least 30 s ahead), acknowledged when ready."""
+
+    name = "azure"
+    PATH = "/metadata/scheduledevents?api-version=2020-07-01"
+    HEADERS: ClassVar[dict[str, str]] = {"Metadata": "true"}
+
+    def probe(self) -> bool:
+        try:
+            status, _ = self._request("GET", self.PATH, self.HEADERS)
+        except OSError:
+            return False
+        return status == 200
+
+    def poll(self) -> Notice | None:
+        status, body = self._request("GET", self.PATH, self.HEADERS)
+        if status != 200:
+            raise _unexpected(self, self.PATH, status)
+        for event in json.loads(body).get("Events", []):
+            if event.get("EventType") != "Preempt":
+                continue
+            left = self.default_window
+            not_before = event.get("NotBefore") or ""
+            if not_before:
+                left = max(0.0, email.utils.parsedate_to_datetime(not_before).timestamp() - time.time())
+            return Notice(self.name, left, action="preempt", event_id=event.get("EventId"))
+        return None
+
+    def acknowledge(self, notice: Notice) -> None:
+        if notice.event_id is None:
+            return
+        body = json.dumps({"StartRequests": [{"EventId": notice.event_id}]}).encode()
+        status, _ = self._request("POST", self.PATH, {**self.HEADERS, "Content-Type": "application/json"}, body)
+        if status not in (200, 201, 202, 204):
+            raise _unexpected(self, self.PATH, status)
+
+
+#: The providers ``PreemptionWatcher(provider=...)`` knows, by name.
+PROVIDERS: dict[str, type[MetadataService]] = {"aws": AWS, "gcp": GCP, "azure": Azure}
+
+
+def provider_for(provider: str, endpoint: str | None = None, timeout: float = 2.0) -> MetadataService:
+    """The metadata service of ``provider`` (one of :data:`PROVIDERS`).
+
+    Raises
+    ------
+    ValueError
+        An unknown provider name.
+    """
+    cls = PROVIDERS.get(provider)
+    if cls is None:
+        raise ValueError(f"unknown cloud provider {provider!r}; valid providers: {[*PROVIDERS, 'auto']}")
+    return cls(endpoint, timeout)
+
+
+def detect(endpoint: str | None = None, timeout: float = 1.0) -> MetadataService | None:
+    """The provider whose metadata service answers (at ``endpoint``, or at each one's own address), or None
+    off the clouds (GCP first: its header check is the strictest; then AWS's token; then Azure)."""
+    for name in ("gcp", "aws", "azure"):
+        service = provider_for(name, endpoint, timeout)
+        if service.probe():
+            return service
+    return None
