@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["InFlight", "TaskRecord"]
+__all__ = ["InFlight", "TaskRecord", "run_client_security"]
 
 
 @dataclass
@@ -33,6 +33,20 @@ class TaskRecord:
         return self.kind == "update" and (self.epoch, self.shard) == (epoch, shard)
 
 
+def run_client_security(scheduler: Any) -> Any:
+    """The security a run's client inside the scheduler connects with: the scheduler's own, its
+    certificate standing in for a client certificate where the scheduler was given none (TLS
+    clusters usually give each role its own; a scheduler needs only its own to serve)."""
+    security = getattr(scheduler, "security", None)
+    if security is None or security.tls_client_cert or not security.tls_scheduler_cert:
+        return security
+    from distributed.security import Security
+
+    fields = {k: getattr(security, k) for k in Security.__slots__ if k != "extra_conn_args"}
+    fields.update(tls_client_cert=security.tls_scheduler_cert, tls_client_key=security.tls_scheduler_key)
+    return Security(extra_conn_args=security.extra_conn_args, **fields)
+
+
 class InFlight:
     """Tasks submitted and not yet handled, with their futures.
 
@@ -49,10 +63,17 @@ class InFlight:
         self.futures: dict[str, Any] = {}
 
     async def open(self, name: str) -> None:
-        """Connect an asynchronous client to this scheduler."""
+        """Connect an asynchronous client to this scheduler, with the scheduler's own security (TLS
+        certificates), so a run works on a cluster that requires encryption."""
         from distributed import Client, as_completed
 
-        self.client = await Client(self.scheduler.address, asynchronous=True, set_as_default=False, name=name)
+        self.client = await Client(
+            self.scheduler.address,
+            asynchronous=True,
+            set_as_default=False,
+            name=name,
+            security=run_client_security(self.scheduler),
+        )
         self.completed = as_completed([], loop=self.client.loop, with_results=False)
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: str, task: TaskRecord, **kwargs: Any) -> str:
