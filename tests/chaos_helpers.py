@@ -297,3 +297,39 @@ class SlowOn:
         if here == self.address:
             time.sleep(self.delay)
         return torch.nn.functional.cross_entropy(model(x), y)
+
+
+class Saboteur(torch.optim.Adam):
+    """Adam, except on the worker at ``hostile``: its steps go uphill (``"flip"``: the gradient's sign
+    flipped, the classic sign-flipping attack), are ``"scale"``d tenfold, or carry ``"noise"`` (a broken
+    machine).  A hostile or broken worker made through user code (the optimizer), not by patching vcdask."""
+
+    def __init__(self, params, lr=1e-3, hostile: str = "", mode: str = "flip"):
+        super().__init__(list(params), lr=lr)
+        try:
+            from distributed import get_worker
+
+            self.mode = mode if get_worker().address == hostile else None
+        except ValueError:  # the pre-flight check on the client
+            self.mode = None
+
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.mode == "flip":
+            for p in params:
+                p.grad.neg_()
+            return super().step(closure)
+        if self.mode == "noise":
+            out = super().step(closure)
+            with torch.no_grad():
+                for p in params:
+                    p.add_(torch.randn_like(p), alpha=0.5)
+            return out
+        if self.mode == "scale":
+            before = [p.detach().clone() for p in params]
+            out = super().step(closure)
+            with torch.no_grad():
+                for p, b in zip(params, before, strict=True):
+                    p.copy_(b + 10 * (p - b))
+            return out
+        return super().step(closure)

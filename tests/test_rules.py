@@ -89,6 +89,44 @@ def test_sync_averages_by_samples_once_the_target_is_reached():
     assert state.arrays["sum"].state_dict()["w"].tolist() == [0.0]
 
 
+@pytest.mark.parametrize(
+    "aggregate, expected",
+    [
+        ("median", [2.0, -2.0]),  # of 1, 100, 2, -50, 6 (and of their negatives)
+        ("trimmed-mean", [3.0, -3.0]),  # trim 0.2 of 5: drop the top and the bottom value, mean of 1, 2, 6
+        ("mean", [(1 + 100 + 2 - 50 + 6) / 5, -(1 + 100 + 2 - 50 + 6) / 5]),
+    ],
+)
+def test_sync_robust_aggregates_shrug_off_an_outlier(aggregate, expected):
+    rule = Sync(target_samples=5, aggregate=aggregate)
+    server = flat(0.0, 0.0, steps=[5])
+    state = rule.init_state(server)
+    for i, v in enumerate([1.0, 100.0, 2.0, -50.0, 6.0]):
+        out = rule.apply(server, flat(v, -v, steps=[i]), state, Arrival(epoch=1, n_samples=1))
+        assert out["applied"] is (i == 4)
+        assert w(server) == ([0.0, 0.0] if i < 4 else pytest.approx(expected))
+    assert server.state_dict()["n"].tolist() == [4]  # integer state: the last client's value
+    assert state.scalars == {"samples": 0, "updates": 0} and set(state.arrays) <= {"sum"}
+
+
+def test_sync_median_of_an_even_round_is_the_mean_of_the_middle_two():
+    rule = Sync(target_samples=4, aggregate="median")
+    server = flat(0.0)
+    state = rule.init_state(server)
+    for v in (1.0, 10.0, 2.0, 3.0):
+        rule.apply(server, flat(v), state, Arrival(epoch=1, n_samples=1))
+    assert w(server) == [2.5]
+
+
+def test_sync_bad_aggregate_options():
+    with pytest.raises(
+        ValueError, match=r"unknown aggregate 'mode'; valid aggregates: \['mean', 'median', 'trimmed-mean'\]"
+    ):
+        Sync(aggregate="mode")
+    with pytest.raises(ValueError, match=r"trim must be a number in \[0, 0.5\), got 0.5"):
+        Sync(aggregate="trimmed-mean", trim=0.5)
+
+
 def test_integer_state_takes_the_clients_value_in_every_rule():
     for rule in (VCASGD(alpha=0.9), Staleness(), Nesterov(delay=1), Nesterov(delay=3)):
         server = flat(1.0, steps=[1])
@@ -179,6 +217,22 @@ def test_sync_buffer_survives_a_restart(tmp_path):
     s2.load()
     s2.merge(_upload(store, "run-s", 1, 1, 3.0, 1))
     assert s2.params.state_dict()["w"].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_sync_median_round_survives_a_restart(tmp_path):
+    store = vcdask.open_store(tmp_path / "s")
+    store.create_branch("run-m")
+    store.commit(flatten({"w": torch.zeros(3)}), {"run_id": "run-m", "step": 0, "merged": []}, branch="run-m")
+    rule = Sync(target_samples=30, aggregate="median")
+    s1 = ServerState(store, "run-m", rule, "run-m")
+    s1.load()
+    s1.merge(_upload(store, "run-m", 1, 0, 1.0, 0))
+    s1.merge(_upload(store, "run-m", 1, 1, 9.0, 1))  # two of the round's three updates, committed
+    s2 = ServerState(store, "run-m", rule, "run-m")
+    s2.load()
+    assert sorted(s2.rule_state.arrays) == ["u0", "u1"]
+    s2.merge(_upload(store, "run-m", 1, 2, 2.0, 2))
+    assert s2.params.state_dict()["w"].tolist() == [2.0, 2.0, 2.0]  # median of 1, 9, 2
 
 
 def test_fit_rejects_bad_merge_options_before_cluster_work(digits_data, tmp_path):

@@ -20,7 +20,7 @@ from .data import DataError, PreparedData, prepare_data
 from .device import check_device, check_precision
 from .inner import check_optimizer_state, check_schedule
 from .merge import MergeRule, get_rule
-from .resilience import Resilience
+from .resilience import NEEDS_VALIDATION, Resilience
 from .staging import split
 from .steps import check_steps, probe_batch
 from .store import ParamStore, open_store
@@ -322,6 +322,12 @@ def plan_run(
     if target is not None and validation is None:
         logger.info("target given without validation data: holding out 10%% of the training data")
         validation = 0.1
+    screens = [n for n in NEEDS_VALIDATION if getattr(resilience, n) is not None]
+    if screens and validation is None:
+        raise ValueError(
+            f"Resilience({screens[0]}=...) screens updates on a probe of the validation set; "
+            "pass validation= (data, or a fraction of the training data to hold out)"
+        )
     val_prepared = None
     if validation is not None and not isinstance(validation, float):
         val_prepared = prepare_data(validation, **names, what="validation")

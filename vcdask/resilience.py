@@ -12,6 +12,11 @@ from .errors import UnknownPolicyError
 
 __all__ = ["FAILURE_POLICIES", "Resilience", "UnknownPolicyError"]
 
+#: Options that may be None (off).
+OPTIONAL = ("deadline", "max_update_norm", "clip_update_norm", "max_norm_ratio", "probe_tolerance")
+#: Options that screen updates against a probe of the validation set (they need ``validation=``).
+NEEDS_VALIDATION = ("max_norm_ratio", "min_cosine", "probe_tolerance")
+
 #: What to do with a shard that failed ``max_attempts`` times (killed its workers, or was rejected).
 FAILURE_POLICIES = ("stop", "skip")
 
@@ -35,6 +40,22 @@ class Resilience:
         (the paper's VC-ASGD merges every update, however old).
     max_update_norm : float, optional
         Reject an update whose distance ``||W_c - W_s||_2`` from the server copy exceeds this.
+    clip_update_norm : float, optional
+        Robust merging (see :mod:`vcdask.engine.guard`): scale a pseudo-gradient ``W_c - W_base``
+        longer than this down to this length before it is merged.
+    max_norm_ratio : float, optional
+        Robust merging: reject a pseudo-gradient longer than this multiple of the reference (the
+        median of recent merged ones; at first, the server's own step on a probe of the validation
+        set).  3 rejects scaled-up updates and leaves honest ones alone (measured on digits).
+    min_cosine : float, optional
+        Robust merging: reject a pseudo-gradient whose cosine with the reference direction (the
+        average direction of recent merged ones; at first, the server's own step) is below this.
+        0 rejects sign-flipped updates.
+    probe_tolerance : float, optional
+        Robust merging: reject an update whose loss on a probe of the validation set (its first 256
+        rows) exceeds its base version's by more than this fraction (2.0: three times the loss; a net
+        for gross damage, as honest updates can raise it by most of their base's loss).
+        ``max_norm_ratio``, ``min_cosine`` and ``probe_tolerance`` need ``fit(validation=...)``.
     max_attempts : int, default 4
         Attempts per (epoch, shard) — lost with a worker, rejected, timed out — before ``on_shard_failure``.
     on_shard_failure : {"stop", "skip"}, default "stop"
@@ -55,6 +76,10 @@ class Resilience:
     deadline_floor: float = 5.0
     max_staleness: int | str | None = "auto"
     max_update_norm: float | None = None
+    clip_update_norm: float | None = None
+    max_norm_ratio: float | None = None
+    min_cosine: float | None = None
+    probe_tolerance: float | None = None
     max_attempts: int = 4
     on_shard_failure: str = "stop"
     max_worker_failures: int = 3
@@ -67,14 +92,23 @@ class Resilience:
             "deadline_factor",
             "deadline_floor",
             "max_update_norm",
+            "clip_update_norm",
+            "max_norm_ratio",
+            "probe_tolerance",
             "no_worker_timeout",
             "store_outage_timeout",
         ):
             value = getattr(self, name)
-            if value is None and name in ("deadline", "max_update_norm"):
+            if value is None and name in OPTIONAL:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.min_cosine is not None and (
+            isinstance(self.min_cosine, bool)
+            or not isinstance(self.min_cosine, (int, float))
+            or not -1 <= self.min_cosine < 1
+        ):
+            raise ValueError(f"min_cosine must be a number in [-1, 1), got {self.min_cosine!r}")
         if self.max_staleness not in (None, "auto") and (
             isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0
         ):

@@ -26,6 +26,7 @@ from ..merge import VCASGD, Arrival, MergeRule, RuleState
 from ..params import FlatParams
 from ..store import Retention
 from ..updates import delete_update, read_update
+from .guard import Guard
 from .outage import retry_through
 from .policy import check_update
 
@@ -73,6 +74,8 @@ class ParamsServer:
         Keep update objects after their merge is committed.
     max_update_norm : float, optional
         Reject updates further than this from ``W_s``.
+    guard : Guard, optional
+        Robust merging: screens each pseudo-gradient (:mod:`vcdask.engine.guard`).
     outage_timeout : float
         Seconds to wait through a store outage before giving up.
     retention : Retention, optional
@@ -89,6 +92,7 @@ class ParamsServer:
         commit_every: int | str = 1,
         keep_updates: bool = False,
         max_update_norm: float | None = None,
+        guard: Guard | None = None,
         outage_timeout: float = 600.0,
         retention: Retention | None = None,
     ):
@@ -102,6 +106,7 @@ class ParamsServer:
         self.commit_every = 1 if self.fold else int(commit_every)
         self.keep_updates = keep_updates
         self.max_update_norm = max_update_norm
+        self.guard = guard
         self.outage_timeout = outage_timeout
         self.paused: str | None = None  # why the server waits for the store, while it does
         self.waiting: tuple[str, float] | None = None  # the store request under way, since when
@@ -169,7 +174,7 @@ class ParamsServer:
                 arrays=self.store.read_state(checkpoint.version),
                 scalars={**fresh.scalars, **meta.get("rule_state", {})},
             )
-            if set(self.rule_state.arrays) != set(fresh.arrays):
+            if not set(fresh.arrays) <= set(self.rule_state.arrays):  # (a rule may keep more, e.g. sync's round)
                 raise ValueError(
                     f"version {checkpoint.version!r} holds {self.rule.name} state "
                     f"{sorted(self.rule_state.arrays)}, expected {sorted(fresh.arrays)}"
@@ -214,6 +219,9 @@ class ParamsServer:
         problem = check_update(
             self.params, client, staleness=staleness, max_staleness=max_staleness, max_norm=self.max_update_norm
         )
+        if problem is None and self.guard is not None:
+            base = record["base_version"]
+            client, problem = self.guard.screen(base, self._base(base), client, int(record.get("steps") or 1))
         if problem is not None:
             return self._reject(record, staleness, *problem)
         t2 = time.perf_counter()

@@ -24,6 +24,7 @@ from ..worker import train_shard, validate_version
 from . import arrivals, faults, notice, results, views, watch
 from .dispatch import Dispatcher
 from .events import EventLog, train_key, validate_key
+from .guard import Guard
 from .inflight import InFlight, TaskRecord
 from .ledger import Ledger
 from .outage import StoreOutage
@@ -57,6 +58,7 @@ class Run:
             commit_every=spec.commit_every,
             keep_updates=spec.keep_updates,
             max_update_norm=self.res.max_update_norm,
+            guard=Guard(spec) if Guard.wanted(spec) else None,
             outage_timeout=self.res.store_outage_timeout,
             retention=spec.retention,
         )

@@ -1,0 +1,232 @@
+"""Robust merging: screen each pseudo-gradient against what honest workers send.
+
+A worker may be broken or hostile and send an update that is finite and well-formed, and still
+harmful: scaled up, or pointing the wrong way (a sign-flipped update).  With the ``Resilience``
+options below, the merge thread looks at each update's pseudo-gradient ``d = W_c - W_base`` (what
+its task changed, from the version it trained from) before the rule sees it:
+
+* ``clip_update_norm``: ``d`` longer than this is scaled down to it (not a rejection).
+* ``max_norm_ratio``: ``d`` is rejected when ``||d||`` exceeds this multiple of the reference norm.
+* ``min_cosine``: ``d`` is rejected when its cosine with the reference direction is below this.
+* ``probe_tolerance``: ``W_c`` is rejected when its loss on a probe of the validation set exceeds its
+  base version's by more than this fraction.  (Not the server's loss after the merge: a rule with
+  momentum or a delay, like the default, applies an update's effect over later merges, so a merge's
+  effect cannot be laid at one update's door; measured, honest updates were then blamed.)
+
+**The reference** is the consensus of the updates merged so far: the median norm of the last
+:data:`NORM_WINDOW` accepted pseudo-gradients, and the moving average of their directions (weight
+:data:`DIRECTION_WEIGHT`).  Until :data:`WARM` updates are merged, it is the server's own
+pseudo-gradient instead (as FLTrust, Cao et al. 2021, does with its trusted root data): the run's
+optimizer for :data:`REFERENCE_STEPS` steps from the same base on a probe of up to
+:data:`PROBE_ROWS` validation rows, its norm scaled by ``sqrt(task steps / REFERENCE_STEPS)``.
+Measured on digits, 4 workers of which one flips its gradients' sign (``tests/test_robust_merging.py``,
+three runs): honest pseudo-gradients had a cosine of at least 0.11 with the consensus and 0.27 with the
+server's own step, the hostile ones at most -0.23 and -0.25; in a sequential simulation, honest norms
+were 1.3-2.3x the server's 8-step one (tasks of 44 steps).  A rejection counts
+against the worker (``max_worker_failures``), so a hostile worker is soon excluded.
+
+All of this runs in the merge thread (it touches parameters), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ..params import FlatParams
+    from ..spec import RunSpec
+
+__all__ = ["DIRECTION_WEIGHT", "NORM_WINDOW", "PROBE_ROWS", "REFERENCE_STEPS", "WARM", "Guard"]
+
+#: Accepted pseudo-gradients before the consensus replaces the server's own as the reference.
+WARM = 4
+#: How many recent accepted norms the reference norm is the median of.
+NORM_WINDOW = 16
+#: Weight of the newest accepted direction in the reference direction (about the last 19): measured
+#: against 0.25 in the same runs, honest updates' smallest cosine with it rose from 0.03 to 0.11.
+DIRECTION_WEIGHT = 0.1
+#: Validation rows the probe uses (the first ones), and the server's own steps on them.
+PROBE_ROWS = 256
+REFERENCE_STEPS = 8
+#: Base versions whose probe loss and own pseudo-gradient the guard keeps.
+KEPT = 8
+
+
+def _floats(params: FlatParams) -> torch.Tensor:
+    """The floating-point values of ``params`` as one float32 vector."""
+    return torch.cat([a.reshape(-1).float() for a in params.arrays.values() if a.is_floating_point()])
+
+
+class Guard:
+    """The robust-merging screen of one run (the merge thread only).
+
+    Parameters
+    ----------
+    spec : RunSpec
+        Its ``resilience`` options; its model, loss, optimizer and validation set for the probe.
+    """
+
+    def __init__(self, spec: RunSpec):
+        res = spec.resilience
+        self.spec = spec
+        self.clip = res.clip_update_norm
+        self.max_ratio = res.max_norm_ratio
+        self.min_cosine = res.min_cosine
+        self.tolerance = res.probe_tolerance
+        self.norms: deque[float] = deque(maxlen=NORM_WINDOW)
+        self.direction: torch.Tensor | None = None  # unit vector
+        self.accepted = 0
+        self._probe: _Probe | None = None
+        self._by_base: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    @staticmethod
+    def wanted(spec: RunSpec) -> bool:
+        res = spec.resilience
+        return any(
+            v is not None for v in (res.clip_update_norm, res.max_norm_ratio, res.min_cosine, res.probe_tolerance)
+        )
+
+    @property
+    def probe(self) -> _Probe:
+        if self._probe is None:
+            self._probe = _Probe(self.spec)
+        return self._probe
+
+    def _base_facts(self, version: str, base: FlatParams) -> dict[str, Any]:
+        facts = self._by_base.get(version)
+        if facts is None:
+            facts = self._by_base[version] = {}
+            while len(self._by_base) > KEPT:
+                self._by_base.popitem(last=False)
+        self._by_base.move_to_end(version)
+        cold = self.accepted < WARM and (self.max_ratio is not None or self.min_cosine is not None)
+        if cold and "own" not in facts:
+            facts["own"] = self.probe.own_step(base)
+        if self.tolerance is not None and "loss" not in facts:
+            facts["loss"] = self.probe.loss(base)
+        return facts
+
+    def screen(
+        self, base_version: str, base: FlatParams, client: FlatParams, steps: int
+    ) -> tuple[FlatParams, tuple[str, str] | None]:
+        """``(client, None)`` to merge (clipped if need be), or ``(client, (fault, reason))`` to reject."""
+        facts = self._base_facts(base_version, base)
+        d = _floats(client) - _floats(base)
+        norm = float(d.norm())
+        if self.accepted >= WARM:
+            ref_norm, ref_dir, against = statistics.median(self.norms), self.direction, "the merged updates"
+        else:
+            own = facts.get("own")
+            ref_dir = None if own is None else own / max(float(own.norm()), 1e-30)
+            scale = math.sqrt(max(steps, 1) / REFERENCE_STEPS)
+            ref_norm = float("nan") if own is None else float(own.norm()) * scale
+            against = "the server's own step on its probe"
+        if self.max_ratio is not None and ref_norm > 0 and norm > self.max_ratio * ref_norm:
+            return client, (
+                "norm",
+                f"update norm ||W_c - W_base|| = {norm:.4g} is {norm / ref_norm:.3g}x that of {against} "
+                f"({ref_norm:.4g}; max_norm_ratio={self.max_ratio:g})",
+            )
+        if self.min_cosine is not None and ref_dir is not None and norm > 0:
+            cosine = float(d @ ref_dir) / norm
+            if cosine < self.min_cosine:
+                return client, (
+                    "direction",
+                    f"update direction: cosine {cosine:.3f} with {against} < min_cosine={self.min_cosine:g}",
+                )
+        if self.tolerance is not None:
+            before, after = facts["loss"], self.probe.loss(client)
+            if not after <= before * (1 + self.tolerance):  # (a NaN loss is worse)
+                return client, (
+                    "probe",
+                    f"probe loss {after:.4g} against {before:.4g} for its base "
+                    f"(+{100 * (after / before - 1):.0f}%; probe_tolerance={self.tolerance:g})",
+                )
+        if self.clip is not None and norm > self.clip:
+            client = _with_floats(client, _floats(base) + d * (self.clip / norm))
+            d, norm = d * (self.clip / norm), self.clip
+        self._accept(d, norm)
+        return client, None
+
+    def _accept(self, d: torch.Tensor, norm: float) -> None:
+        self.accepted += 1
+        self.norms.append(norm)
+        if norm > 0:
+            unit = d / norm
+            if self.direction is None:
+                self.direction = unit
+            else:
+                mixed = (1 - DIRECTION_WEIGHT) * self.direction + DIRECTION_WEIGHT * unit
+                self.direction = mixed / max(float(mixed.norm()), 1e-30)
+
+
+def _with_floats(params: FlatParams, values: torch.Tensor) -> FlatParams:
+    """``params`` with its floating-point arrays replaced by ``values`` (in :func:`_floats` order)."""
+    from ..params import FlatParams
+
+    arrays, at = {}, 0
+    for dtype, a in params.arrays.items():
+        if a.is_floating_point():
+            arrays[dtype] = values[at : at + a.numel()].reshape(a.shape).to(a.dtype)
+            at += a.numel()
+        else:
+            arrays[dtype] = a
+    return FlatParams(params.layout, arrays)
+
+
+class _Probe:
+    """The first :data:`PROBE_ROWS` rows of the run's validation set, and a private CPU copy of the model."""
+
+    def __init__(self, spec: RunSpec):
+        from .. import batches as _batches
+        from ..device import Precision
+        from ..steps import SupervisedStep
+
+        self.spec = spec
+        self.device = torch.device("cpu")
+        self.precision = Precision("32", self.device)
+        n = min(spec.validation.n, PROBE_ROWS)
+        self.rows = _batches.rows(spec, spec.validation, 0, n)
+        self.model = copy.deepcopy(spec.model).to(self.device)
+        self.step = spec.train_step or SupervisedStep(spec.loss)
+
+    def _batches(self, batch_size: int, generator: torch.Generator | None = None):
+        from .. import batches as _batches
+
+        return _batches.batches(self.spec, self.rows, self.device, batch_size, generator=generator)
+
+    def loss(self, params: FlatParams) -> float:
+        from ..params import load_into
+        from ..steps import evaluate
+
+        load_into(self.model, params)
+        return float(
+            evaluate(self.spec, self.model, self._batches(max(self.spec.batch_size, 512)), self.precision)["loss"]
+        )
+
+    def own_step(self, base: FlatParams) -> torch.Tensor:
+        """The server's own pseudo-gradient from ``base``: :data:`REFERENCE_STEPS` steps of the run's
+        optimizer on the probe rows (cycled, a fixed order)."""
+        from ..params import flatten, load_into
+
+        load_into(self.model, base)
+        self.model.train()
+        optimizer = self.spec.optimizer(self.model.parameters())
+        g = torch.Generator().manual_seed(self.spec.seed)
+        done = 0
+        while done < REFERENCE_STEPS:
+            for batch, _ in self._batches(self.spec.batch_size, g):
+                loss = self.step(self.model, batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                done += 1
+                if done == REFERENCE_STEPS:
+                    break
+        return _floats(flatten(self.model)) - _floats(base)
