@@ -333,3 +333,22 @@ class Saboteur(torch.optim.Adam):
                     p.copy_(b + 10 * (p - b))
             return out
         return super().step(closure)
+
+
+class SlowerOnceFlagged(SlowOn):
+    """:class:`SlowOn`, and once the file ``flag`` exists, ``after`` seconds per batch on that worker
+    (a machine that slows down, e.g. throttled as its instance is being reclaimed)."""
+
+    def __init__(self, address: str, delay: float, flag: str, after: float):
+        super().__init__(address, delay)
+        self.flag, self.after = flag, after
+
+    def __call__(self, model, batch):
+        try:
+            from distributed import get_worker
+
+            if get_worker().address == self.address and os.path.exists(self.flag):
+                time.sleep(self.after)
+        except ValueError:
+            pass
+        return super().__call__(model, batch)

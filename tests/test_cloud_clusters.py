@@ -40,6 +40,7 @@ def test_each_provider_gets_spot_workers_the_watcher_and_the_environment(provide
     assert env["DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL"] == "60s"  # churn: a vanished worker is let go in a minute
     assert env["DASK_VCDASK__CLOUD__PREEMPTION__PROVIDER"] == provider.split("-")[0]
     assert env["EXTRA_PIP_PACKAGES"] == "vcdask==0.1.0 torch==2.13.0"
+    assert env["DASK_VCDASK__CLOUD__INSTANCE__MARKET"] == "spot"  # for the cost accounting
     assert (spec.minimum, spec.maximum) == (None, 16)
 
 
@@ -49,6 +50,7 @@ def test_instance_types_image_and_pass_through_options_land_where_the_provider_w
     )
     assert aws.kwargs["worker_instance_type"] == "c6i.2xlarge" and aws.kwargs["scheduler_instance_type"] == "t3.large"
     assert aws.kwargs["docker_image"] == "ghcr.io/me/w:1" and aws.kwargs["region"] == "eu-west-1"
+    assert aws.kwargs["env_vars"]["DASK_VCDASK__CLOUD__INSTANCE__TYPE"] == "c6i.2xlarge"
     gcp = spot_cluster_spec("gcp", worker_type="e2-standard-4", packages=(), env={"A": 1})
     assert gcp.kwargs["worker_machine_type"] == "e2-standard-4"
     assert "EXTRA_PIP_PACKAGES" not in gcp.kwargs["env_vars"] and gcp.kwargs["env_vars"]["A"] == "1"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from chaos_helpers import SlowOn, fit_in_thread, running_run
+from chaos_helpers import SlowerOnceFlagged, SlowOn, fit_in_thread, running_run
 from distributed import Client
 from fake_metadata import FakeMetadata
 from test_chaos import FIT, assert_every_shard_once
@@ -19,6 +19,7 @@ from test_chaos import FIT, assert_every_shard_once
 from vcdask.cloud import PreemptionWatcher
 from vcdask.cluster import embedded_cluster
 from vcdask.demo import digits_cnn
+from vcdask.engine import policy
 from vcdask.engine.events import topic
 
 pytestmark = [pytest.mark.cluster, pytest.mark.chaos]
@@ -92,3 +93,40 @@ def test_a_notice_drains_the_worker_then_retires_it(provider, window, kept, digi
         assert h.loc[tuple(copy)].worker == victim and h.loc[tuple(copy)].accepted
     else:
         assert (events[0]["kept"], events[0]["reissued"]) == (0, 1), events
+
+
+def test_a_shard_let_finish_that_runs_past_the_notice_is_reissued(digits_data, tmp_path):
+    """Kept on the notice (it should fit), the shard then slows down: when only the margin is left, it
+    is re-issued elsewhere, and the worker retires."""
+    (X, y), _ = digits_data
+    fit = {**FIT, "max_epochs": 4}
+    flag = tmp_path / "slow-now"
+    with FakeMetadata("aws") as at_victim:
+        with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+            victim, _ = sorted(client.scheduler_info()["workers"])
+            client.run(_watch, at_victim.endpoint, "aws", workers=[victim])
+            step = SlowerOnceFlagged(victim, 0.025, str(flag), after=1.0)  # ~0.5 s shards, then ~20 s
+            thread, out = fit_in_thread(
+                model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", train_step=step, **fit
+            )
+            run_id = running_run(client, min_step=2)
+            _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
+            flag.touch()  # from now on its batches take a second each: the shard running there is still running
+            time.sleep(0.3)  # at the notice (its next batch, at the latest, began after the flag)
+            _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
+            window = policy.NOTICE_MARGIN + 3  # a ~0.5 s shard fits (0.75 + 5 <= 8); settle gives up after 3 s
+            at_victim.notify(window)
+            _wait(lambda: victim not in client.scheduler_info()["workers"], timeout=60, what="not retired")
+            events = [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]
+            thread.join(300)
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, fit["max_epochs"], fit["n_shards"])
+    first, *later = events
+    assert (first["kept"], first["reissued"]) == (1, 0), events
+    assert later and later[0]["reissued"] == 1 and later[0]["window"] == 0.0  # moved when only the margin was left
+    (epoch, shard, _) = first["kept_copies"][0]
+    h = result.history
+    merged = h[h.accepted & (h.epoch == epoch) & (h.shard == shard)]
+    # merged from another worker: the re-issued copy, or Dask's rerun of the original once the victim left
+    assert len(merged) == 1 and (merged.worker != victim).all(), merged[["attempt", "worker"]]

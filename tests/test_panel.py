@@ -189,3 +189,12 @@ def test_panel_state_shows_why_a_run_is_paused(cause, shown, note):
     st.apply({"type": "resumed", "cause": cause, "after": 12.0})
     assert st.paused is None
     assert any(note in n for n in st.notes), st.notes
+
+
+def test_panel_header_shows_the_cost_so_far_with_a_price_table():
+    from vcdask.panel import _header_html
+
+    st = PanelState("r")
+    assert "cost" not in _header_html(st)  # no price table: nothing to say
+    st.apply_status({"status": "running", "cost": {"total": 1.234, "on_demand": 4.1, "saving": 0.7}})
+    assert "cost $1.23 (70% below on-demand)" in _header_html(st)

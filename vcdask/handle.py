@@ -134,6 +134,7 @@ class RunHandle:
             version=res["version"],
             metrics=res.get("final_metrics") or {},
             workers=pd.DataFrame(res["workers"]),
+            cost=res.get("cost") or {},
             stop_reason=res.get("stopping"),
             wall_time=wall_time,
             panel=self.display if type(self.display).__name__ == "RunPanel" else None,

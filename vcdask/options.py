@@ -14,8 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import config
 from .cluster import check_client
 from .compress import check_compression
+from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
 from .device import check_device, check_precision
 from .inner import check_optimizer_state, check_schedule
@@ -370,6 +372,7 @@ def plan_run(
             "retention": retention,
             "compression": compression,
             "speed_adaptive": speed_adaptive,
+            "prices": check_prices(config.get("cloud.prices")),
             **training,
             "metric_names": metric_names if train_step is not None else (),
             "batch_form": prepared.form,

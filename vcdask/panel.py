@@ -236,12 +236,22 @@ def _header_html(st: PanelState) -> str:
         ),
         f"staleness {_fmt(s.get('staleness'), 'd')}",
         f"{html.escape(st.metric)} {_fmt(metric)}",
+        *_cost_html(s.get("cost")),
         f"store <code>{html.escape(str(s.get('store', '')))}</code>",
     ]
     out = " &nbsp;|&nbsp; ".join(parts)
     if st.paused:
         out += f"<div style='color:#b30000'><b>paused</b>: {html.escape(st.paused)}</div>"
     return f"<div style='font-family:sans-serif;font-size:95%'>{out}</div>"
+
+
+def _cost_html(cost: dict | None) -> list[str]:
+    """Cost so far (with a price table, ``vcdask.cloud.prices``), and what on-demand would have cost."""
+    if not cost:
+        return []
+    saving = cost.get("saving")
+    tail = f" ({_fmt(100 * saving, '.0f')}% below on-demand)" if saving is not None and saving == saving else ""
+    return [f"cost ${_fmt(cost.get('total'), '.2f')}{tail}"]
 
 
 def _grid_html(st: PanelState) -> str:

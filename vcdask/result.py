@@ -63,7 +63,13 @@ class FitResult:
         and max over the epoch's validated versions, train loss, shards skipped, wall time.
     workers : pandas.DataFrame
         One row per worker: its device, shards done, failed, timed out, rejected, mean shard seconds,
-        preempted, and why it was excluded (if it was).
+        preempted, why it was excluded (if it was); for cost accounting its ``instance`` type and
+        ``market``, seconds ``alive`` (connected), ``busy`` and ``wasted`` (work lost to a preemption
+        or to its death), and its ``cost``.
+    cost : dict
+        What the run's workers cost (:mod:`vcdask.cost`, prices from ``vcdask.cloud.prices``):
+        ``total`` and ``on_demand`` ($), ``saving`` (share), ``per_merge``, ``wasted_seconds``, and the
+        workers whose instance type has no price (``unpriced``).
     run_id : str
     store : ParamStore
     version : str
@@ -82,6 +88,7 @@ class FitResult:
     version: str
     metrics: dict[str, float] = field(default_factory=dict)
     workers: Any = None
+    cost: dict[str, Any] = field(default_factory=dict)
     stop_reason: str | None = None
     wall_time: float = float("nan")
     panel: Any = field(default=None, repr=False)

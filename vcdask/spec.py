@@ -66,6 +66,7 @@ class RunSpec:
     retention: Any = None  # vcdask.Retention; None: keep every version (and in specs written before retention)
     compression: str | None = None  # vcdask.compress codec of the updates; None: full W_c
     speed_adaptive: bool = False  # a slow worker's task trains a share of its shard (engine.policy.work_fraction)
+    prices: dict[str, dict[str, float]] | None = None  # vcdask.cost: $/h per instance type and market
 
     @property
     def spec_path(self) -> str:

@@ -22,6 +22,7 @@ import torch
 
 from . import batches as _batches
 from .compress import EncodedUpdate, encode
+from .cost import instance_here
 from .device import Precision, describe, resolve_device
 from .errors import ParameterMismatchError
 from .inner import InnerOptimizer
@@ -107,7 +108,7 @@ def _setup(spec: RunSpec) -> tuple[torch.device, Precision]:
     return device, Precision(spec.precision, device)
 
 
-def _tell_run(handler: str, run_id: str) -> dict[str, Any] | None:
+def _tell_run(handler: str, run_id: str, **extra: Any) -> dict[str, Any] | None:
     """Call the run's scheduler handler ``handler`` about the task running here; return its answer
     (None off a Dask worker: called directly)."""
     try:
@@ -124,6 +125,7 @@ def _tell_run(handler: str, run_id: str) -> dict[str, Any] | None:
         run_id=run_id,
         key=worker.get_current_task(),
         worker=worker.address,
+        **extra,
     )
 
 
@@ -154,7 +156,7 @@ def train_shard(
         (nothing trained, nothing written).
     """
     t0 = time.perf_counter()
-    _tell_run("vcdask_started", run_id)  # its deadline counts from here
+    _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here; what it costs
     spec = load_spec(store, run_id)
     device, precision = _setup(spec)
     start, stop = spec.shards.bounds(shard)
@@ -207,6 +209,7 @@ def train_shard(
         "train_seconds": t_train - t_read,
         "worker": _worker_address(),
         "device": describe(device),
+        **instance_here(),  # for the run's cost accounting
         "steps": inner.step_count,
         "fraction": 1.0 if limit is None else limit / per_pass,
         # this worker's pace: the median step (a task's first steps also pay warm-up and allocation)

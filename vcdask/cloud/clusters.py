@@ -186,6 +186,9 @@ def spot_cluster_spec(
     environment = {
         "DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": WORKER_TTL,
         "DASK_VCDASK__CLOUD__PREEMPTION__PROVIDER": watch_as,
+        # what the workers report for the run's cost accounting (vcdask.cost)
+        "DASK_VCDASK__CLOUD__INSTANCE__MARKET": "spot",
+        **({"DASK_VCDASK__CLOUD__INSTANCE__TYPE": worker_type} if worker_type else {}),
         **({"EXTRA_PIP_PACKAGES": " ".join(pkgs)} if pkgs else {}),
         **{str(k): str(v) for k, v in (env or {}).items()},
     }

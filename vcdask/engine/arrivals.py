@@ -26,6 +26,8 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         rec["seconds"],
         device=rec.get("device"),
         step_seconds=rec.get("step_seconds"),
+        instance=rec.get("instance"),
+        market=rec.get("market"),
     )
     fields = {k: rec[k] for k in ("train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds")}
     fields["wait_seconds"] = rec.get("wait_seconds", float("nan"))  # (absent from older uploads a resumed run merges)

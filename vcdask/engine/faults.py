@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreAccessDeniedError, StoreError, StoreNotFoundError
@@ -68,6 +69,7 @@ async def task_failed(run: Run, task: TaskRecord, exc: BaseException) -> None:
         # but only a task that was running counts against its worker: queued ones were collateral
         for address in _suspects(exc) if task.started is not None else ():
             blame(run, address, "failed")
+            run.pool.wasted(address, time.monotonic() - (task.started or time.monotonic()))
             run.events.emit(
                 "lost",
                 epoch=task.epoch,

@@ -47,6 +47,8 @@ def _move(run: Run, key: str, address: str) -> str | None:
     if task is None or task.overdue or run.ledger.is_merged(task.epoch, task.shard):
         return None
     task.overdue = True  # its slot is free; if it still finishes, the first result wins
+    if task.started is not None and task.worker == address:  # its work so far is lost with the instance
+        run.pool.wasted(address, time.monotonic() - task.started)
     return run.submit_shard(task.epoch, task.shard, avoid=address)
 
 
@@ -57,6 +59,7 @@ def preempt(run: Run, address: str, window: float | None = None) -> tuple[list[s
     running there that are let finish.  Not counted as failures.
     """
     run.pool.drain(address)
+    wasted_before = run.pool.record(address).wasted_seconds
     moved, kept = [], []
     expected = expected_seconds(run, address)
     now = time.monotonic()
@@ -80,6 +83,7 @@ def preempt(run: Run, address: str, window: float | None = None) -> tuple[list[s
         worker=address,
         reissued=len(moved),
         kept=len(kept),
+        wasted_seconds=run.pool.record(address).wasted_seconds - wasted_before,
         kept_copies=[[t.epoch, t.shard, t.attempt] for t in map(run.tasks.tasks.get, kept) if t is not None],
         window=window,
         worker_row=run.pool.record(address).as_row(),

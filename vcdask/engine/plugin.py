@@ -150,11 +150,17 @@ class VcdaskPlugin(SchedulerPlugin):
                 workers=[worker], close_workers=True, stimulus_id=f"vcdask-preempt-{worker}"
             )
 
-    def handle_started(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> None:
-        """A shard task began to run on ``worker`` (sent by the task itself)."""
+    def handle_started(
+        self, comm=None, run_id: str = "", key: str = "", worker: str = "", instance=None, market=None
+    ) -> None:
+        """A shard task began to run on ``worker`` (sent by the task itself, with what the worker runs
+        on, for the cost accounting)."""
         run = self.runs.get(run_id)
         if run is not None:
             run.task_started(key, worker)
+            if instance is not None or market is not None:
+                rec = run.pool.record(worker)
+                rec.instance, rec.market = instance or rec.instance, market or rec.market
 
     async def handle_base(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> dict | None:
         """The version a shard task that is ready to train starts from (see :func:`vcdask.engine.watch.base_for`)."""

@@ -7,7 +7,8 @@ The scheduler plugin tells the pool when workers join and leave (its ``add_worke
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,6 +40,17 @@ class WorkerRecord:
     recent: list[float] = field(default_factory=list)
     device: str | None = None  # where it trains, as its last result said (e.g. "cuda:0 (NVIDIA H100 ...)")
     step_seconds: float = math.nan  # seconds per training step, a moving average over its results
+    # cost accounting (vcdask.cost): its instance and market, as its results say; time connected, wasted
+    instance: str | None = None
+    market: str | None = None
+    joined_at: float | None = None  # (the run's clock) since when it is connected; None while it is not
+    alive_before: float = 0.0  # seconds connected before its last (re)join
+    wasted_seconds: float = 0.0  # seconds of its work lost to a preemption or to its death
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+
+    @property
+    def alive_seconds(self) -> float:
+        return self.alive_before + (0.0 if self.joined_at is None else max(0.0, self.clock() - self.joined_at))
 
     @property
     def faults(self) -> int:
@@ -64,6 +76,11 @@ class WorkerRecord:
             "mean_seconds": self.mean_seconds,
             "preempted": self.preempted,
             "excluded": self.excluded,
+            "instance": self.instance,
+            "market": self.market,
+            "alive_seconds": self.alive_seconds,
+            "busy_seconds": self.seconds,
+            "wasted_seconds": self.wasted_seconds,
         }
 
 
@@ -78,27 +95,49 @@ class WorkerPool:
         Shard copies kept in flight per worker thread.
     connected : mapping of str to int
         The workers connected when the run starts: address -> threads.
+    clock : callable, optional
+        The run's clock (seconds), for the time each worker is connected.
     """
 
-    def __init__(self, res: Resilience, tasks_per_slot: int, connected: Mapping[str, int]):
+    def __init__(
+        self,
+        res: Resilience,
+        tasks_per_slot: int,
+        connected: Mapping[str, int],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.res = res
         self.tasks_per_slot = tasks_per_slot
-        self.connected: dict[str, int] = dict(connected)
+        self.clock = clock
+        self.connected: dict[str, int] = {}
         self.records: dict[str, WorkerRecord] = {}
         self.draining: set[str] = set()  # preempted: no new shards
+        for address, nthreads in connected.items():
+            self.joined(address, nthreads)
 
     # -- membership (from the scheduler plugin's hooks) ----------------------------------------
     def joined(self, address: str, nthreads: int) -> None:
         self.connected[address] = nthreads
+        rec = self.record(address)
+        if rec.joined_at is None:
+            rec.joined_at = self.clock()
 
     def left(self, address: str) -> None:
         self.connected.pop(address, None)
+        rec = self.records.get(address)
+        if rec is not None and rec.joined_at is not None:
+            rec.alive_before, rec.joined_at = rec.alive_seconds, None
+
+    def wasted(self, address: str | None, seconds: float) -> None:
+        """``seconds`` of work on ``address`` were lost (its copy re-issued on a notice, or it died)."""
+        if address is not None and seconds > 0:
+            self.record(address).wasted_seconds += seconds
 
     # -- records --------------------------------------------------------------------------------
     def record(self, address: str) -> WorkerRecord:
         rec = self.records.get(address)
         if rec is None:
-            rec = self.records[address] = WorkerRecord(address)
+            rec = self.records[address] = WorkerRecord(address, clock=self.clock)
         return rec
 
     def finished(
@@ -107,11 +146,14 @@ class WorkerPool:
         seconds: float,
         device: str | None = None,
         step_seconds: float | None = None,
+        instance: str | None = None,
+        market: str | None = None,
     ) -> WorkerRecord:
         """``address`` handed back a shard's result after ``seconds``, trained on ``device`` at
-        ``step_seconds`` per training step (its median step)."""
+        ``step_seconds`` per training step (its median step), on ``instance`` bought on ``market``."""
         rec = self.record(address)
         rec.device = device or rec.device
+        rec.instance, rec.market = instance or rec.instance, market or rec.market
         rec.done += 1
         rec.seconds += seconds
         if step_seconds is not None and step_seconds >= 0:

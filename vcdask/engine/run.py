@@ -62,7 +62,9 @@ class Run:
             outage_timeout=self.res.store_outage_timeout,
             retention=spec.retention,
         )
-        self.pool = WorkerPool(self.res, spec.tasks_per_slot, {a: ws.nthreads for a, ws in scheduler.workers.items()})
+        self.pool = WorkerPool(
+            self.res, spec.tasks_per_slot, {a: ws.nthreads for a, ws in scheduler.workers.items()}, clock=self.now
+        )
         self.dispatch = Dispatcher(spec.shards.n_shards, spec.max_epochs, spec.seed)
         self.ledger = Ledger(
             spec.shards.n_shards,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..cost import summarize
+
 if TYPE_CHECKING:
     from .run import Run
 
@@ -42,7 +44,16 @@ def status_dict(run: Run) -> dict[str, Any]:
         "store": run.store.location,
         "branch": run.spec.branch,
         "merge": getattr(run.spec.merge, "name", None),
+        "cost": _cost_so_far(run),
     }
+
+
+def _cost_so_far(run: Run) -> dict[str, float] | None:
+    """What the workers cost so far, and the saving against on-demand (None without a price table)."""
+    if not run.spec.prices:
+        return None
+    cost = summarize(run.pool.rows(), run.spec.prices, run.server.step)
+    return {"total": cost["total"], "on_demand": cost["on_demand"], "saving": cost["saving"]}
 
 
 def _alpha_now(run: Run) -> float | None:
@@ -70,11 +81,13 @@ def panel_state(run: Run, recent_epochs: int = 50) -> dict[str, Any]:
 def result_dict(run: Run) -> dict[str, Any]:
     """The status plus everything a :class:`~vcdask.FitResult` is made of."""
     ledger = run.ledger
+    workers = run.pool.rows()
     return {
         **status_dict(run),
         "history": ledger.history,
         "epochs": ledger.epochs,
-        "workers": run.pool.rows(),
+        "workers": workers,
+        "cost": summarize(workers, run.spec.prices or {}, run.server.step),
         "final_metrics": ledger.validations.get(run.server.version_step),
         "branch": run.spec.branch,
     }

@@ -1,0 +1,107 @@
+"""Cost accounting: worker time at known prices, with a scripted preemption on real workers."""
+
+from __future__ import annotations
+
+import math
+
+import dask.config
+import pytest
+from chaos_helpers import SlowOn, fit_in_thread, running_run
+from distributed import Client
+
+import vcdask
+from vcdask.cluster import embedded_cluster
+from vcdask.cost import check_prices, summarize
+from vcdask.demo import digits_cnn
+from vcdask.engine.events import topic
+from vcdask.engine.pool import WorkerPool
+
+PRICES = {"m.test": {"on-demand": 1.0, "spot": 0.3}, "g.big": {"on-demand": 4.0, "spot": 1.0}}
+
+
+def test_the_cost_of_known_worker_time_at_known_prices():
+    rows = [
+        {"worker": "a", "instance": "m.test", "market": "spot", "alive_seconds": 3600.0, "wasted_seconds": 60.0},
+        {"worker": "b", "instance": "m.test", "market": "on-demand", "alive_seconds": 1800.0, "wasted_seconds": 0.0},
+        {"worker": "c", "instance": "g.big", "market": "spot", "alive_seconds": 7200.0, "wasted_seconds": 30.0},
+        {"worker": "d", "instance": "x.unknown", "market": "spot", "alive_seconds": 50.0, "wasted_seconds": 0.0},
+    ]
+    cost = summarize(rows, PRICES, merges=10)
+    assert cost["total"] == pytest.approx(0.3 + 0.5 + 2.0)
+    assert cost["on_demand"] == pytest.approx(1.0 + 0.5 + 8.0)
+    assert cost["saving"] == pytest.approx(1 - 2.8 / 9.5)
+    assert cost["per_merge"] == pytest.approx(0.28)
+    assert cost["wasted_seconds"] == 90.0 and cost["unpriced"] == ["d"]
+    assert [r["cost"] for r in rows[:3]] == pytest.approx([0.3, 0.5, 2.0]) and math.isnan(rows[3]["cost"])
+
+
+def test_a_pool_counts_alive_and_wasted_seconds_on_its_clock():
+    now = [0.0]
+    pool = WorkerPool(vcdask.Resilience(), 1, {"a": 1}, clock=lambda: now[0])
+    now[0] = 10.0
+    pool.joined("b", 1)
+    now[0] = 25.0
+    pool.wasted("b", 4.0)
+    pool.left("b")
+    now[0] = 40.0
+    pool.joined("b", 1)  # back (a restarted process at the same address)
+    now[0] = 50.0
+    rows = {r["worker"]: r for r in pool.rows()}
+    assert rows["a"]["alive_seconds"] == 50.0
+    assert rows["b"]["alive_seconds"] == 15.0 + 10.0 and rows["b"]["wasted_seconds"] == 4.0
+
+
+def test_bad_price_tables_are_refused_with_the_valid_markets():
+    assert check_prices(None) == {} and check_prices(PRICES) == PRICES
+    with pytest.raises(
+        ValueError, match=r"prices\['m'\] must give 'on-demand' .*valid markets: \['spot', 'on-demand'\]"
+    ):
+        check_prices({"m": {"spot": 0.1}})
+    with pytest.raises(ValueError, match=r"prices\['m'\]\['spot'\] must be a number >= 0 \(\$ per hour\), got -1"):
+        check_prices({"m": {"on-demand": 1, "spot": -1}})
+    with pytest.raises(ValueError, match="prices must map instance types"):
+        check_prices(["m"])
+
+
+@pytest.mark.cluster
+def test_fit_reports_what_its_spot_workers_cost_and_what_a_preemption_wasted(digits_data, tmp_path):
+    (X, y), _ = digits_data
+    here = {"vcdask.cloud.instance": {"type": "m.test", "market": "spot"}, "vcdask.cloud.prices": PRICES}
+    with dask.config.set(here):  # the workers start with it, as cloud workers have it in their config
+        with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+            victim = sorted(client.scheduler_info()["workers"])[0]
+            thread, out = fit_in_thread(
+                model=digits_cnn(0),
+                data=(X, y),
+                client=client,
+                store=tmp_path / "s",
+                max_epochs=5,
+                n_shards=8,
+                train_step=SlowOn(victim, 0.025),  # its shards take ~1 s: one is running at the notice
+                progress=False,
+                retention=False,
+            )
+            run_id = running_run(client, min_step=3)
+            moved = vcdask.preempt(client, victim, window=0)  # reclaimed now: its running shard is lost
+            thread.join(300)
+            notices = [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    workers = result.workers.set_index("worker")
+    assert (workers.instance == "m.test").all() and (workers.market == "spot").all()
+    alive = workers.alive_seconds
+    assert alive[victim] < alive.drop(victim).min()  # it stopped counting when it left
+    cost = result.cost
+    assert cost["total"] == pytest.approx(alive.sum() / 3600 * 0.3, rel=1e-12)
+    assert cost["on_demand"] == pytest.approx(alive.sum() / 3600 * 1.0, rel=1e-12)
+    assert cost["saving"] == pytest.approx(0.7, rel=1e-12)
+    assert cost["per_merge"] == pytest.approx(cost["total"] / result.history.accepted.sum(), rel=1e-12)
+    assert workers.cost.to_numpy() == pytest.approx((alive / 3600 * 0.3).to_numpy(), rel=1e-12)
+    # the shard running on the victim was re-issued: its seconds so far are its waste, and only waste
+    assert list(moved.values())[0] and notices[0]["reissued"] >= 1
+    assert (
+        workers.wasted_seconds[victim] == pytest.approx(notices[0]["wasted_seconds"])
+        and notices[0]["wasted_seconds"] > 0
+    )
+    assert cost["wasted_seconds"] == pytest.approx(workers.wasted_seconds.sum())
+    assert (workers.wasted_seconds.drop(victim) == 0).all()
