@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from chaos_helpers import SlowerOnceFlagged, SlowOn, fit_in_thread, running_run
+from chaos_helpers import SlowerOnceFlagged, fit_in_thread, running_run
 from distributed import Client
 from fake_metadata import FakeMetadata
 from test_chaos import FIT, assert_every_shard_once
@@ -66,12 +66,17 @@ def test_a_notice_drains_the_worker_then_retires_it(provider, window, kept, digi
             victim, other = sorted(client.scheduler_info()["workers"])
             client.run(_watch, at_victim.endpoint, provider, workers=[victim])
             client.run(_watch, at_other.endpoint, "auto", workers=[other])  # auto-detects the provider
-            # the victim is a slow machine: each of its shards takes ~1 s, so one is running at the notice
-            step = SlowOn(victim, 0.025)
+            # the victim is a slow machine (shards of ~0.5 s), and slower still once the flag is up (~4 s),
+            # so that the shard running there at the notice is still running when the notice arrives
+            flag = tmp_path / "slow-now"
+            step = SlowerOnceFlagged(victim, 0.025, str(flag), after=0.2)
             thread, out = fit_in_thread(
                 model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", train_step=step, **fit
             )
             run_id = running_run(client, min_step=2)
+            _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
+            flag.touch()
+            time.sleep(0.3)
             _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
             at_victim.notify(window)
             _wait(lambda: victim not in client.scheduler_info()["workers"], timeout=window, what="not retired")
@@ -114,7 +119,7 @@ def test_a_shard_let_finish_that_runs_past_the_notice_is_reissued(digits_data, t
             flag.touch()  # from now on its batches take a second each: the shard running there is still running
             time.sleep(0.3)  # at the notice (its next batch, at the latest, began after the flag)
             _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
-            window = policy.NOTICE_MARGIN + 3  # a ~0.5 s shard fits (0.75 + 5 <= 8); settle gives up after 3 s
+            window = policy.NOTICE_MARGIN + 6  # a shard of up to ~4 s fits; settle gives up after 6 s
             at_victim.notify(window)
             _wait(lambda: victim not in client.scheduler_info()["workers"], timeout=60, what="not retired")
             events = [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]

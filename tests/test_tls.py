@@ -38,15 +38,17 @@ def test_fit_on_a_cluster_that_requires_encryption(digits_data, tmp_path):
                 (X, y),
                 client=client,
                 store=tmp_path / "s",
-                max_epochs=2,
+                max_epochs=3,
                 progress=False,
                 retention=False,
             )
     h = result.history
-    assert h.accepted.all() and sorted(set(h.epoch)) == [1, 2]
+    assert h.accepted.all() and sorted(set(h.epoch)) == [1, 2, 3]
     assert all(w.startswith("tls://") for w in h.worker)  # every update came over TLS
     model = vcdask.load(result.store, digits_cnn(0), branch=result.run_id)
-    assert accuracy_on(model, Xt, yt) > 0.5  # it trained (chance: 0.1)
+    assert accuracy_on(model, Xt, yt) > 0.3  # it trained (chance: 0.1; 0.48-0.65 after 2 epochs, measured)
+    losses = h.groupby("epoch").train_loss.mean()
+    assert losses[3] < losses[1]
 
 
 def test_the_runs_client_uses_the_scheduler_certificate_when_it_has_no_client_one():

@@ -6,8 +6,8 @@ the provider's notice on the worker, reaches :meth:`VcdaskPlugin.handle_preempt`
 
 * the worker gets no new shards (the pool drains it);
 * a copy queued there, not started, is re-issued elsewhere at once;
-* a running copy keeps going when its expected remaining time (from the shard times the worker has
-  shown this run, else the run's) fits the notice window with margin
+* a running copy keeps going when its expected remaining time (the median of the worker's recent shard
+  times this run, else the run's) fits the notice window with margin
   (:func:`~vcdask.engine.policy.fits_notice`); otherwise, or when nothing is known, it is re-issued at
   once.  A kept copy that has not finished when only the margin is left is re-issued then;
 * once no kept copy runs there, the worker retires (Dask moves any result it still holds).
@@ -35,10 +35,11 @@ POLL = 0.05
 
 
 def expected_seconds(run: Run, address: str) -> float | None:
-    """A shard's expected time on ``address``: its own mean this run, else the run's median, else None."""
+    """A shard's expected time on ``address``: the median of its recent ones this run (its first, cold
+    task weighs little once it has done a few), else the run's median, else None."""
     rec = run.pool.records.get(address)
-    if rec is not None and rec.done:
-        return rec.mean_seconds
+    if rec is not None and rec.recent:
+        return statistics.median(rec.recent)
     return statistics.median(run.ledger.shard_seconds) if run.ledger.shard_seconds else None
 
 

@@ -21,6 +21,8 @@ __all__ = ["WorkerPool", "WorkerRecord"]
 
 Fault = Literal["failed", "timed_out", "rejected"]
 
+#: How many of a worker's latest shard times its record keeps (``recent``).
+RECENT = 8
 #: Weight of the newest result in a worker's moving average of seconds per training step.
 SPEED_WEIGHT = 0.3
 
@@ -156,6 +158,7 @@ class WorkerPool:
         rec.instance, rec.market = instance or rec.instance, market or rec.market
         rec.done += 1
         rec.seconds += seconds
+        rec.recent = [*rec.recent[-(RECENT - 1) :], seconds]
         if step_seconds is not None and step_seconds >= 0:
             per_step = step_seconds
             old = rec.step_seconds
