@@ -16,6 +16,7 @@ from distributed import Client
 from fake_metadata import FakeMetadata
 from test_chaos import FIT, assert_every_shard_once
 
+import vcdask
 from vcdask.cloud import PreemptionWatcher
 from vcdask.cluster import embedded_cluster
 from vcdask.demo import digits_cnn
@@ -104,22 +105,23 @@ def test_a_shard_let_finish_that_runs_past_the_notice_is_reissued(digits_data, t
     """Kept on the notice (it should fit), the shard then slows down: when only the margin is left, it
     is re-issued elsewhere, and the worker retires."""
     (X, y), _ = digits_data
-    fit = {**FIT, "max_epochs": 4}
+    # (a fixed deadline: the deadline watchdog, not settle, would otherwise re-issue the slowed shard first)
+    fit = {**FIT, "max_epochs": 4, "resilience": vcdask.Resilience(deadline=60)}
     flag = tmp_path / "slow-now"
     with FakeMetadata("aws") as at_victim:
         with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
             victim, _ = sorted(client.scheduler_info()["workers"])
             client.run(_watch, at_victim.endpoint, "aws", workers=[victim])
-            step = SlowerOnceFlagged(victim, 0.025, str(flag), after=1.0)  # ~0.5 s shards, then ~20 s
+            step = SlowerOnceFlagged(victim, 0.025, str(flag), after=10.0)  # ~0.5 s shards, then 10 s a batch
             thread, out = fit_in_thread(
                 model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", train_step=step, **fit
             )
             run_id = running_run(client, min_step=2)
             _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
-            flag.touch()  # from now on its batches take a second each: the shard running there is still running
-            time.sleep(0.3)  # at the notice (its next batch, at the latest, began after the flag)
+            flag.touch()  # from now on its batches take 10 s each: the shard running there is still running
+            time.sleep(0.3)  # at the notice, and at settle's deadline (its current batch began after the flag)
             _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
-            window = policy.NOTICE_MARGIN + 6  # a shard of up to ~4 s fits; settle gives up after 6 s
+            window = policy.NOTICE_MARGIN + 6  # a shard with up to 4 s left fits; settle gives up after 6 s
             at_victim.notify(window)
             _wait(lambda: victim not in client.scheduler_info()["workers"], timeout=60, what="not retired")
             events = [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]
