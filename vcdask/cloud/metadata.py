@@ -69,9 +69,24 @@ class MetadataService:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
+    #: The notice's path and the headers the service insists on (GCP, Azure: one GET each poll).
+    PATH: ClassVar[str] = ""
+    HEADERS: ClassVar[dict[str, str]] = {}
+
+    def _get(self) -> bytes:
+        """``GET PATH`` with ``HEADERS``: the body of a 200, else an OSError naming the status."""
+        status, body = self._request("GET", self.PATH, self.HEADERS)
+        if status != 200:
+            raise _unexpected(self, self.PATH, status)
+        return body
+
     def probe(self) -> bool:
         """Whether this provider's metadata service answers at ``endpoint`` (for ``provider="auto"``)."""
-        raise NotImplementedError
+        try:
+            self._get()
+        except OSError:
+            return False
+        return True
 
     def poll(self) -> Notice | None:
         """The notice, if one is posted now.
@@ -145,17 +160,8 @@ class GCP(MetadataService):
     PATH = "/computeMetadata/v1/instance/preempted"
     HEADERS: ClassVar[dict[str, str]] = {"Metadata-Flavor": "Google"}
 
-    def probe(self) -> bool:
-        try:
-            status, _ = self._request("GET", self.PATH, self.HEADERS)
-        except OSError:
-            return False
-        return status == 200
-
     def poll(self) -> Notice | None:
-        status, body = self._request("GET", self.PATH, self.HEADERS)
-        if status != 200:
-            raise _unexpected(self, self.PATH, status)
+        body = self._get()
         return Notice(self.name, self.default_window, action="preempt") if body.strip().upper() == b"TRUE" else None
 
 
@@ -166,17 +172,8 @@ class Azure(MetadataService):
     PATH = "/metadata/scheduledevents?api-version=2020-07-01"
     HEADERS: ClassVar[dict[str, str]] = {"Metadata": "true"}
 
-    def probe(self) -> bool:
-        try:
-            status, _ = self._request("GET", self.PATH, self.HEADERS)
-        except OSError:
-            return False
-        return status == 200
-
     def poll(self) -> Notice | None:
-        status, body = self._request("GET", self.PATH, self.HEADERS)
-        if status != 200:
-            raise _unexpected(self, self.PATH, status)
+        body = self._get()
         for event in json.loads(body).get("Events", []):
             if event.get("EventType") != "Preempt":
                 continue

@@ -158,9 +158,7 @@ class VcdaskPlugin(SchedulerPlugin):
         run = self.runs.get(run_id)
         if run is not None:
             run.task_started(key, worker)
-            if instance is not None or market is not None:
-                rec = run.pool.record(worker)
-                rec.instance, rec.market = instance or rec.instance, market or rec.market
+            run.pool.identify(worker, instance, market)
 
     async def handle_base(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> dict | None:
         """The version a shard task that is ready to train starts from (see :func:`vcdask.engine.watch.base_for`)."""

@@ -130,6 +130,11 @@ class WorkerPool:
         if rec is not None and rec.joined_at is not None:
             rec.alive_before, rec.joined_at = rec.alive_seconds, None
 
+    def identify(self, address: str, instance: str | None, market: str | None) -> None:
+        """``address`` says it runs on ``instance`` bought on ``market`` (for the cost accounting)."""
+        rec = self.record(address)
+        rec.instance, rec.market = instance or rec.instance, market or rec.market
+
     def wasted(self, address: str | None, seconds: float) -> None:
         """``seconds`` of work on ``address`` were lost (its copy re-issued on a notice, or it died)."""
         if address is not None and seconds > 0:
@@ -155,7 +160,7 @@ class WorkerPool:
         ``step_seconds`` per training step (its median step), on ``instance`` bought on ``market``."""
         rec = self.record(address)
         rec.device = device or rec.device
-        rec.instance, rec.market = instance or rec.instance, market or rec.market
+        self.identify(address, instance, market)
         rec.done += 1
         rec.seconds += seconds
         rec.recent = [*rec.recent[-(RECENT - 1) :], seconds]
