@@ -264,8 +264,16 @@ class Killer(threading.Thread):
         self.join()
 
 
+#: ``--vcdask`` variants: fit's defaults, and the options each other one sets
+VARIANTS = {
+    "default": {},
+    "adaptive": {"speed_adaptive": True},
+    "worker-state": {"optimizer_state": "worker"},
+}
+
+
 def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
-    kwargs = {"adaptive": {"speed_adaptive": True}}.get(variant, {})
+    kwargs = VARIANTS[variant]
     with scratch_store(None, "hetero") as store:
         killer = Killer(client, kill_every) if kill_every else None
         t0, wall0 = time.perf_counter(), time.time()
@@ -317,9 +325,12 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--kill-every", type=float, default=0.0, help="seconds between kills of worker 1 (0: none)")
-    ap.add_argument("--vcdask", default="default", help="variants: default, adaptive")
+    ap.add_argument("--vcdask", default="default", help=f"variants: {', '.join(VARIANTS)}")
     ap.add_argument("--peers", default="torch,ddp")
     args = ap.parse_args(argv)
+    unknown = set(args.vcdask.split(",")) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown --vcdask variants {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     (X, y), (Xt, yt) = digits()
     c = batch_seconds(args.task, X, y)

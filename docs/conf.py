@@ -5,7 +5,11 @@ Build: ``make docs`` (or ``sphinx-build -W --keep-going -b html docs docs/_build
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import vcdask
+from vcdask._docstrings import markdown_table
+from vcdask.merge import DEFAULT_RULE
 
 project = "vcdask"
 author = "the vcdask developers"
@@ -56,3 +60,19 @@ html_theme_options = {
     ],
 }
 html_context = {"default_mode": "auto"}
+
+
+# -- Generated from the code ----------------------------------------------------------------
+# The options tables of the user guide come from the docstrings and signatures (vcdask._docstrings),
+# so they cannot drift from the code; tests/test_documented_defaults.py checks the docstrings themselves.
+def _write_generated() -> None:
+    out = Path(__file__).parent / "generated"
+    out.mkdir(exist_ok=True)
+    table = markdown_table(vcdask.fit, skip=("model", "data"))
+    table = table.replace("{data}`vcdask.merge.DEFAULT_RULE`", f"`{DEFAULT_RULE!r}`")
+    path = out / "fit-options.md"
+    if not path.exists() or path.read_text() != table:  # unchanged files keep Sphinx's cache valid
+        path.write_text(table)
+
+
+_write_generated()

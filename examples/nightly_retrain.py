@@ -1,5 +1,10 @@
 """A nightly retraining job with a quality gate: release the new model only if it is at least as good.
 
+The same job needs no Python: ``vcdask train job.yaml`` (docs/user-guide/scheduled-jobs.md) reads the model
+factory, data, store, start, fit options and release rule from a YAML file, checks it all before any cluster
+work, and exits 0 released / 3 not better / 2 bad job file / 1 failed.  This script spells the same steps out
+with the Python API, as a starting point for a gate that needs logic of its own.
+
 usage: python examples/nightly_retrain.py --store STORE [--tag-prefix nightly-] [--epochs 5] [--seed N]
                                           [--min-gain 0.0] [--scheduler tcp://host:8786]
 

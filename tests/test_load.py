@@ -131,3 +131,19 @@ def test_a_spec_written_before_the_modules_moved_still_loads(tmp_path):
     assert all(
         torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values(), strict=True)
     )
+
+
+def test_load_without_a_version_names_the_run_branches(tmp_path):
+    """Runs never write ``main``: loading its newest version says so and names the runs' branches, newest first."""
+    store = vcdask.open_store(tmp_path / "store")
+    with pytest.raises(VersionNotFoundError, match="nothing was committed to this store"):
+        vcdask.load(store, torch.nn.Linear(2, 2))
+    for run in ("run-older", "run-newer"):
+        store.create_branch(run)
+        store.commit(torch.nn.Linear(2, 2), branch=run)
+    with pytest.raises(VersionNotFoundError) as info:
+        vcdask.load(store, torch.nn.Linear(2, 2))
+    message = str(info.value)
+    assert "branch 'main'" in message and "run-newer, run-older" in message
+    assert "branch='run-newer'" in message
+    assert vcdask.load(store, torch.nn.Linear(2, 2), branch="run-newer").vcdask_version["id"] == store.head("run-newer")

@@ -88,3 +88,39 @@ def test_flatparams_validates_arrays():
         FlatParams(layout, {"float32": torch.zeros(3)})
     with pytest.raises(ParameterMismatchError, match="dtypes"):
         FlatParams(layout, {"float64": torch.zeros(4, dtype=torch.float64)})
+
+
+def test_flat_params_is_a_read_only_mapping_in_layout_order():
+    from collections.abc import Mapping
+
+    model = trained_state(2)
+    flat = flatten(model)
+    state = model.state_dict()
+    assert isinstance(flat, Mapping)
+    assert len(flat) == len(state) and list(flat) == list(state) == flat.layout.names
+    assert list(flat.keys()) == list(state) and "0.weight" in flat and "nope" not in flat
+    for name, tensor in flat.items():
+        assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name]), name
+    assert torch.equal(flat["0.weight"], model[0].weight.detach())
+    assert flat.get("nope") is None
+    with pytest.raises(KeyError, match="nope"):
+        flat["nope"]
+    with pytest.raises(TypeError):
+        flat["0.weight"] = torch.zeros(1)  # read-only: no item assignment
+    # its existing API is unchanged: equality by identity (values with .equal), hashable, state_dict views
+    clone = flat.clone()
+    assert flat == flat and flat != clone and flat.equal(clone) and len({flat, clone}) == 2
+    flat["1.bias"].fill_(3.0)  # a view, as state_dict() gives it
+    assert torch.equal(flat.state_dict()["1.bias"], torch.full_like(flat["1.bias"], 3.0))
+    assert load_into(make_model(5), flat) is not None
+
+
+def test_stored_version_params_by_name(tmp_path):
+    """What a newcomer reaches for first: ``store.read(v).params["0.weight"]``."""
+    from vcdask import open_store
+
+    model = trained_state(3)
+    store = open_store(tmp_path / "store")
+    params = store.read(store.commit(model)).params
+    assert torch.equal(params["0.weight"], model.state_dict()["0.weight"])
+    assert list(params) == list(model.state_dict())

@@ -10,6 +10,7 @@ import torch
 from vcdask import open_store
 from vcdask.errors import (
     InvalidLocationError,
+    MissingRegionError,
     StoreAccessDeniedError,
     StoreExistsError,
     StoreNotFoundError,
@@ -112,6 +113,7 @@ def test_missing_bucket(s3):
         open_store("s3://no-such-bucket/runs", **s3.options())
     assert "does not exist" in str(info.value)
     assert s3.endpoint_url in str(info.value)
+    assert (info.value.missing, info.value.location) == ("bucket", None)  # what the CLI and jobs say
 
 
 @pytest.mark.s3
@@ -162,3 +164,99 @@ def test_unreachable_endpoint():
     assert isinstance(info.value, VcdaskError)
     assert "Connection refused" in str(info.value)
     assert time.monotonic() - start < 60
+
+
+def _no_region(monkeypatch, tmp_path, s3) -> None:
+    """An environment with no region anywhere: the SDK's own endpoint setting (so no endpoint_url option, for
+    which vcdask would default the region), no AWS_REGION, no profile, instance metadata on a closed loopback port."""
+    for var in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE", "ICECHUNK_LOG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+
+
+_OPEN_WITHOUT_REGION = (
+    "import sys\n"
+    "from vcdask import open_store\n"
+    "try:\n"
+    "    open_store(sys.argv[1], mode='a', allow_http=True, force_path_style=True)\n"
+    "except Exception as e:\n"
+    "    print(type(e).__name__, e)\n"
+)
+
+
+@pytest.mark.s3
+def test_bucket_without_region_is_named_with_the_remedy(s3, monkeypatch, tmp_path):
+    _no_region(monkeypatch, tmp_path, s3)
+    bucket = s3.new_bucket()
+    with pytest.raises(InvalidLocationError) as info:
+        open_store(f"s3://{bucket}/runs", mode="a", allow_http=True, force_path_style=True)
+    message = str(info.value)
+    assert f"s3://{bucket}/runs" in message
+    assert "no region is set for the bucket" in message  # the cause, not "endpoint could not be reached"
+    assert "region='eu-west-1'" in message and "storage_options={'region'" in message and "AWS_REGION" in message
+    assert "could not be reached" not in message
+    assert isinstance(info.value, MissingRegionError) and isinstance(info.value, ValueError)
+    assert info.value.what == f"opening 's3://{bucket}/runs'"
+    assert info.value.cause and "region" in info.value.cause
+
+
+@pytest.mark.s3
+def test_missing_region_names_the_cli_flag_and_the_job_field(s3, monkeypatch, tmp_path, capsys):
+    """Each front end gives its own remedy: ``--region REGION`` on the command line, the field in a job file."""
+    from vcdask.cli import main
+    from vcdask.jobs import JobFileError, load_job, preflight
+
+    _no_region(monkeypatch, tmp_path, s3)
+    location = f"s3://{s3.new_bucket()}/runs"
+    code = main(["runs", location, "-o", "allow_http=true", "-o", "force_path_style=true"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("vcdask runs: opening ") and "no region is set for the bucket" in err
+    assert "--region REGION" in err and "open_store(" not in err and "region=" not in err
+
+    (tmp_path / "models.py").write_text("import torch\ndef make():\n    return torch.nn.Linear(2, 2)\n")
+    (tmp_path / "train.csv").write_text("a,b,y\n1,2,0\n3,4,1\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"model: models:make\ndata: {{path: train.csv, label: y}}\n"
+        f"store: {{location: '{location}', storage_options: {{allow_http: true, force_path_style: true}}}}\n"
+    )
+    with pytest.raises(JobFileError) as info:
+        preflight(load_job(job))
+    assert info.value.field == "store.storage_options.region"
+    assert "no region is set for the bucket" in str(info.value) and "region: eu-west-1" in str(info.value)
+    assert "open_store(" not in str(info.value)
+
+
+def test_a_missing_store_says_where_and_in_which_mode(tmp_path):
+    """The CLI and jobs build their messages from these attributes; Python users keep the mode= remedy."""
+    for mode in ("r", "r+"):
+        with pytest.raises(StoreNotFoundError) as info:
+            open_store(tmp_path / "nope", mode=mode)
+        where = f"local directory {str(tmp_path / 'nope')!r}"
+        assert (info.value.location, info.value.mode, info.value.missing) == (where, mode, "store")
+        assert "use mode='a' to create one" in str(info.value)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreNotFoundError) as info:
+        open_store(tmp_path / "file", mode="r")
+    assert info.value.location is None and info.value.missing is None and "is a file, not" in str(info.value)
+
+
+@pytest.mark.s3
+def test_bucket_without_region_keeps_the_rust_log_noise_out_of_the_terminal(s3, monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    _no_region(monkeypatch, tmp_path, s3)
+    location = f"s3://{s3.new_bucket()}/runs"
+    quiet = subprocess.run([sys.executable, "-c", _OPEN_WITHOUT_REGION, location], capture_output=True, text=True)
+    # (Icechunk's Rust tracing writes to stdout): one line, the error, and nothing else
+    assert quiet.stdout.startswith("MissingRegionError") and "no region is set" in quiet.stdout
+    assert len(quiet.stdout.strip().splitlines()) == 1 and not quiet.stderr.strip(), quiet.stdout + quiet.stderr
+    # the user's ICECHUNK_LOG wins: the SDK's warnings (the noise kept out above) are there again
+    monkeypatch.setenv("ICECHUNK_LOG", "warn")
+    loud = subprocess.run([sys.executable, "-c", _OPEN_WITHOUT_REGION, location], capture_output=True, text=True)
+    assert "no region is set" in loud.stdout
+    assert "failed to load region" in loud.stdout + loud.stderr

@@ -6,27 +6,18 @@ plugin starts the run -> wait with a progress display -> :class:`~vcdask.FitResu
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
-import pickle
-import secrets
-import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 import torch
 
-from .cluster import check_client, resolve_client
-from .data import Shards
-from .errors import VersionNotFoundError
-from .handle import FitResult, RunHandle, ensure_plugin
-from .options import DEFAULT_STORE, RunPlan, plan_run
+from .handle import FitResult, RunHandle
+from .options import plan_run
 from .resilience import Resilience
-from .spec import RunSpec, save_spec, spec_path
-from .staging import stage
-from .store import ParamStore, Retention, check_cluster_access, open_store, share_credentials, store_holds_secrets
+from .runs import check_early_stopping, launch, resume
+from .store import ParamStore, Retention
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +65,10 @@ def fit(
     clip_grad_norm: float | None = None,
     compression: str | None = None,
     speed_adaptive: bool = False,
-) -> FitResult:
+    patience: int | None = None,
+    monitor: str | None = None,
+    wait: bool = True,
+) -> FitResult | RunHandle:
     """Train ``model`` on ``data`` with VC-ASGD on a Dask cluster.
 
     The data is split into ``n_shards`` shards; one epoch trains every shard once.
@@ -87,11 +81,12 @@ def fit(
     ----------
     model : torch.nn.Module
         The model to train; it ends up holding the final server parameters.
-    data : (X, y), dict of arrays, xarray.Dataset, Zarr URL/path, Icechunk session or torch Dataset
-        Training data.  Arrays may be numpy, torch or dask.  A batch mirrors the data: ``(x, y)``
-        for ``(X, y)``; a dict of tensors for a dict of arrays, and for xarray / Zarr data when a
-        ``train_step`` is given (one entry per variable); a map-style ``torch.utils.data.Dataset``
-        is sharded by index ranges and its items put together by ``collate_fn``.
+    data : (X, y), pandas DataFrame, dict of arrays, xarray.Dataset, Zarr URL/path, Icechunk session or torch Dataset
+        Training data.  Arrays may be numpy, torch or dask; ``(X, y)`` may also be ``(DataFrame, Series)``,
+        and a whole DataFrame takes ``label=`` (numeric / bool feature columns, as float32).  A batch
+        mirrors the data: ``(x, y)`` for ``(X, y)``; a dict of tensors for a dict of arrays, and for
+        xarray / Zarr data when a ``train_step`` is given (one entry per variable); a map-style
+        ``torch.utils.data.Dataset`` is sharded by index ranges and its items put together by ``collate_fn``.
     loss : str or callable, optional
         For the default step: cross-entropy for integer labels, MSE otherwise.
     optimizer : torch.optim.Optimizer subclass or callable, optional
@@ -124,7 +119,12 @@ def fit(
     metrics : list of names/callables or dict, optional
         Default: ``["accuracy"]`` for classification, ``["mae"]`` otherwise.
     client : distributed.Client or cluster, optional
-        Where to run; default an embedded ``LocalCluster`` (one process per core), closed at the end.
+        Where to run.  Default: the process's embedded ``LocalCluster`` (one worker process per core),
+        started by the first ``fit`` and shared by every later ``fit`` and :func:`resume` of the
+        process, closed when the interpreter exits (:func:`vcdask.cluster.embedded_client`).  Its
+        workers are spawned, so a script must call ``fit`` under ``if __name__ == "__main__":``
+        (a script without the guard gets a :class:`~vcdask.errors.MainGuardError` before any
+        process starts).
     store : str, path or ParamStore, optional
         The parameter store; default the local directory ``./vcdask-runs``.  The run writes to branch ``run_id``.
     seed : int, default 0
@@ -135,7 +135,8 @@ def fit(
     validate_every : int, default 1
         Validate every this many merges, when that merge was committed (epoch ends always).
     features, label, sample_dim : optional
-        Variable and dimension names for xarray / Zarr data (inferred when unambiguous).
+        Variable and dimension names for xarray / Zarr data (inferred when unambiguous); for a pandas
+        DataFrame, the feature columns (default: all but the label) and the label column.
     storage_options : dict, optional
         fsspec options for a Zarr URL given as ``data``.
     shuffle : bool, default True
@@ -189,6 +190,25 @@ def fit(
         Send each update as its difference from the version it trained from, in fewer bits
         (``"int8"``: about a quarter of the bytes), with error feedback on the worker (see
         :mod:`vcdask.compress`).  Default: the full float32 ``W_c``.
+    patience : int, optional
+        Early stopping: stop once the ``monitor`` metric of the validation data has not improved
+        for this many epochs (``FitResult.stop_reason`` says so).  Without ``validation``, 10% of
+        the data is held out.  The result's ``model`` and ``version`` are the last version;
+        ``FitResult.best_version`` is the end of the best epoch.
+    monitor : str, optional
+        The validation metric early stopping and ``FitResult.best_version`` follow; default the
+        ``target``'s metric, else the first of ``metrics`` (``"accuracy"`` / ``"mae"`` by default).
+        Names ending in loss, mse, rmse, mae, mape or error improve downwards
+        (:func:`vcdask.engine.policy.lower_is_better`), others upwards.  Needs validation data
+        (``validation=``) unless ``patience`` is given.
+    wait : bool, default True
+        False: return the run's :class:`~vcdask.RunHandle` as soon as the data is staged and the
+        initial version committed, before the first merge.  It behaves like a future:
+        ``handle.result(timeout=None)`` gives this ``FitResult`` (with ``model`` loaded),
+        ``done()``, ``cancel()``, ``status()``, ``panel()``, ``await handle``.  No progress bar is
+        shown (call ``handle.panel()`` in a notebook).  The embedded cluster outlives the call.
+        With ``client=`` a cluster object, the handle owns the client opened for it: it closes it once
+        the result is collected or the run cancelled, or on ``handle.close()`` / a ``with`` block.
     speed_adaptive : bool, default False
         Size each task to its worker's measured speed: a worker slower than the fastest one trains
         that share of its shard's batches (at least a tenth), so its task takes about as long as a
@@ -197,15 +217,36 @@ def fit(
 
     Returns
     -------
-    FitResult
+    FitResult, or RunHandle with ``wait=False``
 
     Raises
     ------
     ValueError, TypeError
         Bad arguments, before any cluster work; messages name the value and the valid choices.
+    MainGuardError
+        The embedded cluster would be started from a script's top level without
+        ``if __name__ == "__main__":``.
     RunFailedError
         The run failed on the cluster.
+
+    Examples
+    --------
+    >>> result = vcdask.fit(model, (X, y), validation=0.2, patience=3)          # doctest: +SKIP
+    >>> handle = vcdask.fit(model, (X, y), max_epochs=20, wait=False)           # doctest: +SKIP
+    >>> handle.status()["epochs_done"]                                          # doctest: +SKIP
+    >>> result = handle.result()                                                # doctest: +SKIP
     """
+    if patience is not None or monitor is not None:
+        check_early_stopping(patience, monitor, None, [monitor or "loss"], validated=False)  # types, before the data
+        if validation is None and patience is None:
+            raise ValueError(
+                f"monitor={monitor!r} follows a validation metric, but this fit has no validation data: "
+                "pass validation= (a fraction such as 0.2, or held-out data), or patience= for early "
+                "stopping (which holds out 10% of the data by itself)"
+            )
+        if validation is None:
+            logger.info("early stopping without validation data: holding out 10%% of the training data")
+            validation = 0.1
     plan = plan_run(
         model,
         data,
@@ -246,126 +287,11 @@ def fit(
         compression=compression,
         speed_adaptive=speed_adaptive,
     )
-    t0 = time.perf_counter()
-    run_id = f"run-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
-    with resolve_client(client) as c:
-        _check_cluster(c, plan.store, embedded=client is None)
-        plan.store.create_branch(run_id)
-        save_spec(_stage(plan, run_id, c))
-        return _launch(c, plan.store, run_id, progress=progress, model=model, t0=t0)
-
-
-def _check_cluster(c, store: ParamStore, *, embedded: bool) -> None:
-    """What the cluster must offer before a run starts: workers (and a scheduler) that can open the store.
-
-    A store opened here with explicit credentials pickles without them: the embedded cluster (our own
-    processes on this machine) is given them with :func:`~vcdask.store.share_credentials`; any other
-    cluster must resolve them itself, and :func:`~vcdask.store.check_cluster_access` says so, naming
-    the remedies, before the run starts.
-    """
-    if not store.shared_across_processes:
-        pids = set(c.run(os.getpid).values())
-        if pids != {os.getpid()}:
-            raise ValueError(
-                f"store {store.location!r} lives in this process only, but the workers "
-                "run in other processes; use a directory or object-store location"
-            )
-        return
-    if store_holds_secrets(store):
-        if embedded:
-            share_credentials(c, store)
-        check_cluster_access(store, c)
-
-
-def _stage(plan: RunPlan, run_id: str, c) -> RunSpec:
-    """Stage in-memory data in the store, commit the initial version, and describe the run."""
-    store = plan.store
-    train = plan.train.source or stage(plan.train, store.files, f"{run_id}/train.zarr", client=c)
-    val = None
-    if plan.validation is not None:
-        val = plan.validation.source or stage(plan.validation, store.files, f"{run_id}/validation.zarr", client=c)
-    store.commit(
-        plan.model,
-        {"run_id": run_id, "step": 0, "epoch": 0, "merged": []},
-        branch=run_id,
-        message=f"{run_id} initial parameters",
+    patience, monitor = check_early_stopping(
+        patience,
+        monitor,
+        plan.target,
+        plan.options["metric_names"] or ("loss", *plan.metrics),
+        validated=plan.validation is not None,
     )
-    in_flight = plan.options["tasks_per_slot"] * (sum(c.nthreads().values()) or 1)
-    return RunSpec(
-        run_id=run_id,
-        store=store,
-        branch=run_id,
-        model=copy.deepcopy(plan.model).cpu(),
-        loss=plan.loss,
-        optimizer=plan.optimizer,
-        train=train,
-        shards=(
-            Shards(plan.train.n, plan.n_shards)
-            if plan.n_shards is not None
-            else Shards.default(plan.train.n, sum(c.nthreads().values()))
-        ),
-        validation=val,
-        metrics=plan.metrics,
-        classification=plan.train.classification,
-        x_dtype=plan.x_dtype,
-        merge=plan.rule.for_run(in_flight=in_flight),
-        target=plan.target,
-        **plan.options,
-    )
-
-
-def _launch(
-    c,
-    store: ParamStore,
-    run_id: str,
-    *,
-    resume: bool = False,
-    progress: bool = True,
-    model: torch.nn.Module | None = None,
-    t0: float,
-) -> FitResult:
-    """Start (or resume) the run on the scheduler, wait for it, and collect its result."""
-    ensure_plugin(c)
-    c.sync(c.scheduler.vcdask_start, store=pickle.dumps(store), run_id=run_id, resume=resume)
-    handle = RunHandle(run_id, c)
-    handle.wait(progress=progress)
-    return handle.result(model=model, wall_time=time.perf_counter() - t0)
-
-
-def resume(
-    run_id: str, *, store: str | os.PathLike | ParamStore | None = None, client: Any = None, progress: bool = True
-) -> FitResult:
-    """Continue a run whose scheduler died, on any cluster that can reach its store.
-
-    The run restarts from the newest committed version on its branch, first merges the client
-    updates that were uploaded but never committed, merges none twice (the versions' metadata
-    lists every merged (epoch, shard)), and trains the shards and epochs that are left.
-
-    Parameters
-    ----------
-    run_id : str
-    store : str, path or ParamStore, optional
-        The run's store (default ``./vcdask-runs``).
-    client : distributed.Client or cluster, optional
-        Default: an embedded LocalCluster.
-    progress : bool, default True
-
-    Returns
-    -------
-    FitResult
-        Its ``history`` lists the updates merged after the restart.
-
-    Raises
-    ------
-    VersionNotFoundError
-        The store has no branch ``run_id`` (the message lists the runs it has).
-    """
-    check_client(client)
-    param_store = open_store(DEFAULT_STORE if store is None else store, mode="r+")
-    if run_id not in param_store.branches() or not param_store.files.exists(spec_path(run_id)):
-        runs = sorted(b for b in param_store.branches() if param_store.files.exists(spec_path(b)))
-        raise VersionNotFoundError(f"no run {run_id!r} in {param_store.location!r}; runs: {runs}")
-    t0 = time.perf_counter()
-    with resolve_client(client) as c:
-        _check_cluster(c, param_store, embedded=client is None)
-        return _launch(c, param_store, run_id, resume=True, progress=progress, t0=t0)
+    return launch(plan, client, model, wait=wait, progress=progress, patience=patience, monitor=monitor)

@@ -22,7 +22,7 @@ from .device import to
 from .errors import StoreError
 from .torch_data import DatasetSource
 
-__all__ = ["Rows", "batches", "prefetch", "rows"]
+__all__ = ["Rows", "batches", "cast_like_training", "prefetch", "rows"]
 
 _lock = threading.Lock()
 _cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
@@ -33,13 +33,31 @@ _ON_DEVICE_BYTES = 1 << 30  # a GPU shard up to this size is copied whole, then 
 Rows = dict[str, torch.Tensor] | DatasetSource
 
 
-def _tensor(a: np.ndarray, spec, name: str) -> torch.Tensor:
-    t = torch.as_tensor(np.ascontiguousarray(a))
+def cast_like_training(t: torch.Tensor, spec, name: str = "X") -> torch.Tensor:
+    """``t`` (the column ``name`` of a batch) in the dtype the run trains on: the one rule for training,
+    validation, :func:`vcdask.predict.model_outputs` and a job's release scores.
+
+    Labels (``"y"`` of ``(X, y)`` data) become int64 for a classifier, the model's dtype otherwise; floating
+    columns become the model's dtype, and so do integer inputs ``X`` unless the run keeps them (``spec.cast_x``
+    is False for a model that takes integers, such as an embedding).
+
+    Parameters
+    ----------
+    t : torch.Tensor
+    spec : RunSpec
+        The run: ``batch_form``, ``classification``, ``x_dtype``, ``cast_x``.
+    name : str, default "X"
+        The column: ``"X"`` or ``"y"`` for ``(X, y)`` data, a variable's name for dict batches.
+    """
     if spec.batch_form == "xy" and name == "y":
         return t.long() if spec.classification else t.to(spec.x_dtype)
     if t.is_floating_point() or (spec.cast_x and name == "X"):
         return t.to(spec.x_dtype)
     return t
+
+
+def _tensor(a: np.ndarray, spec, name: str) -> torch.Tensor:
+    return cast_like_training(torch.as_tensor(np.ascontiguousarray(a)), spec, name)
 
 
 def rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows:

@@ -1,4 +1,8 @@
-"""Where runs execute: a given Dask client or cluster, or an embedded ``LocalCluster``.
+"""Where runs execute: a given Dask client or cluster, or the process's embedded ``LocalCluster``.
+
+The embedded cluster is started by the first run that needs it and shared by every later one of the
+process (:func:`embedded_client`), closed when the interpreter exits, as Dask's default client is.
+Before it spawns worker processes, :func:`check_main_guard` refuses a script's unguarded top level.
 
 Cloud fleets come from dask-cloudprovider (``pip install vcdask[cloud]``); pass the
 cluster object to :func:`vcdask.fit` like any other.
@@ -6,14 +10,37 @@ cluster object to :func:`vcdask.fit` like any other.
 
 from __future__ import annotations
 
+import ast
+import atexit
 import contextlib
 import logging
+import sys
+import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
+from .errors import MainGuardError
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["embedded_cluster", "preempt", "preemption_notice", "resolve_client"]
+__all__ = [
+    "check_main_guard",
+    "close_embedded",
+    "embedded_client",
+    "embedded_cluster",
+    "live_runs",
+    "owns_client",
+    "preempt",
+    "preemption_notice",
+    "resolve_client",
+]
+
+#: Python's guide to the spawn start method's "Safe importing of main module".
+MAIN_GUARD_DOCS = "https://docs.python.org/3/library/multiprocessing.html#the-spawn-and-forkserver-start-methods"
+
+_lock = threading.Lock()
+_embedded: dict[str, Any] = {}  # "cluster", "client": the process's embedded LocalCluster and its Client
 
 
 def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
@@ -68,22 +95,219 @@ def check_client(client: Any) -> None:
     )
 
 
+def embedded_client():
+    """The process's embedded client: started on first use, then shared by every later
+    :func:`vcdask.fit` / :func:`vcdask.resume` without ``client=``, and closed when the interpreter exits.
+
+    It is started again when it was closed (:func:`close_embedded`) or has no worker left, the way
+    :func:`distributed.default_client` gives one client per process.  It is never made the default
+    client (``set_as_default=False``): your own ``Client`` stays the default.
+
+    Returns
+    -------
+    distributed.Client
+
+    Raises
+    ------
+    MainGuardError
+        Called from the top level of a script without ``if __name__ == "__main__":`` (the worker
+        processes would run the script again; see :func:`check_main_guard`).
+    """
+    from distributed import Client
+
+    with _lock:
+        client, cluster = _embedded.get("client"), _embedded.get("cluster")
+        if client is not None and _alive(client, cluster):
+            return client
+        live = live_runs(cluster) if client is not None and client.status == "running" else []
+        if live:  # its workers are gone, but runs wait for them: never replace a cluster under a run
+            logger.warning(
+                "the embedded cluster has no worker, but runs %s still live on it: keeping it (the runs wait "
+                "for workers to come back; vcdask.close_embedded() closes it)",
+                live,
+            )
+            return client
+        if client is not None:
+            logger.info("the embedded cluster was closed or lost its workers: starting a new one")
+            _close(client, cluster)
+        check_main_guard(stacklevel=3)
+        cluster = embedded_cluster()
+        client = Client(cluster, set_as_default=False)
+        logger.info("started an embedded LocalCluster: %s", cluster.dashboard_link)
+        if not _embedded.get("atexit"):
+            atexit.register(_close_at_exit)
+            _embedded["atexit"] = True
+        _embedded.update(client=client, cluster=cluster)
+        return client
+
+
+#: How long a running embedded cluster without workers is given for its nannies to bring one back.
+REVIVE_SECONDS = 10.0
+
+
+def _alive(client, cluster) -> bool:
+    """Whether the embedded cluster can take a run: open, with a worker (or one back within
+    :data:`REVIVE_SECONDS`: a nanny restarts a worker process that died)."""
+    try:
+        if client.status != "running" or cluster.status.name != "running":
+            return False
+        if not cluster.scheduler.workers:  # the scheduler runs in this process
+            client.wait_for_workers(1, timeout=REVIVE_SECONDS)
+        return True
+    except Exception:  # noqa: BLE001 - anything odd about a half-closed cluster means: start anew
+        return False
+
+
+def live_runs(cluster: Any) -> list[str]:
+    """The vcdask runs still going on an embedded cluster (its scheduler lives in this process)."""
+    try:
+        plugin = cluster.scheduler.plugins.get("vcdask")
+        return [] if plugin is None else plugin.live_runs()
+    except Exception:  # noqa: BLE001 - a cluster half-closed has no run to keep
+        return []
+
+
+def _close(client, cluster) -> None:
+    for thing in (client, cluster):
+        try:
+            thing.close()
+        except Exception:
+            logger.debug("closing the embedded %s", type(thing).__name__, exc_info=True)
+
+
+def close_embedded() -> None:
+    """Close the process's embedded cluster now (it is closed at interpreter exit anyway); the next
+    :func:`vcdask.fit` without ``client=`` starts a new one.
+
+    Runs still going on it (``fit(wait=False)``) end with it, cancelled: a warning names them."""
+    with _lock:
+        client, cluster = _embedded.pop("client", None), _embedded.pop("cluster", None)
+    if client is None:
+        return
+    live = live_runs(cluster)
+    if live:
+        import warnings
+
+        warnings.warn(
+            f"close_embedded(): runs {live} are still going on the embedded cluster; closing it cancels them "
+            "(their stores keep what they merged; vcdask.resume(run_id) continues them)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    _close(client, cluster)
+
+
+def _close_at_exit() -> None:
+    """:func:`close_embedded` when the interpreter exits, without the cluster's closing chatter: by then
+    the streams its log handlers write to may be closed (pytest's captures), and each message would
+    print a "Logging error" traceback."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        close_embedded()
+    finally:
+        logging.disable(previous)
+
+
+def check_main_guard(stacklevel: int = 2) -> None:
+    """Refuse to start worker processes from the unguarded top level of a script.
+
+    The embedded cluster's worker processes are started with the ``spawn`` method
+    (``distributed.worker.multiprocessing-method``): each imports the ``__main__`` script again.  A
+    script that calls :func:`vcdask.fit` at its top level, outside ``if __name__ == "__main__":``,
+    would make every worker call ``fit`` again (a dozen tracebacks ending in "Nanny failed to
+    start").  This looks, before any process starts, for the script's module-level frame in the
+    call stack and whether the line it executes lies inside that guard (read from the script's source).
+
+    Raises
+    ------
+    MainGuardError
+        The call comes from the top level of ``__main__`` outside the guard.
+    """
+    import dask.config
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not str(path).endswith(".py"):
+        return  # an interactive session, a notebook, python -c: nothing is imported again
+    if dask.config.get("distributed.worker.multiprocessing-method", "spawn") == "fork":
+        return
+    try:
+        frame: types.FrameType | None = sys._getframe(stacklevel)
+    except ValueError:  # a call stack shallower than stacklevel: start from here
+        frame = sys._getframe(0)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None or _guarded(str(path), frame.f_lineno):
+        return
+    raise MainGuardError(
+        f"vcdask started its embedded cluster from the top level of {path} (line {frame.f_lineno}), outside "
+        'an `if __name__ == "__main__":` guard.  The worker processes are spawned: each imports the script '
+        "again and would start training (and another cluster) itself.  Move the call under "
+        '`if __name__ == "__main__":` (Python\'s "Safe importing of main module": '
+        f"{MAIN_GUARD_DOCS}), or pass client= a cluster started elsewhere."
+    )
+
+
+def _guarded(path: str, line: int) -> bool:
+    """Whether ``line`` of the script at ``path`` lies inside an ``if __name__ == "__main__":`` block
+    (True when the source cannot be read: then nothing is claimed)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return True
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            body = node.body
+            if body and body[0].lineno <= line <= (body[-1].end_lineno or body[-1].lineno):
+                return True
+    return False
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """Whether an ``if`` test holds a comparison of ``__name__`` with ``"__main__"`` by ``==`` or ``in``
+    (``__name__ == "__main__"``, ``... and other``, ``__name__ in {"__main__", ...}``): a guard,
+    however it is spelled (``!=`` is not one)."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Eq, ast.In)) for op in node.ops):
+            parts = [n for side in (node.left, *node.comparators) for n in ast.walk(side)]
+            named = any(isinstance(n, ast.Name) and n.id == "__name__" for n in parts)
+            if named and any(isinstance(n, ast.Constant) and n.value == "__main__" for n in parts):
+                return True
+    return False
+
+
 @contextlib.contextmanager
-def resolve_client(client: Any) -> Iterator[Any]:
-    """Yield a Client: the given one (left open), one for a given cluster (cluster left running),
-    or one for a fresh embedded LocalCluster (closed on exit)."""
+def resolve_client(client: Any, *, keep: bool = False) -> Iterator[Any]:
+    """Yield a Client: the given one (left open), one for a given cluster or address (cluster left
+    running; the client closed on exit, and on an exception even with ``keep``: with ``keep`` the
+    caller owns it, see :func:`owns_client`), or the process's shared embedded client
+    (:func:`embedded_client`, left running)."""
     from distributed import Client
 
     check_client(client)
     if isinstance(client, Client):
         yield client
     elif client is not None:
-        with Client(client, set_as_default=False) as c:
+        c = Client(client, set_as_default=False)
+        try:
             yield c
+        except BaseException:
+            c.close()
+            raise
+        if not keep:
+            c.close()
     else:
-        with embedded_cluster() as cluster, Client(cluster, set_as_default=False) as c:
-            logger.info("started an embedded LocalCluster: %s", cluster.dashboard_link)
-            yield c
+        yield embedded_client()
+
+
+def owns_client(client: Any) -> bool:
+    """Whether :func:`resolve_client` opens a Client of its own for ``client`` (a cluster object or an
+    address), which whoever keeps it must close."""
+    from distributed import Client
+
+    return client is not None and not isinstance(client, Client)
 
 
 def preempt(client: Any, worker: str, *, retire: bool = True, window: float | None = None) -> dict[str, list[str]]:
@@ -95,6 +319,17 @@ def preempt(client: Any, worker: str, *, retire: bool = True, window: float | No
     without it, every shard there is re-issued at once.  With ``retire=True`` the worker is then
     retired gracefully (after the shards let finish).  :class:`vcdask.cloud.PreemptionWatcher`
     calls this when the provider's notice arrives (AWS: two minutes ahead; GCP, Azure: 30 s).
+
+    Parameters
+    ----------
+    client : distributed.Client
+        A client of the scheduler the runs live on.
+    worker : str
+        The worker's address.
+    retire : bool, default True
+        Retire the worker once the shards let finish there are done.
+    window : float, optional
+        Seconds until the instance goes.  Default: every shard there is re-issued at once.
 
     Returns
     -------

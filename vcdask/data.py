@@ -8,7 +8,9 @@ Accepted inputs (checked before any cluster work):
 * a Zarr location (local path, ``s3://...``, any fsspec URL) or an Icechunk session/store
   holding such a dataset;
 * a dict of equal-length arrays (each batch a dict of tensors; needs ``train_step``);
-* a map-style ``torch.utils.data.Dataset`` (see :mod:`vcdask.torch_data`).
+* a map-style ``torch.utils.data.Dataset`` (see :mod:`vcdask.torch_data`);
+* a pandas ``DataFrame`` with ``label=`` (and ``features=``), or ``(DataFrame, Series)`` (see
+  :mod:`vcdask.frames`).
 
 A batch mirrors the data: ``(x, y)`` for ``(X, y)`` arrays and for xarray / Zarr data trained with
 the default step; a dict of tensors for dict data and for xarray / Zarr data when the caller gives a
@@ -202,6 +204,7 @@ class PreparedData:
     form: str = "xy"  # "xy", "dict" or "dataset": the shape of a batch
     columns: dict[str, Any] | None = None  # dict data to stage (form "dict")
     sample: Any = None  # dict data: a few rows of each column; a Dataset: a collated probe batch
+    feature_names: tuple = ()  # pandas data: the feature columns, in X's order (what predict selects)
 
     @property
     def classification(self) -> bool:
@@ -240,10 +243,14 @@ def prepare_data(
     """
     import xarray as xr
 
+    from .frames import from_pandas
     from .torch_data import is_dataset, prepare_dataset
 
     if is_dataset(data):
         return prepare_dataset(data, collate_fn=collate_fn, what=what)
+    frame = from_pandas(data, features, label, what)
+    if frame is not None:  # pandas: checked, float32 features (see vcdask.frames)
+        return replace(prepare_data(frame[0], what=what), feature_names=frame[1])
     if isinstance(data, Mapping) and not isinstance(data, xr.Dataset):
         return _prepare_dict(data, what)
     if isinstance(data, (tuple, list)):
@@ -321,7 +328,7 @@ def prepare_data(
         return PreparedData(src, None, None, n, sx.shape[1:], sx.dtype, sy.dtype, sx, sy, lo, hi)
     raise TypeError(
         f"unsupported {what} type {type(data).__name__}; expected (X, y) arrays (numpy, torch or dask), "
-        "an xarray.Dataset, a Zarr URL/path, or an Icechunk session"
+        "a pandas DataFrame (with label=), an xarray.Dataset, a Zarr URL/path, or an Icechunk session"
     )
 
 

@@ -70,6 +70,7 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
         store=store,
         progress=progress,
     )
+    assert isinstance(result, vcdask.FitResult)  # (fit waits by default)
     wall = time.perf_counter() - t0
     acc = accuracy_on(result.model, X_test, y_test)
     folder = Path(store) / "runs" / result.run_id

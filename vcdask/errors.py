@@ -14,13 +14,18 @@ for a storage fault.  Errors are grouped by what a handler would do about them:
 
 from __future__ import annotations
 
+import concurrent.futures
+
 __all__ = [
     "BranchExistsError",
     "DataError",
     "InvalidLocationError",
+    "MainGuardError",
+    "MissingRegionError",
     "NoWorkersError",
     "ParameterMismatchError",
     "ReadOnlyStoreError",
+    "RunCancelledError",
     "RunFailedError",
     "RunNotFoundError",
     "StoreAccessDeniedError",
@@ -68,12 +73,48 @@ class InvalidLocationError(VcdaskError, ValueError):
     """A store location or storage option that vcdask cannot interpret."""
 
 
+class MissingRegionError(InvalidLocationError):
+    """No region is set for an S3 bucket (not in the storage options, the environment or a profile).
+
+    The message gives the remedy in Python terms (``region=``); the command line and job files build
+    their own from the attributes.
+
+    Attributes
+    ----------
+    what : str or None
+        What was being done, e.g. ``"opening 's3://bucket/runs'"``.
+    cause : str or None
+        The storage SDK's own words.
+    """
+
+    def __init__(self, message: str, *, what: str | None = None, cause: str | None = None):
+        super().__init__(message)
+        self.what, self.cause = what, cause
+
+
 class StoreError(VcdaskError, OSError):
     """A fault while talking to the parameter store."""
 
 
 class StoreNotFoundError(StoreError, FileNotFoundError):
-    """The store, its bucket or its container does not exist (or is not a vcdask store)."""
+    """The store, its bucket or its container does not exist (or is not a vcdask store).
+
+    Attributes
+    ----------
+    location : str or None
+        Where no store was found, in words (``"local directory '/data/runs'"``), when the store itself is
+        missing; None when something else is (a bucket, a container).
+    mode : str or None
+        The mode the store was opened with (``"r"``, ``"r+"``), when it refused to create the store.
+    missing : str or None
+        What is missing: ``"store"`` (with ``location`` and ``mode``), ``"bucket"`` (the bucket or
+        container), or None when vcdask cannot tell.
+    """
+
+    def __init__(self, *args, location: str | None = None, mode: str | None = None, missing: str | None = None):
+        super().__init__(*args)
+        self.location, self.mode = location, mode
+        self.missing = "store" if missing is None and location is not None else missing
 
 
 class StoreExistsError(StoreError, FileExistsError):
@@ -138,6 +179,15 @@ class RunNotFoundError(VcdaskError, KeyError):
 
 class RunFailedError(VcdaskError, RuntimeError):
     """A run stopped with an error on the cluster (the message carries the scheduler-side traceback)."""
+
+
+class RunCancelledError(VcdaskError, concurrent.futures.CancelledError):
+    """The run was cancelled (:meth:`vcdask.RunHandle.cancel`): it has no result; its store stays
+    readable at the last version it committed."""
+
+
+class MainGuardError(VcdaskError, RuntimeError):
+    """Worker processes would be started from a script's top level without ``if __name__ == "__main__":``."""
 
 
 class NoWorkersError(VcdaskError, RuntimeError):

@@ -7,16 +7,18 @@ reach the scheduler the same handle ``fit`` uses.
 from __future__ import annotations
 
 import pickle
+import threading
 from typing import Any
 
 import torch
 
+from .engine.end import best_version
 from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
-from .errors import RunFailedError, RunNotFoundError
+from .errors import RunCancelledError, RunFailedError, RunNotFoundError
 from .params import load_into
 from .result import HISTORY_COLUMNS, FitResult
 
-__all__ = ["FitResult", "RunFailedError", "RunHandle", "attach", "ensure_plugin"]
+__all__ = ["FitResult", "RunCancelledError", "RunFailedError", "RunHandle", "attach", "ensure_plugin"]
 
 _ENDED = ("finished", "error", "cancelled")
 
@@ -32,25 +34,138 @@ def _has_plugin(dask_scheduler=None) -> bool:
 
 
 class RunHandle:
-    """A run on a scheduler, seen from a client.
+    """A run on a scheduler, seen from a client; it behaves like a future of the run's :class:`FitResult`.
+
+    :func:`vcdask.fit` with ``wait=False`` returns one as soon as the run has started;
+    :func:`attach` gives one from any process that reaches the scheduler.  Like
+    :class:`concurrent.futures.Future` and :class:`distributed.Future`: :meth:`done`,
+    :meth:`result`, :meth:`cancel`, :meth:`cancelled`, :meth:`add_done_callback`, and ``await handle``
+    in async code.
 
     Parameters
     ----------
     run_id : str
     client : distributed.Client
+    model : torch.nn.Module, optional
+        The module :meth:`result` loads the final parameters into (``fit`` passes the caller's).
+    owns_client : bool, default False
+        The handle closes ``client`` once the run's result is collected (or it is cancelled), on
+        :meth:`close`, or at the end of a ``with`` block: ``fit(client=<cluster or address>,
+        wait=False)`` opens a client of its own for the run and hands it over this way.
+
+    Examples
+    --------
+    >>> handle = vcdask.fit(model, (X, y), wait=False)   # doctest: +SKIP
+    >>> handle.status()["epochs_done"]                     # doctest: +SKIP
+    >>> result = handle.result(timeout=600)                # doctest: +SKIP
+    >>> with vcdask.fit(model, (X, y), client=cluster, wait=False) as handle:  # doctest: +SKIP
+    ...     result = handle.result()                       # the handle's own client is closed after
     """
 
-    def __init__(self, run_id: str, client):
+    def __init__(
+        self,
+        run_id: str,
+        client,
+        model: torch.nn.Module | None = None,
+        *,
+        setup_seconds: float = 0.0,
+        owns_client: bool = False,
+    ):
         self.run_id = run_id
         self.client = client
         self.display = None  # the progress display of the last wait()
+        self._model = model
+        self._setup_seconds = setup_seconds  # from the fit call to the run's start (staging, initial commit)
+        self._owns_client = owns_client
+        self._closed = False
+        self._lock = threading.Lock()  # one collection at a time (await handle + a done callback ...)
+        self._result: FitResult | None = None
+        self._res: dict | None = None  # the run's result dict, once it ended (then no client is needed)
 
     def __repr__(self) -> str:
-        return f"<RunHandle {self.run_id} on {self.client.scheduler.address}>"
+        where = "closed" if self._closed else f"on {self.client.scheduler.address}"
+        return f"<RunHandle {self.run_id} {where}>"
+
+    def __enter__(self) -> RunHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the client this handle owns (see ``owns_client``; a client you passed stays open).
+        The run goes on on its scheduler: :func:`attach` gives a new handle."""
+        if self._owns_client and not self._closed:
+            self._closed = True
+            self.client.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"this handle of run {self.run_id} is closed (its client was closed); "
+                "vcdask.attach(run_id, client) gives a new one"
+            )
+
+    def __await__(self):
+        """``await handle``: the :class:`FitResult`, waited for in a thread (the event loop stays free)."""
+        import asyncio
+
+        return asyncio.get_running_loop().run_in_executor(None, self.result).__await__()
 
     def status(self) -> dict:
         """Progress counters: status, step, epochs done, merged in the current epoch, last epoch's metrics."""
+        if self._res is not None:
+            return {k: v for k, v in self._res.items() if k != "store"}
+        self._check_open()
         return self.client.sync(self.client.scheduler.vcdask_status, run_id=self.run_id)
+
+    def done(self) -> bool:
+        """Whether the run has ended (finished, failed or cancelled)."""
+        return self.status()["status"] in _ENDED
+
+    def cancelled(self) -> bool:
+        """Whether the run was cancelled (:meth:`cancel`)."""
+        return self.status()["status"] == "cancelled"
+
+    def cancel(self, reason: str = "cancelled by the user") -> bool:
+        """Stop the run for good: no more shards are dispatched, those in flight are cancelled, and what
+        was merged is committed, so the store stays readable at the run's head
+        (``vcdask.load(store, branch=run_id)``).  :meth:`result` then raises :class:`RunCancelledError`.
+
+        Unlike :meth:`concurrent.futures.Future.cancel`, this blocks until the run has ended (its
+        last commit is in the store: a few seconds, the time of the shards being merged).  A handle
+        that owns its client closes it afterwards.
+
+        Returns
+        -------
+        bool
+            False when the run had already ended (nothing to cancel), True otherwise.
+        """
+        if self._res is not None:
+            return self._res["status"] == "cancelled"
+        self._check_open()
+        status = self.client.sync(self.client.scheduler.vcdask_stop, run_id=self.run_id, reason=reason, cancel=True)
+        if status["status"] in _ENDED:
+            return status["status"] == "cancelled"
+        if status["stopping"] != reason:
+            return False  # the run was already stopping for another reason (it will finish with a result)
+        self.wait()
+        with self._lock:
+            self._res = self.client.sync(self.client.scheduler.vcdask_result, run_id=self.run_id)
+        self.close()
+        return True
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(handle)`` once the run has ended, from a background thread (at once if it has)."""
+        import threading
+
+        def watch() -> None:
+            try:
+                self.wait()
+            finally:
+                fn(self)
+
+        threading.Thread(target=watch, name=f"vcdask-done-{self.run_id[-6:]}", daemon=True).start()
 
     def panel(self):
         """Display the live progress panel of this run in a notebook (also after re-attaching to a
@@ -65,7 +180,7 @@ class RunHandle:
         return RunPanel(self)
 
     def stop(self, reason: str = "stopped by the user") -> dict:
-        """Stop dispatching; the run commits what it merged and finishes."""
+        """Stop dispatching; the run commits what it merged and finishes (with a result, unlike :meth:`cancel`)."""
         return self.client.sync(self.client.scheduler.vcdask_stop, run_id=self.run_id, reason=reason)
 
     def wait(self, timeout: float | None = None, progress: bool = False) -> dict:
@@ -80,6 +195,10 @@ class RunHandle:
 
         from .progress import make_progress
 
+        if self._res is not None:
+            return self.status()
+        self._check_open()
+
         bar = make_progress(self, enabled=progress)
         if progress:
             self.display = bar
@@ -87,9 +206,10 @@ class RunHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                status = self.client.sync(self.client.scheduler.vcdask_wait, run_id=self.run_id, timeout=0.5)
+                step = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+                status = self.client.sync(self.client.scheduler.vcdask_wait, run_id=self.run_id, timeout=step)
                 bar.update(status)
-                if status["status"] in _ENDED or (deadline is not None and time.monotonic() > deadline):
+                if status["status"] in _ENDED or (deadline is not None and time.monotonic() >= deadline):
                     return status
         except KeyboardInterrupt:
             self.stop("interrupted")
@@ -97,33 +217,87 @@ class RunHandle:
         finally:
             bar.close(status)
 
-    def result(self, model: torch.nn.Module | None = None, wall_time: float = float("nan")) -> FitResult:
+    def result(
+        self, timeout: float | None = None, *, model: torch.nn.Module | None = None, wall_time: float | None = None
+    ) -> FitResult:
         """Wait for the run and return its :class:`FitResult`.
 
         Parameters
         ----------
+        timeout : float, optional
+            Seconds to wait at most; default: until the run ends.
         model : torch.nn.Module, optional
-            Module to load the final parameters into; default a copy of the run's model.
+            Module to load the final parameters into; default the one given to ``fit`` (for a handle
+            from ``fit(wait=False)``), else a copy of the run's model.
+        wall_time : float, optional
+            What ``FitResult.wall_time`` reports; default the run's own time plus its staging.
 
         Raises
         ------
+        TimeoutError
+            The run is still going after ``timeout`` seconds (it goes on; ask again later).
+        RunCancelledError
+            The run was cancelled (a :class:`concurrent.futures.CancelledError`).
         RunFailedError
-            The run ended with an error or was cancelled.
+            The run ended with an error.
+        TypeError
+            ``timeout`` is not a number (a model passed positionally: pass ``model=``).
         """
+        if isinstance(timeout, torch.nn.Module):
+            raise TypeError(
+                f"result()'s first argument is timeout (seconds), got a {type(timeout).__name__}: "
+                "pass the module by keyword, handle.result(model=my_model)"
+            )
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+            raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+        if self._res is None:
+            status = self.wait(timeout)
+            if status["status"] not in _ENDED:
+                raise TimeoutError(
+                    f"run {self.run_id} is still {status['status']} after {timeout} s "
+                    f"({status['epochs_done']}/{status['max_epochs']} epochs); it goes on: call result() again"
+                )
+        with self._lock:  # `await handle` and a done callback may ask at once: collect once
+            if self._result is not None and model is None:
+                return self._result
+            if self._res is None:
+                self._res = self.client.sync(self.client.scheduler.vcdask_result, run_id=self.run_id)
+                self.close()  # the run ended: a client this handle owns is no longer needed
+            result = self._result_of(self._res, model, wall_time)
+            if model is None:
+                self._result = result
+            return result
+
+    def _result_of(self, res: dict, model: torch.nn.Module | None, wall_time: float | None) -> FitResult:
+        if res["status"] == "cancelled":
+            raise RunCancelledError(
+                f"run {self.run_id} was cancelled ({res['stopping'] or 'its scheduler closed'}); its store "
+                f"holds the version it reached: vcdask.load(store, branch={self.run_id!r}) (version {res['version']})"
+            )
+        if res["status"] != "finished":
+            raise RunFailedError(f"run {self.run_id} ended with status {res['status']!r}:\n{res['error']}")
+        return self._collect(res, model if model is not None else self._model, wall_time)
+
+    def _collect(self, res: dict, model: torch.nn.Module | None, wall_time: float | None) -> FitResult:
+        import copy
+
         import pandas as pd
 
         from .spec import load_spec
 
-        self.wait()
-        res = self.client.sync(self.client.scheduler.vcdask_result, run_id=self.run_id)
-        if res["status"] != "finished":
-            raise RunFailedError(f"run {self.run_id} ended with status {res['status']!r}:\n{res['error']}")
         store = pickle.loads(res["store"])
         if model is None:
-            import copy
-
             model = copy.deepcopy(load_spec(store, self.run_id).model)
-        load_into(model, store.read(res["version"]).params)
+        checkpoint = store.read(res["version"])
+        load_into(model, checkpoint.params)
+        # as vcdask.load marks a model (the same keys): a later fit of it records this version as its start
+        model.vcdask_version = {  # type: ignore[assignment]
+            "id": res["version"],
+            **checkpoint.metadata,
+            "run_id": self.run_id,
+            "tag": None,
+            "store": store.location,
+        }
         epochs = pd.DataFrame(res["epochs"])
         return FitResult(
             model=model,
@@ -136,8 +310,10 @@ class RunHandle:
             workers=pd.DataFrame(res["workers"]),
             cost=res.get("cost") or {},
             stop_reason=res.get("stopping"),
-            wall_time=wall_time,
+            wall_time=self._setup_seconds + res["elapsed"] if wall_time is None else wall_time,
             panel=self.display if type(self.display).__name__ == "RunPanel" else None,
+            best_version=best_version(store, res),
+            start=res.get("start"),
         )
 
 
@@ -162,6 +338,15 @@ def attach(run_id: str, client: Any = None) -> RunHandle:
         client = default_client()
     elif isinstance(client, str):
         client = Client(client, set_as_default=False)
+        try:
+            return _attach(run_id, client, owns_client=True)
+        except BaseException:
+            client.close()
+            raise
+    return _attach(run_id, client)
+
+
+def _attach(run_id: str, client: Any, owns_client: bool = False) -> RunHandle:
     if not client.run_on_scheduler(_has_plugin):
         raise RunNotFoundError(
             f"no vcdask run {run_id!r}: the scheduler at {client.scheduler.address} has never run vcdask"
@@ -169,4 +354,4 @@ def attach(run_id: str, client: Any = None) -> RunHandle:
     runs = client.sync(client.scheduler.vcdask_runs)
     if run_id not in runs:
         raise RunNotFoundError(f"no vcdask run {run_id!r} on {client.scheduler.address}; runs: {sorted(runs)}")
-    return RunHandle(run_id, client)
+    return RunHandle(run_id, client, owns_client=owns_client)

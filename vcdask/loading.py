@@ -40,7 +40,8 @@ def load(
     -------
     torch.nn.Module
         The model, in eval mode, with the version's parameters.  Its ``vcdask_version``
-        attribute holds the version's id and metadata.
+        attribute holds the version's id and metadata, the ``tag`` it was loaded by (or None) and
+        the ``store``'s location; :func:`vcdask.fit` records them as the run's start.
 
     Raises
     ------
@@ -65,7 +66,13 @@ def load(
         model = _run_model(store, checkpoint)
     checkpoint.load_into(model)
     model.eval()
-    model.vcdask_version = {"id": checkpoint.version, **checkpoint.metadata}  # type: ignore[assignment]
+    # where it came from: a later fit records it as the run's start (FitResult.start)
+    model.vcdask_version = {  # type: ignore[assignment]
+        "id": checkpoint.version,
+        **checkpoint.metadata,
+        "tag": tag,
+        "store": store.location,
+    }
     return model
 
 

@@ -3,7 +3,6 @@ on its arguments before any cluster work (each error names the bad value and the
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import math
@@ -22,6 +21,7 @@ from .data import DataError, PreparedData, prepare_data
 from .device import check_device, check_precision
 from .inner import check_optimizer_state, check_schedule
 from .merge import MergeRule, get_rule
+from .preflight import check_model, check_run, check_target, model_dtype
 from .resilience import NEEDS_VALIDATION, Resilience
 from .staging import split
 from .steps import check_steps, probe_batch
@@ -133,80 +133,6 @@ def resolve_optimizer(optimizer, lr: float) -> Callable:
     )
 
 
-def model_dtype(model: torch.nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.get_default_dtype()
-
-
-def check_model(model, prepared: PreparedData, loss, classification: bool, x_dtype) -> bool:
-    """One forward pass on a few rows: the model accepts the data and its outputs fit the labels.
-
-    Returns whether ``X`` is cast to the model's dtype (True), or stays integer (False: integer
-    inputs such as token ids that the model takes as they are, and not as floats).
-    """
-    probe = copy.deepcopy(model).eval()
-    if prepared.form == "dataset":
-        if prepared.sample_X is None:
-            raise DataError(
-                "the default step needs dataset items (x, y) of tensors; pass train_step=fn(model, batch) "
-                "(and eval_step=) for other items"
-            )
-        X = torch.as_tensor(prepared.sample_X)
-        X, cast = (X.to(x_dtype), True) if X.is_floating_point() else (X, False)
-    else:
-        X = torch.as_tensor(np.ascontiguousarray(prepared.sample_X))
-        cast = True
-    try:
-        with torch.no_grad():
-            out = probe(X.to(x_dtype) if cast else X)
-    except Exception as e:  # noqa: BLE001 - the user's model; retried with integer inputs, else reported
-        integer = not X.is_floating_point() and cast
-        try:
-            if not integer:
-                raise
-            with torch.no_grad():  # integer inputs (token ids...) the model takes as they are
-                out, cast = probe(X), False
-        except Exception:  # noqa: BLE001 - reported with the first error
-            raise DataError(
-                f"the model cannot process the training data: samples of shape {tuple(prepared.x_shape)} "
-                f"and dtype {prepared.x_dtype} -> {type(e).__name__}: {e}"
-            ) from e
-    if classification:
-        n_classes = out.shape[-1] if out.dim() > 1 else 1
-        assert prepared.y_min is not None and prepared.y_max is not None  # set for classification data
-        if prepared.y_min < 0 or prepared.y_max >= n_classes:
-            raise DataError(
-                f"labels range over [{prepared.y_min}, {prepared.y_max}] but the model outputs "
-                f"{n_classes} classes; labels must be in [0, {n_classes - 1}]"
-            )
-    y = torch.as_tensor(np.ascontiguousarray(prepared.sample_y))
-    y = y.long() if classification else y.to(x_dtype)
-    try:
-        loss(out, y)
-    except Exception as e:
-        raise DataError(
-            f"the loss cannot compare model outputs of shape {tuple(out.shape)} with labels of "
-            f"shape {tuple(y.shape)}: {type(e).__name__}: {e}"
-        ) from e
-    return cast
-
-
-def check_target(target, metric_names) -> dict[str, float] | None:
-    if target is None:
-        return None
-    if not isinstance(target, Mapping) or not target:
-        raise TypeError(f"target must be a mapping like {{'accuracy': 0.95}}, got {target!r}")
-    valid = ["loss", *metric_names]
-    for name, goal in target.items():
-        if name not in valid:
-            raise ValueError(f"target metric {name!r} is not computed; available: {valid}")
-        if not isinstance(goal, (int, float)) or math.isnan(goal):
-            raise ValueError(f"target value for {name!r} must be a number, got {goal!r}")
-    return {k: float(v) for k, v in target.items()}
-
-
 @dataclass(frozen=True)
 class RunPlan:
     """A run's inputs, checked and coerced (before any cluster work)."""
@@ -312,6 +238,7 @@ def plan_run(
             "pass train_step=fn(model, batch) -> loss (and eval_step=fn(model, batch) -> dict of metrics)"
         )
     x_dtype = model_dtype(model)
+    check_run(model, prepared, loss=loss, train_step=train_step)  # causes and remedies, before the probes below
     if train_step is None:
         loss_fn = resolve_loss(loss, prepared.classification)
         metric_fns = resolve_metrics(metrics, prepared.classification)
@@ -332,6 +259,8 @@ def plan_run(
         )
     val_prepared = None
     if validation is not None and not isinstance(validation, float):
+        if prepared.feature_names:  # a DataFrame: the training columns, by name, whatever the order
+            names["features"] = list(prepared.feature_names)
         val_prepared = prepare_data(validation, **names, what="validation")
         if val_prepared.form != prepared.form or (
             prepared.form != "dataset" and val_prepared.shapes != prepared.shapes
@@ -376,6 +305,7 @@ def plan_run(
             **training,
             "metric_names": metric_names if train_step is not None else (),
             "batch_form": prepared.form,
+            "feature_names": prepared.feature_names,
             "cast_x": cast_x,
         },
     )

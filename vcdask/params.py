@@ -11,7 +11,7 @@ one array to write.  This module does no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,8 +171,13 @@ class Layout:
         return problems
 
 
-class FlatParams:
+class FlatParams(Mapping[str, torch.Tensor]):
     """A model state packed into one contiguous 1-D tensor per dtype.
+
+    It is also a read-only mapping from ``state_dict`` names to tensors, in layout order:
+    ``params["0.weight"]`` is the named tensor (a view into the flat array of its dtype, as
+    :meth:`state_dict` gives it), and ``len``, iteration, ``keys()``, ``items()`` and ``in`` work as on
+    a ``state_dict``.  Two FlatParams compare by identity; :meth:`equal` compares their values.
 
     Parameters
     ----------
@@ -187,9 +192,11 @@ class FlatParams:
     >>> flat = flatten(torch.nn.Linear(3, 2))
     >>> flat.layout.names, flat.numel
     (['weight', 'bias'], 8)
+    >>> list(flat), tuple(flat["weight"].shape)
+    (['weight', 'bias'], (2, 3))
     """
 
-    __slots__ = ("arrays", "layout")
+    __slots__ = ("_entries", "arrays", "layout")
 
     def __init__(self, layout: Layout, arrays: Mapping[str, torch.Tensor]):
         sizes = layout.sizes
@@ -206,6 +213,28 @@ class FlatParams:
                 )
         self.layout = layout
         self.arrays = {d: arrays[d] for d in sizes}
+        self._entries = {e.name: e for e in layout.entries}
+
+    # the read-only Mapping: name -> tensor (a view), in layout order
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            e = self._entries[name]
+        except (KeyError, TypeError):
+            raise KeyError(name) from None
+        return self.arrays[e.dtype][e.offset : e.offset + e.size].view(e.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    # a Mapping compares by value, which tensors cannot answer with one bool: keep identity (see ``equal``)
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     @property
     def numel(self) -> int:
@@ -219,7 +248,7 @@ class FlatParams:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Named tensors as *views* into the flat arrays (no copy)."""
-        return {e.name: self.arrays[e.dtype][e.offset : e.offset + e.size].view(e.shape) for e in self.layout.entries}
+        return {name: self[name] for name in self._entries}
 
     def clone(self) -> FlatParams:
         """A deep copy."""

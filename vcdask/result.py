@@ -7,9 +7,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from .engine.policy import LOWER_IS_BETTER
+from .engine.policy import lower_is_better
 
 __all__ = ["HISTORY_COLUMNS", "FitResult"]
 
@@ -78,6 +79,13 @@ class FitResult:
         Validation metrics of the final version (empty without validation data).
     panel : vcdask.panel.RunPanel or None
         The live panel shown while the run trained (in a Jupyter kernel; None elsewhere).
+    best_version : str or None
+        With validation: the version that ended the best epoch of the monitored metric (``monitor=``,
+        default the ``target``'s metric or the first metric); ``model`` and ``version`` hold the last
+        one.  Load the best with ``vcdask.load(result.store, version=result.best_version)``.
+    start : dict or None
+        Where the run's initial parameters came from: ``{"version", "tag", "store"}`` for a model
+        from :func:`vcdask.load`, None for a fresh model.
     """
 
     model: torch.nn.Module
@@ -92,6 +100,83 @@ class FitResult:
     stop_reason: str | None = None
     wall_time: float = float("nan")
     panel: Any = field(default=None, repr=False)
+    best_version: str | None = None
+    start: dict[str, Any] | None = None
+
+    def predict(self, X: Any, *, batch_size: int = 1024, device: Any = None) -> np.ndarray:
+        """Predictions of the trained model for the rows of ``X``.
+
+        The rows go through :attr:`model` in batches of ``batch_size``, without gradients and in eval mode
+        (the model's mode is restored after).  A DataFrame's feature columns are picked by the names the
+        run trained on (``features=``), as float32.
+
+        Parameters
+        ----------
+        X : numpy array, torch tensor or pandas DataFrame
+            The rows, sample axis first, each shaped as the training samples.
+        batch_size : int, default 1024
+        device : str or torch.device, optional
+            Where to run the model (e.g. ``"cuda"``); default the run's device (``fit(device=)``,
+            ``"auto"``: this machine's accelerator if it has one), else the CPU.
+
+        Returns
+        -------
+        numpy.ndarray
+            For a classifier (a run on integer labels): the class ids (int64, the arg-max of the
+            outputs), shape (n,).  Otherwise the model's outputs, shape (n, ...) as the model gives them.
+
+        Raises
+        ------
+        DataError
+            The model cannot take the rows, or a DataFrame lacks a column the run trained on.
+        TypeError
+            An unsupported input, or a run with dict batches (a custom ``train_step``).
+
+        Examples
+        --------
+        >>> result = vcdask.fit(model, df, label="target")  # doctest: +SKIP
+        >>> result.predict(df_new)  # doctest: +SKIP
+        array([0, 2, 1, ...])
+        """
+        from .predict import model_outputs
+
+        spec = self._spec()
+        out = model_outputs(self.model, spec, X, batch_size=batch_size, device=_run_device(spec, device))
+        if spec.classification:
+            return out.argmax(dim=-1).numpy()
+        return out.numpy()
+
+    def predict_proba(self, X: Any, *, batch_size: int = 1024, device: Any = None) -> np.ndarray:
+        """Class probabilities of a classifier for the rows of ``X``: the softmax of its outputs.
+
+        Takes the same inputs as :meth:`predict`; ``predict(X)`` is the arg-max of these.
+
+        Returns
+        -------
+        numpy.ndarray
+            Shape (n, n_classes), rows summing to 1.
+
+        Raises
+        ------
+        TypeError
+            The run is a regression (its labels were floats): use :meth:`predict`.
+        """
+        from .predict import model_outputs
+
+        spec = self._spec()
+        if not spec.classification:
+            raise TypeError(
+                f"predict_proba is for classifiers (runs on integer class ids), but run {self.run_id} trained a "
+                "regression on float labels; use predict(X) for its outputs"
+            )
+        out = model_outputs(self.model, spec, X, batch_size=batch_size, device=_run_device(spec, device))
+        return torch.softmax(out.float(), dim=-1).numpy()
+
+    def _spec(self):
+        """The run's :class:`~vcdask.spec.RunSpec` (read from the store once per process)."""
+        from .spec import load_spec
+
+        return load_spec(self.store, self.run_id)
 
     def _repr_html_(self) -> str:
         return _html(self)
@@ -137,6 +222,19 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return "–" if math.isnan(value) else f"{value:.4g}"
     return html.escape(str(value))
+
+
+def _run_device(spec: Any, device: Any) -> Any:
+    """Where ``predict`` runs: ``device`` if given, else the run's device in this process (``"auto"``: its
+    accelerator), else the CPU (a run's ``"cuda"`` on a machine without one predicts on the CPU)."""
+    if device is not None:
+        return device
+    from .device import resolve_device
+
+    try:
+        return resolve_device(getattr(spec, "device", "auto"))
+    except (RuntimeError, ValueError):
+        return torch.device("cpu")
 
 
 def _html(result: FitResult) -> str:
@@ -193,8 +291,8 @@ def _plot(result: FitResult):
         raise ValueError(f"run {result.run_id} finished no epoch: there is nothing to plot")
     source = ColumnDataSource({c: epochs[c].to_numpy() for c in epochs.columns})
     names = [c for c in epochs.columns if f"{c}_min" in epochs.columns]
-    metrics = [c for c in names if not c.endswith(LOWER_IS_BETTER)]
-    losses = [c for c in names if c.endswith(LOWER_IS_BETTER)] + ["train_loss"]
+    metrics = [c for c in names if not lower_is_better(c)]
+    losses = [c for c in names if lower_is_better(c)] + ["train_loss"]
     figures = []
     for group, label in ((metrics, "validation metric"), (losses, "loss")):
         if not group:

@@ -10,17 +10,25 @@ import io
 import pickle
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["MOVED_MODULES", "RunSpec", "load_spec", "loads", "save_spec", "spec_path"]
+__all__ = ["MOVED_MODULES", "RunSpec", "load_spec", "loads", "record_path", "save_spec", "spec_path"]
 
 
 def spec_path(run_id: str) -> str:
     """Where a run's spec lives, relative to ``<store>/runs``."""
     return f"{run_id}/spec.pkl"
+
+
+def record_path(run_id: str) -> str:
+    """Where a run's record lives (small JSON: status, why it stopped, epochs, final metrics; written by
+    the engine when the run starts and when it ends), relative to ``<store>/runs``; read it with
+    :func:`vcdask.engine.end.read_record`, never unpickling anything."""
+    return f"{run_id}/status.json"
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,10 @@ class RunSpec:
     compression: str | None = None  # vcdask.compress codec of the updates; None: full W_c
     speed_adaptive: bool = False  # a slow worker's task trains a share of its shard (engine.policy.work_fraction)
     prices: dict[str, dict[str, float]] | None = None  # vcdask.cost: $/h per instance type and market
+    feature_names: tuple = ()  # pandas data: the feature columns, in X's order (FitResult.predict selects them)
+    patience: int | None = None  # early stopping: epochs without improvement of `monitor`
+    monitor: str | None = None  # the validation metric early stopping (and FitResult.best_version) follows
+    start: dict[str, Any] | None = None  # where the model came from: {"version", "tag", "store"} or None
 
     @property
     def spec_path(self) -> str:
@@ -74,14 +86,26 @@ class RunSpec:
 
 
 _lock = threading.Lock()
-_specs: dict[tuple[str, str], RunSpec] = {}
+_specs: OrderedDict[tuple[str, str], RunSpec] = OrderedDict()
+#: Specs kept per process (a spec holds the run's model): the runs a worker trains lately.
+_MAX_SPECS = 4
+
+
+def _remember(key: tuple[str, str], spec: RunSpec) -> None:
+    with _lock:
+        _specs[key] = spec
+        _specs.move_to_end(key)
+        while len(_specs) > _MAX_SPECS:
+            _specs.popitem(last=False)
 
 
 def save_spec(spec: RunSpec) -> None:
-    """Write ``spec`` to its run's folder in its store."""
+    """Write ``spec`` to its run's folder in its store (and to this process's cache: a later
+    :func:`load_spec` here sees it, e.g. after ``resume(max_epochs=)``)."""
     import cloudpickle
 
     spec.store.files.put(spec.spec_path, cloudpickle.dumps(spec))
+    _remember((spec.store.location, spec.run_id), spec)
 
 
 #: Where names that specs of earlier vcdask versions refer to live now (a spec pickles vcdask's own classes
@@ -108,8 +132,9 @@ def load_spec(store, run_id: str) -> RunSpec:
     key = (store.location, run_id)
     with _lock:
         spec = _specs.get(key)
+        if spec is not None:
+            _specs.move_to_end(key)
     if spec is None:
         spec = loads(store.files.get(spec_path(run_id)))
-        with _lock:
-            _specs[key] = spec
+        _remember(key, spec)
     return spec

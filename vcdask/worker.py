@@ -41,6 +41,8 @@ _lock = threading.Lock()
 _versions: OrderedDict[str, FlatParams] = OrderedDict()
 _models = threading.local()
 _MAX_VERSIONS = 4
+#: Models kept per thread (one per run and device): the runs this worker trained lately.
+_MAX_MODELS = 3
 
 
 def _version(store, version: str) -> FlatParams:
@@ -63,11 +65,14 @@ def _model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
     """A private copy of the run's model on ``device`` for this thread (threads never share a module)."""
     models = getattr(_models, "by_run", None)
     if models is None:
-        models = _models.by_run = {}
+        models = _models.by_run = OrderedDict()
     key = (spec.run_id, str(device))
     model = models.get(key)
     if model is None:
         model = models[key] = copy.deepcopy(spec.model).to(device)
+    models.move_to_end(key)
+    while len(models) > _MAX_MODELS:  # an old run's copy (and its device memory) goes
+        models.popitem(last=False)
     return model
 
 

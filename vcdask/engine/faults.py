@@ -227,10 +227,12 @@ async def final_validation(run: Run, version: str | None, step: int) -> None:
 
 
 # -- what users and the cloud layer ask of a run --------------------------------------------------
-async def stop(run: Run, reason: str) -> None:
-    """Stop dispatching and cancel the shards in flight; the driver then commits and finishes."""
+async def stop(run: Run, reason: str, cancel: bool = False) -> None:
+    """Stop dispatching and cancel the shards in flight; the driver then commits and finishes (with
+    ``cancel``: as "cancelled", a run without a result)."""
     if not run.done.is_set() and run.stopping is None:
         run.stopping = reason
+        run.cancelled = cancel
         await run.tasks.cancel([k for k, _ in run.tasks.updates()])
 
 

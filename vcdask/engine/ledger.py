@@ -74,6 +74,8 @@ class Ledger:
         target: dict[str, float] | None,
         events: EventLog,
         clock: Callable[[], float] | None = None,
+        patience: int | None = None,
+        monitor: str | None = None,
     ):
         self.n_shards = n_shards
         self.max_epochs = max_epochs
@@ -90,6 +92,10 @@ class Ledger:
         self.history: list[dict[str, Any]] = []
         self.shard_state: dict[tuple[int, int], ShardState] = {}
         self.shard_seconds: list[float] = []  # of merged updates: what deadlines derive from
+        #: Early stopping: stop once ``monitor`` has not improved for ``patience`` epochs.
+        self.patience, self.monitor = patience, monitor
+        self.best: dict[str, Any] | None = None  # {"epoch", "step", "value"} of the best epoch so far
+        self.resumed_at = 0  # epochs done before a resume: patience counts from there
 
     # -- shards ---------------------------------------------------------------------------------
     def done(self, epoch: int, shard: int) -> bool:
@@ -160,7 +166,8 @@ class Ledger:
         Returns
         -------
         str or None
-            Why the run should stop, once an epoch reached the ``target``.
+            Why the run should stop: an epoch reached the ``target``, or (early stopping) the
+            ``monitor`` metric has not improved for ``patience`` epochs.
         """
         stop = None
         while True:
@@ -174,7 +181,27 @@ class Ledger:
             self.epochs.append(row)
             self.events.emit("epoch", **row)
             if self.target and all(policy.reached(n, goal, row.get(n)) for n, goal in self.target.items()):
-                stop = f"target {self.target} reached at epoch {epoch}"
+                stop = stop or f"target {self.target} reached at epoch {epoch}"
+            early = self._patience_out(epoch, end_step, row)
+            if stop is None and early is not None:
+                return early  # the run ends with this epoch (later ones may have merged shards already)
+
+    def _patience_out(self, epoch: int, end_step: int, row: dict[str, Any]) -> str | None:
+        """Track the best epoch of ``monitor``; why to stop once it is ``patience`` epochs behind."""
+        if self.monitor is None:
+            return None
+        value = row.get(self.monitor)
+        if policy.improved(self.monitor, value, None if self.best is None else self.best["value"]):
+            self.best = {"epoch": epoch, "step": end_step, "value": value}
+            return None
+        if self.patience is None or self.best is None:
+            return None
+        if epoch - max(self.best["epoch"], self.resumed_at) >= self.patience:
+            return (
+                f"early stopping: {self.monitor} has not improved for {self.patience} epochs "
+                f"(best {self.best['value']:.6g} at epoch {self.best['epoch']})"
+            )
+        return None
 
     def _epoch_row(self, epoch: int, end_step: int, wall: float) -> dict[str, Any]:
         merges = [h for h in self.history if h["epoch"] == epoch and h["accepted"]]

@@ -4,6 +4,7 @@ Everything that touches parameter arrays runs in the run's merge thread, never o
 event loop.  The loop reads :attr:`ParamsServer.head`, an immutable :class:`Head` that the merge
 thread replaces as one object after each merge or commit.  The run's retention policy is applied
 here too, between merges, at most once per ``Retention.interval`` (:meth:`ParamsServer.collect`).
+Commits and retention live in :mod:`vcdask.engine.committing` (a mixin of :class:`ParamsServer`).
 
 Each version's metadata records the run's progress (``progress``: the epochs done, with the step at
 which each ended, and the shards merged in the epochs still open), so that a resumed run knows what
@@ -17,46 +18,28 @@ import time
 import zipfile
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..compress import EncodedUpdate
-from ..errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError, VersionNotFoundError
 from ..merge import VCASGD, Arrival, MergeRule, RuleState
 from ..params import FlatParams
 from ..store import Retention
 from ..updates import delete_update, read_update
+from .committing import BASES_KEPT, Committing, Head
 from .guard import Guard
-from .outage import retry_through
 from .policy import check_update
 
-#: Base versions of compressed updates the merge thread keeps in memory (the newest commits).
-BASES_KEPT = 8
 #: At most this many merges wait for one commit while more results queue behind them.
 FOLD_MAX = 8
 #: The stages of the merge path timed in :attr:`ParamsServer.stage_seconds` (for the last 256 merges).
 STAGES = ("read", "check", "rule", "commit")
 
-__all__ = ["Head", "ParamsServer"]
+__all__ = ["BASES_KEPT", "Head", "ParamsServer"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Head:
-    """Where the server stands: merges so far, and the newest committed version with its step."""
-
-    step: int = 0
-    version: str | None = None
-    version_step: int = 0
-
-    @property
-    def committed(self) -> bool:
-        """Whether every merge so far is in a committed version."""
-        return self.version_step == self.step
-
-
-class ParamsServer:
+class ParamsServer(Committing):
     """``W_s`` in memory, the merge counter and the newest committed version.
 
     Parameters
@@ -155,6 +138,14 @@ class ParamsServer:
         if waiting is not None and time.monotonic() - waiting[1] > after:
             return f"waiting {time.monotonic() - waiting[1]:.0f} s for the store ({waiting[0]})"
         return None
+
+    def release(self) -> None:
+        """Drop the parameter-sized arrays (``W_s``, the rule's state, the bases, the guard) once the
+        run has ended: the scheduler keeps only the run's small records (:attr:`head`, progress)."""
+        self.params = None
+        self.rule_state = RuleState()
+        self._bases.clear()
+        self.guard = None
 
     # -- the merge thread -----------------------------------------------------------------------
     def load(self) -> None:
@@ -269,141 +260,3 @@ class ParamsServer:
         if not self.keep_updates:
             delete_update(self.store.files, record["update"])
         return {"accepted": False, "staleness": staleness, "reason": reason, "fault": fault}
-
-    def commit(self) -> None:
-        """Commit the merges not yet in a version (no-op when there are none).
-
-        A commit is never applied twice: when the store reports a conflict, the branch head is
-        checked first — if it is this very commit (the store took it but its answer was lost),
-        it is adopted.  While the store is unreachable past its own retries, the run pauses
-        here (``paused`` says why) and tries again with backoff, up to ``outage_timeout`` seconds.
-        """
-        if not self.uncommitted:
-            return
-        last = self.uncommitted[-1]
-        metadata = {
-            "run_id": self.run_id,
-            "step": self.step,
-            "epoch": last["epoch"],
-            "merged": [[r["epoch"], r["shard"], r["attempt"]] for r in self.uncommitted],
-            "merge": self.rule.describe(),
-            "progress": {k: [list(m) for m in v] for k, v in self.progress.items()},
-        }
-        schedule = getattr(self.rule, "schedule", None)
-        if schedule is not None:
-            metadata["alpha"] = float(schedule(last["epoch"]))
-        if self.rule_state.scalars:
-            metadata["rule_state"] = dict(self.rule_state.scalars)
-        t0 = time.perf_counter()
-        version = self._through_outages(lambda: self._commit_once(metadata), f"committing step {self.step}")
-        self.stage_seconds["commit"].append(time.perf_counter() - t0)
-        self.head = Head(self.step, version, self.step)
-        if self._bases and self.params is not None:  # compressed updates: the next ones start from here
-            self._bases[version] = self.params.clone()
-            while len(self._bases) > BASES_KEPT:
-                self._bases.popitem(last=False)
-        if not self.keep_updates:
-            for r in self.uncommitted:  # merged and committed: the update has done its job
-                delete_update(self.store.files, r["update"])
-        self.uncommitted = []
-        self.folded = False
-        self.collect()
-
-    def collect(self, final: bool = False) -> None:
-        """Apply the run's retention policy to its branch (:meth:`vcdask.ParamStore.gc`).
-
-        At most once per ``retention.interval`` seconds (``final``: now), in the merge thread, so it
-        never runs beside a commit of this run.  Versions at or after ``in_use_step`` (what the run's
-        tasks read) are kept.  A failed collection is logged and tried again at the next interval:
-        nothing is lost meanwhile, the store only holds more.
-        """
-        if self.retention is None or self.version is None:
-            return
-        if not final and time.monotonic() - self._collected < self.retention.interval:
-            return
-        self._collected = t0 = time.monotonic()
-        head_step = self.version_step
-        in_use = head_step if self.in_use_step is None else min(self.in_use_step, head_step)
-        try:
-            report = self.store.gc(self.retention, branches=[self.branch], in_use={self.branch: in_use})
-        except (StoreError, VersionNotFoundError) as e:  # e.g. another collection removed what this one read
-            logger.warning("run %s: collecting old versions failed (tried again later): %s", self.run_id, e)
-            return
-        self.keep_from = max(self.keep_from, head_step)  # everything older it keeps is pinned now
-        self.collect_seconds.append(time.monotonic() - t0)
-        if report.held_back and not self._said_held_back:  # once per run
-            self._said_held_back = True
-            logger.warning(
-                "run %s: retention cannot remove all it should: %s", self.run_id, "; ".join(report.held_back)
-            )
-        logger.debug("run %s: retention removed %d versions", self.run_id, report.n_removed)
-
-    def _commit_once(self, metadata: dict[str, Any]) -> str:
-        try:
-            return self.store.commit(
-                self.params,
-                metadata,
-                branch=self.branch,
-                parent=self.version,
-                message=f"{self.run_id} step {self.step}",
-                state=self.rule_state.arrays,
-                keep_from=self._keep_from(),
-            )
-        except StoreConflict:
-            version = self._landed(metadata)
-            if version is None:
-                raise  # somebody else writes to this run's branch: never interleave
-            logger.warning(
-                "run %s: commit of step %d had landed although the store reported a "
-                "conflict (a lost response); adopting version %s",
-                self.run_id,
-                self.step,
-                version,
-            )
-            return version
-        except (StoreNotFoundError, StoreAccessDeniedError):
-            raise
-        except StoreError:
-            version = self._landed(metadata, quiet=True)  # the store may have taken it before failing
-            if version is None:
-                raise
-            return version
-
-    def _keep_from(self) -> int | None:
-        """The marker for other collectors: this run may still need its versions from this step on."""
-        if self.retention is None:
-            return None
-        in_use = self.version_step if self.in_use_step is None else self.in_use_step
-        return min(in_use, self.keep_from)
-
-    def _through_outages(self, fn: Callable[[], Any], what: str) -> Any:
-        """``fn()`` through store outages (:func:`~vcdask.engine.outage.retry_through`); ``waiting`` and
-        ``paused`` say what the server waits for meanwhile."""
-
-        def attempt() -> Any:
-            self.waiting = (what, time.monotonic())
-            try:
-                return fn()
-            finally:
-                self.waiting = None
-
-        def on_wait(why: str | None) -> None:
-            self.paused = why
-
-        return retry_through(attempt, f"run {self.run_id}: {what}", self.outage_timeout, on_wait=on_wait)
-
-    def _landed(self, metadata: dict[str, Any], quiet: bool = False) -> str | None:
-        """The id of the branch head if it is exactly the commit described by ``metadata``, else None."""
-        try:
-            head = self.store.versions(self.branch)[0]
-        except (StoreError, IndexError):
-            if quiet:
-                return None
-            raise
-        same = (
-            head.parent == self.version
-            and head.metadata.get("run_id") == self.run_id
-            and head.metadata.get("step") == metadata["step"]
-            and head.metadata.get("merged") == metadata["merged"]
-        )
-        return head.id if same else None

@@ -3,7 +3,7 @@
 Runs live on the scheduler, not in the process that called ``fit``: each run drives its
 shard tasks through an asynchronous Dask client opened inside the scheduler, keeps the
 server parameters ``W_s`` in memory, and merges each arriving update in a dedicated
-thread (read ``W_c`` from the store, ``lerp_``, commit), so the scheduler's event loop
+thread (read ``W_c`` from the store, apply the merge rule, commit), so the scheduler's event loop
 only ever handles small records.  Clients talk to it through the handlers below
 (``client.scheduler.vcdask_status(run_id=...)``), as distributed's shuffle plugin does.
 """
@@ -11,6 +11,7 @@ only ever handles small records.  Clients talk to it through the handlers below
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import pickle
 import time
@@ -79,19 +80,37 @@ class VcdaskPlugin(SchedulerPlugin):
         except KeyError:
             raise RunNotFoundError(f"no vcdask run {run_id!r} on this scheduler; runs: {sorted(self.runs)}") from None
 
-    async def handle_start(self, comm=None, store: bytes = b"", run_id: str = "", resume: bool = False) -> str:
+    async def handle_start(
+        self, comm=None, store: bytes = b"", run_id: str = "", resume: bool = False, max_epochs: int | None = None
+    ) -> str:
         """Load the run's spec from the store (off the loop) and start driving it.
 
         With ``resume=True`` the run continues from its branch and folder in the store (after
-        the scheduler that drove it died)."""
-        if run_id in self.runs and not self.runs[run_id].done.is_set():
+        the scheduler that drove it died, or to train more epochs: ``max_epochs``)."""
+        live = self.runs.get(run_id)
+        if live is not None and not live.done.is_set():
+            if max_epochs is not None and max_epochs != live.spec.max_epochs:
+                raise ValueError(
+                    f"run {run_id!r} is still going (epoch {len(live.ledger.epochs)} of {live.spec.max_epochs}): "
+                    f"max_epochs={max_epochs} cannot change it now; wait for it to end (or cancel it), then "
+                    "resume(run_id, max_epochs=...)"
+                )
             return run_id
         store_obj = pickle.loads(store)
         loop = asyncio.get_running_loop()
         spec = await loop.run_in_executor(None, load_spec, store_obj, run_id)
+        if max_epochs is not None:
+            spec = dataclasses.replace(spec, max_epochs=max_epochs)
         run = self.runs[run_id] = Run(self.scheduler, spec, resume=resume)
-        self.tasks[run_id] = asyncio.ensure_future(run.drive())
+        task = self.tasks[run_id] = asyncio.ensure_future(run.drive())
+        task.add_done_callback(self._forget_task)
         return run_id
+
+    def _forget_task(self, task: asyncio.Task) -> None:
+        """A run's driver returned: drop its task (the Run keeps only its small result, see engine.end)."""
+        for run_id, t in list(self.tasks.items()):
+            if t is task:
+                del self.tasks[run_id]
 
     async def handle_status(self, comm=None, run_id: str = "") -> dict:
         return self._run(run_id).status_dict()
@@ -112,10 +131,13 @@ class VcdaskPlugin(SchedulerPlugin):
             pass
         return run.status_dict()
 
-    async def handle_stop(self, comm=None, run_id: str = "", reason: str = "stopped by the user") -> dict:
-        """Stop dispatching, cancel the shards in flight, commit what is merged, and finish."""
+    async def handle_stop(
+        self, comm=None, run_id: str = "", reason: str = "stopped by the user", cancel: bool = False
+    ) -> dict:
+        """Stop dispatching, cancel the shards in flight, commit what is merged, and finish (with
+        ``cancel``: the run ends "cancelled")."""
         run = self._run(run_id)
-        await run.stop(reason)
+        await run.stop(reason, cancel)
         return run.status_dict()
 
     async def handle_reissue(self, comm=None, run_id: str = "", epoch: int = 0, shard: int = 0) -> str:
@@ -123,6 +145,10 @@ class VcdaskPlugin(SchedulerPlugin):
 
     async def handle_runs(self, comm=None) -> dict:
         return {run_id: run.status for run_id, run in self.runs.items()}
+
+    def live_runs(self) -> list[str]:
+        """The ids of the runs still going (``vcdask.cluster`` keeps a cluster that has some)."""
+        return [run.id for run in self._live()]
 
     async def handle_preempt(
         self, comm=None, worker: str = "", retire: bool = True, window: float | None = None, reason: str = ""

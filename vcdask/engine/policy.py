@@ -27,6 +27,7 @@ __all__ = [
     "deadline",
     "exclusion",
     "fits_notice",
+    "improved",
     "overdue",
     "reached",
     "staleness_limit",
@@ -53,8 +54,9 @@ BASE_WAIT_FIRST = 1.0
 #: fits the notice; the margin is also kept free at the end of the notice for the worker to retire.
 NOTICE_SAFETY = 1.5
 NOTICE_MARGIN = 5.0
-#: Metrics that improve downwards (a ``target`` is reached when the value is at most the goal).
-LOWER_IS_BETTER = ("loss", "mse", "mae")
+#: Name endings of the metrics that improve downwards (a ``target`` is reached when the value is at most
+#: the goal): ``loss``, ``val_loss``, ``logloss``, ``mse``, ``rmse``, ``mae``, ``error``, ``val_error`` ...
+LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse", "mape", "error")
 
 
 def deadline(res: Resilience, shard_seconds: list[float], tasks_per_slot: int, cold: bool = False) -> float:
@@ -174,8 +176,24 @@ def reached(name: str, goal: float, value: float | None) -> bool:
     """Whether a metric ``value`` meets ``goal`` (at most for losses and errors, at least otherwise)."""
     if value is None:
         return False
-    lower = name in LOWER_IS_BETTER or name.endswith("error")
-    return value <= goal if lower else value >= goal
+    return value <= goal if lower_is_better(name) else value >= goal
+
+
+def lower_is_better(name: str) -> bool:
+    """Whether metric ``name`` improves downwards: its name ends in one of :data:`LOWER_IS_BETTER`
+    (losses and errors: ``loss``, ``val_loss``, ``rmse``, ``mae``, ``error`` ...); the one rule vcdask
+    uses for a metric's direction (targets, early stopping, ``best_version``, releases, plots)."""
+    return name.lower().endswith(LOWER_IS_BETTER)
+
+
+def improved(name: str, value: float | None, best: float | None) -> bool:
+    """Whether ``value`` of metric ``name`` is strictly better than ``best`` (None: nothing yet; a NaN
+    value never improves)."""
+    if value is None or math.isnan(value):
+        return False
+    if best is None or math.isnan(best):
+        return True
+    return value < best if lower_is_better(name) else value > best
 
 
 def check_update(

@@ -82,6 +82,7 @@ async def recover(run: Run) -> None:
     n = run.spec.shards.n_shards
     merged, ends, attempts, pending = await run.in_thread(read_back, run.server, run.store, run.spec.branch, run.id, n)
     run.ledger.merged = merged
+    run.ledger.resumed_at = max(ends, default=0)  # early stopping's patience counts from here
     run.dispatch.restore(merged, attempts, max([*merged, *(m["epoch"] for m in pending), 0]))
     for epoch, (step, version) in ends.items():  # epochs finished before the restart
         run.ledger.epoch_end[epoch] = (step, float("nan"))

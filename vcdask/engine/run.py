@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import NoWorkersError
 from ..spec import RunSpec
 from ..worker import train_shard, validate_version
-from . import arrivals, faults, notice, results, views, watch
+from . import arrivals, end, faults, notice, results, views, watch
 from .dispatch import Dispatcher
 from .events import EventLog, train_key, validate_key
 from .guard import Guard
@@ -73,10 +73,15 @@ class Run:
             target=spec.target,
             events=self.events,
             clock=self.now,
+            patience=spec.patience,
+            monitor=spec.monitor,
         )
         self.tasks = InFlight(scheduler)
         self.outage = StoreOutage(self.res.store_outage_timeout)  # store faults seen by tasks
         self.stopping: str | None = None
+        self.cancelled = False  # stopped by RunHandle.cancel(): it ends "cancelled", without a result
+        self.ended: float | None = None  # time.time() when the driver returned
+        self.final: dict[str, Any] | None = None  # the result dict, kept once the run has ended
         self.idle_since: float | None = None  # since when no usable worker is connected
         self.no_workers: str | None = None  # why the run waits for workers (status()["paused"])
         #: Shard results taken from the workers, and how many of them the merge path has finished with
@@ -105,6 +110,7 @@ class Run:
             await self.tasks.open(f"vcdask-{self.id}")
             await (recover(self) if self.resume else self.in_thread(self.server.load))
             self.status = "running"
+            await self.in_thread(end.write_record, self.store, self.id, end.running_record(self))
             self.events.emit("started", version=self.server.version, step=self.server.step)
             watchdog = asyncio.ensure_future(watch.deadlines(self))
             nxt = None
@@ -127,7 +133,7 @@ class Run:
                     self.note_settled()
             if nxt is not None:
                 nxt.cancel()
-            await self._finish()
+            await end.finish(self)
         except asyncio.CancelledError:
             self.status = "cancelled"
             raise
@@ -138,7 +144,7 @@ class Run:
         finally:
             if watchdog is not None:
                 watchdog.cancel()
-            await self._cleanup()
+            await end.release(self)  # its record written; W_s and the model dropped
             self.done.set()
 
     async def _on_done(self, future: Any) -> None:
@@ -267,32 +273,6 @@ class Run:
         stop = self.ledger.close_epochs()
         if stop is not None:
             self.stopping = stop
-
-    # -- the end --------------------------------------------------------------------------------
-    async def _finish(self) -> None:
-        leftover = [k for k, _ in self.tasks.updates()]
-        await self.tasks.cancel(leftover)
-        for key in leftover:
-            task = self.tasks.pop(key)
-            if task is not None:
-                self.ledger.record_copy(task, "cancelled", f"cancelled: {self.stopping or 'run finished'}")
-        await self.in_thread(self.server.commit)
-        head = self.server.head
-        if self.spec.validation is not None and head.step not in self.ledger.validations:
-            await faults.final_validation(self, head.version, head.step)
-        if not self.spec.keep_updates:
-            await self.in_thread(faults.drop_run_updates, self.store, self.id)
-        self.server.in_use_step = watch.in_use_step(self)
-        await self.in_thread(self.server.collect, True)  # the run's retention, once more at the end
-        self.status = "finished"
-        self.events.emit("finished", version=head.version, step=head.step, reason=self.stopping or "max_epochs")
-
-    async def _cleanup(self) -> None:
-        try:
-            await self.tasks.close()
-        except Exception:
-            logger.debug("closing the client of run %s", self.id, exc_info=True)
-        self.executor.shutdown(wait=False)
 
     # -- what the plugin's handlers and hooks call -------------------------------------------------
     stop = faults.stop

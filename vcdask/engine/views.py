@@ -38,7 +38,7 @@ def status_dict(run: Run) -> dict[str, Any]:
         "paused": paused,
         "paused_cause": None if paused is None else ("store" if store_paused else "workers"),
         "tasks": run.tasks.table(),
-        "elapsed": time.time() - run.started,
+        "elapsed": (run.ended or time.time()) - run.started,
         "alpha": _alpha_now(run),
         "staleness": ledger.last_staleness(),
         "store": run.store.location,
@@ -79,7 +79,10 @@ def panel_state(run: Run, recent_epochs: int = 50) -> dict[str, Any]:
 
 
 def result_dict(run: Run) -> dict[str, Any]:
-    """The status plus everything a :class:`~vcdask.FitResult` is made of."""
+    """The status plus everything a :class:`~vcdask.FitResult` is made of (kept as it was when the run
+    ended: :attr:`Run.final`)."""
+    if run.final is not None:
+        return run.final
     ledger = run.ledger
     workers = run.pool.rows()
     return {
@@ -90,4 +93,7 @@ def result_dict(run: Run) -> dict[str, Any]:
         "cost": summarize(workers, run.spec.prices or {}, run.server.step),
         "final_metrics": ledger.validations.get(run.server.version_step),
         "branch": run.spec.branch,
+        "best": ledger.best,  # {"epoch", "step", "value"} of the monitored metric's best epoch, or None
+        "monitor": run.spec.monitor,
+        "start": run.spec.start,
     }

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 from ..errors import (
     BranchExistsError,
+    MissingRegionError,
     StoreAccessDeniedError,
     StoreConflict,
     StoreError,
@@ -48,6 +50,31 @@ _NOT_FOUND = (
     "repository doesn't exist",
     "No such file or directory",
 )
+# No region for an S3 bucket (the SDK says so only at the end, after failing to find one in instance metadata).
+_NO_REGION = ("A region must be set", "failed to load region", "no region")
+
+#: Icechunk's Rust log filter while the user has not set ``ICECHUNK_LOG``: its own warnings, and none of the
+#: AWS SDK's (a missing region prints three blocks of them before the error, which vcdask names itself).
+QUIET_LOGS = "icechunk=warn,icechunk::storage::object_store=error"
+_quieted = False
+
+
+def quiet_logs() -> None:
+    """Keep the storage SDKs' Rust log noise out of the terminal, unless the user set ``ICECHUNK_LOG``.
+
+    Icechunk prints its Rust tracing (and the AWS SDK's, e.g. one warning per failed attempt to find a
+    region in instance metadata) to stderr at level ``warn``; vcdask turns those failures into errors
+    that name the cause (:func:`translate`).  ``ICECHUNK_LOG=debug`` (or any filter) still shows them all.
+    """
+    global _quieted
+    if _quieted or "ICECHUNK_LOG" in os.environ:
+        return
+    import icechunk
+
+    icechunk.set_logs_filter(QUIET_LOGS)
+    _quieted = True
+
+
 # The provider's credential chain found nothing (checked before _UNREACHABLE: the SDK calls it a "dispatch failure").
 _NO_CREDENTIALS = (
     "no providers in chain provided credentials",
@@ -92,10 +119,18 @@ def _translate(exc: BaseException, what: str) -> Exception:
             f"{what}: no credentials: none were given, and the provider's standard chain (environment, "
             f"profile, instance role) found none in this process ({cause})"
         )
+    if any(k in text for k in _NO_REGION):
+        return MissingRegionError(
+            f"{what}: no region is set for the bucket ({cause.rstrip('.')}). Give the bucket's region: "
+            "open_store(location, region='eu-west-1') (region= in the store's storage options, "
+            "storage_options={'region': ...}), or the AWS_REGION environment variable (or a profile's region)",
+            what=what,
+            cause=redact(cause.rstrip(".")),
+        )
     if any(k in text for k in _ACCESS):
         return StoreAccessDeniedError(f"{what}: access denied by the storage service ({cause})")
     if "NoSuchBucket" in text or "ContainerNotFound" in text:
-        return StoreNotFoundError(f"{what}: the bucket or container does not exist ({cause})")
+        return StoreNotFoundError(f"{what}: the bucket or container does not exist ({cause})", missing="bucket")
     if any(k in text for k in _UNREACHABLE):
         return StoreUnreachableError(f"{what}: the storage endpoint could not be reached ({cause})")
     if "snapshot not found" in text or "invalid snapshot id" in text or "ref not found" in text:

@@ -13,18 +13,19 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from .. import config
-from ..errors import ReadOnlyStoreError, StoreConflict, VersionNotFoundError
+from ..errors import ReadOnlyStoreError, VersionNotFoundError
 from ..params import FlatParams, flatten
-from ._base import Checkpoint, ParamStore, VersionInfo, check_metadata
-from ._collect import KEEP_FROM_KEY, gc, hold
+from ._base import Checkpoint, ParamStore, VersionInfo
+from ._collect import gc, hold
+from ._commit import commit_version
 from ._credentials import lookup_credentials, register_credentials
-from ._errors import ref_error, translate
+from ._errors import quiet_logs, ref_error, translate
 from ._files import SideFiles
 from ._history import history, is_reserved, store_nbytes, version_nbytes
-from ._layout import FORMAT, FORMAT_KEY, is_version, read_flat, version_info, write_flat, write_state
+from ._layout import is_version, read_flat, version_info
 from ._repository import open_repository
 from ._retention import GCReport
-from ._state import STATE_KEY, delete_state, read_state, write_state_object
+from ._state import read_state
 
 if TYPE_CHECKING:
     from ._backend import StoreBackend
@@ -69,9 +70,12 @@ class IcechunkParamStore(ParamStore):
             mode=mode, chunk_bytes=chunk_bytes, commit_retries=commit_retries, max_tries=max_tries, **public
         )
         self._holds_secrets = bool(secrets)
+        quiet_logs()  # the SDKs' Rust warnings stay out of the terminal; failures become errors naming the cause
         self._repo = open_repository(backend, mode, self.max_tries)
         self._pinned: dict[str, VersionInfo] = {}  # versions kept by a pin (immutable): read once
         self._histories: dict[tuple[str, str], list] = {}  # (branch, head) -> history of a branch without policy
+        #: branch -> (version, layout) of this object's last commit there (the fast path of ._commit)
+        self._last_commit: dict[str, tuple[str, dict]] = {}
         if secrets:  # copies unpickled in this process (an in-process scheduler or worker) use them too
             register_credentials(self.location, **secrets)
 
@@ -155,47 +159,9 @@ class IcechunkParamStore(ParamStore):
         ReadOnlyStoreError
             The store was opened with ``mode="r"``.
         """
-        import icechunk
-
         if not self.writable:
             raise ReadOnlyStoreError(f"cannot commit to {self.location!r}: it was opened with mode='r'")
-        flat = flatten(params)
-        meta = {**check_metadata(metadata), FORMAT_KEY: FORMAT}
-        if keep_from is not None:
-            meta[KEEP_FROM_KEY] = int(keep_from)
-        what = f"committing to branch {branch!r} of {self._backend.describe()}"
-        for attempt in range(self.commit_retries + 1):
-            with self._backend.commit_lock():
-                try:
-                    session = self._repo.writable_session(branch)
-                except icechunk.IcechunkError as e:
-                    raise self._ref_error(e, branch=branch) from None
-                if parent is not None:
-                    head = self._version_or_none(session.snapshot_id)
-                    if head != parent:
-                        raise StoreConflict(
-                            f"{what}: expected the branch head to be {parent!r} but it is {head!r}; nothing was written"
-                        )
-                if state and STATE_KEY not in meta:  # first: a version never names a state object that is not there
-                    meta[STATE_KEY] = write_state_object(self.files, branch, state)
-                try:
-                    write_flat(session.store, flat, self.chunk_bytes)
-                    write_state(session.store, None, self.chunk_bytes)  # (earlier vcdask kept it inside)
-                    replaced = self._repo.lookup_snapshot(session.snapshot_id).metadata or {}
-                    version = session.commit(message or "vcdask version", metadata=meta)
-                except icechunk.ConflictError as e:
-                    if parent is not None:
-                        raise translate(e, what) from None
-                    logger.debug("commit to %r lost a race (attempt %d); retrying", branch, attempt + 1)
-                    continue
-                except icechunk.IcechunkError as e:
-                    raise translate(e, what) from None
-            # (a failed attempt leaves its state object: the branch's writer sweeps it, see ParamStore.gc)
-            delete_state(self.files, replaced.get(STATE_KEY), branch)
-            return version
-        raise StoreConflict(
-            f"{what}: lost the race to other writers {self.commit_retries + 1} times; nothing was written"
-        )
+        return commit_version(self, flatten(params), metadata, branch, message, parent, state, keep_from)
 
     # -- reading ----------------------------------------------------------------------
     def read(self, version=None, *, branch="main", tag=None) -> Checkpoint:
@@ -240,8 +206,9 @@ class IcechunkParamStore(ParamStore):
                     continue  # ask once more: Icechunk says "not found" for a fetch that failed, too
                 raise err from None
         if not is_version(snap):
-            what = f"branch {branch!r}" if tag is None and version is None else repr(tag or version)
-            raise VersionNotFoundError(f"{what} in {self._backend.describe()} has no vcdask version yet")
+            if tag is None and version is None:
+                raise VersionNotFoundError(self._empty_branch_message(branch))
+            raise VersionNotFoundError(f"{tag or version!r} in {self._backend.describe()} has no vcdask version yet")
         try:
             params = read_flat(zarr.open_group(session.store, mode="r", path="params"))
         except icechunk.IcechunkError as e:
@@ -372,6 +339,19 @@ class IcechunkParamStore(ParamStore):
         return store_nbytes(self)
 
     # -- helpers ----------------------------------------------------------------------
+    def _empty_branch_message(self, branch: str) -> str:
+        """Why ``branch`` has nothing to read, and which branches do (runs write their own, never ``main``)."""
+        heads = {b: v for b, v in self.branches().items() if v is not None and b != branch}
+        where = f"branch {branch!r} of {self._backend.describe()} has no vcdask version yet"
+        if not heads:
+            return f"{where}, and no other branch has one: nothing was committed to this store"
+        newest = sorted(heads, key=lambda b: self._repo.lookup_snapshot(heads[b]).written_at, reverse=True)
+        shown = ", ".join(newest[:5]) + (f" and {len(newest) - 5} more" if len(newest) > 5 else "")
+        return (
+            f"{where}; every run writes its own branch (its run_id), newest first: {shown}. Read one with "
+            f"branch={newest[0]!r} (vcdask.load(store, branch=...)), or list them with `vcdask runs STORE`"
+        )
+
     def _check_writable(self, action: str) -> None:
         if not self.writable:
             raise ReadOnlyStoreError(f"cannot {action} {self.location!r}: it was opened with mode='r'")

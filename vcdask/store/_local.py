@@ -69,7 +69,9 @@ class LocalBackend:
         if mode in ("r", "r+") and not self.path.exists():
             raise StoreNotFoundError(
                 f"no vcdask store at {self.describe()} (mode={mode!r} opens existing stores only; "
-                "use mode='a' to create one)"
+                "use mode='a' to create one)",
+                location=self.describe(),
+                mode=mode,
             )
 
     def check_creatable(self) -> None:

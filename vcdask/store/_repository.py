@@ -55,7 +55,9 @@ def open_repository(backend: StoreBackend, mode: str, max_tries: int) -> icechun
     if not exists and mode in ("r", "r+"):
         raise StoreNotFoundError(
             f"no vcdask store at {backend.describe()} (mode={mode!r} opens existing stores only; "
-            "use mode='a' to create one)"
+            "use mode='a' to create one)",
+            location=backend.describe(),
+            mode=mode,
         )
     if not exists:
         with backend.create_lock():

@@ -134,6 +134,22 @@ class StoreTests:
         assert store.read(v2).params.layout.names == ["other"]
         assert "int64" not in store.read(v2).params.arrays
 
+    def test_commits_between_another_writers(self, store, store_options):
+        """A writer's consecutive commits each read back, also when another writer (another store
+        object on the same location) committed a different layout in between."""
+        other = open_store(store.location, **store_options)
+        v1 = store.commit(_constant_state(1))
+        v2 = store.commit(_constant_state(2))  # on top of its own head
+        v3 = other.commit({"other": torch.arange(6.0).reshape(2, 3)})  # someone else's head, new layout
+        v4 = store.commit(_constant_state(4))  # not on its own head any more
+        v5 = store.commit(_constant_state(5))
+        for version, value in ((v1, 1), (v2, 2), (v4, 4), (v5, 5)):
+            params = store.read(version).params
+            assert params.layout.names == ["w", "step"]
+            assert torch.equal(params.state_dict()["w"], torch.full((1000,), float(value)))
+        assert other.read(v3).params.layout.names == ["other"]
+        assert store.versions()[0].id == v5
+
     # -- tags ---------------------------------------------------------------------------
     def test_tags(self, store):
         v1 = store.commit(_constant_state(1))

@@ -1,0 +1,120 @@
+"""The embedded cluster: started once per process and shared by later fits; the missing __main__ guard."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import vcdask
+from vcdask.cluster import _guarded, check_main_guard, close_embedded, embedded_client
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(120, 4)).astype("float32")
+    return X, (X[:, 0] > 0).astype("int64")
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_two_fits_share_one_embedded_cluster(tmp_path):
+    X, y = _data()
+    first = vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=1, store=tmp_path / "s", progress=False)
+    client = embedded_client()
+    address = client.scheduler.address
+    assert client.status == "running"
+    second = vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=1, store=tmp_path / "s", progress=False)
+    assert embedded_client() is client and client.scheduler.address == address
+    # both runs were driven by that scheduler's plugin
+    runs = client.sync(client.scheduler.vcdask_runs)
+    assert runs[first.run_id] == runs[second.run_id] == "finished"
+    # never the user's default client
+    from distributed.client import _get_global_client
+
+    assert _get_global_client() is not client
+    # wait=False: the cluster outlives fit's return
+    handle = vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=1, store=tmp_path / "s", wait=False)
+    assert handle.client is client
+    assert int(handle.result().history["accepted"].sum()) == int(first.history["accepted"].sum())
+    # closed (by hand, or at exit): the next use starts a new one; a run still going is named, then cancelled
+    live = vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=500, store=tmp_path / "s", wait=False)
+    with pytest.warns(RuntimeWarning, match=f"runs \\['{live.run_id}'\\] are still going"):
+        close_embedded()
+    assert client.status == "closed"
+    again = embedded_client()
+    assert again is not client and again.status == "running" and again.scheduler.address != address
+    assert embedded_client() is again
+
+
+SCRIPT = """
+import numpy as np
+import torch
+import vcdask
+
+X = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+y = (X[:, 0] > 0).astype("int64")
+{call}
+"""
+FIT = (
+    'result = vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=1, store="store", progress=False)\n'
+    'print("merges", int(result.history["accepted"].sum()))'
+)
+
+
+def _script(tmp_path, call):
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT.format(call=call))
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+
+
+def test_a_script_without_the_main_guard_is_refused_before_any_worker_starts(tmp_path):
+    proc = _script(tmp_path, FIT)
+    assert proc.returncode != 0
+    assert "MainGuardError" in proc.stderr
+    assert 'if __name__ == "__main__":' in proc.stderr and "Safe importing of main module" in proc.stderr
+    assert f"{tmp_path / 'train.py'} (line 8)" in proc.stderr
+    assert "Nanny failed to start" not in proc.stderr and proc.stderr.count("Traceback") == 1
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_script_with_the_main_guard_trains(tmp_path):
+    proc = _script(tmp_path, 'if __name__ == "__main__":\n' + textwrap.indent(FIT, "    "))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["merges", "4"]  # 2 workers, 2 shards each
+
+
+def test_guard_detection_reads_the_script(tmp_path):
+    path = tmp_path / "s.py"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            import vcdask
+            vcdask.fit(m, d)
+            def main():
+                vcdask.fit(m, d)
+            if __name__ == "__main__":
+                main()
+            if "__main__" == __name__:
+                x = 1
+                main()
+            if __name__ != "__main__":
+                main()
+            if __name__ == "__main__" and len(d) > 0:
+                main()
+            if __name__ in {"__main__", "__mp_main__"}:
+                main()
+            """
+        )
+    )
+    assert [_guarded(str(path), line) for line in range(1, 16)] == [
+        False, False, False, False, False, True, False, True, True, False, False, False, True, False, True,
+    ]  # fmt: skip
+    assert _guarded(str(tmp_path / "missing.py"), 1)  # unreadable: nothing claimed
+    check_main_guard()  # under pytest: __main__'s top level is guarded (or not in the stack)
+    check_main_guard(stacklevel=10_000)  # a stack shallower than stacklevel: no ValueError

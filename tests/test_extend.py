@@ -1,0 +1,93 @@
+"""resume(run_id, max_epochs=N) gives a finished run more epochs; every run records where it started."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import vcdask
+
+
+def _data(n=180, seed=1):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 5)).astype("float32")
+    return X, (X[:, 0] > X[:, 1]).astype("int64")
+
+
+def test_resume_extends_a_finished_run_and_merges_nothing_twice(client, tmp_path):
+    X, y = _data()
+    torch.manual_seed(0)
+    store = tmp_path / "store"
+    first = vcdask.fit(
+        torch.nn.Linear(5, 2), (X, y), max_epochs=1, n_shards=3, retention=False, client=client, store=store
+    )
+    assert first.start is None  # a fresh model
+    assert first.store.versions(first.run_id)[-1].metadata["start"] is None
+
+    with pytest.raises(ValueError, match=r"max_epochs=1 would not extend run .*done 1 epochs.*max_epochs > 1"):
+        vcdask.resume(first.run_id, store=store, client=client, max_epochs=1)
+
+    from vcdask.spec import load_spec
+
+    assert load_spec(first.store, first.run_id).max_epochs == 1  # cached in this process from here on
+    more = vcdask.resume(first.run_id, store=store, client=client, max_epochs=3, progress=False)
+    assert load_spec(first.store, first.run_id).max_epochs == 3  # save_spec refreshed the cache
+    assert more.run_id == first.run_id and more.stop_reason is None
+    merged = more.history[more.history["accepted"]]
+    assert sorted(zip(merged["epoch"], merged["shard"], strict=True)) == [(e, s) for e in (2, 3) for s in range(3)]
+    # the store: every (epoch, shard) merged by exactly one version, steps 0..9 without a gap
+    versions = list(reversed(more.store.versions(more.run_id)))
+    assert [v.metadata["step"] for v in versions] == list(range(10))
+    counts = Counter((e, s) for v in versions for e, s, _ in v.metadata["merged"])
+    assert sorted(counts) == [(e, s) for e in (1, 2, 3) for s in range(3)] and set(counts.values()) == {1}
+    assert versions[1].metadata["merged"] == first.store.versions(first.run_id)[-2].metadata["merged"]
+    # the spec keeps the new total: asking for 3 again is refused, naming both numbers
+    with pytest.raises(ValueError, match=r"max_epochs=3 would not extend .*done 3 epochs.*max_epochs > 3"):
+        vcdask.resume(first.run_id, store=store, client=client, max_epochs=3)
+    with pytest.raises(ValueError, match="max_epochs must be"):
+        vcdask.resume(first.run_id, store=store, client=client, max_epochs=0)
+
+
+def test_a_live_run_cannot_be_extended_and_its_spec_is_left_alone(client, tmp_path):
+    from vcdask.spec import loads, spec_path
+
+    X, y = _data()
+    store = tmp_path / "store"
+    handle = vcdask.fit(
+        torch.nn.Linear(5, 2), (X, y), max_epochs=400, n_shards=2, client=client, store=store, wait=False
+    )
+    try:
+        with pytest.raises(ValueError, match=r"is still going .*wait for it to end \(or cancel it\)"):
+            vcdask.resume(handle.run_id, store=store, client=client, max_epochs=800, wait=False)
+        param_store = vcdask.open_store(store)
+        assert loads(param_store.files.get(spec_path(handle.run_id))).max_epochs == 400
+    finally:
+        handle.cancel()
+
+
+def test_a_run_records_the_version_and_tag_it_started_from(client, tmp_path):
+    X, y = _data()
+    torch.manual_seed(0)
+    store = tmp_path / "store"
+    first = vcdask.fit(torch.nn.Linear(5, 2), (X, y), max_epochs=1, n_shards=2, client=client, store=store)
+    param_store = vcdask.open_store(str(store), mode="r+")
+    param_store.tag("release-1", first.version)
+
+    warm = vcdask.load(str(store), tag="release-1")
+    assert warm.vcdask_version["tag"] == "release-1" and warm.vcdask_version["id"] == first.version
+    second = vcdask.fit(warm, (X, y), max_epochs=1, n_shards=2, client=client, store=store, progress=False)
+    expected = {"version": first.version, "tag": "release-1", "store": param_store.location}
+    assert second.start == expected
+    initial = second.store.versions(second.run_id)[-1]
+    assert initial.metadata["step"] == 0 and initial.metadata["start"] == expected
+    assert vcdask.load(param_store, branch=second.run_id).vcdask_version["id"] == second.version
+    # the warm start really started there: the initial version holds the tagged parameters
+    tagged = param_store.read(tag="release-1").state_dict()
+    for name, value in param_store.read(initial.id).state_dict().items():
+        assert torch.equal(value, tagged[name])
+    # a model a fit returned continues from that run's last version (no tag)
+    third = vcdask.fit(second.model, (X, y), max_epochs=1, n_shards=2, client=client, store=store, progress=False)
+    assert third.start == {"version": second.version, "tag": None, "store": param_store.location}

@@ -1,0 +1,159 @@
+"""fit(wait=False): the RunHandle as a future: returns before the first merge, result(), cancel(), await."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import vcdask
+from vcdask.errors import RunCancelledError
+from vcdask.result import HISTORY_COLUMNS
+
+
+def _data(n=240, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 8)).astype("float32")
+    y = (X[:, 0] + X[:, 1] > 0).astype("int64")
+    return X, y
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def _slow_first_step(seconds):
+    """An lr_schedule whose first local step of epoch 1 sleeps: no merge can land for ``seconds``."""
+
+    def schedule(epoch, step):
+        import time
+
+        if epoch == 1 and step == 0:
+            time.sleep(seconds)
+        return 1.0
+
+    return schedule
+
+
+def test_wait_false_returns_before_the_first_merge_and_result_matches_a_blocking_run(client, tmp_path):
+    X, y = _data()
+    store = tmp_path / "store"
+    kw = dict(max_epochs=2, n_shards=4, validation=0.25, lr=0.02, client=client, store=store, progress=False, seed=3)
+    model = _model()
+    handle = vcdask.fit(model, (X, y), lr_schedule=_slow_first_step(1.5), wait=False, **kw)
+    # returned at once: the initial version is committed, nothing merged yet
+    assert isinstance(handle, vcdask.RunHandle)
+    status = handle.status()
+    assert status["step"] == 0 and status["epochs_done"] == 0
+    assert [v.metadata["step"] for v in vcdask.open_store(str(store)).versions(handle.run_id)] == [0]
+    assert not handle.done() and not handle.cancelled()
+    with pytest.raises(TimeoutError, match="still"):
+        handle.result(timeout=0.05)
+
+    called = threading.Event()
+    from_callback = []
+
+    def collect(h):  # collects at the same time as `await handle` below: one collection, one result
+        from_callback.append(h.result())
+        called.set()
+
+    handle.add_done_callback(collect)
+
+    async def main():
+        return await handle  # the event loop stays free meanwhile
+
+    result = asyncio.run(main())
+    assert called.wait(10)
+    assert handle.done() and not handle.cancelled()
+    assert handle.result() is result and from_callback == [result]  # collected once, under a lock
+    assert result.model is model  # the caller's model holds the final version
+    assert model.vcdask_version["id"] == result.version
+    # the same keys vcdask.load gives
+    loaded_version = vcdask.load(str(store), _model(), version=result.version).vcdask_version
+    assert set(loaded_version) <= set(model.vcdask_version) and model.vcdask_version["step"] == 8
+    assert model.vcdask_version["epoch"] == loaded_version["epoch"]
+    with pytest.raises(TypeError, match="model="):
+        handle.result(_model())  # the first argument is timeout
+
+    def held(dask_scheduler=None, run_id=handle.run_id):
+        run = dask_scheduler.plugins["vcdask"].runs[run_id]
+        return run.server.params is None, run.server.rule_state.arrays, run.spec.model, len(run.server._bases)
+
+    # a finished run keeps no parameter-sized arrays on the scheduler, only its small result
+    assert client.run_on_scheduler(held) == (True, {}, None, 0)
+    res = client.sync(client.scheduler.vcdask_result, run_id=handle.run_id)
+    assert res["version"] == result.version and res["status"] == "finished" and len(res["history"]) == 8
+    assert client.sync(client.scheduler.vcdask_status, run_id=handle.run_id)["step"] == 8
+    final = vcdask.load(str(store), branch=result.run_id)
+    for a, b in zip(final.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+    blocking = vcdask.fit(_model(), (X, y), lr_schedule=_slow_first_step(0.0), **kw)
+    for r in (result, blocking):
+        assert list(r.history.columns) == HISTORY_COLUMNS
+        assert int(r.history["accepted"].sum()) == 2 * 4
+        assert list(r.epochs.index) == [1, 2]
+        assert r.stop_reason is None
+    assert list(result.epochs.columns) == list(blocking.epochs.columns)
+    # arrival order differs between runs: close, not equal
+    assert abs(result.metrics["accuracy"] - blocking.metrics["accuracy"]) < 0.2
+    assert result.metrics["accuracy"] > 0.6  # it learned (chance: 0.5; a CI run under load measured 0.68)
+
+
+def test_cancel_stops_the_run_and_leaves_the_store_readable_at_its_head(cluster, tmp_path):
+    """Given a cluster object (not a client), the handle owns the client fit opened and closes it."""
+    client = cluster[1]
+    X, y = _data()
+    store = tmp_path / "store"
+
+    def slow(epoch, step):
+        import time
+
+        time.sleep(0.02)
+        return 1.0
+
+    handle = vcdask.fit(
+        _model(), (X, y), max_epochs=50, n_shards=4, lr_schedule=slow, client=cluster[0], store=store, wait=False
+    )
+    assert handle.client is not client
+    while handle.status()["step"] < 2:
+        assert not handle.done(), handle.status()
+    assert handle.cancel() is True
+    assert handle.client.status == "closed"  # the handle's own client, closed once the run ended
+    status = handle.status()
+    assert status["status"] == "cancelled" and handle.cancelled() and handle.done()
+    assert status["epochs_done"] < 50
+    with pytest.raises(RunCancelledError, match="cancelled") as info:
+        handle.result()
+    assert isinstance(info.value, concurrent.futures.CancelledError)
+    # the store stays readable at the run's head: the version the run committed last
+    param_store = vcdask.open_store(str(store))
+    loaded = vcdask.load(param_store, branch=handle.run_id)
+    ids = [v.id for v in param_store.versions(handle.run_id)]
+    assert loaded.vcdask_version["id"] == ids[0] == status["version"]
+    assert loaded.vcdask_version["step"] >= 2
+    assert handle.cancel() is True  # already cancelled (as a Future answers)
+    # no shard of the run is left on the cluster
+    assert not [k for keys in client.processing().values() for k in keys if handle.run_id in str(k)]
+
+
+def test_a_client_opened_for_a_cluster_is_closed_when_the_launch_fails(cluster):
+    """resolve_client(keep=True) hands its client over only when the launch succeeds."""
+    from vcdask.cluster import owns_client, resolve_client
+
+    opened = []
+    with pytest.raises(RuntimeError, match="staging failed"), resolve_client(cluster[0], keep=True) as c:
+        opened.append(c)
+        raise RuntimeError("staging failed")
+    assert opened[0].status == "closed"
+    with resolve_client(cluster[0], keep=True) as c:
+        pass
+    assert c.status == "running" and owns_client(cluster[0]) and not owns_client(cluster[1])
+    c.close()
+    with resolve_client(cluster[1], keep=True) as c:
+        assert c is cluster[1]  # a Client you pass is yours

@@ -1,0 +1,423 @@
+"""``vcdask train JOB.yaml``: the job file's checks (no cluster), and two scheduled runs end to end as subprocesses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import vcdask
+from vcdask.batches import cast_like_training
+from vcdask.jobs import (
+    EXIT_BAD_JOB,
+    JobFileError,
+    ReleaseRule,
+    job_schema,
+    last_release,
+    load_job,
+    preflight,
+    run_job,
+    score,
+)
+from vcdask.jobs._run import _compare, _release
+from vcdask.spec import load_spec
+
+ROOT = Path(__file__).parents[1]
+
+MODELS = """
+import torch
+
+def make(hidden: int = 16, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+
+def not_a_model(**kwargs):
+    return 42
+"""
+
+JOB = """
+model: mymodels:make
+model_args: {hidden: 16}
+data: {path: train.zarr, features: x, label: y}
+validation: val.zarr
+store: store
+start: last-release
+fit: {max_epochs: 2, lr: 0.05}
+release: {metric: accuracy, tag_prefix: nightly-}
+report: reports/report.json
+"""
+
+
+def _tabular(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    X = np.random.default_rng(seed).normal(size=(n, 4)).astype("float32")
+    return X, (X[:, 0] + X[:, 1] > 0).astype("int64")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """Zarr training (240 rows) and validation (80 rows) data, and the same training rows as CSV."""
+    import pandas as pd
+    import xarray as xr
+
+    d = tmp_path_factory.mktemp("data")
+    for name, n, seed in (("train", 240, 0), ("val", 80, 1)):
+        X, y = _tabular(n, seed)
+        ds = xr.Dataset({"x": (("sample", "feature"), X), "y": (("sample",), y)})
+        ds.to_zarr(d / f"{name}.zarr", mode="w", zarr_format=3, consolidated=False)
+    X, y = _tabular(240, 0)
+    pd.DataFrame({**{f"f{i}": X[:, i] for i in range(4)}, "target": y}).to_csv(d / "train.csv", index=False)
+    return d
+
+
+@pytest.fixture
+def job_dir(tmp_path, data_dir) -> Path:
+    """A directory with mymodels.py beside a job file, and the data (symlinked)."""
+    (tmp_path / "mymodels.py").write_text(MODELS)
+    for name in ("train.zarr", "val.zarr", "train.csv"):
+        (tmp_path / name).symlink_to(data_dir / name)
+    (tmp_path / "job.yaml").write_text(JOB)
+    return tmp_path
+
+
+def _write(job_dir: Path, text: str, name: str = "job.yaml") -> Path:
+    path = job_dir / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _edit(job_dir: Path, old: str, new: str, name: str = "job.yaml") -> Path:
+    text = JOB.replace(old, new)
+    assert text != JOB, old
+    return _write(job_dir, text, name)
+
+
+# -- the job file's checks: no store, no cluster ---------------------------------------------------------------
+def test_a_good_job_file_is_read_with_paths_from_its_directory(job_dir):
+    job = load_job(job_dir / "job.yaml")
+    assert job.factory(hidden=3)[0].out_features == 3  # mymodels.py beside the job file was imported
+    assert job.data.path == str(job_dir / "train.zarr") and job.data.features == ("x",) and job.data.label == "y"
+    assert job.validation.path == str(job_dir / "val.zarr") and job.validation.label == "y"  # the data's variables
+    assert job.store == str(job_dir / "store") and job.report == job_dir / "reports" / "report.json"
+    assert job.fit == {"max_epochs": 2, "lr": 0.05}
+    assert job.release == ReleaseRule(metric="accuracy", mode="max", tag_prefix="nightly-", min_delta=0.0)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("max_epochs: 2", "max_epoch: 2", r"job\.yaml: fit\.max_epoch: unknown option; valid: .*max_epochs"),
+        ("fit: {", "fit: {store: elsewhere, ", r"job\.yaml: fit\.store: set by the job file's store field"),
+        ("report:", "reprot:", r"job\.yaml: reprot: unknown field; valid: .*report"),
+        ("model: mymodels:make", "", r"job\.yaml: model: missing \(required\)"),
+        ("mymodels:make", "mymodel:make", r"job\.yaml: model: cannot import 'mymodel'.*looked beside the job file"),
+        ("mymodels:make", "mymodels:build", r"job\.yaml: model: 'mymodels' has no 'build'; its callables: \['make'"),
+        ("mymodels:make", "mymodels make", r"job\.yaml: model: 'mymodels make' does not match"),
+        ("metric: accuracy", "metric: acc", r"job\.yaml: release\.metric: unknown metric 'acc'; valid .*'accuracy'"),
+        ("tag_prefix: nightly-}", "tag_prefix: nightly-, mode: up}", r"job\.yaml: release\.mode: 'up' is not one of"),
+        ("validation: val.zarr", "", r"job\.yaml: release: a release compares validation metrics: add validation:"),
+        (
+            "start: last-release",
+            "start: {tag: a, version: b}",
+            r"job\.yaml: start: .*too many properties\. Where training starts: 'last-release'",
+        ),
+        ("train.zarr", "missing.zarr", r"job\.yaml: data\.path: no such file: .*missing\.zarr"),
+        ("{path: train.zarr, features: x, label: y}", "train.csv", r"job\.yaml: data\.label: a csv file needs label:"),
+        ("max_epochs: 2", "max_epochs: 2, resilience: {deadline: soon}", r"job\.yaml: fit\.resilience: "),
+    ],
+)
+def test_a_bad_job_file_names_the_field(job_dir, old, new, message):
+    path = _edit(job_dir, old, new)
+    with pytest.raises(JobFileError, match=message):
+        load_job(path)
+
+
+def test_not_yaml_and_not_there(job_dir):
+    with pytest.raises(JobFileError, match=r"job\.yaml: not valid YAML at line 2"):
+        load_job(_write(job_dir, "model: [a\nfit: {"))
+    with pytest.raises(JobFileError, match=r"nope\.yaml: cannot read the job file"):
+        load_job(job_dir / "nope.yaml")
+
+
+def test_release_mode_defaults_from_the_metric(job_dir):
+    loss = load_job(_edit(job_dir, "metric: accuracy", "metric: loss")).release
+    assert (loss.mode, loss.beats(0.5, 0.6), loss.beats(0.6, 0.5)) == ("min", True, False)
+    mae = load_job(_edit(job_dir, "fit: {", "fit: {metrics: [mae, accuracy], ")).release
+    assert mae.mode == "max"  # accuracy
+    rule = ReleaseRule("accuracy", "max", "nightly-", min_delta=0.1)
+    assert rule.improvement(0.95, 0.9) == pytest.approx(0.05)
+    assert not rule.beats(0.95, 0.9) and rule.beats(0.95, 0.8)
+    assert not ReleaseRule("accuracy", "max").beats(0.9, 0.9)  # equal is not better
+
+
+def test_last_release_is_the_highest_number():
+    tags = {"nightly-9": "A", "nightly-10": "B", "nightly-x": "C", "release-20": "D", "nightly-": "E"}
+    assert last_release(tags, "nightly-") == (10, "nightly-10")
+    assert last_release(tags, "weekly-") == (0, None)
+
+
+def test_the_schema_ships_with_the_package_and_describes_the_docs_examples():
+    import jsonschema
+    import yaml
+
+    schema = job_schema()
+    assert set(schema["required"]) == {"model", "data", "store"}
+    assert "jobs/job.schema.json" in (ROOT / "pyproject.toml").read_text()  # package data
+    page = (ROOT / "docs" / "user-guide" / "scheduled-jobs.md").read_text()
+    jobs = [yaml.safe_load(block) for block in re.findall(r"```yaml\n# job\.yaml\n(.*?)```", page, re.S)]
+    assert len(jobs) >= 2
+    for job in jobs:
+        jsonschema.validate(job, schema)
+
+
+def test_preflight_checks_the_store_and_the_start(job_dir):
+    store = vcdask.open_store(job_dir / "store")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    v = store.commit(model, {"step": 0})
+    store.tag("nightly-1", v)
+
+    with pytest.raises(JobFileError, match=r"job\.yaml: start\.tag: no tag 'gold' in .*; tags: \['nightly-1'\]"):
+        preflight(load_job(_edit(job_dir, "start: last-release", "start: {tag: gold}")))
+    with pytest.raises(JobFileError, match=r"start\.branch: no versions on branch 'run-x' .*branches: \['main'\]"):
+        preflight(load_job(_edit(job_dir, "start: last-release", "start: {branch: run-x}")))
+    with pytest.raises(JobFileError, match=r"start\.version: no version 'NOPE'"):
+        preflight(load_job(_edit(job_dir, "start: last-release", "start: {version: NOPE}")))
+    with pytest.raises(JobFileError, match=r"job\.yaml: model: the model does not fit the start version"):
+        preflight(load_job(_edit(job_dir, "hidden: 16", "hidden: 8")))
+    with pytest.raises(JobFileError, match=r"job\.yaml: model: mymodels:not_a_model returned a int"):
+        preflight(load_job(_edit(job_dir, "mymodels:make", "mymodels:not_a_model")))
+    with pytest.raises(JobFileError, match=r"job\.yaml: model_args: mymodels:make\(\*\*model_args\) failed"):
+        preflight(load_job(_edit(job_dir, "hidden: 16", "width: 16")))
+    missing = _edit(job_dir, "store: store", "store: elsewhere\nstart: {tag: nightly-1}").read_text()
+    with pytest.raises(JobFileError, match=r"job\.yaml: store: no vcdask store at local directory .*elsewhere"):
+        preflight(load_job(_write(job_dir, missing.replace("start: last-release\n", ""))))
+    csv = _edit(job_dir, "{path: train.zarr, features: x, label: y}", "{path: train.csv, label: label}")
+    with pytest.raises(JobFileError, match=r"data\.label: no column\(s\) \['label'\] in .*columns: \['f0', 'f1'"):
+        preflight(load_job(csv))
+
+    prepared = preflight(load_job(_write(job_dir, JOB)))  # last-release: nightly-1, loaded into the factory's model
+    assert prepared.start == {"kind": "last-release", "tag": "nightly-1", "version": v, "branch": None}
+    assert torch.equal(prepared.model[0].weight, model[0].weight)
+    for start, where in ((f"{{version: {v}}}", "version"), ("{branch: main}", "branch"), ("{tag: nightly-1}", "tag")):
+        prepared = preflight(load_job(_edit(job_dir, "start: last-release", f"start: {start}")))
+        assert prepared.start["kind"] == where and prepared.start["version"] == v
+        assert torch.equal(prepared.model[2].bias, model[2].bias)
+
+
+def test_run_job_with_a_bad_job_file_reports_exit_2(job_dir):
+    outcome = run_job(_edit(job_dir, "max_epochs: 2", "max_epoch: 2"))
+    assert outcome.exit_code == EXIT_BAD_JOB
+    assert outcome.message.startswith("job.yaml: fit.max_epoch: unknown option; valid: ")
+    report = json.loads((job_dir / "reports" / "report.json").read_text())
+    assert report["exit_code"] == 2 and report["released"] is False and "fit.max_epoch" in report["error"]
+    assert not (job_dir / "store").exists()  # nothing was created
+
+
+def test_preflight_runs_fits_checks_and_knows_the_runs_metrics(job_dir):
+    # the labels are integers (a classifier): the run computes loss and accuracy, so mae is refused before training
+    with pytest.raises(JobFileError) as info:
+        preflight(load_job(_edit(job_dir, "metric: accuracy", "metric: mae")))
+    assert info.value.field == "release.metric"
+    assert "the run computes no 'mae'; it computes ['loss', 'accuracy']; name it under fit.metrics" in str(info.value)
+    assert preflight(load_job(_edit(job_dir, "fit: {", "fit: {metrics: [accuracy, mae], "))).job.release.mode == "max"
+    # every check of vcdask.fit runs in preflight: a bad option is exit 2, with nothing trained
+    outcome = run_job(_edit(job_dir, "lr: 0.05", "lr: -1"))
+    assert outcome.exit_code == EXIT_BAD_JOB
+    assert outcome.message == "job.yaml: fit: rejected by vcdask.fit: lr must be a positive number, got -1"
+    outcome = run_job(_edit(job_dir, "lr: 0.05", "lr: 0.05, patience: 0"))
+    assert outcome.exit_code == EXIT_BAD_JOB and "patience must be an integer >= 1, got 0" in outcome.message
+    assert not [b for b in vcdask.open_store(job_dir / "store", mode="r").branches() if b.startswith("run-")]
+
+
+def test_release_mode_follows_the_one_lower_is_better_rule(job_dir):
+    from vcdask.engine.policy import lower_is_better
+
+    named = "fit: {metrics: [accuracy, mae, rmse, val_loss, f1], max_epochs: 2, lr: 0.05}"
+    for metric in ("loss", "mae", "accuracy", "rmse", "val_loss", "f1"):
+        text = JOB.replace("metric: accuracy", f"metric: {metric}").replace("fit: {max_epochs: 2, lr: 0.05}", named)
+        rule = load_job(_write(job_dir, text)).release
+        assert rule.mode == ("min" if lower_is_better(metric) else "max"), metric
+
+
+_CORE_ONLY = r"""
+import importlib.metadata as md, json, re, sys, tomllib
+from vcdask.jobs import load_job, preflight
+preflight(load_job(sys.argv[1]))
+with open(sys.argv[2], "rb") as f:  # the dependencies a clean install gets: pyproject.toml's, not the venv's
+    todo = tomllib.load(f)["project"]["dependencies"]
+
+def parse(req):
+    m = re.match(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[([^\]]*)\])?", req)
+    return m.group(1).lower().replace("_", "-"), {e.strip() for e in (m.group(2) or "").split(",") if e.strip()}
+
+core = sorted(parse(r)[0] for r in todo)
+allowed, optional = set(), set()  # what an install brings; what an allowed package imports only if it is there
+while todo:
+    name, extras = parse(todo.pop())
+    key = (name, frozenset(extras))
+    if key in allowed:
+        continue
+    allowed.add(key)
+    try:
+        reqs = md.requires(name) or []
+    except md.PackageNotFoundError:
+        continue
+    for r in reqs:
+        extra = re.search(r"extra\s*==\s*\W([\w.\-]+)", r)
+        if extra is None or extra.group(1) in extras:
+            todo.append(r.split(";")[0])
+        else:
+            optional.add(parse(r)[0])
+names = {n for n, _ in allowed}
+owners = md.packages_distributions()
+used = {d.lower().replace("_", "-") for m in list(sys.modules) for d in owners.get(m.partition(".")[0], [])}
+print(json.dumps({"core": core, "outside": sorted(used - names - optional - {"vcdask"})}))
+"""
+
+
+def test_jobs_need_nothing_outside_the_core_dependencies(job_dir):
+    """``vcdask train`` on a clean install: reading, validating (JSON Schema) and checking a job imports only
+    distributions that the package's own dependencies bring (not the test extras)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CORE_ONLY, str(job_dir / "job.yaml"), str(ROOT / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert "jsonschema" in found["core"] and "pyyaml" in found["core"]
+    assert found["outside"] == [], f"vcdask.jobs imports {found['outside']}, which no core dependency brings"
+
+
+# -- two scheduled runs, as cron would start them -------------------------------------------------------------
+def _train(job: Path, expect: int) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vcdask.cli", "train", job.name],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=job.parent,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == expect, f"exit code {proc.returncode}, expected {expect}:\n{output}"
+    return output
+
+
+def test_two_scheduled_runs_release_only_when_better(job_dir, cluster, capsys):
+    # 1. the embedded default, from a fresh model, deliberately weak (1 epoch at lr 1e-5): the first release
+    weak = _edit(job_dir, "fit: {max_epochs: 2, lr: 0.05}", "fit: {max_epochs: 1, lr: 0.00001}", "weak.yaml")
+    out = _train(weak, expect=0)
+    first = json.loads((job_dir / "reports" / "report.json").read_text())
+    assert first["start"] is None and first["released"] is True and first["release"]["tag"] == "nightly-1"
+    assert f"released nightly-1 = version {first['version']}: first release" in out
+    # the candidate was scored here, on the run's validation data with the run's metric: as the run scored it
+    assert first["release"]["candidate"] == pytest.approx(first["run_metrics"]["accuracy"], abs=1e-6)
+    store = vcdask.open_store(job_dir / "store", mode="r")
+    assert store.tags() == {"nightly-1": first["version"]}
+    scheduler = f"scheduler: {cluster[0].scheduler_address}\n"
+
+    # 2. on a running scheduler, warm-started from nightly-1, trained properly: better, so released as nightly-2
+    out = _train(_write(job_dir, JOB + scheduler, "job2.yaml"), expect=0)
+    second = json.loads((job_dir / "reports" / "report.json").read_text())
+    assert second["start"] == {"kind": "last-release", "tag": "nightly-1", "version": first["version"], "branch": None}
+    assert second["recorded_start"]["tag"] == "nightly-1"  # the run itself recorded where it started
+    assert second["recorded_start"]["version"] == first["version"]
+    initial = store.versions(second["run_id"])[-1]
+    assert initial.metadata["start"]["tag"] == "nightly-1"
+    release = second["release"]
+    assert release["baseline_tag"] == "nightly-1" and release["baseline_version"] == first["version"]
+    # the release was scored again on this run's validation data: here the same data, so the same number
+    assert release["baseline"] == pytest.approx(first["release"]["candidate"], abs=1e-6)
+    assert release["candidate"] > 0.75 and release["candidate"] - release["baseline"] > 0.1  # learned: better
+    assert second["released"] is True and release["tag"] == "nightly-2"
+    assert f"released nightly-2 = version {second['version']}: accuracy" in out and "beats nightly-1" in out
+    assert store.tags() == {"nightly-1": first["version"], "nightly-2": second["version"]}
+    record = json.loads(store.files.get(f"{second['run_id']}/job.json"))  # recorded beside the run, then tagged
+    assert record["released"] is True and record["release"]["tag"] == "nightly-2"
+
+    # 3. from nightly-2, with a gain no accuracy can reach over it (> 0.5 from > 0.75): exit 3, nothing tagged
+    text = JOB.replace("tag_prefix: nightly-}", "tag_prefix: nightly-, min_delta: 0.5}") + scheduler
+    out = _train(_write(job_dir, text, "job3.yaml"), expect=3)
+    third = json.loads((job_dir / "reports" / "report.json").read_text())
+    assert third["start"]["tag"] == "nightly-2" and third["release"]["baseline_tag"] == "nightly-2"
+    assert third["released"] is False and "nightly-2 stays the newest release" in third["reason"]
+    assert "not released: accuracy" in out
+    assert store.tags() == {"nightly-1": first["version"], "nightly-2": second["version"]}
+    assert store.head(third["run_id"]) == third["version"]  # the candidate stays on its branch
+
+    # 4. another job released nightly-3 between our look at the tags and our tag: compare with it, then decide
+    prepared = preflight(load_job(_write(job_dir, JOB.replace("tag_prefix: nightly-}", "tag_prefix: rival-}"))))
+    spec = load_spec(prepared.store, second["run_id"])
+    scores = score(spec, {"c": vcdask.load(prepared.store, version=second["version"])})["c"]
+    prepared.store.tag("rival-1", first["version"])
+    report: dict = {}
+    assert _compare(prepared, report, second["run_id"], second["version"], spec, scores, 0, None) is None
+    assert report["released"] is False and "rival-1 was released by another job first" in report["reason"]
+    assert _release(prepared, report, second["run_id"], second["version"], spec, scores) == 0
+    assert report["release"]["baseline_tag"] == "rival-1" and report["release"]["tag"] == "rival-2"
+    assert prepared.store.tags()["rival-2"] == second["version"]
+    assert json.loads(prepared.store.files.get(f"{second['run_id']}/job.json"))["release"]["tag"] == "rival-2"
+    # the release scores cast the rows as training, validation and predict do: one rule (vcdask.batches)
+    floats, ints = torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.int64)
+    assert cast_like_training(floats, spec).dtype == spec.x_dtype == torch.float32
+    assert cast_like_training(ints, spec).dtype == torch.float32  # cast_x: the model takes floats
+    assert cast_like_training(ints, dataclasses.replace(spec, cast_x=False)).dtype == torch.int64  # an embedding
+    assert cast_like_training(torch.zeros(2, dtype=torch.int32), spec, "y").dtype == torch.int64  # class labels
+
+    # 5. a bad job file: exit 2 before any work, one line naming the field, no traceback
+    out = _train(_edit(job_dir, "lr: 0.05", "lr: 0.05, max_epoch: 3", "bad.yaml"), expect=2)
+    assert "vcdask train: bad.yaml: fit.max_epoch: unknown option; valid: " in out
+    assert "Traceback" not in out
+    runs = [b for b in vcdask.open_store(job_dir / "store", mode="r").branches() if b.startswith("run-")]
+    assert sorted(runs) == sorted([first["run_id"], second["run_id"], third["run_id"]])  # the bad job started none
+
+    # 6. `vcdask runs` reads each run's job record: its metric, where it started, what it released
+    from vcdask.cli import main
+
+    capsys.readouterr()
+    assert main(["runs", str(job_dir / "store")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(third["run_id"]) and lines[1].endswith("tag nightly-2")
+    assert f"accuracy={third['release']['candidate']:.4g}" in lines[1]
+    assert lines[2].startswith(second["run_id"]) and lines[2].endswith("tag nightly-1  released rival-2")
+    assert lines[3].startswith(first["run_id"]) and lines[3].endswith("fresh  released nightly-1")
+
+
+def test_csv_data_with_a_held_out_fraction_on_a_threaded_scheduler(job_dir):
+    """The pandas path, in-process: a CSV file as a DataFrame with label=, validation=0.25, a loss rule (min)."""
+    from distributed import LocalCluster
+
+    text = """
+    model: mymodels:make
+    data: {path: train.csv, label: target}
+    validation: 0.25
+    store: store
+    start: last-release
+    fit: {max_epochs: 2, lr: 0.05}
+    release: {metric: loss, tag_prefix: csv-}
+    report: report.json
+    """
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cl:
+        text = textwrap.dedent(text) + f"scheduler: {cl.scheduler_address}\n"
+        weak = _write(job_dir, text.replace("max_epochs: 2, lr: 0.05", "max_epochs: 1, lr: 0.00001"), "weak.yaml")
+        first = run_job(weak)  # deliberately weak: the first release
+        assert first.exit_code == 0, first.message
+        assert first.report["release"]["tag"] == "csv-1" and first.report["release"]["mode"] == "min"
+        assert first.report["release"]["candidate"] == pytest.approx(first.report["run_metrics"]["loss"], rel=1e-5)
+        second = run_job(_write(job_dir, text))
+    assert second.exit_code == 0, second.message
+    assert second.report["start"]["tag"] == "csv-1"
+    release = second.report["release"]
+    # the same held-out rows (the seeded split) score csv-1 as its own run did
+    assert release["baseline"] == pytest.approx(first.report["release"]["candidate"], rel=1e-5)
+    assert release["baseline"] - release["candidate"] > 0.05 and second.report["released"] is True  # lower loss
+    tags = vcdask.open_store(job_dir / "store", mode="r").tags()
+    assert tags == {"csv-1": first.report["version"], "csv-2": second.report["version"]}

@@ -1,0 +1,111 @@
+"""Predictions out: FitResult.predict / predict_proba match a manual forward pass of the trained model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import vcdask
+from vcdask.data import DataError
+
+FEATURES = ["a", "b", "c"]
+
+
+def _frame(n: int, seed: int) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    target = rng.integers(0, 3, n)
+    centres = np.array([[0.0, 0.0, 1.0], [2.0, 0.0, -1.0], [0.0, 2.0, 0.0]])
+    x = centres[target] + rng.normal(0, 0.3, (n, 3))
+    return pd.DataFrame({"a": x[:, 0], "b": x[:, 1].astype(np.float32), "c": x[:, 2], "target": target})
+
+
+def _classifier():
+    torch.manual_seed(0)  # dropout: outputs differ between train and eval mode
+    return torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3))
+
+
+@pytest.fixture(scope="module")
+def classifier_run(cluster, tmp_path_factory):
+    """A classifier trained on a DataFrame with label= (1 epoch on the shared cluster)."""
+    result = vcdask.fit(
+        _classifier(),
+        _frame(200, 0),
+        label="target",
+        features=FEATURES,
+        client=cluster[1],
+        store=tmp_path_factory.mktemp("predict") / "store",
+        max_epochs=1,
+        n_shards=2,
+        lr=0.05,
+        progress=False,
+    )
+    return result
+
+
+@pytest.fixture(scope="module")
+def regression_run(cluster, tmp_path_factory):
+    """A regression trained on (X, y) numpy arrays with one output per sample."""
+    rng = np.random.default_rng(1)
+    X = rng.random((120, 3), dtype=np.float32)
+    torch.manual_seed(0)
+    return vcdask.fit(
+        torch.nn.Linear(3, 1),
+        (X, X @ np.array([1.0, -2.0, 0.5], np.float32)),
+        client=cluster[1],
+        store=tmp_path_factory.mktemp("predict") / "store",
+        max_epochs=1,
+        n_shards=2,
+        progress=False,
+    )
+
+
+def _manual(model, X: np.ndarray) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(np.ascontiguousarray(X, dtype=np.float32)))
+
+
+def test_predict_and_predict_proba_match_a_manual_forward_pass(classifier_run):
+    new = _frame(50, 7)
+    logits = _manual(classifier_run.model, new[FEATURES].to_numpy(np.float32))
+    classifier_run.model.train()  # the mode the user left it in is restored after predicting
+    labels = classifier_run.predict(new.drop(columns="target")[["c", "a", "b"]])  # columns picked by name
+    assert classifier_run.model.training
+    assert int(classifier_run.history["accepted"].sum()) == 2  # one epoch of 2 shards, merged
+    assert labels.dtype == np.int64 and labels.shape == (50,)
+    np.testing.assert_array_equal(labels, logits.argmax(dim=-1).numpy())
+    proba = classifier_run.predict_proba(new, batch_size=7)  # batches of 7 rows, extra columns ignored
+    assert proba.shape == (50, 3)
+    np.testing.assert_allclose(proba, torch.softmax(logits, dim=-1).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(proba.argmax(axis=1), labels)
+    assert (labels == new["target"].to_numpy()).mean() > 0.5  # it learned something (chance is 1/3)
+
+
+def test_predict_takes_numpy_and_torch_rows_in_any_batch_size(classifier_run):
+    X = _frame(30, 8)[FEATURES].to_numpy()  # float64: cast to the model's float32
+    expected = _manual(classifier_run.model, X).argmax(dim=-1).numpy()
+    np.testing.assert_array_equal(classifier_run.predict(X), expected)
+    np.testing.assert_array_equal(classifier_run.predict(torch.from_numpy(X), batch_size=1, device="cpu"), expected)
+
+
+def test_regression_predict_returns_the_outputs(regression_run):
+    X = np.random.default_rng(2).random((40, 3), dtype=np.float32)
+    out = regression_run.predict(X, batch_size=16)
+    assert out.shape == (40, 1) and out.dtype == np.float32
+    np.testing.assert_allclose(out, _manual(regression_run.model, X).numpy(), rtol=1e-6)
+    with pytest.raises(TypeError, match=r"predict_proba is for classifiers .* regression on float labels; use predict"):
+        regression_run.predict_proba(X)
+
+
+def test_bad_inputs_are_named(classifier_run):
+    with pytest.raises(DataError, match=r"X lacks the feature column\(s\) \['b'\] the run trained on"):
+        classifier_run.predict(_frame(5, 3).drop(columns="b"))
+    with pytest.raises(DataError, match=r"the model cannot process X: rows of shape \(4,\)"):
+        classifier_run.predict(np.zeros((5, 4), np.float32))
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
+        classifier_run.predict(np.zeros((5, 3)), batch_size=0)
+    with pytest.raises(TypeError, match="X must be numeric rows"):
+        classifier_run.predict(np.array([["x", "y", "z"]]))

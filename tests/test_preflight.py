@@ -1,0 +1,141 @@
+"""Pre-flight checks: each refusal names the cause and the remedy, before any cluster work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import vcdask
+from vcdask.data import DataError, prepare_data
+from vcdask.preflight import check_run
+
+
+class NoCluster:
+    """A client stand-in that fails the test if fit ever reaches for the cluster."""
+
+    scheduler_address = "tcp://127.0.0.1:1"
+
+    def __getattr__(self, name):
+        raise AssertionError(f"fit touched the cluster ({name}) before rejecting its input")
+
+
+def _refused(model, data, tmp_path, exc, *fragments, **kwargs) -> str:
+    """fit refuses ``data`` before touching the cluster or the store; its message holds every fragment."""
+    store = tmp_path / "store"
+    with pytest.raises(exc) as info:
+        vcdask.fit(model, data, client=NoCluster(), store=store, progress=False, **kwargs)
+    assert not store.exists(), "the store was created before the input was rejected"
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+def _net(n_in=8, n_out=2):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(n_in, 16), torch.nn.ReLU(), torch.nn.Linear(16, n_out))
+
+
+@pytest.fixture
+def X():
+    return np.random.default_rng(0).random((60, 8), dtype=np.float32)
+
+
+def test_string_labels_say_classes_need_integer_ids(X, tmp_path):
+    y = np.array(["cat", "dog", "bird"] * 20)
+    _refused(
+        _net(n_out=3),
+        (X, y),
+        tmp_path,
+        DataError,
+        "the labels are strings (e.g. 'cat', 'dog', 'bird')",  # the cause
+        "integer class ids",
+        "pandas.factorize(y)",  # the remedies
+        "sklearn.preprocessing.LabelEncoder",
+    )
+
+
+def test_float_labels_on_a_classifier_point_to_regression_or_integer_labels(X, tmp_path):
+    y = (X[:, 0] > 0.5).astype(np.float64)  # 0.0 / 1.0: class ids given as floats
+    _refused(
+        _net(n_out=2),
+        (X, y),
+        tmp_path,
+        DataError,
+        "the labels are floats (float64), so vcdask trains a regression with MSE",  # the cause
+        "outputs 2 values per sample ((n, 2) against labels (n,))",
+        "give integer class ids 0..1 (these labels look like whole numbers: y.astype('int64')",  # remedy 1
+        "loss='mse' with a model whose outputs match the labels' shape",  # remedy 2
+    )
+
+
+def test_float_labels_that_are_not_whole_numbers_get_no_astype_hint(X, tmp_path):
+    y = X[:, 0].astype(np.float64)
+    message = _refused(_net(n_out=2), (X, y), tmp_path, DataError, "trains a regression", "loss='mse'")
+    assert "astype" not in message
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_half_precision_model_points_to_precision(half, X, tmp_path):
+    y = (X[:, 0] > 0.5).astype(np.int64)
+    model = _net().to(half)
+    _refused(
+        model,
+        (X, y),
+        tmp_path,
+        ValueError,
+        f"the model holds {str(half).removeprefix('torch.')} parameters (0.weight, 0.bias, 2.weight and 1 more)",
+        "updates overflow to NaN",  # the cause
+        "model.float()",
+        "precision='16-mixed'",  # the remedies
+        "precision='bf16'",
+    )
+
+
+def test_mse_with_n1_outputs_and_n_labels_is_refused_naming_both_shapes(X, tmp_path):
+    y = X.sum(axis=1)  # float (n,) labels
+    _refused(
+        _net(n_out=1),
+        (X, y),
+        tmp_path,
+        DataError,
+        "loss='mse' would compare model outputs of shape (n, 1) with labels of shape (n,)",
+        "broadcasting them to (n, n)",  # the cause
+        "y.reshape(-1, 1)",  # the remedies
+        "torch.nn.Flatten(0)",
+        loss="mse",
+    )
+
+
+def test_l1_broadcast_is_refused_too(X, tmp_path):
+    _refused(_net(n_out=1), (X, X.sum(axis=1)), tmp_path, DataError, "loss='l1' would compare", loss="l1")
+
+
+def test_shapes_that_match_pass():
+    """The checks refuse only what they should: matching shapes, the default loss, integer labels."""
+    X = np.random.default_rng(1).random((20, 8), dtype=np.float32)
+    y = X.sum(axis=1)
+    check_run(_net(n_out=1), prepare_data((X, y.reshape(-1, 1))), loss="mse")  # (n, 1) against (n, 1)
+    check_run(_net(n_out=1), prepare_data((X, y)), loss=None)  # the default MSE reshapes (n, 1) to (n,)
+    check_run(_net(n_out=3), prepare_data((X, np.stack([y] * 3, axis=1))), loss=None)  # 3 regression targets
+    check_run(_net(n_out=2), prepare_data((X, (y > 4).astype(np.int64))), loss=None)  # classification
+    with pytest.raises(DataError, match="would compare"):  # and the same data with the broadcast refused
+        check_run(_net(n_out=1), prepare_data((X, y)), loss=torch.nn.functional.mse_loss)
+
+
+def test_a_model_that_cannot_take_the_data_keeps_its_message(X, tmp_path):
+    _refused(torch.nn.Linear(3, 2), (X, X[:, 0]), tmp_path, DataError, "the model cannot process the training data")
+
+
+def test_float_labels_with_cross_entropy_ask_for_class_ids(X, tmp_path):
+    y = (X[:, 0] > 0.5).astype(np.float32)
+    _refused(
+        _net(n_out=2),
+        (X, y),
+        tmp_path,
+        DataError,
+        "loss='cross_entropy' compares outputs with class ids, but the labels are floats (float32, shape (n,)",
+        "Give integer class ids (y.astype('int64')",
+        loss="cross_entropy",
+    )

@@ -1,0 +1,173 @@
+"""pandas inputs -> arrays: a DataFrame with ``label=`` (and ``features=``), or ``(DataFrame, Series)``.
+
+Feature columns must be numeric or bool; they become one float32 array ``X`` (n, n_features), in the
+order of ``features`` (default: every column but the label).  Integer and bool labels become int64 class
+ids (classification), float labels float32 (regression), as for ``(X, y)`` arrays.  Categorical, string,
+object and datetime feature columns are refused with the columns named and the remedy; so are missing
+values.  The arrays are fresh and writable (a pandas column can hand out a read-only view, which torch
+warns about).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import DataError
+from .preflight import string_labels_error
+from .variables import _LABEL_NAMES
+
+__all__ = ["frame_features", "from_pandas", "is_frame", "is_series"]
+
+
+def is_frame(obj: Any) -> bool:
+    """Whether ``obj`` is a pandas DataFrame (without importing pandas)."""
+    return type(obj).__module__.startswith("pandas") and type(obj).__name__ == "DataFrame"
+
+
+def is_series(obj: Any) -> bool:
+    """Whether ``obj`` is a pandas Series (without importing pandas)."""
+    return type(obj).__module__.startswith("pandas") and type(obj).__name__ == "Series"
+
+
+def from_pandas(data: Any, features: Any, label: Any, what: str) -> tuple[tuple[Any, Any], tuple] | None:
+    """``((X, y), feature names)`` for pandas data; None for anything else.
+
+    Parameters
+    ----------
+    data : DataFrame, (DataFrame, Series) or anything
+        A whole DataFrame (with ``label``), or ``(X, y)`` where either is a pandas object.
+    features : str or sequence of column names, optional
+        The feature columns (default: every column but the label).
+    label : column name, optional
+        The label column of a whole DataFrame (default: a column named ``y``, ``label``, ``labels``,
+        ``target`` or ``targets``).
+    what : str
+        ``"data"`` or ``"validation"``, for messages.
+
+    Raises
+    ------
+    DataError
+        An unknown column, non-numeric feature columns, missing values, string labels.
+    """
+    if is_frame(data):
+        columns = list(data.columns)
+        if label is None:
+            found = [c for c in _LABEL_NAMES if c in columns]
+            if not found:
+                raise DataError(
+                    f"{what}: cannot tell which column holds the labels among {columns}; pass label=<column> "
+                    f"(columns named {list(_LABEL_NAMES)} are found automatically)"
+                )
+            label = found[0]
+        if label not in columns:
+            raise DataError(f"{what}: label column {label!r} is not in the DataFrame; columns: {columns}")
+        chosen = [c for c in columns if c != label] if features is None else _names(features)
+        if label in chosen:
+            raise DataError(f"{what}: the label column {label!r} is also among features={chosen}; leave it out")
+        X, names = frame_features(data, chosen, what)
+        return (X, _labels(data[label], f"{what}: the labels in column {label!r}")), names
+    if isinstance(data, (tuple, list)) and len(data) == 2 and any(is_frame(a) or is_series(a) for a in data):
+        X, y = data
+        names = ()
+        if is_frame(X):
+            X, names = frame_features(X, list(X.columns) if features is None else _names(features), what)
+        elif is_series(X):
+            named = X.name is not None  # an unnamed Series names no column
+            X, names = frame_features(X.to_frame(), [X.name if named else 0], what)
+            names = names if named else ()
+        if is_frame(y):
+            if y.shape[1] != 1:
+                raise DataError(f"{what}: y as a DataFrame must have one column, got {list(y.columns)}")
+            y = y.iloc[:, 0]
+        if is_series(y):
+            y = _labels(y, f"{what}: the labels (y)")
+        return (X, y), tuple(names)
+    return None
+
+
+def frame_features(df: Any, names: Sequence, what: str) -> tuple[np.ndarray, tuple]:
+    """The columns ``names`` of ``df`` as one writable float32 array (n, len(names)), checked.
+
+    Raises
+    ------
+    DataError
+        Columns not in ``df``; categorical, string, object or datetime columns (named, with the remedy);
+        missing values.
+    """
+    import pandas as pd
+
+    columns = list(df.columns)
+    missing = [c for c in names if c not in columns]
+    if missing:
+        raise DataError(f"{what}: feature column(s) {missing} not in the DataFrame; columns: {columns}")
+    if not names:
+        raise DataError(f"{what}: no feature columns; the DataFrame's columns: {columns}")
+    part = df[list(names)]
+    categorical = [c for c in names if isinstance(part[c].dtype, pd.CategoricalDtype)]
+    text = [
+        c
+        for c in names
+        if c not in categorical
+        and (pd.api.types.is_string_dtype(part[c].dtype) or pd.api.types.is_object_dtype(part[c].dtype))
+    ]
+    other = [
+        c
+        for c in names
+        if c not in categorical
+        and c not in text
+        and not (pd.api.types.is_numeric_dtype(part[c].dtype) or pd.api.types.is_bool_dtype(part[c].dtype))
+    ]
+    if categorical or text or other:
+        found = "; ".join(
+            f"{kind} {cols}"
+            for kind, cols in (("categorical", categorical), ("string/object", text), ("other", other))
+            if cols
+        )
+        bad = [*categorical, *text, *other]
+        raise DataError(
+            f"{what}: feature columns must be numeric or bool (they become float32), got {found} "
+            f"({', '.join(f'{c}: {part[c].dtype}' for c in bad)}). Encode them first: one-hot with "
+            f"pandas.get_dummies(df, columns={bad}, dtype=float), or integer codes with "
+            f"df[col].astype('category').cat.codes; or leave them out with features=[...]"
+        )
+    nulls = {c: int(n) for c, n in part.isna().sum().items() if n}
+    if nulls:
+        raise DataError(
+            f"{what}: feature columns have missing values {nulls} (column: count); drop the rows with "
+            f"df.dropna(subset={list(nulls)}) or fill them with df.fillna(...)"
+        )
+    X = part.to_numpy(dtype=np.float32)
+    return _writable(X), tuple(names)
+
+
+def _labels(s: Any, name: str) -> np.ndarray:
+    """A label Series as a writable array: int64 class ids (integer, bool), float32 (float)."""
+    import pandas as pd
+
+    dtype = s.dtype
+    if isinstance(dtype, pd.CategoricalDtype):
+        raise DataError(
+            f"{name} are categorical ({list(dtype.categories[:3])}...); classification needs integer class ids: "
+            "train on s.cat.codes and keep s.cat.categories to name the predictions"
+        )
+    if pd.api.types.is_string_dtype(dtype) or pd.api.types.is_object_dtype(dtype):
+        raise string_labels_error(s.to_numpy(dtype=object), name)
+    if int(s.isna().sum()):
+        raise DataError(f"{name} has {int(s.isna().sum())} missing values; drop those rows (df.dropna(subset=[...]))")
+    if pd.api.types.is_bool_dtype(dtype) or pd.api.types.is_integer_dtype(dtype):
+        return _writable(s.to_numpy(dtype=np.int64))
+    if pd.api.types.is_float_dtype(dtype):
+        return _writable(s.to_numpy(dtype=np.float32))
+    raise DataError(f"{name} has dtype {dtype}; labels must be integer class ids, bool or floats")
+
+
+def _names(features: Any) -> list:
+    return [features] if isinstance(features, str) else list(features)
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    """``a`` as a writable, C-contiguous array (a copy only when it is not one already)."""
+    return np.require(a, requirements=["W", "C"])

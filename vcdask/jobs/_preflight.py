@@ -1,0 +1,226 @@
+"""The job's pre-flight: the store, the start, the model, the data, and fit's own checks, before any cluster work.
+
+Every check that can fail because of the job file runs here (:func:`preflight`) and raises :class:`JobFileError`
+naming the field; :mod:`._run` then trains, and anything that fails there is a failure of the job, not of its file.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import MissingRegionError, ParameterMismatchError, StoreError, StoreNotFoundError, VersionNotFoundError
+from ._file import DataRef, Job, JobFileError
+from ._release import last_release
+
+__all__ = ["Prepared", "fit_kwargs", "preflight"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A job that passed every check, ready to train."""
+
+    job: Job
+    store: Any  # ParamStore, open for writing
+    model: Any  # torch.nn.Module: fresh, or holding the start version
+    start: dict[str, Any] | None  # {"tag", "version", "branch"} of the start; None: a fresh model
+    data: Any
+    validation: Any
+
+
+def preflight(job: Job) -> Prepared:
+    """Check what the job names: the store (reachable), the start (exists), the model (builds, loads), the data.
+
+    Then every check of :func:`vcdask.fit` runs on the job's options (:func:`vcdask.options.plan_run`: no
+    cluster work), and the release metric is checked against the metrics the run will compute.
+
+    Raises
+    ------
+    JobFileError
+        Naming the field, e.g. ``job.yaml: start.tag: no tag 'nightly-9' in 's3://b/runs'; tags: [...]``.
+    """
+    import vcdask
+
+    store = _open_store(job)
+    model = _build(job)
+    start = _start(job, store)
+    if start is not None:
+        where = {k: start[k] for k in ("tag", "version", "branch") if start.get(k)}
+        if "tag" in where:
+            where = {"tag": where["tag"]}
+        try:
+            model = vcdask.load(store, model, **where)
+        except ParameterMismatchError as e:
+            raise JobFileError(job.path, "model", f"the model does not fit the start version: {e}") from None
+        start["version"] = getattr(model, "vcdask_version", {})["id"]
+    data = _read(job, "data", job.data)
+    validation = job.validation if not isinstance(job.validation, DataRef) else _read(job, "validation", job.validation)
+    prepared = Prepared(job, store, model, start, data, validation)
+    _plan(prepared)
+    _pickle_by_value(job)
+    return prepared
+
+
+def fit_kwargs(prepared: Prepared) -> dict[str, Any]:
+    """The job's keywords for :func:`vcdask.fit` (all but the model, the data and ``client=``)."""
+    job = prepared.job
+    options = dict(job.fit)
+    options.setdefault("progress", False)
+    ref = job.data
+    for name in ("features", "label", "sample_dim"):
+        value = getattr(ref, name)
+        if value is not None:
+            options[name] = list(value) if name == "features" and ref.format != "zarr" else value
+    if ref.storage_options:
+        options["storage_options"] = ref.storage_options
+    return {**options, "validation": prepared.validation, "store": prepared.store}
+
+
+def _plan(prepared: Prepared) -> None:
+    """Run fit's own checks (:func:`vcdask.options.plan_run`) on the job's options, and check the release
+    metric against the metrics the run will compute: every mistake of the job file fails here, before training.
+    """
+    import inspect
+
+    from .. import api
+    from ..options import plan_run
+    from ..runs import check_early_stopping
+
+    job = prepared.job
+    kwargs = {
+        name: p.default
+        for name, p in inspect.signature(api.fit).parameters.items()
+        if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
+    }
+    kwargs.update(fit_kwargs(prepared), client=None)
+    patience, monitor = kwargs.get("patience"), kwargs.get("monitor")
+    try:
+        if patience is not None or monitor is not None:
+            check_early_stopping(patience, monitor, None, [monitor or "loss"], validated=False)
+            if kwargs["validation"] is None and patience is None:
+                raise ValueError("monitor= follows a validation metric: add validation: (a path or a fraction)")
+            if kwargs["validation"] is None:  # fit holds out 10% for early stopping
+                kwargs["validation"] = 0.1
+        takes = inspect.signature(plan_run).parameters
+        plan = plan_run(prepared.model, prepared.data, **{k: v for k, v in kwargs.items() if k in takes})
+        names = list(dict.fromkeys(["loss", *(plan.options.get("metric_names") or plan.metrics)]))
+        check_early_stopping(patience, monitor, plan.target, names, validated=plan.validation is not None)
+    except (ValueError, TypeError) as e:  # fit's own checks: the job's options are wrong
+        raise JobFileError(job.path, "fit", f"rejected by vcdask.fit: {e}") from None
+    rule = job.release
+    if rule is not None and rule.metric not in names:
+        remedy = "; name it under fit.metrics (e.g. metrics: [mae]), or choose one of those"
+        raise JobFileError(
+            job.path, "release.metric", f"the run computes no {rule.metric!r}; it computes {names}{remedy}"
+        )
+
+
+def _open_store(job: Job) -> Any:
+    import vcdask
+
+    # A start that names something needs the store to exist; a fresh model or the first release may create it.
+    mode = "r+" if isinstance(job.start, dict) else "a"
+    hint = "check store.location and store.storage_options"
+    try:
+        return vcdask.open_store(job.store, mode=mode, **job.storage_options)
+    except MissingRegionError as e:
+        cause = f" ({e.cause})" if e.cause else ""
+        problem = (
+            f"no region is set for the bucket of {job.store!r}{cause}: add it (e.g. region: eu-west-1), "
+            "or set AWS_REGION"
+        )
+        raise JobFileError(job.path, "store.storage_options.region", problem) from None
+    except StoreNotFoundError as e:
+        if e.missing == "store":  # the store itself: start: names a version in it, so it must be there
+            problem = f"no vcdask store at {e.location}; start: {job.start} needs one ({hint}, or drop start:)"
+        else:
+            problem = f"{e} ({hint})"
+        raise JobFileError(job.path, "store", problem) from None
+    except StoreError as e:
+        raise JobFileError(job.path, "store", f"{e} ({hint})") from None
+    except ValueError as e:  # unknown scheme or storage option
+        raise JobFileError(job.path, "store", str(e)) from None
+
+
+def _build(job: Job) -> Any:
+    import torch
+
+    try:
+        model = job.factory(**job.model_args)
+    except TypeError as e:
+        raise JobFileError(job.path, "model_args", f"{job.model}(**model_args) failed: {e}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise JobFileError(job.path, "model", f"{job.model} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _start(job: Job, store: Any) -> dict[str, Any] | None:
+    start = job.start
+    if start is None:
+        return None
+    if start == "last-release":
+        assert job.release is not None
+        _, tag = last_release(store.tags(), job.release.tag_prefix)
+        return None if tag is None else {"kind": "last-release", "tag": tag, "version": None, "branch": None}
+    assert isinstance(start, dict)
+    (kind, name), where = next(iter(start.items())), store.location
+    if kind == "tag" and name not in store.tags():
+        raise JobFileError(job.path, "start.tag", f"no tag {name!r} in {where!r}; tags: {sorted(store.tags())}")
+    if kind == "branch" and not store.branches().get(name):
+        runs = sorted(b for b, head in store.branches().items() if head and not b.startswith("vcdask."))
+        raise JobFileError(job.path, "start.branch", f"no versions on branch {name!r} in {where!r}; branches: {runs}")
+    if kind == "version":
+        try:
+            store.read(name)
+        except VersionNotFoundError:
+            raise JobFileError(job.path, "start.version", f"no version {name!r} in {where!r}") from None
+    return {"kind": kind, "tag": None, "version": None, "branch": None, kind: name}
+
+
+def _read(job: Job, name: str, ref: DataRef) -> Any:
+    """A CSV / Parquet file as a DataFrame (columns checked), or a Zarr location as it is (fit reads it)."""
+    if ref.format == "zarr":
+        return ref.path
+    import pandas as pd
+
+    try:
+        if ref.format == "csv":
+            df = pd.read_csv(ref.path, storage_options=ref.storage_options or None)
+        else:
+            df = pd.read_parquet(ref.path, storage_options=ref.storage_options or None)
+    except (OSError, ValueError, ImportError) as e:
+        raise JobFileError(job.path, name, f"cannot read {ref.path} as {ref.format}: {e}") from None
+    wanted = [ref.label, *(ref.features or ())]
+    missing = [c for c in wanted if c is not None and c not in df.columns]
+    if missing:
+        field = f"{name}.label" if ref.label in missing else f"{name}.features"
+        raise JobFileError(job.path, field, f"no column(s) {missing} in {ref.path}; columns: {list(df.columns)}")
+    return df
+
+
+def _pickle_by_value(job: Job) -> None:
+    """Modules beside the job file travel inside the run's spec: workers need not have the job's directory."""
+    import cloudpickle
+
+    base = job.path.parent
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        path = Path(file).absolute() if file else None
+        if path is None or not path.is_relative_to(base) or name.startswith("vcdask"):
+            continue
+        if {"site-packages", "dist-packages"} & set(path.parts) or _installed(path):  # a venv, the stdlib
+            continue
+        try:
+            cloudpickle.register_pickle_by_value(module)
+        except ValueError:  # not importable by its name (a script run as __main__)
+            continue
+
+
+def _installed(path: Path) -> bool:
+    """Whether ``path`` is in Python's own tree (the standard library, the environment's packages)."""
+    return any(path.is_relative_to(Path(p).absolute()) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})

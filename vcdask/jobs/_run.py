@@ -1,0 +1,256 @@
+"""Running a job: pre-flight (:mod:`._preflight`) -> ``vcdask.fit`` -> score -> release -> report.
+
+Every check that can fail because of the job file runs in :func:`preflight`, before any cluster work: an
+error after it (training, scoring, tagging) is a failure of the job (exit 1), not a bad job file (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ..errors import ParameterMismatchError, TagExistsError
+from ._file import Job, JobFileError, load_job
+from ._preflight import Prepared, fit_kwargs, preflight
+from ._release import last_release, score
+
+__all__ = ["EXIT_BAD_JOB", "EXIT_FAILED", "EXIT_NOT_BETTER", "EXIT_RELEASED", "JobOutcome", "run_job"]
+
+logger = logging.getLogger(__name__)
+
+#: ``vcdask train`` exit codes: released (or trained, without a release rule); the job failed; the job file is
+#: wrong (or names something that is not there); trained, but not better than the last release.
+EXIT_RELEASED, EXIT_FAILED, EXIT_BAD_JOB, EXIT_NOT_BETTER = 0, 1, 2, 3
+
+
+@dataclass
+class JobOutcome:
+    """What a job did: its exit code, its report (as written) and, when it failed, the error."""
+
+    exit_code: int
+    report: dict[str, Any]
+    error: BaseException | None = field(default=None, repr=False)
+
+    @property
+    def message(self) -> str:
+        """One line for the terminal."""
+        return self.report.get("reason") or self.report.get("error") or ""
+
+
+def run_job(path: str | os.PathLike) -> JobOutcome:
+    """Run the job file at ``path``: check it, train, score, release, and write its report.
+
+    Returns
+    -------
+    JobOutcome
+        ``exit_code``: :data:`EXIT_RELEASED` (0), :data:`EXIT_NOT_BETTER` (3), :data:`EXIT_BAD_JOB` (2) or
+        :data:`EXIT_FAILED` (1).  Nothing is raised: the error, if any, is in ``outcome.error``.
+    """
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"job": str(Path(path).absolute()), "started_at": _now(), "timings": {}}
+    job = None
+    error: BaseException | None = None
+    try:
+        job = load_job(path)
+        prepared = preflight(job)
+        report["timings"]["check_s"] = round(time.perf_counter() - t0, 3)
+        report.update(store=prepared.store.location, start=prepared.start)
+        code = _train_and_release(prepared, report)
+    except JobFileError as e:
+        code, error = EXIT_BAD_JOB, e
+    except Exception as e:  # noqa: BLE001  the job failed: the report and the exit code say so, the CLI prints one line
+        code, error = EXIT_FAILED, e
+    if error is not None:
+        report.update(released=False, error=str(error) if code == EXIT_BAD_JOB else f"{type(error).__name__}: {error}")
+    report.update(exit_code=code, finished_at=_now())
+    report["timings"]["total_s"] = round(time.perf_counter() - t0, 3)
+    where = job.report if job is not None else _report_path(Path(path).absolute())
+    if where is not None:
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            where.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        except OSError as e:
+            logger.error("could not write the report to %s: %s", where, e)
+            if error is None:
+                code, error = EXIT_FAILED, e
+                report.update(exit_code=code, error=f"could not write the report to {where}: {e}")
+    return JobOutcome(code, report, error)
+
+
+def _report_path(path: Path) -> Path | None:
+    """Where a job file that failed its checks wants its report, if it says so legibly."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    report = raw.get("report") if isinstance(raw, dict) else None
+    return path.parent / report if isinstance(report, str) and report else None
+
+
+def _train_and_release(prepared: Prepared, report: dict[str, Any]) -> int:
+    import vcdask
+
+    from ..spec import load_spec
+
+    job, store = prepared.job, prepared.store
+    t = time.perf_counter()
+    result = _fit(prepared)
+    report["timings"]["fit_s"] = round(time.perf_counter() - t, 3)
+    report.update(
+        run_id=result.run_id,
+        version=result.version,
+        epochs=len(result.epochs),
+        run_metrics={k: float(v) for k, v in (result.metrics or {}).items()},
+        recorded_start=getattr(result, "start", None),
+    )
+    logger.info("run %s: version %s after %d epochs", result.run_id, result.version, len(result.epochs))
+    rule = job.release
+    if rule is None:
+        report.update(released=False, reason="trained; the job has no release rule")
+        _record(store, result.run_id, report)
+        return EXIT_RELEASED
+    t = time.perf_counter()
+    spec = load_spec(store, result.run_id)
+    candidate_model = vcdask.load(store, job.factory(**job.model_args), version=result.version)
+    candidate_scores = score(spec, {"candidate": candidate_model})["candidate"]
+    report["timings"]["score_s"] = round(time.perf_counter() - t, 3)
+    if rule.metric not in candidate_scores:  # preflight checked the metric: this is not the job file's fault
+        raise RuntimeError(f"run {result.run_id} computed no {rule.metric!r}; it has: {sorted(candidate_scores)}")
+    return _release(prepared, report, result.run_id, result.version, spec, candidate_scores)
+
+
+def _release(
+    prepared: Prepared, report: dict[str, Any], run_id: str, version: str, spec: Any, scores: dict[str, float]
+) -> int:
+    """Compare the candidate with the newest release and tag it if it is better; when another job tags the
+    same name first, compare again with that release (at most :data:`RELEASE_TRIES` times)."""
+    rule = prepared.job.release
+    assert rule is not None
+    for _ in range(RELEASE_TRIES):
+        number, last = last_release(prepared.store.tags(), rule.tag_prefix)
+        code = _compare(prepared, report, run_id, version, spec, scores, number, last)
+        if code is not None:
+            return code
+    raise RuntimeError(f"could not tag a release: {RELEASE_TRIES} times another job released the same name first")
+
+
+#: How often a job re-reads the last release when another job tags the same name first.
+RELEASE_TRIES = 5
+
+
+def _compare(
+    prepared: Prepared,
+    report: dict[str, Any],
+    run_id: str,
+    version: str,
+    spec: Any,
+    scores: dict[str, float],
+    number: int,
+    last: str | None,
+) -> int | None:
+    """Compare the candidate (``version`` of run ``run_id``) with release ``last``, number ``number`` (None, 0:
+    there is none); record the outcome beside the run, then tag ``<prefix><number + 1>`` if it is better.
+
+    Returns the exit code, or None when another job took that tag first (the record says so; re-read the
+    releases and compare again).
+    """
+    job, store = prepared.job, prepared.store
+    rule = job.release
+    assert rule is not None
+    candidate = scores[rule.metric]
+    all_scores: dict[str, dict[str, float]] = {"candidate": scores}
+    if last is not None:  # scored on the same rows, with the same functions, in this process
+        all_scores.update(score(spec, {"release": _load_release(job, store, last)}))
+    report["release"] = {
+        "metric": rule.metric,
+        "mode": rule.mode,
+        "min_delta": rule.min_delta,
+        "candidate": candidate,
+        "baseline": all_scores["release"][rule.metric] if last else None,
+        "baseline_tag": last,
+        "baseline_version": store.tags()[last] if last else None,
+        "scores": all_scores,
+        "tag": None,
+    }
+    if last is not None:
+        baseline = all_scores["release"][rule.metric]
+        gain = rule.improvement(candidate, baseline)
+        if not rule.beats(candidate, baseline):
+            report.update(
+                released=False,
+                reason=f"not released: {rule.metric} {candidate:.6g} vs {last} {baseline:.6g} "
+                f"(gain {gain:.6g}, needs more than {rule.min_delta:g}); {last} stays the newest release, "
+                f"the candidate stays on branch {run_id}",
+            )
+            _record(store, run_id, report)
+            return EXIT_NOT_BETTER
+        why = f"{rule.metric} {candidate:.6g} beats {last} {baseline:.6g} by {gain:.6g} (> {rule.min_delta:g})"
+    else:
+        why = f"first release of {rule.tag_prefix}<N> ({rule.metric} {candidate:.6g})"
+    tag = f"{rule.tag_prefix}{number + 1}"
+    report["release"]["tag"] = tag
+    report.update(released=True, reason=f"released {tag} = version {version}: {why}")
+    _record(store, run_id, report)  # first: a tag always has its record (a failed record tags nothing)
+    try:
+        store.tag(tag, version)
+    except TagExistsError:  # another job released since we looked: compare with its release
+        logger.info("another job released %s first; comparing with it", tag)
+        report.update(released=False, reason=f"{tag} was released by another job first")
+        report["release"]["tag"] = None
+        _record(store, run_id, report)
+        return None
+    except BaseException as e:
+        report.update(released=False, reason=None, error=f"tagging {tag} failed: {type(e).__name__}: {e}")
+        report["release"]["tag"] = None
+        try:
+            _record(store, run_id, report)
+        except Exception:
+            logger.exception("could not correct the record of run %s", run_id)
+        raise
+    return EXIT_RELEASED
+
+
+def _fit(prepared: Prepared) -> Any:
+    """Train: any error here is a failure (exit 1); the job file's mistakes were found by :func:`preflight`."""
+    import vcdask
+
+    job = prepared.job
+    client = None
+    if job.scheduler:
+        from distributed import Client
+
+        try:
+            client = Client(job.scheduler, timeout="20s", set_as_default=False)
+        except OSError as e:
+            raise ConnectionError(f"cannot reach the scheduler at {job.scheduler} (the job's scheduler:): {e}") from e
+    try:
+        return vcdask.fit(prepared.model, prepared.data, client=client, **fit_kwargs(prepared))
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _load_release(job: Job, store: Any, tag: str) -> Any:
+    import vcdask
+
+    try:
+        return vcdask.load(store, job.factory(**job.model_args), tag=tag)
+    except ParameterMismatchError:  # the architecture changed since: score the release with its own run's model
+        return vcdask.load(store, tag=tag)
+
+
+def _record(store: Any, run_id: str, report: dict[str, Any]) -> None:
+    """Keep the job's record beside the run (``runs/<run_id>/job.json``): ``vcdask runs`` shows it."""
+    store.files.put(f"{run_id}/job.json", json.dumps(report, default=str).encode())
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

@@ -1,0 +1,108 @@
+"""Using a trained model: :meth:`FitResult.predict` and :meth:`FitResult.predict_proba`.
+
+The rows go through the model in batches, without gradients, in eval mode, on one device; inputs are
+read the way the run read its training data (a DataFrame's feature columns, selected by the names the run
+recorded, as float32; arrays cast to the model's dtype unless the run kept integer inputs), and the
+outputs come back as numpy.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import DataError
+
+__all__ = ["model_outputs"]
+
+
+def model_outputs(
+    model: torch.nn.Module, spec: Any, X: Any, *, batch_size: int = 1024, device: Any = None
+) -> torch.Tensor:
+    """The model's outputs for the rows of ``X``, on the CPU (one forward pass per ``batch_size`` rows).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The trained model (left in the mode and on the device it was: another device gets a copy).
+    spec : RunSpec
+        The run's spec: its batch form, feature columns, input dtype.
+    X : numpy array, torch tensor, pandas DataFrame or array-like
+        The rows, sample axis first.
+    batch_size : int, default 1024
+    device : str or torch.device, optional
+        Where to run the model; default where ``model`` is (the CPU for a finished run's model).
+
+    Raises
+    ------
+    TypeError
+        A run whose batches are dicts (a custom ``train_step``), or an unsupported input.
+    DataError
+        The model cannot take the rows (their shape and dtype are named), or a DataFrame lacks a column.
+    """
+    from .batches import cast_like_training
+    from .options import positive_int
+
+    batch_size = positive_int("batch_size", batch_size)
+    if spec.batch_form == "dict":
+        raise TypeError(
+            "this run trained on dict batches with a custom train_step, so predict cannot tell how to call the "
+            "model; call result.model yourself (result.model.eval(); with torch.no_grad(): result.model(...))"
+        )
+    x = _rows(X, spec)
+    where = next((p.device for p in model.parameters()), torch.device("cpu"))
+    target = where if device is None else torch.device(device)
+    net = model if target == where else copy.deepcopy(model).to(target)
+    x = cast_like_training(x, spec)
+    was_training = net.training
+    net.eval()
+    outs = []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(x), batch_size):
+                batch = x[start : start + batch_size].to(target)
+                try:
+                    out = net(batch)
+                except Exception as e:
+                    raise DataError(
+                        f"the model cannot process X: rows of shape {tuple(x.shape[1:])} and dtype {x.dtype} "
+                        f"-> {type(e).__name__}: {e}"
+                    ) from e
+                outs.append(out.detach().cpu())
+    finally:
+        net.train(was_training)
+    if not outs:
+        raise DataError("X is empty (0 rows)")
+    return torch.cat(outs)
+
+
+def _rows(X: Any, spec: Any) -> torch.Tensor:
+    """``X`` as a CPU tensor, a DataFrame's columns picked as the run picked them."""
+    from .frames import frame_features, is_frame
+
+    if is_frame(X):
+        names = list(spec.feature_names) or list(X.columns)
+        missing = [c for c in names if c not in X.columns]
+        if missing:
+            raise DataError(
+                f"X lacks the feature column(s) {missing} the run trained on; it trained on {names} "
+                f"(X's columns: {list(X.columns)})"
+            )
+        return torch.from_numpy(frame_features(X, names, "X")[0])
+    if isinstance(X, torch.Tensor):
+        return X.detach().cpu()
+    if type(X).__module__.startswith("dask") or hasattr(X, "__dask_graph__"):
+        raise TypeError("predict takes in-memory rows; call X.compute() (or predict chunk by chunk) first")
+    try:
+        a = np.asarray(X)
+    except Exception as e:
+        raise TypeError(f"X must be a numpy array, torch tensor or pandas DataFrame, got {type(X).__name__}") from e
+    if a.dtype.kind not in "biuf" or a.ndim == 0:
+        raise TypeError(
+            f"X must be numeric rows (a numpy array, torch tensor or pandas DataFrame), got {type(X).__name__} "
+            f"of dtype {a.dtype} and shape {a.shape}"
+        )
+    return torch.from_numpy(np.require(a, requirements=["W", "C"]))

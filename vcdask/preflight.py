@@ -1,0 +1,250 @@
+"""Pre-flight checks that say what to do: mistakes that would otherwise surface as a raw torch error, a shape
+error that hides its cause, NaN updates on the cluster, or a loss that trains on the wrong thing.
+
+:func:`check_run` is called by :func:`vcdask.options.plan_run` before any cluster work.  Each message names
+the cause (what vcdask saw) and the remedy (what to change).  :func:`check_model` (the model accepts the data
+and the loss its outputs) and :func:`check_target` follow it there.  The model is run once, on a copy, on the CPU,
+on a few training rows: that is cheap and tells what its outputs look like against the labels.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .errors import DataError
+
+if TYPE_CHECKING:
+    from .data import PreparedData
+
+__all__ = [
+    "HALF_DTYPES",
+    "check_model",
+    "check_model_precision",
+    "check_run",
+    "check_target",
+    "model_dtype",
+    "string_labels_error",
+]
+
+#: Parameter dtypes that train to NaN updates without a gradient scaler: refused, pointing to ``precision=``.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+# the built-in losses that compare outputs and labels element by element (and so broadcast mismatched shapes)
+_ELEMENTWISE = {"mse": torch.nn.functional.mse_loss, "l1": torch.nn.functional.l1_loss}
+# the built-in losses that take class ids (float targets only as class probabilities shaped like the outputs)
+_CLASS_LOSSES = {"cross_entropy": torch.nn.functional.cross_entropy, "nll": torch.nn.functional.nll_loss}
+
+
+def check_run(model: torch.nn.Module, prepared: PreparedData, *, loss: Any, train_step: Any = None) -> None:
+    """Refuse a run that would fail on the cluster, or train on the wrong thing, saying what to do.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model as given to ``fit`` (it is not changed: the probe runs on a copy).
+    prepared : PreparedData
+        The training data, as :func:`vcdask.data.prepare_data` describes it.
+    loss : str, callable or None
+        ``fit``'s ``loss=`` as the user gave it (None: the default for the labels).
+    train_step : callable, optional
+        With a custom step the labels and outputs are the step's business: only the model is checked.
+
+    Raises
+    ------
+    ValueError
+        A half-precision model (float16 / bfloat16 parameters).
+    DataError
+        String labels; float labels on a classifier with the default loss, or with ``loss="cross_entropy"``
+        / ``"nll"``; outputs and labels whose shapes ``loss="mse"`` / ``"l1"`` would broadcast.
+    """
+    check_model_precision(model)
+    if train_step is not None or prepared.form != "xy" or prepared.sample_y is None:
+        return
+    y = np.asarray(prepared.sample_y)
+    if y.dtype.kind in "USO":
+        raise string_labels_error(y)
+    if y.dtype.kind != "f":
+        return
+    out = _probe(model, prepared.sample_X)
+    if out is None:  # the model cannot take the rows: check_model reports it with its own message
+        return
+    out_shape, y_shape = tuple(out.shape), tuple(y.shape)
+    if loss is None and out.dim() > 1 and out.shape[-1] >= 2 and out.numel() != y.size:
+        whole = bool(np.all(np.isfinite(y)) and np.all(y == np.round(y)))
+        hint = " (these labels look like whole numbers: y.astype('int64') turns them into class ids)" if whole else ""
+        raise DataError(
+            f"the labels are floats ({y.dtype}), so vcdask trains a regression with MSE, but the model "
+            f"outputs {out.shape[-1]} values per sample ({_shape(out_shape)} against labels {_shape(y_shape)}). "
+            f"For classification, give integer class ids 0..{out.shape[-1] - 1}{hint}; for regression, pass "
+            "loss='mse' with a model whose outputs match the labels' shape (one output per label value)"
+        )
+    named = _CLASS_LOSSES.get(loss) if isinstance(loss, str) else loss
+    if named in _CLASS_LOSSES.values() and out_shape != y_shape:
+        name = next(k for k, v in _CLASS_LOSSES.items() if v is named)
+        raise DataError(
+            f"loss={name!r} compares outputs with class ids, but the labels are floats ({y.dtype}, shape "
+            f"{_shape(y_shape)} against outputs {_shape(out_shape)}). Give integer class ids "
+            f"(y.astype('int64') when they are whole numbers), or, for a regression, leave loss= unset or pass "
+            "loss='mse'"
+        )
+    fn = _ELEMENTWISE.get(loss) if isinstance(loss, str) else loss
+    if fn in _ELEMENTWISE.values() and out_shape != y_shape:
+        try:  # the shapes with a symbolic sample count (it broadcasts against the other axes too)
+            broadcast = tuple(torch.broadcast_shapes((_N, *out_shape[1:]), (_N, *y_shape[1:])))
+        except RuntimeError:
+            return  # no broadcast: the loss fails, and check_model reports the shapes
+        name = next(k for k, v in _ELEMENTWISE.items() if v is fn)
+        shapes = (out_shape[1:], y_shape[1:])
+        if shapes == ((1,), ()):  # the common case: one output per sample, 1-D labels
+            fix = (
+                "Give the labels the outputs' shape (y.reshape(-1, 1)), or use a model whose outputs have the "
+                "labels' shape (end it with torch.nn.Flatten(0)), or leave loss= unset (the default MSE "
+                "reshapes (n, 1) outputs to (n,) labels)"
+            )
+        elif shapes == ((), (1,)):
+            fix = "Give the labels the outputs' shape (y.reshape(-1)), or a model with (n, 1) outputs"
+        else:
+            fix = f"Give labels of the outputs' shape {_shape(out_shape)}, or a model whose outputs match the labels"
+        raise DataError(
+            f"loss={name!r} would compare model outputs of shape {_shape(out_shape)} with labels of shape "
+            f"{_shape(y_shape)} by broadcasting them to {_shape(broadcast)}: every output against every label, "
+            f"a loss that trains but learns the wrong thing. {fix}"
+        )
+
+
+def check_model_precision(model: torch.nn.Module) -> None:
+    """Refuse a model with half-precision parameters (``model.half()``), pointing to ``precision=``.
+
+    Raises
+    ------
+    ValueError
+        Naming the parameters' dtype and the remedy.
+    """
+    half = sorted(
+        {str(t.dtype).removeprefix("torch.") for t in (*model.parameters(), *model.buffers()) if t.dtype in HALF_DTYPES}
+    )
+    if half:
+        names = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.dtype in HALF_DTYPES]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ValueError(
+            f"the model holds {'/'.join(half)} parameters ({shown}): trained and merged in half precision, "
+            "updates overflow to NaN on the workers (and the workers get excluded). Keep the model in float32 "
+            "(model.float()) and pass precision='16-mixed' (float16 autocast with a gradient scaler) or "
+            "precision='bf16' (bfloat16 autocast): the parameters stay float32 and the arithmetic runs in half"
+        )
+
+
+def string_labels_error(y: np.ndarray, name: str = "the labels") -> DataError:
+    """The error for labels that are strings (or other objects): classification needs integer class ids."""
+    values = [v for v in np.asarray(y).ravel()[:3].tolist()]
+    kind = "strings" if y.dtype.kind in "US" or any(isinstance(v, str) for v in values) else f"{y.dtype} objects"
+    return DataError(
+        f"{name} are {kind} (e.g. {', '.join(repr(v) for v in values)}); classification needs integer class ids "
+        "0..k-1: encode them with codes, classes = pandas.factorize(y) (or "
+        "sklearn.preprocessing.LabelEncoder().fit_transform(y)), train on the codes and keep the classes to name "
+        "the predictions (classes[result.predict(X)])"
+    )
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def check_model(model, prepared: PreparedData, loss, classification: bool, x_dtype) -> bool:
+    """One forward pass on a few rows: the model accepts the data and its outputs fit the labels.
+
+    Returns whether ``X`` is cast to the model's dtype (True), or stays integer (False: integer
+    inputs such as token ids that the model takes as they are, and not as floats).
+    """
+    probe = copy.deepcopy(model).eval()
+    if prepared.form == "dataset":
+        if prepared.sample_X is None:
+            raise DataError(
+                "the default step needs dataset items (x, y) of tensors; pass train_step=fn(model, batch) "
+                "(and eval_step=) for other items"
+            )
+        X = torch.as_tensor(prepared.sample_X)
+        X, cast = (X.to(x_dtype), True) if X.is_floating_point() else (X, False)
+    else:
+        X = torch.as_tensor(np.ascontiguousarray(prepared.sample_X))
+        cast = True
+    try:
+        with torch.no_grad():
+            out = probe(X.to(x_dtype) if cast else X)
+    except Exception as e:  # noqa: BLE001 - the user's model; retried with integer inputs, else reported
+        integer = not X.is_floating_point() and cast
+        try:
+            if not integer:
+                raise
+            with torch.no_grad():  # integer inputs (token ids...) the model takes as they are
+                out, cast = probe(X), False
+        except Exception:  # noqa: BLE001 - reported with the first error
+            raise DataError(
+                f"the model cannot process the training data: samples of shape {tuple(prepared.x_shape)} "
+                f"and dtype {prepared.x_dtype} -> {type(e).__name__}: {e}"
+            ) from e
+    if classification:
+        n_classes = out.shape[-1] if out.dim() > 1 else 1
+        assert prepared.y_min is not None and prepared.y_max is not None  # set for classification data
+        if prepared.y_min < 0 or prepared.y_max >= n_classes:
+            raise DataError(
+                f"labels range over [{prepared.y_min}, {prepared.y_max}] but the model outputs "
+                f"{n_classes} classes; labels must be in [0, {n_classes - 1}]"
+            )
+    y = torch.as_tensor(np.ascontiguousarray(prepared.sample_y))
+    y = y.long() if classification else y.to(x_dtype)
+    try:
+        loss(out, y)
+    except Exception as e:
+        raise DataError(
+            f"the loss cannot compare model outputs of shape {tuple(out.shape)} with labels of "
+            f"shape {tuple(y.shape)}: {type(e).__name__}: {e}"
+        ) from e
+    return cast
+
+
+def check_target(target, metric_names) -> dict[str, float] | None:
+    if target is None:
+        return None
+    if not isinstance(target, Mapping) or not target:
+        raise TypeError(f"target must be a mapping like {{'accuracy': 0.95}}, got {target!r}")
+    valid = ["loss", *metric_names]
+    for name, goal in target.items():
+        if name not in valid:
+            raise ValueError(f"target metric {name!r} is not computed; available: {valid}")
+        if not isinstance(goal, (int, float)) or math.isnan(goal):
+            raise ValueError(f"target value for {name!r} must be a number, got {goal!r}")
+    return {k: float(v) for k, v in target.items()}
+
+
+def _probe(model: torch.nn.Module, sample_X: Any) -> torch.Tensor | None:
+    """The model's outputs for a few rows, on a copy on the CPU (None when the model cannot take them)."""
+    probe = copy.deepcopy(model).cpu().eval()
+    X = torch.as_tensor(np.ascontiguousarray(sample_X))
+    dtype = next((p.dtype for p in probe.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    with torch.no_grad():
+        for x in (X.to(dtype),) if X.is_floating_point() else (X.to(dtype), X):
+            try:
+                out = probe(x)
+            except Exception:  # noqa: BLE001 - the user's model; check_model reports what it cannot take
+                continue
+            return out if isinstance(out, torch.Tensor) else None
+    return None
+
+
+_N = 7919  # a stand-in for the sample count n in shapes (a prime no model's axis is likely to have)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    """A batch shape with its sample axis as ``n``: ``(4, 1) -> "(n, 1)"`` (and ``_N`` anywhere as ``n``)."""
+    dims = ["n", *("n" if d == _N else str(d) for d in shape[1:])]
+    return "(" + ", ".join(dims) + ("," if len(shape) == 1 else "") + ")"

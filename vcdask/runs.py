@@ -1,0 +1,313 @@
+"""Starting runs on a cluster: the launch path :func:`vcdask.fit` ends in, and :func:`vcdask.resume`.
+
+From a checked :class:`~vcdask.options.RunPlan`: stage the data, commit the initial version, save the
+:class:`~vcdask.spec.RunSpec`, start the run on the scheduler plugin, then wait for it (or hand back
+its :class:`~vcdask.RunHandle` at once).  Also the checks of the run-lifecycle options (early
+stopping, ``resume(max_epochs=)``) and where a run's initial parameters came from.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import pickle
+import secrets
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any, Literal, overload
+
+import torch
+
+from .cluster import check_client, owns_client, resolve_client
+from .data import Shards
+from .errors import VersionNotFoundError
+from .handle import FitResult, RunHandle, ensure_plugin
+from .options import DEFAULT_STORE, RunPlan, positive_int
+from .spec import RunSpec, loads, save_spec, spec_path
+from .staging import stage
+from .store import ParamStore, check_cluster_access, open_store, share_credentials, store_holds_secrets
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["check_early_stopping", "epochs_done", "launch", "new_run_id", "resume", "start_record"]
+
+
+def new_run_id() -> str:
+    """A fresh run id: ``run-<UTC time>-<6 hex digits>`` (also the run's branch in its store)."""
+    return f"run-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+
+
+def check_early_stopping(
+    patience: Any, monitor: Any, target: dict[str, float] | None, metric_names: Sequence[str], validated: bool
+) -> tuple[int | None, str | None]:
+    """``patience`` and the metric it (and ``FitResult.best_version``) follows, checked.
+
+    The default ``monitor``: the ``target``'s (first) metric, else the first metric that is not the
+    loss, else the loss.  None without validation data (nothing to monitor).
+
+    Raises
+    ------
+    ValueError, TypeError
+        ``patience`` not a positive integer, or ``monitor`` not a computed metric (the valid ones listed).
+    """
+    if patience is not None:
+        patience = positive_int("patience", patience)
+    if monitor is not None and not isinstance(monitor, str):
+        raise TypeError(f"monitor must be the name of a validation metric, got {type(monitor).__name__}")
+    names = list(dict.fromkeys(["loss", *metric_names]))
+    if monitor is not None and monitor not in names:
+        raise ValueError(f"monitor={monitor!r} is not a validation metric of this run; available: {names}")
+    if not validated:
+        return patience, None
+    if monitor is None:
+        monitor = next(iter(target)) if target else next((n for n in names if n != "loss"), "loss")
+    return patience, monitor
+
+
+def start_record(model: torch.nn.Module, store: ParamStore) -> dict[str, Any] | None:
+    """Where ``model``'s parameters come from: ``{"version", "tag", "store"}`` for a model that
+    :func:`vcdask.load` (or a finished ``fit``) filled from a store, None for any other."""
+    loaded = getattr(model, "vcdask_version", None)
+    if not isinstance(loaded, dict) or not loaded.get("id"):
+        return None
+    return {"version": loaded["id"], "tag": loaded.get("tag"), "store": loaded.get("store", store.location)}
+
+
+def launch(
+    plan: RunPlan,
+    client: Any,
+    model: torch.nn.Module,
+    *,
+    wait: bool,
+    progress: bool,
+    patience: int | None,
+    monitor: str | None,
+) -> FitResult | RunHandle:
+    """Stage, commit the initial version, start the run; wait for it (``wait``) or return its handle."""
+    t0 = time.perf_counter()
+    run_id = new_run_id()
+    with resolve_client(client, keep=not wait) as c:
+        _check_cluster(c, plan.store, embedded=client is None)
+        plan.store.create_branch(run_id)
+        start = start_record(model, plan.store)
+        spec = _stage(plan, run_id, c, start)
+        save_spec(dataclasses.replace(spec, patience=patience, monitor=monitor, start=start))
+        handle = _start(
+            c, plan.store, run_id, model=model, setup_seconds=time.perf_counter() - t0, owns=owns_client(client)
+        )
+        if not wait:
+            return handle
+        handle.wait(progress=progress)
+        return handle.result(wall_time=time.perf_counter() - t0)
+
+
+def _check_cluster(c, store: ParamStore, *, embedded: bool) -> None:
+    """What the cluster must offer before a run starts: workers (and a scheduler) that can open the store.
+
+    A store opened here with explicit credentials pickles without them: the embedded cluster (our own
+    processes on this machine) is given them with :func:`~vcdask.store.share_credentials`; any other
+    cluster must resolve them itself, and :func:`~vcdask.store.check_cluster_access` says so, naming
+    the remedies, before the run starts.
+    """
+    if not store.shared_across_processes:
+        pids = set(c.run(os.getpid).values())
+        if pids != {os.getpid()}:
+            raise ValueError(
+                f"store {store.location!r} lives in this process only, but the workers "
+                "run in other processes; use a directory or object-store location"
+            )
+        return
+    if store_holds_secrets(store):
+        if embedded:
+            share_credentials(c, store)
+        check_cluster_access(store, c)
+
+
+def _stage(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> RunSpec:
+    """Stage in-memory data in the store, commit the initial version, and describe the run."""
+    store = plan.store
+    spec_max_epochs = plan.options.get("max_epochs")
+    train = plan.train.source or stage(plan.train, store.files, f"{run_id}/train.zarr", client=c)
+    val = None
+    if plan.validation is not None:
+        val = plan.validation.source or stage(plan.validation, store.files, f"{run_id}/validation.zarr", client=c)
+    store.commit(
+        plan.model,
+        # max_epochs: what `vcdask runs` shows for a run without a record (it never unpickles the spec)
+        {"run_id": run_id, "step": 0, "epoch": 0, "merged": [], "start": start, "max_epochs": spec_max_epochs},
+        branch=run_id,
+        message=f"{run_id} initial parameters" + (f" (from version {start['version']})" if start else ""),
+    )
+    in_flight = plan.options["tasks_per_slot"] * (sum(c.nthreads().values()) or 1)
+    return RunSpec(
+        run_id=run_id,
+        store=store,
+        branch=run_id,
+        model=copy.deepcopy(plan.model).cpu(),
+        loss=plan.loss,
+        optimizer=plan.optimizer,
+        train=train,
+        shards=(
+            Shards(plan.train.n, plan.n_shards)
+            if plan.n_shards is not None
+            else Shards.default(plan.train.n, sum(c.nthreads().values()))
+        ),
+        validation=val,
+        metrics=plan.metrics,
+        classification=plan.train.classification,
+        x_dtype=plan.x_dtype,
+        merge=plan.rule.for_run(in_flight=in_flight),
+        target=plan.target,
+        **plan.options,
+    )
+
+
+def _start(
+    c,
+    store: ParamStore,
+    run_id: str,
+    *,
+    resume: bool = False,
+    max_epochs: int | None = None,
+    model: torch.nn.Module | None = None,
+    setup_seconds: float = 0.0,
+    owns: bool = False,
+) -> RunHandle:
+    """Start (or resume) the run on the scheduler; its handle (owning ``c`` with ``owns``: it closes it)."""
+    ensure_plugin(c)
+    c.sync(c.scheduler.vcdask_start, store=pickle.dumps(store), run_id=run_id, resume=resume, max_epochs=max_epochs)
+    return RunHandle(run_id, c, model, setup_seconds=setup_seconds, owns_client=owns)
+
+
+@overload
+def resume(
+    run_id: str,
+    *,
+    store: str | os.PathLike | ParamStore | None = None,
+    client: Any = None,
+    progress: bool = True,
+    max_epochs: int | None = None,
+    wait: Literal[True] = True,
+) -> FitResult: ...
+
+
+@overload
+def resume(
+    run_id: str,
+    *,
+    store: str | os.PathLike | ParamStore | None = None,
+    client: Any = None,
+    progress: bool = True,
+    max_epochs: int | None = None,
+    wait: Literal[False],
+) -> RunHandle: ...
+
+
+@overload
+def resume(
+    run_id: str,
+    *,
+    store: str | os.PathLike | ParamStore | None = None,
+    client: Any = None,
+    progress: bool = True,
+    max_epochs: int | None = None,
+    wait: bool = True,
+) -> FitResult | RunHandle: ...
+
+
+def resume(
+    run_id: str,
+    *,
+    store: str | os.PathLike | ParamStore | None = None,
+    client: Any = None,
+    progress: bool = True,
+    max_epochs: int | None = None,
+    wait: bool = True,
+) -> FitResult | RunHandle:
+    """Continue a run whose scheduler died, or give a finished run more epochs, on any cluster that can
+    reach its store.
+
+    The run restarts from the newest committed version on its branch, first merges the client
+    updates that were uploaded but never committed, merges none twice (the versions' metadata
+    lists every merged (epoch, shard)), and trains the shards and epochs that are left.
+
+    Parameters
+    ----------
+    run_id : str
+    store : str, path or ParamStore, optional
+        The run's store (default ``./vcdask-runs``).
+    client : distributed.Client or cluster, optional
+        Default: the process's embedded LocalCluster (see :func:`vcdask.fit`).
+    progress : bool, default True
+    max_epochs : int, optional
+        Train up to this many epochs in all (more than the run has done): extends a finished run
+        (or one that stopped early), from its last version.  The run's spec keeps the new number.
+        Default: the run's own ``max_epochs``.
+    wait : bool, default True
+        False: return the run's :class:`~vcdask.RunHandle` at once (see :func:`vcdask.fit`).
+
+    Returns
+    -------
+    FitResult or RunHandle
+        Its ``history`` lists the updates merged after the restart; ``epochs`` every epoch.
+
+    Raises
+    ------
+    VersionNotFoundError
+        The store has no branch ``run_id`` (the message lists the runs it has).
+    ValueError
+        ``max_epochs`` is not more than the epochs the run has done (both named).
+
+    Examples
+    --------
+    >>> result = vcdask.fit(model, (X, y), max_epochs=5)                  # doctest: +SKIP
+    >>> more = vcdask.resume(result.run_id, max_epochs=8)                 # 3 more epochs  # doctest: +SKIP
+    """
+    check_client(client)
+    if max_epochs is not None:
+        max_epochs = positive_int("max_epochs", max_epochs)
+    param_store = open_store(DEFAULT_STORE if store is None else store, mode="r+")
+    if run_id not in param_store.branches() or not param_store.files.exists(spec_path(run_id)):
+        runs = sorted(b for b in param_store.branches() if param_store.files.exists(spec_path(b)))
+        raise VersionNotFoundError(f"no run {run_id!r} in {param_store.location!r}; runs: {runs}")
+    if max_epochs is not None:
+        _check_extend(param_store, run_id, max_epochs)
+    t0 = time.perf_counter()
+    with resolve_client(client, keep=not wait) as c:
+        _check_cluster(c, param_store, embedded=client is None)
+        handle = _start(c, param_store, run_id, resume=True, max_epochs=max_epochs, owns=owns_client(client))
+        if max_epochs is not None:  # the start was accepted (a live run is refused): the spec keeps it
+            _keep_max_epochs(param_store, run_id, max_epochs)
+        if not wait:
+            return handle
+        handle.wait(progress=progress)
+        return handle.result(wall_time=time.perf_counter() - t0)
+
+
+def epochs_done(store: ParamStore, run_id: str) -> int:
+    """How many epochs of the run are complete, from its newest version's ``progress``."""
+    versions = store.versions(run_id)
+    if not versions:
+        return 0
+    return len((versions[0].metadata.get("progress") or {}).get("done", []))
+
+
+def _check_extend(store: ParamStore, run_id: str, max_epochs: int) -> None:
+    """Check ``max_epochs`` against what the run has done (before any cluster work)."""
+    done = epochs_done(store, run_id)
+    if max_epochs <= done:
+        raise ValueError(
+            f"max_epochs={max_epochs} would not extend run {run_id!r}: it has done {done} epochs already; "
+            f"pass max_epochs > {done} (the total number of epochs, not the number to add)"
+        )
+    logger.info("run %s: %d epochs done, training up to %d", run_id, done, max_epochs)
+
+
+def _keep_max_epochs(store: ParamStore, run_id: str, max_epochs: int) -> None:
+    """Keep the run's new ``max_epochs`` in its spec (a later plain ``resume`` trains up to it)."""
+    spec = loads(store.files.get(spec_path(run_id)))
+    if spec.max_epochs != max_epochs:
+        save_spec(dataclasses.replace(spec, max_epochs=max_epochs))

@@ -1,0 +1,103 @@
+"""Committing one version to an Icechunk-backed store (:meth:`IcechunkParamStore.commit`).
+
+A run commits after (almost) every merge, so this path is kept short.  When the branch head is the
+version this store object committed last, with the same parameter layout, the arrays are known to be
+there with the right shapes: they are opened by path and overwritten, without opening the root group,
+listing the arrays or rewriting attributes (:func:`rewrite_flat`), and without looking for the rule
+state that versions of earlier vcdask releases kept inside the version.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..errors import StoreConflict
+from ..params import FlatParams
+from ._base import check_metadata
+from ._collect import KEEP_FROM_KEY
+from ._errors import translate
+from ._layout import FORMAT, FORMAT_KEY, write_flat, write_state
+from ._state import STATE_KEY, delete_state, write_state_object
+
+if TYPE_CHECKING:
+    from ._icechunk import IcechunkParamStore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["commit_version", "rewrite_flat"]
+
+
+def commit_version(
+    store: IcechunkParamStore,
+    flat: FlatParams,
+    metadata: Any,
+    branch: str,
+    message: str | None,
+    parent: str | None,
+    state: Any,
+    keep_from: int | None,
+) -> str:
+    """Commit ``flat`` on ``branch``; see :meth:`IcechunkParamStore.commit` for the arguments."""
+    import icechunk
+
+    meta = {**check_metadata(metadata), FORMAT_KEY: FORMAT}
+    if keep_from is not None:
+        meta[KEEP_FROM_KEY] = int(keep_from)
+    what = f"committing to branch {branch!r} of {store.describe()}"
+    layout = flat.layout.to_dict()
+    for attempt in range(store.commit_retries + 1):
+        with store._backend.commit_lock():
+            try:
+                session = store._repo.writable_session(branch)
+            except icechunk.IcechunkError as e:
+                raise store._ref_error(e, branch=branch) from None
+            if parent is not None:
+                head = store._version_or_none(session.snapshot_id)
+                if head != parent:
+                    raise StoreConflict(
+                        f"{what}: expected the branch head to be {parent!r} but it is {head!r}; nothing was written"
+                    )
+            if state and STATE_KEY not in meta:  # first: a version never names a state object that is not there
+                meta[STATE_KEY] = write_state_object(store.files, branch, state)
+            try:
+                if store._last_commit.get(branch) == (session.snapshot_id, layout):
+                    rewrite_flat(session.store, flat)  # our own head, same layout: the arrays are there
+                else:
+                    write_flat(session.store, flat, store.chunk_bytes)
+                    write_state(session.store, None, store.chunk_bytes)  # (earlier vcdask kept it inside)
+                replaced = store._repo.lookup_snapshot(session.snapshot_id).metadata or {}
+                version = session.commit(message or "vcdask version", metadata=meta)
+            except icechunk.ConflictError as e:
+                store._last_commit.pop(branch, None)
+                if parent is not None:
+                    raise translate(e, what) from None
+                logger.debug("commit to %r lost a race (attempt %d); retrying", branch, attempt + 1)
+                continue
+            except icechunk.IcechunkError as e:
+                store._last_commit.pop(branch, None)
+                raise translate(e, what) from None
+            store._last_commit[branch] = (version, layout)
+        # (a failed attempt leaves its state object: the branch's writer sweeps it, see ParamStore.gc)
+        delete_state(store.files, replaced.get(STATE_KEY), branch)
+        return version
+    raise StoreConflict(f"{what}: lost the race to other writers {store.commit_retries + 1} times; nothing was written")
+
+
+def rewrite_flat(zstore: Any, flat: FlatParams, path: str = "params") -> None:
+    """Overwrite the arrays of a group that :func:`~._layout.write_flat` wrote with this same layout.
+
+    One metadata read per array (its shape and dtype are checked all the same); the root group,
+    the listing of the group and its layout attribute are left as they are.
+    """
+    import zarr
+
+    from ._layout import _to_numpy
+
+    for dtype, values in flat.arrays.items():
+        data, zdtype = _to_numpy(values, dtype)
+        arr = zarr.open_array(zstore, path=f"{path}/{dtype}", mode="r+")
+        if arr.shape != data.shape or arr.dtype != zdtype:  # cannot happen with the same layout; never write wrong
+            raise ValueError(f"array {path}/{dtype} is {arr.shape} {arr.dtype}, not {data.shape} {zdtype}")
+        if data.size:
+            arr[:] = data
