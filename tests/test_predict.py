@@ -109,3 +109,21 @@ def test_bad_inputs_are_named(classifier_run):
         classifier_run.predict(np.zeros((5, 3)), batch_size=0)
     with pytest.raises(TypeError, match="X must be numeric rows"):
         classifier_run.predict(np.array([["x", "y", "z"]]))
+
+
+def test_out_of_memory_says_to_use_a_smaller_batch_size(classifier_run):
+    """Running out of memory is not the data's fault: the error stays an OutOfMemoryError and names batch_size."""
+    from vcdask.predict import model_outputs
+    from vcdask.spec import load_spec
+
+    class BigBatchesExhaustMemory(torch.nn.Module):
+        def forward(self, x):
+            if len(x) > 8:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            return torch.zeros(len(x), 3)
+
+    spec = load_spec(classifier_run.store, classifier_run.run_id)
+    rows = _frame(20, 5)[FEATURES].to_numpy(np.float32)
+    with pytest.raises(torch.OutOfMemoryError, match="smaller batch_size="):
+        model_outputs(BigBatchesExhaustMemory(), spec, rows, batch_size=16)
+    assert model_outputs(BigBatchesExhaustMemory(), spec, rows, batch_size=8).shape == (20, 3)

@@ -66,6 +66,11 @@ def model_outputs(
                 batch = x[start : start + batch_size].to(target)
                 try:
                     out = net(batch)
+                except torch.OutOfMemoryError as e:  # not the data's fault: say what to change
+                    raise torch.OutOfMemoryError(
+                        f"out of memory on {target} predicting batches of {batch_size} rows: pass a smaller "
+                        f"batch_size= (or device='cpu'). {e}"
+                    ) from e
                 except Exception as e:
                     raise DataError(
                         f"the model cannot process X: rows of shape {tuple(x.shape[1:])} and dtype {x.dtype} "

@@ -11,26 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidLocationError, StoreNotFoundError
+from ._errors import quiet_logs
 
 __all__ = ["LocalBackend"]
 
 logger = logging.getLogger(__name__)
 
 _LOCK_NAME = ".vcdask-commit.lock"
-_quieted = False
-
-
-def _quiet_local_warning() -> None:
-    # Icechunk warns that its LocalFileSystem storage is unsafe for concurrent commits.
-    # vcdask serialises commits with a file lock, so the warning does not apply; keep the
-    # rest of Icechunk's logging as it is, and never override a user's ICECHUNK_LOG.
-    global _quieted
-    if _quieted or "ICECHUNK_LOG" in os.environ:
-        return
-    import icechunk
-
-    icechunk.set_logs_filter("icechunk=warn,icechunk::storage::object_store=error")
-    _quieted = True
 
 
 class LocalBackend:
@@ -59,7 +46,8 @@ class LocalBackend:
     def storage(self):
         import icechunk
 
-        _quiet_local_warning()
+        quiet_logs()  # (also Icechunk's warning that local storage is unsafe for concurrent commits:
+        # vcdask serialises them with a file lock)
         return icechunk.local_filesystem_storage(self.location)
 
     def preflight(self, mode: str) -> None:
