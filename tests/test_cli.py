@@ -194,3 +194,23 @@ def test_s3_store_with_storage_options(runs_store, s3, capsys):
     )
     assert code == 1 and "could not be reached" in err and "(check --endpoint-url, --region" in err
     assert len(err.splitlines()) == 1
+
+
+def test_a_reader_that_leaves_early_stops_the_listing_quietly(runs_store, monkeypatch, capsys):
+    """`vcdask versions STORE | head -1`: the pipe closes under the listing; no traceback, no error line, and
+    the exit code a shell gives a command stopped by a closed pipe (141)."""
+    import io
+    import os
+
+    path, _ = runs_store
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone: every write raises BrokenPipeError
+    closed = io.TextIOWrapper(io.FileIO(write_end, "w"), write_through=True)
+    monkeypatch.setattr("sys.stdout", closed)
+    try:
+        code = main(["versions", str(path)])
+    finally:
+        monkeypatch.undo()
+        closed.close()
+    assert code == 141
+    assert capsys.readouterr().err == ""

@@ -162,5 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(args, "storage_option"):
             args.storage_options = storage_options(args)
         return args.func(args)
+    except BrokenPipeError:  # `vcdask versions STORE | head`: the reader left; stop quietly, as ls does
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # 128 + SIGPIPE, what a shell reports for a command stopped by a closed pipe
     except Exception as e:  # noqa: BLE001  every failure becomes one line on stderr and an exit code
         return report(args.command, e, debug=args.debug)
