@@ -60,7 +60,7 @@ async def release(run: Run) -> None:
     run.ended = time.time()
     run.final = views.result_dict(run)
     try:
-        await run.in_thread(write_record, run.store, run.id, record(run, run.final))
+        await run.in_thread(_write_final_record, run, run.final)  # best_version lists versions: not on the loop
     except Exception:
         logger.warning("run %s: could not write its record %s", run.id, record_path(run.id), exc_info=True)
     run.executor.shutdown(wait=False)
@@ -87,7 +87,7 @@ def stop_kind(status: str, stopping: str | None) -> str | None:
 
 
 def record(run: Run, res: dict[str, Any]) -> dict[str, Any]:
-    """The run's record (JSON-able) from its result dict."""
+    """The run's record (JSON-able) from its result dict (reads the store: call it off the event loop)."""
     kind = stop_kind(res["status"], res["stopping"])
     status = {"max_epochs": "finished", "cancelled": "cancelled", "failed": "failed", None: "running"}.get(
         kind, "stopped"
@@ -110,6 +110,10 @@ def record(run: Run, res: dict[str, Any]) -> dict[str, Any]:
         "started": run.started,
         "ended": run.ended,
     }
+
+
+def _write_final_record(run: Run, res: dict[str, Any]) -> None:
+    write_record(run.store, run.id, record(run, res))
 
 
 def running_record(run: Run) -> dict[str, Any]:
