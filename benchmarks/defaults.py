@@ -134,13 +134,11 @@ def charlm_vcdask(seed: int, data, client, overrides: dict) -> float:
             eval_step=char_lm.eval_step,
             optimizer=char_lm.make_optimizer(CHARLM["lr"]),
             lr_schedule=functools.partial(char_lm.cosine_schedule, epochs=CHARLM["epochs"]),
-            n_shards=CHARLM["shards"],
-            max_epochs=CHARLM["epochs"],
+            **{"n_shards": CHARLM["shards"], "max_epochs": CHARLM["epochs"], **overrides},  # --set wins
             seed=seed,
             client=client,
             store=store,
             progress=False,
-            **overrides,
         )
     return char_lm.validation_loss(r.model, Xv, Yv, device=torch.device("cpu"))
 

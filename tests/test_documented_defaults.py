@@ -95,7 +95,7 @@ def test_generated_options_table_names_the_real_defaults():
     table = markdown_table(vcdask.fit, skip=("model", "data"))
     rows = {line.split("|")[1].strip(" `"): line.split("|")[2].strip() for line in table.splitlines()[2:]}
     assert set(rows) == set(_signature(vcdask.fit)) - {"model", "data"}
-    assert rows["lr"] == "`1e-3`" and rows["optimizer_state"] == '`"fresh"`' and rows["max_epochs"] == "`10`"
+    assert rows["lr"] == "`1e-3`" and rows["optimizer_state"] == '`"auto"`' and rows["max_epochs"] == "`10`"
     assert "DEFAULT_RULE" in rows["merge"]  # docs/conf.py puts repr(DEFAULT_RULE) in its place
     page = (ROOT / "docs/user-guide/how-a-run-works.md").read_text()
     assert "generated/fit-options.md" in page

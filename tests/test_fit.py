@@ -12,6 +12,7 @@ import torch
 import vcdask
 from vcdask.demo import accuracy_on, digits_cnn
 from vcdask.engine import policy
+from vcdask.spec import load_spec
 from vcdask.updates import read_update
 
 pytestmark = pytest.mark.slow
@@ -179,6 +180,10 @@ def test_default_shards_are_two_per_worker_thread(client, digits_data, tmp_path)
     result = vcdask.fit(_linear(), (X, y), max_epochs=2, client=client, store=tmp_path / "s", progress=False)
     h = result.history[result.history.accepted]
     assert sorted(set(h.shard)) == list(range(2 * threads)) and len(h) == 2 * 2 * threads
+    # optimizer_state="auto" is decided with the shards: the run's spec holds the choice, not "auto"
+    steps = -(-(len(X) // (2 * threads)) // 32)
+    expected = "worker" if steps >= 10 else "fresh"
+    assert load_spec(result.store, result.run_id).optimizer_state == expected
 
 
 def test_default_shard_count_bounds():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import types
 
@@ -133,6 +134,52 @@ def test_worker_optimizer_state_is_kept_per_run_and_fresh_by_default():
     assert not inner.InnerOptimizer(_spec(run_id="other", optimizer_state="worker"), model, first.precision, 1).resumed
 
 
+@pytest.mark.parametrize(
+    ("make", "memory"),
+    [
+        (lambda p: torch.optim.Adam(p), 10.0),
+        (lambda p: torch.optim.AdamW(p, betas=(0.8, 0.99)), 5.0),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 10.0),
+        (lambda p: torch.optim.SGD(p, lr=0.1), 1.0),
+        (lambda p: torch.optim.Adagrad(p), 1.0),  # no first moment
+    ],
+)
+def test_memory_steps_of_an_optimizer_is_what_its_first_moment_remembers(make, memory):
+    assert inner.memory_steps(make(torch.nn.Linear(2, 1).parameters())) == pytest.approx(memory)
+
+
+def test_auto_optimizer_state_keeps_the_state_only_for_tasks_longer_than_the_first_moments_memory():
+    adam = torch.optim.Adam(torch.nn.Linear(2, 1).parameters())
+    assert inner.resolve_optimizer_state("auto", adam, 12) == "worker"
+    assert inner.resolve_optimizer_state("auto", adam, 10) == "worker"
+    assert inner.resolve_optimizer_state("auto", adam, 9) == "fresh"
+    assert inner.resolve_optimizer_state("fresh", adam, 100) == "fresh"  # a choice is kept
+    assert inner.resolve_optimizer_state("worker", adam, 1) == "worker"
+
+
+@pytest.mark.parametrize(
+    ("n_shards", "local_epochs", "expected"), [(4, 1, "worker"), (40, 1, "fresh"), (40, 5, "worker")]
+)
+def test_a_run_decides_auto_from_its_own_shards_and_local_epochs(tmp_path, n_shards, local_epochs, expected):
+    """1438 digits rows: 4 shards of 359 rows are 12 steps of 32; 40 shards are 2 (10 with 5 local epochs)."""
+    from vcdask.data import Shards
+    from vcdask.demo import digits_cnn
+    from vcdask.options import plan_run
+    from vcdask.runs import _optimizer_state
+
+    X = np.zeros((1438, 1, 8, 8), "f4")
+    y = np.arange(1438) % 10
+    defaults = {
+        k: p.default
+        for k, p in inspect.signature(vcdask.fit).parameters.items()
+        if p.default is not inspect.Parameter.empty and k in inspect.signature(plan_run).parameters
+    }
+    options = {**defaults, "store": tmp_path / "store", "local_epochs": local_epochs}
+    plan = plan_run(digits_cnn(), (X, y), **options)
+    assert plan.options["optimizer_state"] == "auto"
+    assert _optimizer_state(plan, Shards(1438, n_shards)) == expected
+
+
 def test_a_task_that_diverged_keeps_no_optimizer_state():
     """A NaN loss, or NaN moments, would poison every later task on the worker: nothing is kept."""
     spec = _spec(run_id="diverged-run", optimizer_state="worker")
@@ -213,7 +260,12 @@ class _Stream(torch.utils.data.IterableDataset):
     [
         ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"device": "gpu"}, ValueError, r"device must be one of"),
         ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"precision": "fp8"}, ValueError, r"precision must be one of"),
-        ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"optimizer_state": "kept"}, ValueError, r"\['fresh', 'worker'\]"),
+        (
+            (np.ones((8, 2), "f4"), np.zeros(8, int)),
+            {"optimizer_state": "kept"},
+            ValueError,
+            r"\['auto', 'fresh', 'worker'\]",
+        ),
         ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"eval_step": lambda _m, _b: {}}, TypeError, "eval_step needs"),
         ((np.ones((8, 2), "f4"), np.zeros(8, int)), {"clip_grad_norm": 0}, ValueError, "clip_grad_norm must be"),
         ({"a": np.ones((8, 2), "f4"), "b": np.ones(8)}, {}, TypeError, "dict data gives dict batches"),

@@ -185,7 +185,7 @@ def plan_run(
     collate_fn=None,
     device="auto",
     precision="32",
-    optimizer_state="fresh",
+    optimizer_state="auto",
     lr_schedule=None,
     clip_grad_norm=None,
     retention=None,

@@ -25,6 +25,7 @@ from .cluster import check_client, owns_client, resolve_client
 from .data import Shards
 from .errors import VersionNotFoundError
 from .handle import FitResult, RunHandle, ensure_plugin
+from .inner import memory_steps, resolve_optimizer_state
 from .options import DEFAULT_STORE, RunPlan, positive_int
 from .spec import RunSpec, loads, save_spec, spec_path
 from .staging import stage
@@ -142,6 +143,12 @@ def _stage(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> RunSp
         message=f"{run_id} initial parameters" + (f" (from version {start['version']})" if start else ""),
     )
     in_flight = plan.options["tasks_per_slot"] * (sum(c.nthreads().values()) or 1)
+    shards = (
+        Shards(plan.train.n, plan.n_shards)
+        if plan.n_shards is not None
+        else Shards.default(plan.train.n, sum(c.nthreads().values()))
+    )
+    options = {**plan.options, "optimizer_state": _optimizer_state(plan, shards)}
     return RunSpec(
         run_id=run_id,
         store=store,
@@ -150,19 +157,32 @@ def _stage(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> RunSp
         loss=plan.loss,
         optimizer=plan.optimizer,
         train=train,
-        shards=(
-            Shards(plan.train.n, plan.n_shards)
-            if plan.n_shards is not None
-            else Shards.default(plan.train.n, sum(c.nthreads().values()))
-        ),
+        shards=shards,
         validation=val,
         metrics=plan.metrics,
         classification=plan.train.classification,
         x_dtype=plan.x_dtype,
         merge=plan.rule.for_run(in_flight=in_flight),
         target=plan.target,
-        **plan.options,
+        **options,
     )
+
+
+def _optimizer_state(plan: RunPlan, shards: Shards) -> str:
+    """``optimizer_state``, with ``"auto"`` decided from the run's shortest task (see :mod:`vcdask.inner`)."""
+    value = plan.options["optimizer_state"]
+    if value != "auto":
+        return value
+    steps = plan.options["local_epochs"] * -(-(shards.n // shards.n_shards) // plan.options["batch_size"])
+    optimizer = plan.optimizer(plan.model.parameters())
+    state = resolve_optimizer_state(value, optimizer, steps)
+    logger.info(
+        "optimizer_state='auto' is %r: %d local steps per task, the optimizer's first moment remembers %.3g",
+        state,
+        steps,
+        memory_steps(optimizer),
+    )
+    return state
 
 
 def _start(
