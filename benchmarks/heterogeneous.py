@@ -1,7 +1,8 @@
 """Mixed-speed workers: time to a target accuracy, vcdask vs torch DDP (gloo) vs single-process torch.
 
 usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [--passes 12] [--target 0.95]
-                                          [--seeds 0,1,2] [--kill-every 0] [--vcdask default,adaptive,worker-state,fresh-state]
+                                          [--seeds 0,1,2] [--kill-every 0]
+                                          [--vcdask default,adaptive,worker-state,fresh-state]
 
 Two worker processes of one thread each; worker 1 is made ``--slow`` times slower by a **per-batch
 delay**: before each training batch it sleeps ``(slow - 1) * c``, where ``c`` is the median time of one
