@@ -148,6 +148,13 @@ def test_memory_steps_of_an_optimizer_is_what_its_first_moment_remembers(make, m
     assert inner.memory_steps(make(torch.nn.Linear(2, 1).parameters())) == pytest.approx(memory)
 
 
+def test_an_optimizer_without_readable_groups_remembers_forever_so_auto_starts_fresh():
+    odd = types.SimpleNamespace(param_groups=[{"betas": "not numbers"}])
+    assert inner.memory_steps(odd) == float("inf")
+    assert inner.memory_steps(types.SimpleNamespace()) == float("inf")
+    assert inner.resolve_optimizer_state("auto", odd, 10_000) == "fresh"
+
+
 def test_auto_optimizer_state_keeps_the_state_only_for_tasks_longer_than_the_first_moments_memory():
     adam = torch.optim.Adam(torch.nn.Linear(2, 1).parameters())
     assert inner.resolve_optimizer_state("auto", adam, 12) == "worker"

@@ -53,11 +53,14 @@ def memory_steps(optimizer: torch.optim.Optimizer) -> float:
     """How many steps ``optimizer``'s first moment remembers: ``1 / (1 - beta1)``.
 
     ``beta1`` is the first of ``betas`` (Adam, AdamW, NAdam, ...) or ``momentum`` (SGD, RMSprop) of its
-    first parameter group; an optimizer with neither (or with 0) remembers one step.
+    first parameter group; an optimizer with neither (or with 0) remembers one step.  One whose groups
+    cannot be read this way is taken to remember forever (``"auto"`` then starts each task fresh).
     """
-    group = optimizer.param_groups[0]
-    beta = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
-    beta = float(beta)  # a tensor beta too
+    try:
+        group = optimizer.param_groups[0]
+        beta = float(group["betas"][0] if "betas" in group else group.get("momentum", 0.0))  # a tensor too
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return math.inf
     return math.inf if beta >= 1.0 else 1.0 / (1.0 - max(beta, 0.0))
 
 
