@@ -665,11 +665,13 @@ def test_f_store_outage_longer_than_retries_pauses_then_continues(s3, client, di
     with FaultyProxy(s3.endpoint_url, seed=4) as proxy:
         _, thread, out, run_id = _fit_behind_proxy(proxy, s3, client, digits_data, max_epochs=3, outage_timeout=120)
         proxy.set_faults(p_503=1.0)  # the store is down, far longer than the storage clients retry
-        seen_paused = False
+        # down until the run has said it paused (its store's retries were spent) and 5 s more; 45 s at most
+        seen_paused, paused_at = False, None
         deadline = time.monotonic() + 45
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (paused_at is None or time.monotonic() < paused_at + 5):
             status = vcdask.attach(run_id, client=client).status()
-            seen_paused = seen_paused or bool(status["paused"])
+            if status["paused"] and not seen_paused:
+                seen_paused, paused_at = True, time.monotonic()
             time.sleep(0.5)
         down = proxy.faults.counts["503"]
         proxy.set_faults()  # back
