@@ -61,6 +61,12 @@ def test_overdue_verdicts():
     assert _overdue(started=85.0) == Overdue("ran past its 10.0 s deadline", blame=True)
     assert _overdue(started=85.0, running_on="w2") == "restart"  # its worker died, Dask moved it
     assert _overdue(started=85.0, running_on=None) == "restart"
+    # a copy let finish on a worker under a preemption notice: the notice's window bounds it, not the deadline
+    assert _overdue(started=85.0, draining=True) is None
+    assert _overdue(started=85.0, running_on="w2", draining=True) == "restart"
+    assert _overdue(started=85.0, behind=11, draining=True) == Overdue(
+        "fell 11 merges behind (max_staleness=10)", blame=False
+    )
     assert _overdue(behind=11) == Overdue("fell 11 merges behind (max_staleness=10)", blame=False)
     assert _overdue(behind=11, stale_after=None) is None  # no limit
     assert _overdue(started=None, submitted=50.0) == Overdue("never started")

@@ -118,6 +118,7 @@ def overdue(
     stale_after: int | None,
     limit: float,
     patience: float,
+    draining: bool = False,
 ) -> Overdue | Literal["restart"] | None:
     """Whether a shard copy in flight must be re-issued.
 
@@ -138,6 +139,11 @@ def overdue(
         The copy's deadline once started.
     patience : float
         How long a copy may wait to start.
+    draining : bool
+        Whether ``worker`` is draining under a preemption notice.  A copy running there was let finish
+        inside the notice's window (:mod:`vcdask.engine.notice` re-issues it, without blame, when only
+        the margin is left), so the deadline does not apply to it: a reclaimed instance is often
+        throttled, and its last shard is not the worker's failure.
 
     Returns
     -------
@@ -150,6 +156,8 @@ def overdue(
     if started is not None and now - started > limit:
         if running_on != worker:
             return "restart"
+        if draining:
+            return None
         return Overdue(f"ran past its {limit:.1f} s deadline")
     if started is None and now - submitted > patience:
         return Overdue("never started")

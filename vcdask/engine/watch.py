@@ -125,6 +125,7 @@ async def deadlines(run: Run) -> None:
                 stale_after=stale_after,
                 limit=limit,
                 patience=warm * (tps + 2),
+                draining=task.worker in run.pool.draining,
             )
             if verdict == "restart":  # its worker died: Dask is moving it, it starts afresh
                 task.started, task.submitted, task.based = None, now, False
