@@ -289,10 +289,8 @@ def test_e_bad_worker_updates_rejected(digits_data, tmp_path):
         **{k: v for k, v in FIT.items() if k != "alpha"},
         "optimizer": FaultyAdam,
         "resilience": res,
-        "max_epochs": 20,
+        "max_epochs": 12,
     }
-    with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
-        clean = vcdask.fit(ChaosNet(7), (X, y), client=client, store=tmp_path / "clean", **fit)
     # The bad worker is alone when the run starts, so it gets the first shards; good workers join next.
     with embedded_cluster(n_workers=0) as cluster, Client(cluster, set_as_default=False) as client:
         bad = start_worker(cluster.scheduler_address, {"VCDASK_TEST_FAULT": "cycle"})
@@ -309,7 +307,7 @@ def test_e_bad_worker_updates_rejected(digits_data, tmp_path):
             bad.wait(30)
     assert "error" not in out, out.get("error")
     result = out["result"]
-    assert_every_shard_once(result, 20, 8)
+    assert_every_shard_once(result, 12, 8)
     from_bad = result.history[(result.history.worker == bad_address) & ~result.history.accepted]
     reasons = from_bad.reason.tolist()
     assert len(reasons) >= 3, reasons
@@ -320,9 +318,10 @@ def test_e_bad_worker_updates_rejected(digits_data, tmp_path):
     assert workers.loc[bad_address].excluded.startswith("0 failed, 0 timed out, 3 rejected")
     assert not result.history[result.history.worker == bad_address].accepted.any()
     assert all(torch.isfinite(p).all() for p in result.model.parameters())
-    # no poison got in: as accurate as the clean run, within the swing of arrival order (this run has 3
-    # workers, the clean one 2; one CI run measured 0.941 against 0.986, others within 0.02)
-    assert accuracy_on(result.model, Xt, yt) >= accuracy_on(clean.model, Xt, yt) - 0.05
+    # no poison got in: as accurate as a clean run, within the swing of arrival order. A clean run of these
+    # settings scores 0.97-0.99 on the 359 test images (until stop 26 the test ran one each time: 0.986 in
+    # one CI run, where this run measured 0.941); one poisoned merge leaves NaN or a model near chance (~0.1)
+    assert accuracy_on(result.model, Xt, yt) >= 0.92
 
 
 def _kill_pool(client, workers: list) -> None:

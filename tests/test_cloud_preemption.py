@@ -53,8 +53,9 @@ def _wait(predicate, timeout=60.0, what=""):
 @pytest.mark.parametrize(
     "provider, window, kept",
     [
-        ("aws", 120, True),  # two minutes: the running shard (~1 s here) finishes on the victim
-        ("gcp", 30, True),
+        # two minutes: the running shard (~1 s here) finishes on the victim. GCP's 30 s notice takes the same
+        # path as Azure's here; how each provider's service is read is tested in test_cloud_metadata.py
+        ("aws", 120, True),
         ("azure", 30, True),
         ("aws", 3, False),  # too short to finish with margin: re-issued at once
     ],

@@ -144,8 +144,8 @@ def test_char_lm_within_5_percent_of_single_process_torch(tmp_path):
     vcdask on the embedded cluster, reaches a validation loss within 5% of plain single-process torch trained on
     the same number of tokens from the same initial weights; both learn far beyond byte frequencies."""
     proc = subprocess.run(
-        # --quick at the notebook's size (64 KiB, 3 epochs of 16 shards): half of --quick's 2 minutes of CI
-        [sys.executable, str(EXAMPLES / "char_lm.py"), "--quick", "--train-kb", "64", "--val-kb", "16", "--epochs", "3"]
+        # --quick at the notebook's size (64 KiB, 16 shards), 2 epochs instead of its 3: a third of --quick's CI time
+        [sys.executable, str(EXAMPLES / "char_lm.py"), "--quick", "--train-kb", "64", "--val-kb", "16", "--epochs", "2"]
         + ["--shards", "16", "--device", "cpu", "--check", "--store", "store"],
         capture_output=True,
         text=True,
@@ -160,7 +160,7 @@ def test_char_lm_within_5_percent_of_single_process_torch(tmp_path):
     }
     assert set(rows) == {"unigram (byte counts)", "vcdask", "torch, 1 process (cpu)"}, proc.stdout
     (tokens, loss, perplexity), (base_tokens, base_loss, _) = rows["vcdask"], rows["torch, 1 process (cpu)"]
-    assert tokens == base_tokens > 150_000  # equal tokens: every shard of every epoch was merged
+    assert tokens == base_tokens > 120_000  # equal tokens: every shard of every epoch was merged
     assert loss <= 1.05 * base_loss
     assert perplexity == pytest.approx(math.exp(loss), rel=1e-3)
     unigram = rows["unigram (byte counts)"][1]

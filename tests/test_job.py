@@ -276,6 +276,16 @@ while todo:
         else:
             optional.add(parse(r)[0])
 names = {n for n, _ in allowed}
+more = list(optional)  # and all those could bring, extras too (jsonschema's format extras: arrow, lark, regex)
+while more:
+    try:
+        reqs = md.requires(more.pop()) or []
+    except md.PackageNotFoundError:
+        continue
+    for r in reqs:
+        if parse(r)[0] not in optional:
+            optional.add(parse(r)[0])
+            more.append(parse(r)[0])
 owners = md.packages_distributions()
 used = {d.lower().replace("_", "-") for m in list(sys.modules) for d in owners.get(m.partition(".")[0], [])}
 print(json.dumps({"core": core, "outside": sorted(used - names - optional - {"vcdask"})}))

@@ -19,9 +19,9 @@ EXPECTED = {"alpha-schedules", "char-lm", "fault-tolerance", "object-storage", "
 #: The others: fewer epochs, still past every point their cells wait for (fault-tolerance kills a worker
 #: after epoch 3 and gives a notice after epoch 5).
 PARAMETERS = {
-    "char-lm": "EPOCHS = 1",
+    "char-lm": "EPOCHS, SHARDS = 1, 8",
     "alpha-schedules": "EPOCHS = 4",
-    "object-storage": "EPOCHS = 3",
+    "object-storage": "EPOCHS, JOB_EPOCHS, MORE_EPOCHS = 3, 5, 2",
     "fault-tolerance": "EPOCHS, SHARDS = 7, 10",
     "quickstart": "EPOCHS = 5",
 }
