@@ -282,10 +282,9 @@ while more:
         reqs = md.requires(more.pop()) or []
     except md.PackageNotFoundError:
         continue
-    for r in reqs:
-        if parse(r)[0] not in optional:
-            optional.add(parse(r)[0])
-            more.append(parse(r)[0])
+    for name in {parse(r)[0] for r in reqs} - optional:
+        optional.add(name)
+        more.append(name)
 owners = md.packages_distributions()
 used = {d.lower().replace("_", "-") for m in list(sys.modules) for d in owners.get(m.partition(".")[0], [])}
 print(json.dumps({"core": core, "outside": sorted(used - names - optional - {"vcdask"})}))
