@@ -23,6 +23,7 @@ from chaos_helpers import (
     FaultyAdam,
     HandoverFault,
     Killer,
+    NaNOnWorkerZero,
     fit_in_thread,
     running_run,
     start_worker,
@@ -322,6 +323,38 @@ def test_e_bad_worker_updates_rejected(digits_data, tmp_path):
     # settings scores 0.97-0.99 on the 359 test images (until stop 26 the test ran one each time: 0.986 in
     # one CI run, where this run measured 0.941); one poisoned merge leaves NaN or a model near chance (~0.1)
     assert accuracy_on(result.model, Xt, yt) >= 0.92
+
+
+def test_only_worker_excluded_then_a_good_one_joins(digits_data, tmp_path):
+    """The run's only worker is excluded (its updates are all rejected).  The shards it would be sent
+    again wait for a usable worker instead (before, Dask took ``workers=[]`` as no restriction, sent them
+    to the excluded worker, and a shard used up its attempts there); the run pauses, and finishes on a
+    worker that joins later, every shard merged once."""
+    (X, y), _ = digits_data
+    res = vcdask.Resilience(max_worker_failures=3, no_worker_timeout=120)
+    fit = {**FIT, "max_epochs": 2, "n_shards": 4, "optimizer": NaNOnWorkerZero, "resilience": res}
+    with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+        thread, out = fit_in_thread(model=ChaosNet(7), data=(X, y), client=client, store=tmp_path / "s", **fit)
+        run_id = running_run(client)
+        deadline = time.monotonic() + 60
+        while thread.is_alive() and time.monotonic() < deadline:
+            if _status(client, run_id)["paused_cause"] == "workers":
+                break
+            time.sleep(0.1)
+        assert "error" not in out, out.get("error")
+        assert _status(client, run_id)["paused_cause"] == "workers"
+        cluster.scale(2)  # a good worker (named 1) joins
+        thread.join(120)
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, 2, 4)
+    workers = result.workers.set_index("worker")
+    bad = next(a for a in workers.index if a not in set(result.history[result.history.accepted].worker))
+    assert workers.loc[bad].excluded.startswith("0 failed, 0 timed out, 3 rejected")
+    from_bad = result.history[result.history.worker == bad]
+    assert not from_bad.accepted.any()
+    # sent nothing once excluded: its 3 rejections, and at most the one copy queued there at the time
+    assert 3 <= len(from_bad) <= 4, from_bad[["epoch", "shard", "attempt", "reason"]]
 
 
 def _kill_pool(client, workers: list) -> None:

@@ -53,6 +53,19 @@ def test_attempts_failures_and_resume():
     assert sorted(s for e, s in handed if e == 3) == [0, 1, 2, 3]
 
 
+def test_placement_with_no_usable_worker_is_none():
+    """Every connected worker excluded or draining: no placement (``workers=[]`` would be no restriction
+    to Dask, and the copy would go to the excluded worker); the shard is parked, once, in order."""
+    assert Dispatcher.placement("w1", [], 1) is None
+    assert Dispatcher.placement(None, [], 0) is None
+    assert Dispatcher.placement("w1", [], 2, avoid={"w1"}, busy={"w2"}) is None
+    d = Dispatcher(n_shards=4, max_epochs=1, seed=0)
+    d.park(1, 2)
+    d.park(1, 0)
+    d.park(1, 2)
+    assert d.returned == [(1, 2), (1, 0)]
+
+
 def test_placement():
     assert Dispatcher.placement("w1", ["w1", "w2"], 2) == {"workers": ["w1"], "allow_other_workers": True}
     assert Dispatcher.placement(None, ["w1", "w2"], 2) == {}

@@ -34,7 +34,8 @@ class Dispatcher:
         self.attempts: dict[tuple[int, int], int] = {}  # copies submitted (they name their keys)
         self.failures: dict[tuple[int, int], int] = {}  # lost, timed out or rejected copies
         self.home: dict[int, str] = {}  # shard -> the worker that last merged it (it caches its rows)
-        self.returned: list[tuple[int, int]] = []  # shards whose copy failed on the store: send again
+        # shards to send again: their copy failed on the store, or no usable worker was there to take it
+        self.returned: list[tuple[int, int]] = []
         self.parked_validations: list[tuple[str | None, int, int]] = []  # (version, step, retry) to send again
 
     def _order(self) -> list[int]:
@@ -83,6 +84,11 @@ class Dispatcher:
     def last_attempt(self, epoch: int, shard: int) -> int:
         return self.attempts.get((epoch, shard), 1) - 1
 
+    def park(self, epoch: int, shard: int) -> None:
+        """Hold (epoch, shard) back until it can be placed; the run sends it first once it can."""
+        if (epoch, shard) not in self.returned:
+            self.returned.append((epoch, shard))
+
     def failed(self, epoch: int, shard: int, count: bool = True) -> int:
         """A copy of (epoch, shard) failed; return the shard's failures in its epoch (``count=False``:
         not its fault, e.g. a copy that never started or fell behind)."""
@@ -96,8 +102,9 @@ class Dispatcher:
         n_connected: int,
         avoid: Collection[str] = (),
         busy: Collection[str] = (),
-    ) -> dict[str, Any]:
-        """Dask placement restrictions for a new copy (``client.submit(..., **placement)``).
+    ) -> dict[str, Any] | None:
+        """Dask placement restrictions for a new copy (``client.submit(..., **placement)``); None when
+        no worker is usable (every connected one excluded or draining, or none connected).
 
         Strict (``workers=usable``) when some connected worker must not get it (excluded, draining,
         the one it is moved away from, or one stuck on a late copy: ``avoid``); else sticky to the
@@ -109,7 +116,13 @@ class Dispatcher:
         to the workers that are not busy, free to move: left unrestricted, Dask queues such tasks and
         hands them to any worker with a free slot by its own count (``worker-saturation`` gives a
         one-thread worker two), the frozen one included.
+
+        With no usable worker there is no placement: ``workers=[]`` would be no restriction at all
+        to Dask, and the copy would go to an excluded or draining worker.  The run parks the copy
+        (:meth:`park`) until a usable worker connects.
         """
+        if not usable:
+            return None
         allowed = [a for a in usable if a not in avoid] or usable
         if len(allowed) < n_connected:
             return {"workers": allowed}

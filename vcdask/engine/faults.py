@@ -236,8 +236,9 @@ async def stop(run: Run, reason: str, cancel: bool = False) -> None:
         await run.tasks.cancel([k for k, _ in run.tasks.updates()])
 
 
-def reissue(run: Run, epoch: int, shard: int) -> str:
-    """Train (epoch, shard) once more from the current version; the first valid result wins."""
+def reissue(run: Run, epoch: int, shard: int) -> str | None:
+    """Train (epoch, shard) once more from the current version; the first valid result wins.  The new
+    copy's key, or None when no worker is usable now (the copy is sent once one is)."""
     if run.tasks.completed is None or run.done.is_set():
         raise RuntimeError(f"run {run.id} is not running")
     return run.submit_shard(epoch, shard)

@@ -140,7 +140,7 @@ class VcdaskPlugin(SchedulerPlugin):
         await run.stop(reason, cancel)
         return run.status_dict()
 
-    async def handle_reissue(self, comm=None, run_id: str = "", epoch: int = 0, shard: int = 0) -> str:
+    async def handle_reissue(self, comm=None, run_id: str = "", epoch: int = 0, shard: int = 0) -> str | None:
         return self._run(run_id).reissue(epoch, shard)
 
     async def handle_runs(self, comm=None) -> dict:

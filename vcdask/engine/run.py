@@ -220,12 +220,17 @@ class Run:
             self.submit_shard(*nxt)
             freed_worker = None
 
-    def submit_shard(self, epoch: int, shard: int, avoid: str | Collection[str] | None = None) -> str:
-        attempt = self.dispatch.next_attempt(epoch, shard)
+    def submit_shard(self, epoch: int, shard: int, avoid: str | Collection[str] | None = None) -> str | None:
+        """Send a copy of (epoch, shard) to train from the newest version; its key.  None when no worker
+        is usable: the shard is parked and sent first once one is (:meth:`fill`)."""
         avoided = faults.stuck_workers(self) | ({avoid} if isinstance(avoid, str) else set(avoid or ()))
         where = self.dispatch.placement(
             self.dispatch.home.get(shard), self.pool.usable(), len(self.pool.connected), avoided, self.busy_workers()
         )
+        if where is None:
+            self.dispatch.park(epoch, shard)
+            return None
+        attempt = self.dispatch.next_attempt(epoch, shard)
         head = self.server.head
         key = self.tasks.submit(
             train_shard,
