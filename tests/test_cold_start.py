@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask.config
 import pytest
 import torch
 
@@ -24,7 +25,11 @@ def test_fresh_cluster_rejects_no_update_as_stale(tmp_path):
     X = ((X - X.mean(0)) / X.std(0)).astype("float32")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(30, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+    with (
+        dask.config.set({"distributed.worker.multiprocessing-method": "spawn"}),  # cold: not forked (conftest.py)
+        embedded_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
         result = vcdask.fit(
             model,
             (X, y),

@@ -34,6 +34,7 @@ __all__ = [
     "preempt",
     "preemption_notice",
     "resolve_client",
+    "start_forkserver",
 ]
 
 #: Python's guide to the spawn start method's "Safe importing of main module".
@@ -61,8 +62,53 @@ def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
     kwargs.setdefault("processes", True)
     kwargs.setdefault("dashboard_address", ":0")
     kwargs.setdefault("silence_logs", logging.ERROR)
+    if kwargs["processes"]:
+        start_forkserver()
     with dask.config.set({"distributed.nanny.pre-spawn-environ": torch_friendly_environ()}):
         return LocalCluster(n_workers=n, **kwargs)
+
+
+#: What a shard task imports.  Under the ``forkserver`` start method the fork server imports them once,
+#: and every worker process is forked with them loaded (:func:`start_forkserver`).
+WORKER_MODULES = ("torch", "torch._dynamo", "vcdask.worker")
+
+
+def start_forkserver() -> None:
+    """Start the fork server that worker processes are forked from, with PyTorch and vcdask's worker
+    imported, when ``distributed.worker.multiprocessing-method`` is ``"forkserver"``.
+
+    A spawned worker process imports PyTorch afresh, and its first shard imports ``torch._dynamo``
+    (``torch.optim`` does): 5-7 s of CPU each time a worker starts or a nanny restarts one.  Forked from
+    a server that has them, a worker starts in a fraction of a second.  :func:`embedded_cluster` calls
+    this; call it before you start a ``LocalCluster`` of your own with that setting.  Under Dask's
+    default (``spawn``) it does nothing, and once the fork server runs (a cluster of this process
+    started it) it changes nothing.
+
+    The server's environment is the one distributed gives spawned workers
+    (``distributed.nanny.pre-spawn-environ``, less ``MALLOC_TRIM_THRESHOLD_``: see
+    :func:`torch_friendly_environ`); forked workers get no other, as that setting's documentation warns.
+    """
+    import multiprocessing.forkserver
+    import os
+
+    import dask.config
+    from distributed.utils import get_mp_context
+
+    if dask.config.get("distributed.worker.multiprocessing-method") != "forkserver":
+        return
+    get_mp_context().set_forkserver_preload(["distributed", *WORKER_MODULES])  # after distributed's own
+    environ = {k: str(v) for k, v in torch_friendly_environ().items()}
+    saved = {k: os.environ.get(k) for k in [*environ, "MALLOC_TRIM_THRESHOLD_"]}
+    os.environ.update(environ)
+    os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def torch_friendly_environ() -> dict[str, Any]:
