@@ -121,7 +121,7 @@ def test_straggler_too_far_behind_is_reissued_without_blame(digits_data, tmp_pat
     """Under a deadline it never reaches, a frozen worker's shards are re-issued once the run has merged
     max_staleness versions past their base: no stale update is merged and nobody is charged a failure."""
     (X, y), _ = digits_data
-    fit = {**FIT, "max_epochs": 12, "local_epochs": 12}
+    fit = {**FIT, "max_epochs": 7, "local_epochs": 12}  # 56 merges: the 30 below, and the run goes on after
     res = vcdask.Resilience(deadline=600, max_staleness=6)
     with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
         thread, out = fit_in_thread(
@@ -138,7 +138,7 @@ def test_straggler_too_far_behind_is_reissued_without_blame(digits_data, tmp_pat
         thread.join(300)
     assert "error" not in out, out.get("error")
     result = out["result"]
-    assert_every_shard_once(result, 12, 8)
+    assert_every_shard_once(result, 7, 8)
     h = result.history
     assert h[h.accepted].staleness.max() <= 6
     # its result came back after SIGCONT, long after a fresh copy (re-issued at 6 behind) had been merged:
@@ -375,13 +375,14 @@ def test_whole_pool_lost_then_replaced(digits_data, tmp_path):
     """Every worker dies mid-run: the run waits (paused, no re-issue storm), then finishes on new workers."""
     (X, y), _ = digits_data
     res = vcdask.Resilience(deadline_floor=1.0, no_worker_timeout=120)
+    fit = {**FIT, "max_epochs": 4}
     with embedded_cluster(n_workers=0) as cluster, Client(cluster, set_as_default=False) as client:
         pool = [start_worker(cluster.scheduler_address, name=f"first-{i}") for i in range(2)]
         replacements = []
         try:
             client.wait_for_workers(2, timeout=60)
             thread, out = fit_in_thread(
-                model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", resilience=res, **FIT
+                model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", resilience=res, **fit
             )
             run_id = running_run(client, timeout=120, min_step=3)
             first = set(client.scheduler_info()["workers"])
@@ -404,7 +405,7 @@ def test_whole_pool_lost_then_replaced(digits_data, tmp_path):
                 proc.wait(30)
     assert "error" not in out, out.get("error")
     result = out["result"]
-    assert_every_shard_once(result, 8, 8)
+    assert_every_shard_once(result, 4, 8)
     merged_on = set(result.history[result.history.accepted].worker)
     assert merged_on & first and merged_on - first  # merges from both pools
     assert result.workers.excluded.isna().all()
