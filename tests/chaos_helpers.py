@@ -260,7 +260,10 @@ class FaultyAdam(torch.optim.Adam):
 
 
 def warm_up() -> bool:
-    """Import what a shard task needs, so a fresh worker takes its first shard at full speed."""
+    """Import what a shard task needs, so a fresh worker takes its first shard at full speed (a spawned
+    worker's first ``torch.optim`` optimizer imports ``torch._dynamo``: 3.5-4 s)."""
+    import torch._dynamo  # noqa: F401
+
     import vcdask.worker  # noqa: F401
 
     return True
@@ -366,3 +369,16 @@ class NaNOnWorkerZero(torch.optim.Adam):
             with torch.no_grad():
                 self.param_groups[0]["params"][0].fill_(float("nan"))
         return out
+
+
+def copies_started_on(address, dask_scheduler=None) -> list[str]:
+    """For ``client.run_on_scheduler``: the keys of the shard copies running on ``address`` (started from
+    their base, not overdue) in the live runs."""
+    plugin = dask_scheduler.plugins.get("vcdask")
+    return [
+        k
+        for run in (plugin.runs.values() if plugin else ())
+        if not run.done.is_set()
+        for k, t in run.tasks.updates()
+        if t.based and t.worker == address and not t.overdue
+    ]

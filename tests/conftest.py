@@ -7,12 +7,14 @@ import pytest
 
 from vcdask.testing.s3 import moto_server
 
-# This process's worker processes are forked from a server that has PyTorch imported
-# (vcdask.cluster.start_forkserver): the suite starts dozens of clusters and restarts workers often, and a
-# spawned worker pays 5-7 s of CPU for its imports each time.  Subprocesses (notebook kernels, example
-# scripts, `vcdask` jobs, the demo) keep Dask's default, spawn, as users run them; so do the tests of cold
-# workers.  `VCDASK_TEST_START_METHOD=spawn` runs the whole suite on spawn.
-dask.config.set({"distributed.worker.multiprocessing-method": os.environ.get("VCDASK_TEST_START_METHOD", "forkserver")})
+# Worker processes are forked from a server that has PyTorch imported (vcdask.cluster.start_forkserver):
+# the suite starts dozens of clusters and restarts workers often, and a spawned worker pays 5-7 s of CPU for
+# its imports each time.  Subprocesses (notebook kernels, example scripts, `vcdask` jobs) inherit the setting
+# through the environment.  Dask's default, spawn, is what the demo test (the README's first command) and the
+# cold-start test run; `VCDASK_TEST_START_METHOD=spawn` runs the whole suite on it.
+START_METHOD_VAR = "DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"
+os.environ[START_METHOD_VAR] = os.environ.get("VCDASK_TEST_START_METHOD", "forkserver")
+dask.config.set({"distributed.worker.multiprocessing-method": os.environ[START_METHOD_VAR]})
 
 # Tests that start real Dask worker processes carry the ``cluster`` marker (``make test-fast`` leaves them out).
 # A test is marked here when it uses the ``cluster`` fixture, directly or through ``client`` or any fixture built

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import time
 
 import dask.config
 import pytest
-from chaos_helpers import SlowOn, fit_in_thread, running_run
+from chaos_helpers import SlowOn, copies_started_on, fit_in_thread, running_run
 from distributed import Client
 
 import vcdask
@@ -82,6 +83,10 @@ def test_fit_reports_what_its_spot_workers_cost_and_what_a_preemption_wasted(dig
                 retention=False,
             )
             run_id = running_run(client, min_step=3)
+            deadline = time.monotonic() + 60  # between two of its shards the victim holds none for a moment
+            while not client.run_on_scheduler(copies_started_on, victim):
+                assert time.monotonic() < deadline, "no shard running on the victim"
+                time.sleep(0.01)
             moved = vcdask.preempt(client, victim, window=0)  # reclaimed now: its running shard is lost
             thread.join(300)
             notices = [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,9 +15,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 def test_demo_console_command(tmp_path):
+    """As the README's user runs it: on Dask's default start method, spawn (conftest.py forks the suite's
+    other workers)."""
     store = tmp_path / "runs"
+    env = {k: v for k, v in os.environ.items() if k != "DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"}
     proc = subprocess.run(
         [sys.executable, "-m", "vcdask.cli", "demo", "--store", str(store), "--no-progress"],
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
