@@ -260,3 +260,20 @@ def test_bucket_without_region_keeps_the_rust_log_noise_out_of_the_terminal(s3, 
     loud = subprocess.run([sys.executable, "-c", _OPEN_WITHOUT_REGION, location], capture_output=True, text=True)
     assert "no region is set" in loud.stdout
     assert "failed to load region" in loud.stdout + loud.stderr
+
+
+def test_a_run_id_with_403_in_its_time_is_not_access_denied():
+    """The digits 403 inside a branch name (a run started at 00:24:03) are no HTTP status: an outage's 503
+    during a commit to that branch is a storage fault the run waits through, not "access denied"."""
+    from vcdask.errors import StoreAccessDeniedError
+    from vcdask.store._errors import translate
+
+    what = "committing to branch 'run-20261125-002403-4e2050' of 's3://b/p'"
+    error = RuntimeError(  # icechunk's messages name the branch too
+        "session error: error getting object from object store service error: branch "
+        'run-20261125-002403-4e2050: Error { code: "SlowDown", message: "Please reduce your request rate." }'
+    )
+    slow = translate(error, what)
+    assert not isinstance(slow, StoreAccessDeniedError), slow
+    for text in ("unhandled error (status 403)", "HTTP 403 Forbidden", "403: no"):
+        assert isinstance(translate(RuntimeError(text), "reading 's3://b/p'"), StoreAccessDeniedError), text

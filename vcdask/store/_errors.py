@@ -27,8 +27,10 @@ _ACCESS = (
     "InvalidClientTokenId",
     "AuthorizationHeaderMalformed",
     "PermissionDenied",
-    "403",
 )
+# HTTP 403 as a status code on its own: not the digits inside a longer token, such as a run id stamped 00:24:03
+# ("run-20261125-002403-4e2050"), which every message about that run's branch contains.
+_STATUS_403 = re.compile(r"(?<![\w-])403(?![\w-])")
 _UNREACHABLE = (
     "dispatch failure",
     "Connection refused",
@@ -127,7 +129,7 @@ def _translate(exc: BaseException, what: str) -> Exception:
             what=what,
             cause=redact(cause.rstrip(".")),
         )
-    if any(k in text for k in _ACCESS):
+    if any(k in text for k in _ACCESS) or _STATUS_403.search(text):
         return StoreAccessDeniedError(f"{what}: access denied by the storage service ({cause})")
     if "NoSuchBucket" in text or "ContainerNotFound" in text:
         return StoreNotFoundError(f"{what}: the bucket or container does not exist ({cause})", missing="bucket")
