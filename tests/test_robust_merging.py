@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+import dask.config
 import pytest
 import torch
 from chaos_helpers import Saboteur
@@ -22,7 +23,14 @@ ROBUST = vcdask.Resilience(max_norm_ratio=3.0, min_cosine=0.0)
 
 @pytest.fixture(scope="module")
 def four_workers():
-    with embedded_cluster(n_workers=4) as cluster, Client(cluster, set_as_default=False) as client:
+    # spawned, not forked (conftest.py): in one of three full runs with forked workers, the hostile worker (the
+    # first of the four) trained no shard in any of this module's runs, and every test here failed; not yet
+    # explained (see the stop-27 note)
+    with (
+        dask.config.set({"distributed.worker.multiprocessing-method": "spawn"}),
+        embedded_cluster(n_workers=4) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
         yield client
 
 
