@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from chaos_helpers import SlowerOnceFlagged, fit_in_thread, running_run
+from chaos_helpers import SlowerOnceFlagged, copies_started_on, fit_in_thread, running_run
 from distributed import Client
 from fake_metadata import FakeMetadata
 from test_chaos import FIT, assert_every_shard_once
@@ -28,17 +28,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.chaos]
 
 async def _watch(endpoint, provider, dask_worker=None):
     await dask_worker.plugin_add(PreemptionWatcher(provider=provider, endpoint=endpoint, interval=0.1))
-
-
-def _copies_started_on(address, dask_scheduler=None):
-    plugin = dask_scheduler.plugins.get("vcdask")
-    return [
-        k
-        for run in (plugin.runs.values() if plugin else ())
-        if not run.done.is_set()
-        for k, t in run.tasks.updates()
-        if t.based and t.worker == address and not t.overdue
-    ]
 
 
 def _wait(predicate, timeout=60.0, what=""):
@@ -76,10 +65,10 @@ def test_a_notice_drains_the_worker_then_retires_it(provider, window, kept, digi
                 model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", train_step=step, **fit
             )
             run_id = running_run(client, min_step=2)
-            _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
+            _wait(lambda: client.run_on_scheduler(copies_started_on, victim), what="no shard running on the victim")
             flag.touch()
             time.sleep(0.3)
-            _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
+            _wait(lambda: client.run_on_scheduler(copies_started_on, victim), what="no shard running on the victim")
             at_victim.notify(window)
             _wait(lambda: victim not in client.scheduler_info()["workers"], timeout=window, what="not retired")
             events = [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]
@@ -118,10 +107,10 @@ def test_a_shard_let_finish_that_runs_past_the_notice_is_reissued(digits_data, t
                 model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", train_step=step, **fit
             )
             run_id = running_run(client, min_step=2)
-            _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
+            _wait(lambda: client.run_on_scheduler(copies_started_on, victim), what="no shard running on the victim")
             flag.touch()  # from now on its batches take 10 s each: the shard running there is still running
             time.sleep(0.3)  # at the notice, and at settle's deadline (its current batch began after the flag)
-            _wait(lambda: client.run_on_scheduler(_copies_started_on, victim), what="no shard running on the victim")
+            _wait(lambda: client.run_on_scheduler(copies_started_on, victim), what="no shard running on the victim")
             window = policy.NOTICE_MARGIN + 6  # a shard with up to 4 s left fits; settle gives up after 6 s
             at_victim.notify(window)
             _wait(lambda: victim not in client.scheduler_info()["workers"], timeout=60, what="not retired")
