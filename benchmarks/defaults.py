@@ -146,9 +146,9 @@ def charlm_vcdask(seed: int, data, client, overrides: dict) -> float:
 def _value(text: str):
     from vcdask.merge import Nesterov
 
-    if text.startswith("nesterov:"):  # nesterov:LR/MOMENTUM
-        lr, momentum = (text.split(":", 1)[1].split("/") + ["0.9"])[:2]
-        return Nesterov(lr=float(lr), momentum=float(momentum))
+    if text.startswith("nesterov:"):  # nesterov:LR/MOMENTUM[/nobc]: nobc, without the bias correction
+        lr, momentum, *rest = text.split(":", 1)[1].split("/") + ["0.9"] * (text.count("/") == 0)
+        return Nesterov(lr=float(lr), momentum=float(momentum), bias_correction=rest[:1] != ["nobc"])
     for kind in (int, float):
         try:
             return kind(text)

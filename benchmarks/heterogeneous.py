@@ -2,7 +2,7 @@
 
 usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [--passes 12] [--target 0.95]
                                           [--seeds 0,1,2] [--kill-every 0]
-                                          [--vcdask default,adaptive,worker-state,fresh-state]
+                                          [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd]
 
 Two worker processes of one thread each; worker 1 is made ``--slow`` times slower by a **per-batch
 delay**: before each training batch it sleeps ``(slow - 1) * c``, where ``c`` is the median time of one
@@ -51,6 +51,7 @@ from strategies import MODELS  # noqa: E402
 
 import vcdask  # noqa: E402
 from vcdask.demo import accuracy_on, digits  # noqa: E402
+from vcdask.merge import Nesterov  # noqa: E402
 
 SNAPSHOTS_PER_PASS = 10
 
@@ -271,6 +272,9 @@ VARIANTS = {
     "adaptive": {"speed_adaptive": True},
     "worker-state": {"optimizer_state": "worker"},
     "fresh-state": {"optimizer_state": "fresh"},
+    # the default rule without its momentum bias correction (stop 28: the correction's first step overshoots)
+    "no-correction": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction=False)},
+    "vc-asgd": {"merge": "vc-asgd"},
 }
 
 
