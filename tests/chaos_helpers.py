@@ -16,6 +16,17 @@ from distributed.diagnostics.plugin import WorkerPlugin
 import vcdask
 
 
+def worker_info(client) -> dict:
+    """The scheduler's workers (address -> info), asked of the scheduler directly.
+
+    ``client.scheduler_info()["workers"]`` is racy in distributed 2026.8: the method refreshes the client's
+    cached identity and returns the cache, and the client's periodic refresh (every 2 s, without
+    per-worker entries) can replace it in between, so ``"workers"`` is sometimes empty.  A test that waited
+    for ``victim not in client.scheduler_info()["workers"]`` then went on before the victim had left.
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def busy_workers(client) -> list[str]:
     """Workers processing a vcdask training task right now."""
     return [a for a, keys in client.processing().items() if any(str(k).startswith("vcdask-train-") for k in keys)]
@@ -124,7 +135,7 @@ class Killer(threading.Thread):
         while not self.stop_event.wait(self.period):
             try:
                 busy = busy_workers(self.client)
-                if busy and len(self.client.scheduler_info()["workers"]) > 1:
+                if busy and len(worker_info(self.client)) > 1:
                     victim = self.rng.choice(busy)
                     os.kill(worker_pid(self.client, victim), signal.SIGKILL)
                     self.kills.append(victim)

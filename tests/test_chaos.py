@@ -29,6 +29,7 @@ from chaos_helpers import (
     start_worker,
     stop_worker_mid_task,
     wait_for_busy_worker,
+    worker_info,
 )
 from distributed import Client
 
@@ -192,7 +193,7 @@ def test_a_result_its_worker_cannot_hand_over_is_read_from_the_store(signum, dig
         proc = start_worker(cluster.scheduler_address, name="victim")
         try:
             client.wait_for_workers(2, timeout=60)
-            victim = next(a for a, w in client.scheduler_info()["workers"].items() if w["name"] == "victim")
+            victim = next(a for a, w in worker_info(client).items() if w["name"] == "victim")
             # warm, as the forked embedded worker is (conftest.py): cold, its first shard ran past its deadline
             client.run(chaos_helpers.warm_up, workers=[victim])
             client.register_plugin(HandoverFault("victim", signum))
@@ -217,7 +218,7 @@ def test_a_result_its_worker_cannot_hand_over_is_read_from_the_store(signum, dig
                     head["version"],
                     head["step"],
                     key=f"vcdask-train-{run_id}-not-a-copy",
-                    workers=[next(a for a in client.scheduler_info()["workers"] if a != victim)],
+                    workers=[next(a for a in worker_info(client) if a != victim)],
                 )
                 assert foreign.result(timeout=60)["kind"] == "abandoned"
                 assert not vcdask.open_store(tmp_path / "s").files.exists(vcdask.updates.update_path(run_id, 1, 0, 99))
@@ -298,7 +299,7 @@ def test_e_bad_worker_updates_rejected(digits_data, tmp_path):
         bad = start_worker(cluster.scheduler_address, {"VCDASK_TEST_FAULT": "cycle"})
         try:
             client.wait_for_workers(1, timeout=60)
-            bad_address = next(iter(client.scheduler_info()["workers"]))
+            bad_address = next(iter(worker_info(client)))
             client.run(chaos_helpers.warm_up, workers=[bad_address])
             thread, out = fit_in_thread(model=ChaosNet(7), data=(X, y), client=client, store=tmp_path / "s", **fit)
             running_run(client)
@@ -364,9 +365,9 @@ def _kill_pool(client, workers: list) -> None:
         proc.kill()
         proc.wait(30)
     deadline = time.monotonic() + 30
-    while client.scheduler_info()["workers"] and time.monotonic() < deadline:
+    while worker_info(client) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not client.scheduler_info()["workers"]
+    assert not worker_info(client)
 
 
 def _status(client, run_id: str) -> dict:
@@ -387,7 +388,7 @@ def test_whole_pool_lost_then_replaced(digits_data, tmp_path):
                 model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", resilience=res, **fit
             )
             run_id = running_run(client, timeout=120, min_step=3)
-            first = set(client.scheduler_info()["workers"])
+            first = set(worker_info(client))
             _kill_pool(client, pool)
             deadline = time.monotonic() + 30
             while not (_status(client, run_id)["paused"] or "").startswith("no usable worker"):
@@ -454,7 +455,7 @@ def test_preemption_notice_moves_work_without_failures(digits_data, tmp_path):
         victim = wait_for_busy_worker(client)
         moved = vcdask.preempt(client, victim)
         thread.join(300)
-        assert victim not in client.scheduler_info()["workers"]  # retired
+        assert victim not in worker_info(client)  # retired
     assert "error" not in out, out.get("error")
     result = out["result"]
     assert_every_shard_once(result, 8, 8)

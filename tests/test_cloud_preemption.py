@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from chaos_helpers import SlowerOnceFlagged, copies_started_on, fit_in_thread, running_run
+from chaos_helpers import SlowerOnceFlagged, copies_started_on, fit_in_thread, running_run, worker_info
 from distributed import Client
 from fake_metadata import FakeMetadata
 from test_chaos import FIT, assert_every_shard_once
@@ -54,7 +54,7 @@ def test_a_notice_drains_the_worker_then_retires_it(provider, window, kept, digi
     fit = {**FIT, "max_epochs": 5}
     with FakeMetadata(provider) as at_victim, FakeMetadata(provider) as at_other:
         with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
-            victim, other = sorted(client.scheduler_info()["workers"])
+            victim, other = sorted(worker_info(client))
             client.run(_watch, at_victim.endpoint, provider, workers=[victim])
             client.run(_watch, at_other.endpoint, "auto", workers=[other])  # auto-detects the provider
             # the victim is a slow machine (shards of ~0.5 s), and slower still once the flag is up (~4 s),
@@ -70,7 +70,7 @@ def test_a_notice_drains_the_worker_then_retires_it(provider, window, kept, digi
             time.sleep(0.3)
             _wait(lambda: client.run_on_scheduler(copies_started_on, victim), what="no shard running on the victim")
             at_victim.notify(window)
-            _wait(lambda: victim not in client.scheduler_info()["workers"], timeout=window, what="not retired")
+            _wait(lambda: victim not in worker_info(client), timeout=window, what="not retired")
             events = [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]
             thread.join(300)
             assert not at_other.acknowledged and at_other.notice_at is None
@@ -100,7 +100,7 @@ def test_a_shard_let_finish_that_runs_past_the_notice_is_reissued(digits_data, t
     flag = tmp_path / "slow-now"
     with FakeMetadata("aws") as at_victim:
         with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
-            victim, _ = sorted(client.scheduler_info()["workers"])
+            victim, _ = sorted(worker_info(client))
             client.run(_watch, at_victim.endpoint, "aws", workers=[victim])
             step = SlowerOnceFlagged(victim, 0.025, str(flag), after=10.0)  # ~0.5 s shards, then 10 s a batch
             thread, out = fit_in_thread(
@@ -113,7 +113,7 @@ def test_a_shard_let_finish_that_runs_past_the_notice_is_reissued(digits_data, t
             _wait(lambda: client.run_on_scheduler(copies_started_on, victim), what="no shard running on the victim")
             window = policy.NOTICE_MARGIN + 6  # a shard with up to 4 s left fits; settle gives up after 6 s
             at_victim.notify(window)
-            _wait(lambda: victim not in client.scheduler_info()["workers"], timeout=60, what="not retired")
+            _wait(lambda: victim not in worker_info(client), timeout=60, what="not retired")
             events = [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]
             thread.join(300)
     assert "error" not in out, out.get("error")

@@ -7,7 +7,7 @@ import time
 
 import dask.config
 import pytest
-from chaos_helpers import SlowOn, copies_started_on, fit_in_thread, running_run
+from chaos_helpers import SlowOn, copies_started_on, fit_in_thread, running_run, worker_info
 from distributed import Client
 
 import vcdask
@@ -70,7 +70,7 @@ def test_fit_reports_what_its_spot_workers_cost_and_what_a_preemption_wasted(dig
     here = {"vcdask.cloud.instance": {"type": "m.test", "market": "spot"}, "vcdask.cloud.prices": PRICES}
     with dask.config.set(here):  # the workers start with it, as cloud workers have it in their config
         with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
-            victim = sorted(client.scheduler_info()["workers"])[0]
+            victim = sorted(worker_info(client))[0]
             thread, out = fit_in_thread(
                 model=digits_cnn(0),
                 data=(X, y),

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from chaos_helpers import worker_info
 
 import vcdask
 from vcdask.demo import accuracy_on, digits_cnn
@@ -54,7 +55,7 @@ def test_fit_digits_reaches_accuracy(client, digits_data, tmp_path):
     assert (accepted.staleness == accepted.new_version - 1 - accepted.base_version).all()
     assert accepted.staleness.min() >= 0 and accepted.staleness.max() < 2 * 2 * 2 + 4
     assert (accepted.alpha == 0.7).all()
-    assert set(accepted.worker) == set(client.scheduler_info()["workers"])
+    assert set(accepted.worker) == set(worker_info(client))
     # sticky shards: a shard mostly goes back to the worker that already caches its rows
     last_worker, same, again = {}, 0, 0
     for row in accepted.itertuples():

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import xarray as xr
+from chaos_helpers import worker_info
 
 import vcdask
 
@@ -209,7 +210,7 @@ class _SlowOn:
 
 def test_speed_adaptive_gives_a_slow_worker_a_share_of_its_shard(client, tmp_path, digits_data):
     (X, y), val = digits_data
-    slow = sorted(client.scheduler_info()["workers"])[1]
+    slow = sorted(worker_info(client))[1]
     result = _fit(
         _mlp(),
         (X, y),

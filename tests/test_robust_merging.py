@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import dask.config
 import pytest
 import torch
-from chaos_helpers import Saboteur
+from chaos_helpers import Saboteur, worker_info
 from distributed import Client
 
 import vcdask
@@ -58,7 +58,7 @@ def test_one_hostile_worker_of_four_is_rejected_every_time(
     mode, resilience, reason, four_workers, clean_accuracy, digits_data, tmp_path
 ):
     (X, y), (Xt, yt) = digits_data
-    hostile = sorted(four_workers.scheduler_info()["workers"])[0]
+    hostile = sorted(worker_info(four_workers))[0]
     result = vcdask.fit(
         digits_cnn(0),
         (X, y),
@@ -85,7 +85,7 @@ def test_the_probe_rejects_updates_that_wreck_the_model(four_workers, digits_dat
     many times their base's, and they are rejected; no honest update is (tolerance 2: three times the
     loss, as an honest task overfitting its shard raised it by up to 83% in a simulation)."""
     (X, y), _ = digits_data
-    hostile = sorted(four_workers.scheduler_info()["workers"])[0]
+    hostile = sorted(worker_info(four_workers))[0]
     result = vcdask.fit(
         digits_cnn(0),
         (X, y),
@@ -108,7 +108,7 @@ def test_without_the_robust_options_the_attack_hurts(four_workers, clean_accurac
     """The test above can fail: unscreened, the same sign-flipping worker costs accuracy.  (The tenfold
     scaled steps, unscreened, cost nothing measurable here: the outer Nesterov step absorbed them.)"""
     (X, y), (Xt, yt) = digits_data
-    hostile = sorted(four_workers.scheduler_info()["workers"])[0]
+    hostile = sorted(worker_info(four_workers))[0]
     result = vcdask.fit(
         digits_cnn(0),
         (X, y),

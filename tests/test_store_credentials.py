@@ -12,6 +12,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import torch
+from chaos_helpers import worker_info
 
 from vcdask import open_store
 from vcdask.data import prepare_data
@@ -200,7 +201,7 @@ def test_cluster_without_credentials_is_refused_until_they_are_shared(secret_sto
             ) as cluster,
             Client(cluster) as client,
         ):
-            [worker] = client.scheduler_info()["workers"]
+            [worker] = worker_info(client)
             with pytest.raises(StoreCredentialsError) as info:
                 check_cluster_access(store, client)
             message = str(info.value)
