@@ -313,6 +313,25 @@ class SlowOn:
         return torch.nn.functional.cross_entropy(model(x), y)
 
 
+class HeldWhileFlagged:
+    """The default step, ``delay`` seconds per batch; while the file ``flag`` exists, a batch first marks
+    the file ``seen`` and waits for ``flag`` to go.  A test holds a shard task mid-training with it, breaks
+    something (the store, a connection), then lets the task go on into the fault."""
+
+    def __init__(self, flag: str, seen: str, delay: float = 0.0):
+        self.flag, self.seen, self.delay = flag, seen, delay
+
+    def __call__(self, model, batch):
+        x, y = batch
+        if os.path.exists(self.flag):
+            with open(self.seen, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            while os.path.exists(self.flag):
+                time.sleep(0.02)
+        time.sleep(self.delay)
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+
 class Saboteur(torch.optim.Adam):
     """Adam, except on the worker at ``hostile``: its steps go uphill (``"flip"``: the gradient's sign
     flipped, the classic sign-flipping attack), are ``"scale"``d tenfold, or carry ``"noise"`` (a broken

@@ -667,7 +667,7 @@ def test_f_object_store_faults(s3, client, digits_data):
         assert all(torch.isfinite(a).all() for a in params.arrays.values() if a.is_floating_point())
 
 
-def _fit_behind_proxy(proxy, s3, client, digits_data, max_epochs: int, outage_timeout: float):
+def _fit_behind_proxy(proxy, s3, client, digits_data, max_epochs: int, outage_timeout: float, **fit):
     """A run whose store (S3 on loopback, max_tries=2) is reached through ``proxy``; returns
     (location, thread, out, run_id) once it has merged two updates."""
     (X, y), _ = digits_data
@@ -687,19 +687,33 @@ def _fit_behind_proxy(proxy, s3, client, digits_data, max_epochs: int, outage_ti
         alpha=0.5,
         progress=False,
         resilience=vcdask.Resilience(store_outage_timeout=outage_timeout),
+        **fit,
     )
     return location, thread, out, running_run(client, min_step=2, timeout=120)
 
 
 @pytest.mark.s3
-def test_f_store_outage_longer_than_retries_pauses_then_continues(s3, client, digits_data):
+def test_f_store_outage_longer_than_retries_pauses_then_continues(s3, client, digits_data, tmp_path):
     """Every request to the store fails for several seconds, far past the store's own retries: the run
     pauses (says so), no worker is blamed, and it continues when the store is back — no merge lost."""
     from vcdask.testing.faulty_proxy import FaultyProxy
 
+    # Shards of ~1 s (0.1 s a batch), and one held mid-training until the store is down: a task meets the
+    # outage for certain.  (Unheld, every task could upload before the outage, leaving it to the merge
+    # thread alone: CI saw that once.)
+    flag, seen = tmp_path / "hold", tmp_path / "seen"
+    step = chaos_helpers.HeldWhileFlagged(str(flag), str(seen), delay=0.1)
     with FaultyProxy(s3.endpoint_url, seed=4) as proxy:
-        _, thread, out, run_id = _fit_behind_proxy(proxy, s3, client, digits_data, max_epochs=3, outage_timeout=120)
+        _, thread, out, run_id = _fit_behind_proxy(
+            proxy, s3, client, digits_data, max_epochs=3, outage_timeout=120, train_step=step
+        )
+        flag.touch()
+        held_by = time.monotonic() + 60
+        while not seen.exists():
+            assert time.monotonic() < held_by, "no shard task was held mid-training within 60 s"
+            time.sleep(0.05)
         proxy.set_faults(p_503=1.0)  # the store is down, far longer than the storage clients retry
+        flag.unlink()  # the held task finishes into the outage
         # down until the run has said it paused (its store's retries were spent) and 5 s more; 45 s at most
         seen_paused, paused_at = False, None
         deadline = time.monotonic() + 45
@@ -715,8 +729,9 @@ def test_f_store_outage_longer_than_retries_pauses_then_continues(s3, client, di
         result = out["result"]
         assert_every_shard_once(result, 3, 4)
     assert down > 0 and seen_paused
-    faults = result.history[result.history.reason.fillna("").str.startswith("store fault")]
-    assert len(faults) > 0
+    faults = result.history[result.history.outcome == "store fault"]
+    assert len(faults) > 0, result.history.to_string()
+    assert faults.reason.str.startswith("store fault").all()
     assert not any(w["excluded"] for w in result.workers.to_dict("records"))
     assert result.workers.failed.sum() == 0
 
