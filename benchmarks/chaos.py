@@ -41,7 +41,7 @@ class Fault(threading.Thread):
 
     def run(self):
         if self.kind == "straggler":
-            self.victim = sorted(self.client.scheduler_info()["workers"])[0]
+            self.victim = sorted(self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"])[0]
             pid = self.client.run(os.getpid, workers=[self.victim])[self.victim]
             while not self.halt.is_set():
                 os.kill(pid, signal.SIGSTOP)

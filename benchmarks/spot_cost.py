@@ -87,7 +87,9 @@ class Trace(threading.Thread):
                 if what == "replace":  # (the reclaimed worker's entry stays in the spec, closed: one more entry)
                     self.cluster.scale(len(self.cluster.worker_spec) + 1)
                     continue
-                victims = _busy(self.client) or sorted(self.client.scheduler_info()["workers"])
+                victims = _busy(self.client) or sorted(
+                    self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"]
+                )
                 if victims:
                     vcdask.preempt(self.client, self.rng.choice(victims), window=self.notice)
                     self.count += 1
@@ -97,16 +99,16 @@ class Trace(threading.Thread):
 
 def join_seconds(cluster, client) -> float:
     """How long a new worker process takes to join here (then it is retired again)."""
-    before = set(client.scheduler_info()["workers"])
+    before = set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
     t0 = time.perf_counter()
     cluster.scale(len(cluster.worker_spec) + 1)
-    while len(client.scheduler_info()["workers"]) <= len(before):
+    while len(client.sync(client.scheduler.identity, n_workers=-1)["workers"]) <= len(before):
         time.sleep(0.02)
     took = time.perf_counter() - t0
-    new = set(client.scheduler_info()["workers"]) - before
+    new = set(client.sync(client.scheduler.identity, n_workers=-1)["workers"]) - before
     client.retire_workers(list(new), close_workers=True)
     cluster.scale(len(before))
-    while len(client.scheduler_info()["workers"]) > len(before):
+    while len(client.sync(client.scheduler.identity, n_workers=-1)["workers"]) > len(before):
         time.sleep(0.02)
     return took
 

@@ -47,7 +47,7 @@ def main():
         pid = next(iter(client.run(os.getpid).values()))
         t0 = time.perf_counter()
         os.kill(pid, signal.SIGKILL)
-        while len(client.scheduler_info()["workers"]) == 2:
+        while len(client.sync(client.scheduler.identity, n_workers=-1)["workers"]) == 2:
             time.sleep(0.01)
         client.wait_for_workers(2, timeout=120)
         one_fit(X, y, f"{tmp}/b")
