@@ -68,7 +68,9 @@ class Resilience:
         workers to join, before it stops with an error.
     store_outage_timeout : float, default 600
         Seconds a run stays paused, retrying a commit, while the store is unreachable (beyond
-        the storage client's own retries) before it stops with an error.
+        the storage client's own retries) before it stops with an error.  It is checked between
+        attempts, and one attempt on S3 can itself take ~15-45 s of the client's retries, so a
+        run stops up to that much later.
     """
 
     deadline: float | None = None
