@@ -2,7 +2,8 @@
 
 usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [--passes 12] [--target 0.95]
                                           [--seeds 0,1,2] [--kill-every 0]
-                                          [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd]
+                                          [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd,
+                                                    agreement,adam-correction]
 
 Two worker processes of one thread each; worker 1 is made ``--slow`` times slower by a **per-batch
 delay**: before each training batch it sleeps ``(slow - 1) * c``, where ``c`` is the median time of one
@@ -250,7 +251,7 @@ class Killer(threading.Thread):
 
     def run(self):
         while not self.stopped.wait(self.period):
-            info = self.client.scheduler_info()["workers"]
+            info = self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"]
             victim = next((a for a, w in info.items() if str(w.get("name")) == "1"), None)
             if victim is None:
                 continue
@@ -275,6 +276,10 @@ VARIANTS = {
     # the default rule without its momentum bias correction (stop 28: the correction's first step overshoots)
     "no-correction": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction=False)},
     "vc-asgd": {"merge": "vc-asgd"},
+    # stop 29: the correction bounded to half the parameters' norm per momentum step, and scaled by how
+    # far each window's pseudo-gradient agrees with the momentum
+    "agreement": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction="agreement")},
+    "adam-correction": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction=True)},
 }
 
 
@@ -312,7 +317,14 @@ def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
             points.append((committed[row.version_id], {k: v.clone() for k, v in model.state_dict().items()}))
     work = h[h.accepted].groupby("worker").size()
     # worker 0 is never slowed nor killed; worker 1 may come back at a new address after a kill
-    fast = next((a for a, w in client.scheduler_info()["workers"].items() if str(w.get("name")) == "0"), None)
+    fast = next(
+        (
+            a
+            for a, w in client.sync(client.scheduler.identity, n_workers=-1)["workers"].items()
+            if str(w.get("name")) == "0"
+        ),
+        None,
+    )
     share = 1.0 - float(work.get(fast, 0)) / max(1, int(work.sum()))
     return points, {
         "total": total,

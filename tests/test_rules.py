@@ -329,3 +329,63 @@ def test_nesterov_state_saved_before_the_step_count_is_not_corrected_again():
         rule.apply(server, flat(0.9), state, Arrival(epoch=1))
         results.append(w(server)[0])
     assert results[0] == pytest.approx(results[1])
+
+
+def _windows(delay, *gs, start=(100.0, 0.0), lr=0.5, mom=0.8):
+    """Momentum windows of ``Nesterov(bias_correction="agreement")``, each of ``delay`` arrivals with
+    pseudo-gradient ``g``: how far each window moved W_s, and the momentum after the last."""
+    rule = Nesterov(lr=lr, momentum=mom, delay=delay, bias_correction="agreement")
+    server = flat(*start)
+    state = rule.init_state(server)
+    moved = []
+    for g in gs:
+        before = torch.tensor(w(server), dtype=torch.float64)
+        for _ in range(delay):
+            client = torch.tensor(w(server), dtype=torch.float64) - torch.tensor(g, dtype=torch.float64)
+            rule.apply(server, flat(*client.tolist()), state, Arrival(epoch=1))
+        moved.append((before - torch.tensor(w(server), dtype=torch.float64)).tolist())
+    return moved, state.arrays["momentum"].state_dict()["w"].tolist()
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+def test_nesterov_agreement_correction_follows_the_pseudo_gradients(delay):
+    """``bias_correction="agreement"`` far from its bound: the first momentum step takes Adam's full
+    correction; a later one the full correction where the window's pseudo-gradient points along the
+    momentum, none where it points back, and the correction times the cosine in between."""
+    lr, mom, g = 0.5, 0.8, [0.01, 0.0]
+    first, _ = _windows(delay, g)
+    assert first[0] == pytest.approx([lr * 0.01 * (1 + mom / (1 - mom)), 0.0])  # the steady pace at once
+
+    same, m = _windows(delay, g, g)  # agrees: the full correction, 1 / (1 - mom**2)
+    assert m == pytest.approx([0.01 * (1 + mom), 0.0])
+    assert same[1] == pytest.approx([lr * 0.01 + lr * mom * 0.01 * (1 + mom) / (1 - mom**2), 0.0])
+
+    back, m = _windows(delay, g, [-0.01, 0.0])  # points back: momentum not amplified
+    assert m == pytest.approx([0.01 * (mom - 1), 0.0])
+    assert back[1] == pytest.approx([-lr * 0.01 + lr * mom * 0.01 * (mom - 1), 0.0])
+
+    across, m = _windows(delay, g, [0.01, 0.01])  # at 45 degrees: the correction times cos = 1 / sqrt(2)
+    gain = 1 + (1 / (1 - mom**2) - 1) / 2**0.5
+    assert across[1] == pytest.approx([lr * 0.01 + lr * mom * gain * m[0], lr * 0.01 + lr * mom * gain * m[1]])
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+def test_nesterov_agreement_correction_never_steps_past_half_the_parameters_norm(delay):
+    """A pseudo-gradient half the size of the parameters: the corrected momentum step is cut to half
+    the server's norm (gain 1.875 of Adam's 5); one too small to reach it is not cut at all."""
+    lr, mom = 0.5, 0.8
+    moved, _ = _windows(delay, [0.5, 0.0], start=(1.0, 0.0))
+    # delayed, the arrivals' own shares first move W_s to 1 - lr * 0.5 = 0.75, and the momentum step is
+    # 0.5 * 0.75; with a step per arrival, both come at once, from |W_s| = 1
+    assert moved[0] == pytest.approx([lr * 0.5 + 0.5 * (0.75 if delay > 1 else 1.0), 0.0])
+    small, _ = _windows(delay, [0.01, 0.0], start=(1.0, 0.0))  # 0.02 < 0.5 * 0.995
+    assert small[0] == pytest.approx([lr * 0.01 * (1 + mom / (1 - mom)), 0.0])
+    # never below the uncorrected step, however large the pseudo-gradient
+    huge, _ = _windows(delay, [50.0, 0.0], start=(1.0, 0.0))
+    assert huge[0] == pytest.approx([lr * 50 * (1 + mom), 0.0])
+
+
+def test_nesterov_bias_correction_must_be_a_known_choice():
+    with pytest.raises(ValueError, match=r"bias_correction='adam': must be True, False or 'agreement'"):
+        Nesterov(bias_correction="adam")
+    assert Nesterov(bias_correction="agreement").describe()["bias_correction"] == "agreement"
