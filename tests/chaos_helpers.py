@@ -370,7 +370,8 @@ class Saboteur(torch.optim.Adam):
 
 class SlowerOnceFlagged(SlowOn):
     """:class:`SlowOn`, and once the file ``flag`` exists, ``after`` seconds per batch on that worker
-    (a machine that slows down, e.g. throttled as its instance is being reclaimed)."""
+    (a machine that slows down, e.g. throttled as its instance is being reclaimed).  Each slowed batch
+    first appends a line to ``flag + ".seen"``: a test knows a batch began after the flag."""
 
     def __init__(self, address: str, delay: float, flag: str, after: float):
         super().__init__(address, delay)
@@ -381,6 +382,8 @@ class SlowerOnceFlagged(SlowOn):
             from distributed import get_worker
 
             if get_worker().address == self.address and os.path.exists(self.flag):
+                with open(self.flag + ".seen", "a") as f:
+                    f.write(f"{time.time()}\n")
                 time.sleep(self.after)
         except ValueError:
             pass
@@ -399,6 +402,18 @@ class NaNOnWorkerZero(torch.optim.Adam):
             with torch.no_grad():
                 self.param_groups[0]["params"][0].fill_(float("nan"))
         return out
+
+
+def copies_in_flight(dask_scheduler=None) -> list[dict]:
+    """For ``client.run_on_scheduler``: every shard copy in flight in the live runs, with its worker and
+    state (what a test that waited in vain reports)."""
+    plugin = dask_scheduler.plugins.get("vcdask")
+    return [
+        {"key": k, "worker": t.worker, "based": t.based, "overdue": t.overdue, "started": t.started is not None}
+        for run in (plugin.runs.values() if plugin else ())
+        if not run.done.is_set()
+        for k, t in run.tasks.updates()
+    ]
 
 
 def copies_started_on(address, dask_scheduler=None) -> list[str]:

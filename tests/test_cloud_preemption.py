@@ -11,7 +11,14 @@ from __future__ import annotations
 import time
 
 import pytest
-from chaos_helpers import SlowerOnceFlagged, copies_started_on, fit_in_thread, running_run, worker_info
+from chaos_helpers import (
+    SlowerOnceFlagged,
+    copies_in_flight,
+    copies_started_on,
+    fit_in_thread,
+    running_run,
+    worker_info,
+)
 from distributed import Client
 from fake_metadata import FakeMetadata
 from test_chaos import FIT, assert_every_shard_once
@@ -30,13 +37,14 @@ async def _watch(endpoint, provider, dask_worker=None):
     await dask_worker.plugin_add(PreemptionWatcher(provider=provider, endpoint=endpoint, interval=0.1))
 
 
-def _wait(predicate, timeout=60.0, what=""):
+def _wait(predicate, timeout=60.0, what="", then=None):
+    """Poll ``predicate`` until it holds; else TimeoutError(``what``, and ``then()``: what the test saw)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.01)
-    raise TimeoutError(what)
+    raise TimeoutError(what if then is None else f"{what}: {then()}")
 
 
 @pytest.mark.parametrize(
@@ -95,8 +103,9 @@ def test_a_shard_let_finish_that_runs_past_the_notice_is_reissued(digits_data, t
     """Kept on the notice (it should fit), the shard then slows down: when only the margin is left, it
     is re-issued elsewhere, and the worker retires."""
     (X, y), _ = digits_data
-    # (a fixed deadline: the deadline watchdog, not settle, would otherwise re-issue the slowed shard first)
-    fit = {**FIT, "max_epochs": 4, "resilience": vcdask.Resilience(deadline=60)}
+    # (a fixed deadline and no staleness limit: the deadline watchdog, or the fast worker's merges making
+    # the slowed copy too stale, would otherwise re-issue the slowed shard before settle does)
+    fit = {**FIT, "max_epochs": 4, "resilience": vcdask.Resilience(deadline=60, max_staleness=None)}
     flag = tmp_path / "slow-now"
     with FakeMetadata("aws") as at_victim:
         with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
@@ -109,8 +118,13 @@ def test_a_shard_let_finish_that_runs_past_the_notice_is_reissued(digits_data, t
             run_id = running_run(client, min_step=2)
             _wait(lambda: client.run_on_scheduler(copies_started_on, victim), what="no shard running on the victim")
             flag.touch()  # from now on its batches take 10 s each: the shard running there is still running
-            time.sleep(0.3)  # at the notice, and at settle's deadline (its current batch began after the flag)
-            _wait(lambda: client.run_on_scheduler(copies_started_on, victim), what="no shard running on the victim")
+            # at the notice, and at settle's deadline: a batch of it began after the flag
+            _wait(lambda: (tmp_path / "slow-now.seen").exists(), what="no batch on the victim began after the flag")
+            _wait(
+                lambda: client.run_on_scheduler(copies_started_on, victim),
+                what="no shard running on the victim",
+                then=lambda: f"victim {victim}; copies {client.run_on_scheduler(copies_in_flight)}",
+            )
             window = policy.NOTICE_MARGIN + 6  # a shard with up to 4 s left fits; settle gives up after 6 s
             at_victim.notify(window)
             _wait(lambda: victim not in worker_info(client), timeout=60, what="not retired")
