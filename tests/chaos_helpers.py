@@ -223,6 +223,31 @@ class HandoverFault(WorkerPlugin):
         worker.handlers["get_data"] = get_data
 
 
+class FreezeOnStart(WorkerPlugin):
+    """A Dask worker plugin: on the worker named ``name``, the first task whose key starts with ``prefix``
+    freezes the worker process (SIGSTOP) as it begins to execute, before it can run or hand anything back.
+    The scheduler still sees the worker connected, with the task processing there."""
+
+    name = "vcdask-test-freeze-on-start"
+
+    def __init__(self, worker_name: str, prefix: str):
+        self.worker_name, self.prefix, self.fired = worker_name, prefix, False
+
+    def setup(self, worker) -> None:
+        self.mine = worker.name == self.worker_name
+
+    def transition(self, key, start, finish, **kwargs) -> None:
+        if self.mine and not self.fired and finish == "executing" and str(key).startswith(self.prefix):
+            self.fired = True
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` in /proc (R running, S sleeping, T stopped, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 class ChaosNet(torch.nn.Module):
     """The demo CNN plus a spare parameter that forward never uses (a faulty optimizer reshapes it).
 

@@ -238,6 +238,49 @@ def test_a_result_its_worker_cannot_hand_over_is_read_from_the_store(signum, dig
     assert vcdask.updates.read_update_meta(files, handed["update"].iloc[0])["worker"] == victim
 
 
+def test_a_worker_frozen_as_it_starts_a_validation_holds_no_epoch(digits_data, tmp_path):
+    """The only worker freezes (SIGSTOP) as it begins the validation of the first epoch's end version,
+    which the epoch waits for; a second worker joins.  The scheduler still counts the frozen one as
+    connected, with the validation processing there, until Dask's worker TTL (minutes) runs out.  The
+    run validates that version on the new worker and finishes every epoch long before.  (Validations
+    once had no deadline: the run waited for as long as the worker stayed frozen.)"""
+    (X, y), _ = digits_data
+    fit = {**FIT, "max_epochs": 3, "validate_every": 1000}  # only the epochs' end versions are validated
+    with embedded_cluster(n_workers=0) as cluster, Client(cluster, set_as_default=False) as client:
+        victim = start_worker(cluster.scheduler_address, name="victim")
+        helper = None
+        try:
+            client.wait_for_workers(1, timeout=60)
+            client.run(chaos_helpers.warm_up)
+            client.register_plugin(chaos_helpers.FreezeOnStart("victim", "vcdask-validate-"))
+            thread, out = fit_in_thread(
+                model=digits_cnn(7),
+                data=(X, y),
+                client=client,
+                store=tmp_path / "s",
+                resilience=vcdask.Resilience(deadline_floor=1.0),
+                **fit,
+            )
+            deadline = time.monotonic() + 120
+            while chaos_helpers.process_state(victim.pid) != "T":
+                assert time.monotonic() < deadline and thread.is_alive(), "the victim never started a validation"
+                time.sleep(0.1)
+            assert thread.is_alive()  # the run waits for the first epoch's numbers
+            helper = start_worker(cluster.scheduler_address, name="helper")
+            thread.join(120)
+            assert not thread.is_alive(), client.sync(client.scheduler.vcdask_runs)
+        finally:
+            for proc in (victim, helper):
+                if proc is not None:
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.kill()
+                    proc.wait(30)
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, 3, 8)
+    assert len(result.epochs) == 3 and result.epochs["accuracy"].notna().all(), result.epochs
+
+
 def test_c_caller_killed_run_finishes_and_attach_gets_result(digits_data, tmp_path):
     (X, y), _ = digits_data
     data = tmp_path / "digits.pt"

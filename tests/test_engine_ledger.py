@@ -62,6 +62,18 @@ def test_validated_epochs_wait_for_their_numbers_and_stop_at_the_target():
     assert led.epochs[1]["accuracy_min"] == led.epochs[1]["accuracy_max"] == 0.95
 
 
+def test_a_version_validated_twice_keeps_its_first_numbers_and_both_times():
+    """A late validation run again elsewhere can come back twice: the first result counts, one event is
+    published, and both durations feed the validations' deadline."""
+    led, sched = _ledger(n_shards=1, validated=True)
+    led.validate(1, {"accuracy": 0.8}, seconds=0.5)
+    led.validate(1, {"accuracy": 0.7}, seconds=9.0)
+    assert led.validations == {1: {"accuracy": 0.8}}
+    assert led.validation_seconds == [0.5, 9.0]
+    published = [m for _, m in sched.events if m["type"] == "validation"]
+    assert [(m["step"], m["metrics"]) for m in published] == [(1, {"accuracy": 0.8})]
+
+
 def test_shard_states_are_final_and_rejections_stay_visible():
     led, sched = _ledger()
     led.set_shard(1, 0, "queued")

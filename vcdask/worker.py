@@ -234,6 +234,7 @@ def train_shard(
 def validate_version(store, run_id: str, version: str, step: int) -> dict[str, Any]:
     """Validation loss and metrics of one server version."""
     t0 = time.perf_counter()
+    _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here
     spec = load_spec(store, run_id)
     device, precision = _setup(spec)
     model = _loaded_model(spec, store, version, device)

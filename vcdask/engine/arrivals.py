@@ -99,5 +99,5 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
 
 def validation(run: Run, rec: dict[str, Any]) -> None:
     """A validation task's numbers came back: record them; an epoch may close."""
-    run.ledger.validate(rec["step"], rec["metrics"])
+    run.ledger.validate(rec["step"], rec["metrics"], rec.get("seconds"))
     run.close_epochs()

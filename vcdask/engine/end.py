@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..spec import record_path
-from . import faults, views, watch
+from . import faults, validations, views, watch
 
 if TYPE_CHECKING:
     from .run import Run
@@ -41,7 +41,7 @@ async def finish(run: Run) -> None:
     await run.in_thread(run.server.commit)
     head = run.server.head
     if run.spec.validation is not None and head.step not in run.ledger.validations:
-        await faults.final_validation(run, head.version, head.step)
+        await validations.final(run, head.version, head.step)
     if not run.spec.keep_updates:
         await run.in_thread(faults.drop_run_updates, run.store, run.id)
     run.server.in_use_step = watch.in_use_step(run)

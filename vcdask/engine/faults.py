@@ -7,16 +7,13 @@ are :mod:`~vcdask.engine.policy`'s.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreAccessDeniedError, StoreError, StoreNotFoundError
 from ..updates import delete_run_updates, delete_update
-from ..worker import validate_version
-from . import policy, results
-from .events import final_validate_key
+from . import policy
 from .inflight import TaskRecord
 
 if TYPE_CHECKING:
@@ -27,7 +24,6 @@ __all__ = [
     "blame",
     "overdue",
     "cancel_other_copies",
-    "final_validation",
     "rejected",
     "reissue",
     "retry_or_give_up",
@@ -182,13 +178,18 @@ async def overdue(run: Run, task: TaskRecord, verdict: policy.Overdue, worker: s
 
 
 def stuck_workers(run: Run) -> set[str]:
-    """Workers still running a copy that was re-issued (late, or fell too far behind): frozen or far
-    too slow for now.  New copies avoid them (:meth:`Run.submit_shard`), and copies queued there move."""
-    return {
+    """Workers still running a copy that was re-issued (late, or fell too far behind), or holding a
+    validation that was run again elsewhere (:mod:`.validations`): frozen or far too slow for now.  New
+    copies and validations avoid them (:meth:`Run.submit_shard`), and copies queued there move."""
+    stuck = {
         t.worker
         for key, t in run.tasks.updates()
         if t.overdue and t.started is not None and t.worker is not None and run.tasks.processing_on(key) == t.worker
     }
+    for key, t in list(run.tasks.tasks.items()):
+        if t.kind == "validation" and t.overdue and (on := run.tasks.processing_on(key)) is not None:
+            stuck.add(on)
+    return stuck
 
 
 def move_queued_off(run: Run, stuck: set[str]) -> None:
@@ -203,27 +204,6 @@ def move_queued_off(run: Run, stuck: set[str]) -> None:
         if not other.overdue and other.started is None and run.tasks.processing_on(key) in stuck:
             other.overdue = True
             run.submit_shard(other.epoch, other.shard, avoid=stuck)
-
-
-async def final_validation(run: Run, version: str | None, step: int) -> None:
-    """Validate the final version, waiting through store outages (within ``store_outage_timeout``)."""
-    for attempt in range(1000):
-        future = run.tasks.client.submit(
-            validate_version, run.store, run.id, version, step, key=final_validate_key(run.id, attempt), priority=10
-        )
-        try:
-            rec = await results.fetch(run, future)
-        except StoreError as exc:
-            store_fault(run, TaskRecord("validation", step=step, version=version, attempt=attempt), exc)
-            run.dispatch.parked_validations.clear()
-            await asyncio.sleep(run.outage.wait_seconds())
-            continue
-        if isinstance(rec, str):  # lost with its worker: run it again
-            logger.warning("run %s: the final validation's result is lost (%s); running it again", run.id, rec)
-            continue
-        store_back(run)
-        run.ledger.validations[rec["step"]] = rec["metrics"]
-        return
 
 
 # -- what users and the cloud layer ask of a run --------------------------------------------------

@@ -92,6 +92,7 @@ class Ledger:
         self.history: list[dict[str, Any]] = []
         self.shard_state: dict[tuple[int, int], ShardState] = {}
         self.shard_seconds: list[float] = []  # of merged updates: what deadlines derive from
+        self.validation_seconds: list[float] = []  # of validations: what their deadline derives from
         #: Early stopping: stop once ``monitor`` has not improved for ``patience`` epochs.
         self.patience, self.monitor = patience, monitor
         self.best: dict[str, Any] | None = None  # {"epoch", "step", "value"} of the best epoch so far
@@ -153,7 +154,13 @@ class Ledger:
         return self.record(task.epoch, task.shard, task.attempt, outcome, base_version=task.step, reason=reason, **kw)
 
     # -- epochs ---------------------------------------------------------------------------------
-    def validate(self, step: int, metrics: dict[str, float]) -> None:
+    def validate(self, step: int, metrics: dict[str, float], seconds: float | None = None) -> None:
+        """Record the metrics of the version at ``step``: the first result counts (a validation run
+        again elsewhere because it was late may come back twice)."""
+        if seconds is not None:
+            self.validation_seconds.append(seconds)
+        if step in self.validations:
+            return
         self.validations[step] = metrics
         self.events.emit("validation", step=step, metrics=metrics)
 

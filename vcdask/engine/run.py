@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import NoWorkersError
 from ..spec import RunSpec
 from ..worker import train_shard, validate_version
-from . import arrivals, end, faults, notice, results, views, watch
+from . import arrivals, end, faults, notice, results, validations, views, watch
 from .dispatch import Dispatcher
 from .events import EventLog, train_key, validate_key
 from .guard import Guard
@@ -206,8 +206,9 @@ class Run:
         """Hand out shards until every slot is busy (parked work first)."""
         if not self.pool.usable() or self.outage.holding():
             return  # nobody to run on (wait for workers to (re)join), or the store is out
-        while self.dispatch.parked_validations:
-            self.submit_validation(*self.dispatch.parked_validations.pop(0))
+        parked, self.dispatch.parked_validations = self.dispatch.parked_validations, []
+        for version, step, retry in parked:
+            self.submit_validation(version, step, retry)
         while self.stopping is None and self.tasks.training() < self.pool.slots():
             if self.dispatch.returned:
                 epoch, shard = self.dispatch.returned.pop(0)
@@ -254,13 +255,20 @@ class Run:
         held = Counter(self.tasks.processing_on(key) for key, _ in self.tasks.updates())
         return {a for a, n in held.items() if a is not None and n >= self.pool.share(a)}
 
-    def submit_validation(self, version: str | None = None, step: int | None = None, retry: int = 0) -> None:
-        """Validate ``version`` (default: the newest committed one), once."""
+    def submit_validation(
+        self, version: str | None = None, step: int | None = None, retry: int = 0, avoid: set[str] | None = None
+    ) -> None:
+        """Validate ``version`` (default: the newest committed one), once; on a usable worker, away from
+        stuck ones and ``avoid`` (:func:`.validations.placement`), or parked until one is usable."""
         if version is None or step is None:
             head = self.server.head  # one read: the merge thread replaces it as a whole
             version, step = head.version, head.version_step
         key = validate_key(self.id, step, retry)
         if key in self.tasks.futures or step in self.ledger.validations:
+            return
+        where = validations.placement(self, avoid or set())
+        if where is None:
+            self.dispatch.parked_validations.append((version, step, retry))
             return
         self.tasks.submit(
             validate_version,
@@ -271,6 +279,7 @@ class Run:
             key=key,
             priority=10,
             task=TaskRecord("validation", attempt=retry, step=step, version=version, submitted=time.monotonic()),
+            **where,
         )
 
     # -- results --------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import NoWorkersError
-from . import faults, policy
+from . import faults, policy, validations
 
 if TYPE_CHECKING:
     from .run import Run
@@ -84,7 +84,7 @@ def in_use_step(run: Run) -> int:
 
 async def deadlines(run: Run) -> None:
     """Re-issue shard copies that run past their deadline or fall too far behind, and the ones queued
-    behind a late copy."""
+    behind a late copy; validate again elsewhere the versions whose validation is late."""
     while True:
         await asyncio.sleep(INTERVAL)
         if run.stopping:
@@ -133,6 +133,7 @@ async def deadlines(run: Run) -> None:
                 where = task.worker if verdict.blame and task.started is not None else running_on
                 await faults.overdue(run, task, verdict, where)
         faults.move_queued_off(run, faults.stuck_workers(run))  # queued behind a late copy
+        validations.overdue(run, now)
 
 
 def check_workers(run: Run) -> None:
