@@ -146,9 +146,9 @@ def charlm_vcdask(seed: int, data, client, overrides: dict) -> float:
 def _value(text: str):
     from vcdask.merge import Nesterov
 
-    if text.startswith("nesterov:"):  # nesterov:LR/MOMENTUM[/nobc|/adam|/agreement]: the correction
+    if text.startswith("nesterov:"):  # nesterov:LR/MOMENTUM[/nobc|/adam|/agreement|/trust]: the correction
         lr, momentum, *rest = text.split(":", 1)[1].split("/") + ["0.9"] * (text.count("/") == 0)
-        correction = {"nobc": False, "adam": True, "agreement": "agreement"}[(rest or ["adam"])[0]]
+        correction = {"nobc": False, "adam": True, "agreement": "agreement", "trust": "trust"}[(rest or ["adam"])[0]]
         return Nesterov(lr=float(lr), momentum=float(momentum), bias_correction=correction)
     for kind in (int, float):
         try:

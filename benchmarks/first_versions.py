@@ -1,7 +1,7 @@
 """A run's accuracy version by version, for several outer rules side by side (the first epochs up close).
 
 usage: python benchmarks/first_versions.py [--task digits|wide] [--slow 2] [--passes 3] [--seeds 0,1,2]
-                                           [--rules default,adam,agreement,no-correction,vc-asgd]
+                                           [--rules default,adam,agreement,trust,no-correction,vc-asgd]
                                            [--versions 12] [--target 0.95]
 
 What `heterogeneous.py` sums up as one time to target, seen from inside: the same two worker processes
@@ -13,7 +13,7 @@ put on the momentum term: where a step overshot, the next window's pseudo-gradie
 near -1).  A minute or two per rule and seed on 2 cores.
 
 Rules: ``default`` (fit's default), ``adam`` (``Nesterov(0.5, 0.9)`` with Adam's bias correction, the
-default until stop 29), ``agreement`` (the same with ``bias_correction="agreement"``), ``no-correction``
+default until stop 29), ``agreement`` and ``trust`` (the same with that ``bias_correction``), ``no-correction``
 and ``vc-asgd``.  Prints one table of accuracies per version (median over seeds) and, per rule, the
 median time to ``--target`` and final accuracy.
 """
@@ -62,6 +62,7 @@ RULES = {
     "default": lambda: None,
     "adam": lambda: Watched(lr=0.5, momentum=0.9, bias_correction=True),
     "agreement": lambda: Watched(lr=0.5, momentum=0.9, bias_correction="agreement"),
+    "trust": lambda: Watched(lr=0.5, momentum=0.9, bias_correction="trust"),
     "no-correction": lambda: Watched(lr=0.5, momentum=0.9, bias_correction=False),
     "vc-asgd": lambda: "vc-asgd",
 }

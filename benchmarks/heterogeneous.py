@@ -3,7 +3,7 @@
 usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [--passes 12] [--target 0.95]
                                           [--seeds 0,1,2] [--kill-every 0]
                                           [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd,
-                                                    agreement,adam-correction]
+                                                    agreement,adam-correction,trust]
 
 Two worker processes of one thread each; worker 1 is made ``--slow`` times slower by a **per-batch
 delay**: before each training batch it sleeps ``(slow - 1) * c``, where ``c`` is the median time of one
@@ -280,6 +280,8 @@ VARIANTS = {
     # far each window's pseudo-gradient agrees with the momentum
     "agreement": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction="agreement")},
     "adam-correction": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction=True)},
+    # stop 30: Adam's correction until a momentum step would pass the bound; "agreement" from then on
+    "trust": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction="trust")},
 }
 
 

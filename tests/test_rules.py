@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -186,9 +188,10 @@ def test_momentum_state_survives_a_restart(tmp_path):
         "lr": 0.7,
         "momentum": 0.9,
         "delay": 1,
-        "bias_correction": True,
+        "bias_correction": "trust",
     }
-    assert store_b.read(b.version).metadata["rule_state"] == {"steps": 2}  # the bias correction resumes too
+    # the bias correction resumes too, with its switch to the bounded one (these steps are large)
+    assert store_b.read(b.version).metadata["rule_state"] == {"steps": 2, "bounded": 1}
     del b  # the server dies; a new one resumes from the branch
     _, b2 = start(tmp_path / "b", "run-b")
     assert b2.step == 2
@@ -331,10 +334,10 @@ def test_nesterov_state_saved_before_the_step_count_is_not_corrected_again():
     assert results[0] == pytest.approx(results[1])
 
 
-def _windows(delay, *gs, start=(100.0, 0.0), lr=0.5, mom=0.8):
-    """Momentum windows of ``Nesterov(bias_correction="agreement")``, each of ``delay`` arrivals with
+def _windows(delay, *gs, start=(100.0, 0.0), lr=0.5, mom=0.8, correction="agreement"):
+    """Momentum windows of ``Nesterov(bias_correction=correction)``, each of ``delay`` arrivals with
     pseudo-gradient ``g``: how far each window moved W_s, and the momentum after the last."""
-    rule = Nesterov(lr=lr, momentum=mom, delay=delay, bias_correction="agreement")
+    rule = Nesterov(lr=lr, momentum=mom, delay=delay, bias_correction=correction)
     server = flat(*start)
     state = rule.init_state(server)
     moved = []
@@ -385,7 +388,43 @@ def test_nesterov_agreement_correction_never_steps_past_half_the_parameters_norm
     assert huge[0] == pytest.approx([lr * 50 * (1 + mom), 0.0])
 
 
+@pytest.mark.parametrize("delay", [1, 2])
+def test_nesterov_trust_correction_weighs_agreement_by_how_much_the_bound_cut(delay):
+    """``bias_correction="trust"``: while every momentum step stays within half the parameters' norm,
+    Adam's full correction, even where the next window points back; once the bound cuts a correction,
+    later ones are scaled by the agreement as far as it cut: fully when it cut the correction to
+    nothing (``"agreement"``), by the share it took otherwise."""
+    g, back = [0.01, 0.0], [-0.01, 0.0]
+
+    def flat_moves(*gs, **kw):
+        moved, m = _windows(delay, *gs, **kw)
+        return [x for step in moved for x in step] + m
+
+    small = flat_moves(g, back, correction="trust")
+    assert small == pytest.approx(flat_moves(g, back, correction=True))  # far from the bound: exactly Adam's
+    # where "agreement" would not have amplified the step back
+    assert small != pytest.approx(flat_moves(g, back, correction="agreement"))
+    # a first pseudo-gradient far beyond the bound: cut to no correction at all, then "agreement"
+    huge = [[50.0, 0.0], [-30.0, 10.0], [20.0, 20.0]]
+    assert flat_moves(*huge, start=(1.0, 0.0), correction="trust") == pytest.approx(
+        flat_moves(*huge, start=(1.0, 0.0), correction="agreement")
+    )
+    # cut part of the way, then a second window pointing straight back, well within its bound: its
+    # correction loses the share of the first one the bound took (cosine -1 takes all of it under
+    # "agreement")
+    lr, mom, g1, g2, start = 0.5, 0.8, 3.0, -0.01, (0.0, 10.0)
+    moved, m = _windows(delay, [g1, 0.0], [g2, 0.0], start=start, correction="trust")
+    at_close = math.hypot(start[0] - (lr * g1 if delay > 1 else 0.0), start[1])  # |W_s| as window 1 closes
+    first = 0.5 * at_close / (lr * mom * g1)  # the bound on the first step's gain, below Adam's 5
+    assert 1.0 < first < 5.0
+    assert moved[0][0] == pytest.approx(lr * g1 + lr * mom * first * g1)
+    share = (5.0 - first) / 4.0
+    second = 1 + (1 / (1 - mom**2) - 1) * (1 - share)
+    assert m == pytest.approx([mom * g1 + g2, 0.0])
+    assert moved[1][0] == pytest.approx(lr * g2 + lr * mom * second * m[0])
+
+
 def test_nesterov_bias_correction_must_be_a_known_choice():
-    with pytest.raises(ValueError, match=r"bias_correction='adam': must be True, False or 'agreement'"):
+    with pytest.raises(ValueError, match=r"bias_correction='adam': must be True, False, 'agreement' or 'trust'"):
         Nesterov(bias_correction="adam")
     assert Nesterov(bias_correction="agreement").describe()["bias_correction"] == "agreement"
