@@ -441,6 +441,18 @@ def copies_in_flight(dask_scheduler=None) -> list[dict]:
     ]
 
 
+def superseded_on(address, dask_scheduler=None) -> bool:
+    """For ``client.run_on_scheduler``: whether a late copy still runs on ``address`` whose shard another
+    copy has since merged (its own result, once back, can only be late)."""
+    plugin = dask_scheduler.plugins.get("vcdask")
+    return any(
+        t.worker == address and t.overdue and run.ledger.is_merged(t.epoch, t.shard)
+        for run in (plugin.runs.values() if plugin else ())
+        if not run.done.is_set()
+        for _, t in run.tasks.updates()
+    )
+
+
 def copies_started_on(address, dask_scheduler=None) -> list[str]:
     """For ``client.run_on_scheduler``: the keys of the shard copies running on ``address`` (started from
     their base, not overdue) in the live runs."""

@@ -24,6 +24,7 @@ from chaos_helpers import (
     HandoverFault,
     Killer,
     NaNOnWorkerZero,
+    copies_in_flight,
     fit_in_thread,
     running_run,
     start_worker,
@@ -71,9 +72,10 @@ def test_a_repeated_worker_kills(digits_data, tmp_path):
     ):
         thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", **fit)
         running_run(client, min_step=3)
-        # a kill every 2 s where a shard takes 0.1-0.2 s and a forked worker restarts in 0.3 s (conftest.py; a
-        # kill faster than a restarted worker's first shard would kill every copy of it, on any version)
-        killer = Killer(client, period=2.0, seed=1)
+        # a kill every second where a shard takes 0.1-0.2 s and a forked worker restarts in 0.3 s (conftest.py;
+        # a kill faster than a restarted worker's first shard would kill every copy of it, on any version).
+        # Every 2 s, a fast machine finished the run after two kills
+        killer = Killer(client, period=1.0, seed=1)
         killer.start()
         thread.join(240)
         killer.stop()
@@ -103,8 +105,16 @@ def test_b_stopped_worker_is_reissued_and_its_late_result_recorded(digits_data, 
         )
         running_run(client, min_step=2)
         victim, pid = stop_worker_mid_task(client)
-        time.sleep(10.0)  # past the deadline of its running copy
-        os.kill(pid, signal.SIGCONT)
+        # resumed once its copy is past the deadline and another copy of its shard is merged, while the run
+        # goes on: a fixed 10 s outlasted a whole run on a fast machine (nothing held it up: validations
+        # avoid a stuck worker), and a result that comes back after the run ended is recorded nowhere
+        deadline = time.monotonic() + 60
+        try:
+            while not client.run_on_scheduler(chaos_helpers.superseded_on, victim):
+                assert time.monotonic() < deadline and thread.is_alive(), client.run_on_scheduler(copies_in_flight)
+                time.sleep(0.1)
+        finally:
+            os.kill(pid, signal.SIGCONT)
         thread.join(300)
     assert "error" not in out, out.get("error")
     result = out["result"]

@@ -25,7 +25,13 @@ logger = logging.getLogger(__name__)
 #: How long a creator that lost the race waits for the winner's repository to appear (seconds).
 CREATE_RACE_WAIT = 30.0
 # What Icechunk says when another creator wrote to the location first.
-_RACE_SIGNS = ("can only be created in clean prefixes", "updated by other session", "already exists", "File exists")
+_RACE_SIGNS = (
+    "can only be created in clean prefixes",
+    "updated by other session",
+    "already exists",
+    "File exists",
+    "branch update conflict",  # S3: the main branch's first commit was written by another creator
+)
 
 
 def open_repository(backend: StoreBackend, mode: str, max_tries: int) -> icechunk.Repository:
