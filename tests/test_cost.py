@@ -7,7 +7,7 @@ import time
 
 import dask.config
 import pytest
-from chaos_helpers import SlowOn, copies_started_on, fit_in_thread, running_run, worker_info
+from chaos_helpers import SlowerOnceFlagged, copies_started_on, fit_in_thread, running_run, worker_info
 from distributed import Client
 
 import vcdask
@@ -68,6 +68,8 @@ def test_bad_price_tables_are_refused_with_the_valid_markets():
 def test_fit_reports_what_its_spot_workers_cost_and_what_a_preemption_wasted(digits_data, tmp_path):
     (X, y), _ = digits_data
     here = {"vcdask.cloud.instance": {"type": "m.test", "market": "spot"}, "vcdask.cloud.prices": PRICES}
+    flag = tmp_path / "slow-victim"
+    seen = tmp_path / "slow-victim.seen"
     with dask.config.set(here):  # the workers start with it, as cloud workers have it in their config
         with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
             victim = sorted(worker_info(client))[0]
@@ -78,13 +80,17 @@ def test_fit_reports_what_its_spot_workers_cost_and_what_a_preemption_wasted(dig
                 store=tmp_path / "s",
                 max_epochs=5,
                 n_shards=8,
-                train_step=SlowOn(victim, 0.025),  # its shards take ~1 s: one is running at the notice
+                # its shards take ~1 s; once the flag is up, its next batch takes 5 s: a shard is running
+                # there at the notice for certain (between two shards the victim holds none for a moment,
+                # and on a fast machine a shard seen running had ended by the time the notice came)
+                train_step=SlowerOnceFlagged(victim, 0.025, str(flag), after=5.0),
                 progress=False,
                 retention=False,
             )
             run_id = running_run(client, min_step=3)
-            deadline = time.monotonic() + 60  # between two of its shards the victim holds none for a moment
-            while not client.run_on_scheduler(copies_started_on, victim):
+            flag.touch()
+            deadline = time.monotonic() + 60
+            while not (seen.exists() and client.run_on_scheduler(copies_started_on, victim)):
                 assert time.monotonic() < deadline, "no shard running on the victim"
                 time.sleep(0.01)
             moved = vcdask.preempt(client, victim, window=0)  # reclaimed now: its running shard is lost
