@@ -181,13 +181,11 @@ def stuck_workers(run: Run) -> set[str]:
     """Workers still running a copy that was re-issued (late, or fell too far behind), or holding a
     validation that was run again elsewhere (:mod:`.validations`): frozen or far too slow for now.  New
     copies and validations avoid them (:meth:`Run.submit_shard`), and copies queued there move."""
-    stuck = {
-        t.worker
-        for key, t in run.tasks.updates()
-        if t.overdue and t.started is not None and t.worker is not None and run.tasks.processing_on(key) == t.worker
-    }
+    stuck = set()
     for key, t in list(run.tasks.tasks.items()):
-        if t.kind == "validation" and t.overdue and (on := run.tasks.processing_on(key)) is not None:
+        on = run.tasks.processing_on(key) if t.overdue else None
+        # a shard copy only where it started (one queued there was moved off, not stuck)
+        if on is not None and (t.kind == "validation" or (t.started is not None and t.worker == on)):
             stuck.add(on)
     return stuck
 

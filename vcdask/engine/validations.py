@@ -48,13 +48,11 @@ def deadline(run: Run, worker: str | None = None) -> float:
     return policy.deadline(run.res, measured, 1, cold=run.pool.cold(worker))
 
 
-def overdue(run: Run, now: float) -> None:
+def overdue(run: Run, now: float, stuck: set[str], patience: float) -> None:
     """Run every late validation again elsewhere: one past its deadline, one that never started within
-    the copies' patience, and one waiting to start on a stuck worker.  The late one is left alone (not
-    cancelled): while it is processing on a frozen worker, the scheduler counts that worker's slot as
-    taken and sends it nothing else."""
-    stuck = faults.stuck_workers(run)
-    warm = policy.deadline(run.res, run.ledger.shard_seconds, run.spec.tasks_per_slot)
+    ``patience`` (the shard copies'), and one waiting to start on a ``stuck`` worker.  The late one is
+    left alone (not cancelled): while it is processing on a frozen worker, the scheduler counts that
+    worker's slot as taken and sends it nothing else."""
     for key, task in list(run.tasks.tasks.items()):
         if task.kind != "validation" or task.overdue or task.step in run.ledger.validations:
             continue
@@ -71,7 +69,7 @@ def overdue(run: Run, now: float) -> None:
                 behind=0,
                 stale_after=None,
                 limit=deadline(run, task.worker),
-                patience=warm * (run.spec.tasks_per_slot + 2),
+                patience=patience,
             )
         if verdict == "restart":  # its worker died: Dask is moving it, it starts afresh
             task.started, task.submitted = None, now

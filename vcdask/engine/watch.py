@@ -132,8 +132,9 @@ async def deadlines(run: Run) -> None:
             elif verdict is not None:
                 where = task.worker if verdict.blame and task.started is not None else running_on
                 await faults.overdue(run, task, verdict, where)
-        faults.move_queued_off(run, faults.stuck_workers(run))  # queued behind a late copy
-        validations.overdue(run, now)
+        stuck = faults.stuck_workers(run)
+        faults.move_queued_off(run, stuck)  # queued behind a late copy
+        validations.overdue(run, now, stuck, patience=warm * (tps + 2))
 
 
 def check_workers(run: Run) -> None:
