@@ -221,6 +221,44 @@ class HandoverFault(WorkerPlugin):
             return await original(comm=comm, keys=keys, **kwargs)
 
         worker.handlers["get_data"] = get_data
+        # and the worker's tasks do not hand their records to the run as they finish (a best-effort
+        # shortcut, vcdask.worker._hand_over): the run asks this worker for them, as when that fails
+        worker.scheduler = _RefusingHandOver(worker.scheduler)
+
+
+class _RefusingHandOver:
+    """A worker's connection to the scheduler on which a task's ``vcdask_finished`` call fails."""
+
+    def __init__(self, rpc):
+        self._rpc = rpc
+
+    def __getattr__(self, name):
+        if name == "vcdask_finished":
+
+            async def refuse(**kwargs):
+                raise OSError("the test refuses the hand-over")
+
+            return refuse
+        return getattr(self._rpc, name)
+
+
+class KillOnFinish(WorkerPlugin):
+    """A Dask worker plugin: on the worker named ``name``, the first shard task to finish kills the worker
+    process (SIGKILL) as its result is stored in the worker's memory: after the task handed its record
+    to the run, before Dask reports it done."""
+
+    name = "vcdask-test-kill-on-finish"
+
+    def __init__(self, worker_name: str):
+        self.worker_name, self.fired = worker_name, False
+
+    def setup(self, worker) -> None:
+        self.mine = worker.name == self.worker_name
+
+    def transition(self, key, start, finish, **kwargs) -> None:
+        if self.mine and not self.fired and finish == "memory" and str(key).startswith("vcdask-train-"):
+            self.fired = True
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class FreezeOnStart(WorkerPlugin):

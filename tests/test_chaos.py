@@ -23,6 +23,7 @@ from chaos_helpers import (
     FaultyAdam,
     HandoverFault,
     Killer,
+    KillOnFinish,
     NaNOnWorkerZero,
     copies_in_flight,
     fit_in_thread,
@@ -234,9 +235,16 @@ def test_a_result_its_worker_cannot_hand_over_is_read_from_the_store(signum, dig
                 assert not vcdask.open_store(tmp_path / "s").files.exists(vcdask.updates.update_path(run_id, 1, 0, 99))
             thread.join(240)
             assert not thread.is_alive()
+            # the fault did happen: the run asked the victim for a result (it did not hand it over)
+            assert (
+                proc.poll() == -signal.SIGKILL
+                if signum == signal.SIGKILL
+                else chaos_helpers.process_state(proc.pid) == "T"
+            )
         finally:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
             proc.wait(30)
     assert "error" not in out, out.get("error")
     result = out["result"]
@@ -289,6 +297,44 @@ def test_a_worker_frozen_as_it_starts_a_validation_holds_no_epoch(digits_data, t
     result = out["result"]
     assert_every_shard_once(result, 3, 8)
     assert len(result.epochs) == 3 and result.epochs["accuracy"].notna().all(), result.epochs
+
+
+def test_a_worker_killed_after_handing_its_record_over(digits_data, tmp_path):
+    """A shard task hands its record to the run as it finishes (before Dask reports it done); its worker
+    then dies at once.  The run has merged that update from the record it was handed, and Dask's rerun
+    of the task (still wanted by the run's future) gives up without training: every shard once."""
+    (X, y), _ = digits_data
+    fit = {**FIT, "max_epochs": 3}
+    with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+        proc = start_worker(cluster.scheduler_address, name="victim")
+        try:
+            client.wait_for_workers(2, timeout=60)
+            victim = next(a for a, w in worker_info(client).items() if w["name"] == "victim")
+            client.run(chaos_helpers.warm_up, workers=[victim])
+            client.register_plugin(KillOnFinish("victim"))
+            thread, out = fit_in_thread(
+                model=digits_cnn(7),
+                data=(X, y),
+                client=client,
+                store=tmp_path / "s",
+                resilience=vcdask.Resilience(deadline_floor=1.0),
+                **fit,
+            )
+            run_id = running_run(client)
+            run = cluster.scheduler.plugins["vcdask"].runs[run_id]  # (the embedded scheduler is in this process)
+            thread.join(240)
+            assert not thread.is_alive()
+            assert proc.wait(30) == -signal.SIGKILL  # the victim did finish a shard, and died
+        finally:
+            proc.kill()
+            proc.wait(30)
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert_every_shard_once(result, 3, 8)
+    assert run.handed_over >= 1
+    mine = result.history[result.history.worker == victim]
+    assert len(mine) == 1 and mine.accepted.iloc[0], mine  # its one update, handed over, was merged
+    assert (result.history.outcome != "lost").all()
 
 
 def test_c_caller_killed_run_finishes_and_attach_gets_result(digits_data, tmp_path):

@@ -134,6 +134,19 @@ def _tell_run(handler: str, run_id: str, **extra: Any) -> dict[str, Any] | None:
     )
 
 
+def _hand_over(run_id: str, record: dict[str, Any]) -> None:
+    """Send the task's record to the run as the task finishes.
+
+    The run gets it a round trip sooner than from Dask (which reports the task done, after which the
+    run fetches the result from this worker), and sends this worker its next shard at once.  Best
+    effort: the record is also the task's result, which the run reads as before if this fails.
+    """
+    try:
+        _tell_run("vcdask_finished", run_id, record=record)
+    except Exception as e:  # noqa: BLE001 - the result still travels the usual way
+        logger.debug("could not hand the record of a %s task to run %s: %r", record.get("kind"), run_id, e)
+
+
 def _worker_address() -> str:
     try:
         from distributed import get_worker
@@ -228,6 +241,7 @@ def train_shard(
     record["nbytes"] = write_update(store.files, path, update, meta=record)
     t_end = time.perf_counter()
     record.update(seconds=t_end - t0, upload_seconds=t_end - t_train)
+    _hand_over(run_id, record)
     return record
 
 
@@ -240,7 +254,7 @@ def validate_version(store, run_id: str, version: str, step: int) -> dict[str, A
     model = _loaded_model(spec, store, version, device)
     rows = _batches.rows(spec, spec.validation, 0, spec.validation.n, pin=device.type == "cuda")
     metrics = evaluate(spec, model, _batches.batches(spec, rows, device, max(spec.batch_size, 512)), precision)
-    return {
+    record = {
         "kind": "validation",
         "run_id": run_id,
         "version": version,
@@ -250,3 +264,5 @@ def validate_version(store, run_id: str, version: str, step: int) -> dict[str, A
         "worker": _worker_address(),
         "device": describe(device),
     }
+    _hand_over(run_id, record)
+    return record

@@ -53,6 +53,7 @@ class VcdaskPlugin(SchedulerPlugin):
                 "vcdask_preempt": self.handle_preempt,
                 "vcdask_started": self.handle_started,
                 "vcdask_base": self.handle_base,
+                "vcdask_finished": self.handle_finished,
                 "vcdask_panel": self.handle_panel,
             }
         )
@@ -185,6 +186,13 @@ class VcdaskPlugin(SchedulerPlugin):
         if run is not None:
             run.task_started(key, worker)
             run.pool.identify(worker, instance, market)
+
+    def handle_finished(self, comm=None, run_id: str = "", key: str = "", worker: str = "", record=None) -> None:
+        """A task's record, sent by the task as it finishes: the run need not wait for Dask to report
+        the task done and then fetch its result (see :meth:`Run.hand_over`)."""
+        run = self.runs.get(run_id)
+        if run is not None and not run.done.is_set() and isinstance(record, dict):
+            run.hand_over(key, record)
 
     async def handle_base(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> dict | None:
         """The version a shard task that is ready to train starts from (see :func:`vcdask.engine.watch.base_for`)."""

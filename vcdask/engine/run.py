@@ -89,6 +89,10 @@ class Run:
         self.arrived = 0
         self.settled = 0
         self._settled = asyncio.Event()
+        #: Records handed over by the tasks themselves as they finish (:meth:`hand_over`), before Dask
+        #: reports them done: (key, record), read by the driver like finished futures.
+        self.handed: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self.handed_over = 0  # records the driver took from there
 
     async def in_thread(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` in the run's merge thread (the only thread that touches ``W_s``)."""
@@ -113,7 +117,7 @@ class Run:
             await self.in_thread(end.write_record, self.store, self.id, end.running_record(self))
             self.events.emit("started", version=self.server.version, step=self.server.step)
             watchdog = asyncio.ensure_future(watch.deadlines(self))
-            nxt = None
+            nxt = handed = None
             while not self.finished():
                 self.check_workers()
                 self.fill()
@@ -121,18 +125,25 @@ class Run:
                     await watch.idle(self)
                     continue
                 nxt = nxt or asyncio.ensure_future(self.tasks.completed.__anext__())
+                handed = handed or asyncio.ensure_future(self.handed.get())
                 # wake up now and then even if nothing completes: workers may have joined
-                await asyncio.wait({nxt, watchdog}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({nxt, handed, watchdog}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 if watchdog.done():
                     watchdog.result()  # the deadline watchdog failed (e.g. on_shard_failure="stop"): raise it
-                if nxt.done():
+                if handed.done():
+                    (key, record), handed = handed.result(), None
+                    task = self.tasks.pop(key)
+                    if task is not None:  # (else: Dask's report came first, or the copy was given up)
+                        self.handed_over += 1
+                        await self._on_record(task, record)
+                        await self._settle_folded()
+                elif nxt.done():
                     future, nxt = nxt.result(), None
                     await self._on_done(future)
-                    if self.server.folded and not self.tasks.completed.has_ready():  # the queue ran dry
-                        await self.in_thread(self.server.commit)
-                    self.note_settled()
-            if nxt is not None:
-                nxt.cancel()
+                    await self._settle_folded()
+            for waiting in (nxt, handed):
+                if waiting is not None:
+                    waiting.cancel()
             await end.finish(self)
         except asyncio.CancelledError:
             self.status = "cancelled"
@@ -147,9 +158,30 @@ class Run:
             await end.release(self)  # its record written; W_s and the model dropped
             self.done.set()
 
+    def hand_over(self, key: str, record: dict[str, Any]) -> None:
+        """A task's record, sent by the task as it finishes (see :func:`vcdask.worker.train_shard`).
+
+        The driver takes it as it takes a finished future's result, a round trip to the worker
+        sooner (Dask reports the task done, then the run fetches its result): the worker's next
+        shard is sent at once and queues there behind the finishing task.  Whichever of the two
+        comes second finds the task handled and is dropped.
+        """
+        self.handed.put_nowait((key, record))
+
+    def more_results(self) -> bool:
+        """Whether results are waiting to be read (some may be Dask's late reports of handed-over ones)."""
+        completed = self.tasks.completed
+        return not self.handed.empty() or (completed is not None and completed.has_ready())
+
+    async def _settle_folded(self) -> None:
+        if self.server.folded and not self.more_results():  # the queue ran dry: commit the folded merges
+            await self.in_thread(self.server.commit)
+        self.note_settled()
+
     async def _on_done(self, future: Any) -> None:
         task = self.tasks.pop(future.key)
-        if task is None:
+        if task is None:  # handed over by the task already, or given up
+            future.release()
             return
         if future.status == "cancelled":
             if task.kind == "update":
@@ -168,6 +200,9 @@ class Run:
             future.release()
         if record is None:
             return  # lost with its worker (recorded, and re-issued)
+        await self._on_record(task, record)
+
+    async def _on_record(self, task: TaskRecord, record: dict[str, Any]) -> None:
         faults.store_back(self)
         if task.kind == "validation":
             arrivals.validation(self, record)
