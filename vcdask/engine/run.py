@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import traceback
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -89,10 +89,11 @@ class Run:
         self.arrived = 0
         self.settled = 0
         self._settled = asyncio.Event()
-        #: Records handed over by the tasks themselves as they finish (:meth:`hand_over`), before Dask
-        #: reports them done: (key, record), read by the driver like finished futures.
-        self.handed: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
-        self.handed_over = 0  # records the driver took from there
+        #: Records the tasks handed over as they finished (:meth:`hand_over`), not yet merged (or, for a
+        #: validation, recorded); the driver reads them like finished futures.
+        self.handed: deque[tuple[TaskRecord, dict[str, Any]]] = deque()
+        self._handed_any = asyncio.Event()
+        self.handed_over = 0  # records taken that way
 
     async def in_thread(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` in the run's merge thread (the only thread that touches ``W_s``)."""
@@ -121,29 +122,34 @@ class Run:
             while not self.finished():
                 self.check_workers()
                 self.fill()
-                if not self.tasks.tasks:
+                if not self.tasks.tasks and not self.handed:
                     await watch.idle(self)
                     continue
-                nxt = nxt or asyncio.ensure_future(self.tasks.completed.__anext__())
-                handed = handed or asyncio.ensure_future(self.handed.get())
+                if nxt is None and self.tasks.tasks:  # (each has its future in there until it is read)
+                    nxt = asyncio.ensure_future(self.tasks.completed.__anext__())
+                handed = handed or asyncio.ensure_future(self._handed_any.wait())
                 # wake up now and then even if nothing completes: workers may have joined
-                await asyncio.wait({nxt, handed, watchdog}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                waits = {w for w in (nxt, handed, watchdog) if w is not None}
+                await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 if watchdog.done():
                     watchdog.result()  # the deadline watchdog failed (e.g. on_shard_failure="stop"): raise it
-                if handed.done():
-                    (key, record), handed = handed.result(), None
-                    task = self.tasks.pop(key)
-                    if task is not None:  # (else: Dask's report came first, or the copy was given up)
-                        self.handed_over += 1
-                        await self._on_record(task, record)
-                        await self._settle_folded()
-                elif nxt.done():
+                if self.handed:
+                    await self._on_record(*self.handed.popleft())
+                    await self._settle_folded()
+                elif handed.done():
+                    self._handed_any.clear()
+                    handed = None
+                elif nxt is not None and nxt.done():
                     future, nxt = nxt.result(), None
                     await self._on_done(future)
                     await self._settle_folded()
             for waiting in (nxt, handed):
                 if waiting is not None:
                     waiting.cancel()
+            for task, _ in self.handed:  # results handed over after the last merge the run needed
+                if task.kind == "update":
+                    self.ledger.record_copy(task, "cancelled", f"cancelled: {self.stopping or 'run finished'}")
+            self.handed.clear()
             await end.finish(self)
         except asyncio.CancelledError:
             self.status = "cancelled"
@@ -161,17 +167,34 @@ class Run:
     def hand_over(self, key: str, record: dict[str, Any]) -> None:
         """A task's record, sent by the task as it finishes (see :func:`vcdask.worker.train_shard`).
 
-        The driver takes it as it takes a finished future's result, a round trip to the worker
-        sooner (Dask reports the task done, then the run fetches its result): the worker's next
-        shard is sent at once and queues there behind the finishing task.  Whichever of the two
-        comes second finds the task handled and is dropped.
+        The run takes it now, a round trip sooner than from Dask (which reports the task done, then
+        the run fetches its result), and even while the driver is busy merging the results before
+        it: the worker gets its next shard at once (it queues there behind the finishing task), and
+        the record waits in :attr:`handed` for its merge.  Whichever of the two ways comes second
+        finds the task taken and is dropped.
         """
-        self.handed.put_nowait((key, record))
+        task = self.tasks.pop(key)
+        if task is None:  # Dask's report came first, or the copy was given up
+            return
+        self.handed_over += 1
+        self._taken(task, record)
+        self.handed.append((task, record))
+        self._handed_any.set()
+
+    def _taken(self, task: TaskRecord, record: dict[str, Any]) -> None:
+        """A shard result is in: its worker is free.  Give it its next shard before this result is
+        merged, so the new task reads its spec and rows meanwhile; it then waits (briefly) for this
+        merge before it trains (:func:`~.watch.base_for`)."""
+        if task.kind != "update":
+            return
+        self.arrived += 1
+        if not self.finished():
+            self.fill(record["worker"])
 
     def more_results(self) -> bool:
         """Whether results are waiting to be read (some may be Dask's late reports of handed-over ones)."""
         completed = self.tasks.completed
-        return not self.handed.empty() or (completed is not None and completed.has_ready())
+        return bool(self.handed) or (completed is not None and completed.has_ready())
 
     async def _settle_folded(self) -> None:
         if self.server.folded and not self.more_results():  # the queue ran dry: commit the folded merges
@@ -200,18 +223,15 @@ class Run:
             future.release()
         if record is None:
             return  # lost with its worker (recorded, and re-issued)
+        self._taken(task, record)
         await self._on_record(task, record)
 
     async def _on_record(self, task: TaskRecord, record: dict[str, Any]) -> None:
+        """Record a validation, or merge a shard result (taken already: :meth:`_taken`)."""
         faults.store_back(self)
         if task.kind == "validation":
             arrivals.validation(self, record)
             return
-        # The worker is free: give it its next shard before merging this result, so the new task reads
-        # its spec and rows meanwhile; it then waits (briefly) for this merge before it trains (base_for).
-        self.arrived += 1
-        if not self.finished():
-            self.fill(record["worker"])
         try:
             await arrivals.update(self, record, task)
         finally:

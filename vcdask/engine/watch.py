@@ -70,14 +70,16 @@ async def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, A
 
 
 def in_use_step(run: Run) -> int:
-    """The oldest version step the run's tasks may still read: the bases of the shard copies in flight,
-    the versions its validations measure, and the newest version (which the next copy gets).
+    """The oldest version step the run's tasks may still read: the bases of the shard copies in flight
+    and of the results handed over but not merged yet, the versions its validations measure, and the
+    newest version (which the next copy gets).
 
     Published to the merge thread (``run.server.in_use_step``), whose retention keeps every version from
     there on.  A value read a while ago is only lower than the truth: versions handed out later are the
     newest committed one at the time, never older.
     """
     steps = [task.step for task in run.tasks.tasks.values()]
+    steps += [int(record.get("base_step", task.step)) for task, record in run.handed]  # taken, not merged yet
     steps += [step for _, step, _ in run.dispatch.parked_validations]
     return min([*steps, run.server.head.version_step])
 
