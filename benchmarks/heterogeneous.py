@@ -3,7 +3,7 @@
 usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [--passes 12] [--target 0.95]
                                           [--seeds 0,1,2] [--kill-every 0]
                                           [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd,
-                                                    agreement,adam-correction,trust]
+                                                    agreement,adam-correction,trust,no-hand-over]
 
 Two worker processes of one thread each; worker 1 is made ``--slow`` times slower by a **per-batch
 delay**: before each training batch it sleeps ``(slow - 1) * c``, where ``c`` is the median time of one
@@ -282,13 +282,26 @@ VARIANTS = {
     "adam-correction": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction=True)},
     # stop 30: Adam's correction until a momentum step would pass the bound; "agreement" from then on
     "trust": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction="trust")},
+    # stop 31: the defaults, with the run reading every result through Dask (before tasks handed them over)
+    "no-hand-over": {},
 }
+#: Dask config set on the workers for a variant's run (and set back after)
+WORKER_CONFIG = {"no-hand-over": {"vcdask.worker.hand-over": False}}
+
+
+def _set_config(values: dict) -> None:
+    import dask.config
+
+    dask.config.set(values)
 
 
 def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
     kwargs = VARIANTS[variant]
     with scratch_store(None, "hetero") as store:
         killer = Killer(client, kill_every) if kill_every else None
+        config = WORKER_CONFIG.get(variant, {})
+        if config:
+            client.run(_set_config, config)
         t0, wall0 = time.perf_counter(), time.time()
         if killer:
             killer.start()
@@ -305,10 +318,14 @@ def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
                 progress=False,
                 **kwargs,
             )
+            total = time.perf_counter() - t0
         finally:
             if killer:
                 killer.stop()
-        total = time.perf_counter() - t0
+            if config:
+                import dask.config
+
+                client.run(_set_config, {k: dask.config.get(k) for k in config})
         h = r.history
         merged = h[h.accepted].sort_values("time")
         # each version counts from the moment it was committed (same machine, same clock as wall0)

@@ -257,3 +257,32 @@ def test_scheduler_answers_while_merging_5m_params(client, digits_data, tmp_path
     slow = sorted(t for t in latencies if t > 0.1)
     assert len(slow) <= max(1, len(latencies) // 50), f"{len(slow)} of {len(latencies)} pings over 100 ms: {slow}"
     assert max(latencies) < 0.5, f"scheduler took {max(latencies) * 1e3:.0f} ms to answer"
+
+
+def _set_worker_config(values):
+    import dask.config
+
+    dask.config.set(values)
+
+
+@pytest.mark.parametrize("hand_over", [True, False], ids=["handed-over", "through-dask"])
+def test_results_handed_over_by_their_tasks_or_read_through_dask(hand_over, client, digits_data, tmp_path):
+    """A task hands its record to the run as it finishes (``vcdask.worker.hand-over``); with that off the
+    run reads every result through Dask.  Either way every shard is merged once."""
+    (X, y), _ = digits_data
+    client.run(_set_worker_config, {"vcdask.worker.hand-over": hand_over})
+    try:
+        result = vcdask.fit(
+            digits_cnn(0), (X, y), max_epochs=3, n_shards=6, client=client, store=tmp_path / "s", progress=False
+        )
+    finally:
+        client.run(_set_worker_config, {"vcdask.worker.hand-over": True})
+    h = result.history
+    assert sorted(map(tuple, h[h.accepted][["epoch", "shard"]].values.tolist())) == [
+        (e, s) for e in range(1, 4) for s in range(6)
+    ]
+    assert (h.outcome == "merged").all(), h[["epoch", "shard", "outcome", "reason"]]
+    run_id = result.run_id
+    handed = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["vcdask"].runs[run_id].handed_over)
+    # shard tasks and validations: most come handed over (Dask's own report can come first), none without it
+    assert handed >= len(h) // 2 if hand_over else handed == 0, handed

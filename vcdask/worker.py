@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import batches as _batches
+from . import config
 from .compress import EncodedUpdate, encode
 from .cost import instance_here
 from .device import Precision, describe, resolve_device
@@ -141,6 +142,8 @@ def _hand_over(run_id: str, record: dict[str, Any]) -> None:
     run fetches the result from this worker), and sends this worker its next shard at once.  Best
     effort: the record is also the task's result, which the run reads as before if this fails.
     """
+    if not config.get("worker.hand-over"):
+        return
     try:
         _tell_run("vcdask_finished", run_id, record=record)
     except Exception as e:  # noqa: BLE001 - the result still travels the usual way

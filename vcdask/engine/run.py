@@ -177,9 +177,12 @@ class Run:
         if task is None:  # Dask's report came first, or the copy was given up
             return
         self.handed_over += 1
-        self._taken(task, record)
-        self.handed.append((task, record))
+        self.handed.append((task, record))  # first: the record is the run's now, whatever happens below
         self._handed_any.set()
+        try:
+            self._taken(task, record)
+        except Exception:  # the driver fills the free slot on its next pass
+            logger.warning("run %s: sending a worker its next shard failed", self.id, exc_info=True)
 
     def _taken(self, task: TaskRecord, record: dict[str, Any]) -> None:
         """A shard result is in: its worker is free.  Give it its next shard before this result is
