@@ -10,8 +10,9 @@ costs what 20 MB of fresh memory costs, whatever the store does.
 Prints: a new 20 MB file's write (median of 40, kept until all are written); touching ``--gib`` GiB of
 anonymous memory twice (the first pass pays for fresh pages, the second is the floor); the file write
 again right after, and once more ``--wait`` seconds later (measured at stop 31: 28-50 ms, 476 MiB/s first
-touch against 9018 MiB/s, 4.5 ms right after, 50 ms 30 s later: the host takes freed memory back within
-seconds, so memory "warmed" before a benchmark does not stay warm).
+touch against 9018 MiB/s, 4.5 ms right after, 50 ms 30 s later in one run and 5.8 ms 20 s later in
+another: the host takes freed memory back within tens of seconds, so memory "warmed" before a benchmark
+does not stay warm).
 """
 
 from __future__ import annotations
