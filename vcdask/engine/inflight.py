@@ -6,6 +6,7 @@ place that asks the scheduler where a task is processing (no plugin hook reports
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -61,6 +62,11 @@ class InFlight:
         self.completed: Any = None  # distributed.as_completed over every future submitted
         self.tasks: dict[str, TaskRecord] = {}
         self.futures: dict[str, Any] = {}
+        #: Records the tasks handed over as they finished (``Run.hand_over``), not yet merged (or, for a
+        #: validation, recorded): their tasks are out of :attr:`tasks`, their results in hand.
+        self.handed: deque[tuple[TaskRecord, dict[str, Any]]] = deque()
+        #: Keys taken by a hand-over whose futures ``completed`` has not yielded yet (Dask's late reports)
+        self.stale: set[str] = set()
 
     async def open(self, name: str) -> None:
         """Connect an asynchronous client to this scheduler, with the scheduler's own security (TLS
@@ -107,8 +113,23 @@ class InFlight:
         return sum(not t.overdue for _, t in self.updates())
 
     def copy_running(self, epoch: int, shard: int) -> bool:
-        """Whether a copy of (epoch, shard) that is not overdue is in flight."""
-        return any(t.copy_of(epoch, shard) and not t.overdue for t in self.tasks.values())
+        """Whether a copy of (epoch, shard) that is not overdue is in flight, or any copy's result was
+        handed over and waits to be merged."""
+        return any(t.copy_of(epoch, shard) and not t.overdue for t in self.tasks.values()) or any(
+            t.copy_of(epoch, shard) for t, _ in self.handed
+        )
+
+    def validating(self, step: int) -> bool:
+        """Whether a validation of the version at ``step`` was handed over and waits to be recorded."""
+        return any(t.kind == "validation" and t.step == step for t, _ in self.handed)
+
+    def results_waiting(self) -> bool:
+        """Whether results wait to be read: handed over, or finished futures that are not only Dask's late
+        reports of handed-over ones (a ready future may still be one, costing the reader a turn)."""
+        if self.handed:
+            return True
+        completed = self.completed
+        return completed is not None and completed.count() > len(self.stale) and completed.has_ready()
 
     def processing_on(self, key: str) -> str | None:
         """The worker the scheduler has ``key`` processing on (None while queued, or gone)."""

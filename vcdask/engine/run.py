@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import traceback
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -89,11 +89,9 @@ class Run:
         self.arrived = 0
         self.settled = 0
         self._settled = asyncio.Event()
-        #: Records the tasks handed over as they finished (:meth:`hand_over`), not yet merged (or, for a
-        #: validation, recorded); the driver reads them like finished futures.
-        self.handed: deque[tuple[TaskRecord, dict[str, Any]]] = deque()
-        self._handed_any = asyncio.Event()
+        self._handed_any = asyncio.Event()  # set when a record is handed over (self.tasks.handed)
         self.handed_over = 0  # records taken that way
+        self._taking = True  # False once the driver's loop is over: hand-overs are left to Dask then
 
     async def in_thread(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` in the run's merge thread (the only thread that touches ``W_s``)."""
@@ -123,6 +121,9 @@ class Run:
                 self.check_workers()
                 self.fill()
                 if not self.tasks.tasks and not self.handed:
+                    if self.server.folded:  # nothing more will come soon: commit the merges folded so far
+                        await self.in_thread(self.server.commit)
+                        self.note_settled()
                     await watch.idle(self)
                     continue
                 if nxt is None and self.tasks.tasks:  # (each has its future in there until it is read)
@@ -146,10 +147,13 @@ class Run:
             for waiting in (nxt, handed):
                 if waiting is not None:
                     waiting.cancel()
+            self._taking = False
             for task, _ in self.handed:  # results handed over after the last merge the run needed
                 if task.kind == "update":
                     self.ledger.record_copy(task, "cancelled", f"cancelled: {self.stopping or 'run finished'}")
+                    self.settled += 1  # turned down: no task asking for its base waits for it
             self.handed.clear()
+            self.note_settled()
             await end.finish(self)
         except asyncio.CancelledError:
             self.status = "cancelled"
@@ -173,9 +177,12 @@ class Run:
         the record waits in :attr:`handed` for its merge.  Whichever of the two ways comes second
         finds the task taken and is dropped.
         """
+        if not self._taking:  # the run is ending: its end reads (or cancels) what is still out
+            return
         task = self.tasks.pop(key)
         if task is None:  # Dask's report came first, or the copy was given up
             return
+        self.tasks.stale.add(key)
         self.handed_over += 1
         self.handed.append((task, record))  # first: the record is the run's now, whatever happens below
         self._handed_any.set()
@@ -194,10 +201,14 @@ class Run:
         if not self.finished():
             self.fill(record["worker"])
 
+    @property
+    def handed(self) -> Any:
+        """Records handed over and not yet merged (:attr:`InFlight.handed`)."""
+        return self.tasks.handed
+
     def more_results(self) -> bool:
-        """Whether results are waiting to be read (some may be Dask's late reports of handed-over ones)."""
-        completed = self.tasks.completed
-        return bool(self.handed) or (completed is not None and completed.has_ready())
+        """Whether results are waiting to be read (:meth:`InFlight.results_waiting`)."""
+        return self.tasks.results_waiting()
 
     async def _settle_folded(self) -> None:
         if self.server.folded and not self.more_results():  # the queue ran dry: commit the folded merges
@@ -205,6 +216,7 @@ class Run:
         self.note_settled()
 
     async def _on_done(self, future: Any) -> None:
+        self.tasks.stale.discard(future.key)
         task = self.tasks.pop(future.key)
         if task is None:  # handed over by the task already, or given up
             future.release()
@@ -322,7 +334,7 @@ class Run:
             head = self.server.head  # one read: the merge thread replaces it as a whole
             version, step = head.version, head.version_step
         key = validate_key(self.id, step, retry)
-        if key in self.tasks.futures or step in self.ledger.validations:
+        if key in self.tasks.futures or step in self.ledger.validations or self.tasks.validating(step):
             return
         where = validations.placement(self, avoid or set())
         if where is None:

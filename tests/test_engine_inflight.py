@@ -1,0 +1,51 @@
+"""The run's tasks in flight (vcdask.engine.inflight): results handed over by their tasks still count."""
+
+from __future__ import annotations
+
+from vcdask.engine.inflight import InFlight, TaskRecord
+
+
+class _Completed:
+    """What InFlight reads of distributed.as_completed: count() and has_ready()."""
+
+    def __init__(self, pending: int, ready: int):
+        self.pending, self.ready = pending, ready
+
+    def count(self) -> int:
+        return self.pending + self.ready
+
+    def has_ready(self) -> bool:
+        return self.ready > 0
+
+
+def test_a_handed_over_copy_counts_as_running_until_merged():
+    """A copy whose record was handed over is out of the tasks in flight, but its shard is not without a
+    copy: re-issuing it (or skipping it once its attempts are spent) would waste or lose that result."""
+    tasks = InFlight(scheduler=None)
+    assert not tasks.copy_running(1, 2)
+    late = TaskRecord("update", 1, 2, attempt=0, overdue=True)
+    tasks.handed.append((late, {"epoch": 1, "shard": 2}))
+    assert tasks.copy_running(1, 2)  # even an overdue copy's result in hand will be merged
+    assert not tasks.copy_running(1, 3) and not tasks.copy_running(2, 2)
+    tasks.handed.clear()
+    assert not tasks.copy_running(1, 2)
+
+
+def test_a_handed_over_validation_is_not_submitted_again():
+    tasks = InFlight(scheduler=None)
+    tasks.handed.append((TaskRecord("validation", step=7), {"kind": "validation", "step": 7}))
+    assert tasks.validating(7) and not tasks.validating(8)
+
+
+def test_results_waiting_leaves_out_late_reports_of_handed_over_tasks():
+    tasks = InFlight(scheduler=None)
+    assert not tasks.results_waiting()  # no client yet
+    tasks.completed = _Completed(pending=0, ready=1)
+    assert tasks.results_waiting()  # a finished future nobody handed over
+    tasks.stale = {"k"}
+    assert not tasks.results_waiting()  # the one ready future is Dask's late report of a hand-over
+    tasks.completed = _Completed(pending=1, ready=1)
+    assert tasks.results_waiting()  # one of the two is a real result (which one is ready is not known)
+    tasks.completed = _Completed(pending=0, ready=0)
+    tasks.handed.append((TaskRecord("update", 1, 0), {}))
+    assert tasks.results_waiting()
