@@ -198,6 +198,25 @@ def start_worker(
     )
 
 
+def start_victim(
+    client, plugin: WorkerPlugin, n_workers: int = 2, name: str = "victim"
+) -> tuple[subprocess.Popen, str]:
+    """Start a warm worker process ``name`` beside the cluster's (:func:`start_worker`), wait for the
+    cluster to hold ``n_workers``, and register ``plugin`` on the workers; the process and its address.
+    Warm as the forked embedded workers are (conftest.py): cold, its first shard ran past its deadline."""
+    proc = start_worker(client.scheduler.address, name=name)
+    try:
+        client.wait_for_workers(n_workers, timeout=60)
+        address = next(a for a, w in worker_info(client).items() if w["name"] == name)
+        client.run(warm_up, workers=[address])
+        client.register_plugin(plugin)
+    except BaseException:
+        proc.kill()
+        proc.wait(30)
+        raise
+    return proc, address
+
+
 class HandoverFault(WorkerPlugin):
     """A Dask worker plugin: on the worker named ``name``, the first request for the result of a shard
     task sends the worker process ``signum`` — SIGKILL: it dies holding a finished result the run has not

@@ -201,13 +201,8 @@ def test_a_result_its_worker_cannot_hand_over_is_read_from_the_store(signum, dig
     (X, y), _ = digits_data
     fit = {**FIT, "max_epochs": 3, "keep_updates": True}
     with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
-        proc = start_worker(cluster.scheduler_address, name="victim")
+        proc, victim = chaos_helpers.start_victim(client, HandoverFault("victim", signum))
         try:
-            client.wait_for_workers(2, timeout=60)
-            victim = next(a for a, w in worker_info(client).items() if w["name"] == "victim")
-            # warm, as the forked embedded worker is (conftest.py): cold, its first shard ran past its deadline
-            client.run(chaos_helpers.warm_up, workers=[victim])
-            client.register_plugin(HandoverFault("victim", signum))
             thread, out = fit_in_thread(
                 model=digits_cnn(7),
                 data=(X, y),
@@ -306,12 +301,8 @@ def test_a_worker_killed_after_handing_its_record_over(digits_data, tmp_path):
     (X, y), _ = digits_data
     fit = {**FIT, "max_epochs": 3}
     with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
-        proc = start_worker(cluster.scheduler_address, name="victim")
+        proc, victim = chaos_helpers.start_victim(client, KillOnFinish("victim"))
         try:
-            client.wait_for_workers(2, timeout=60)
-            victim = next(a for a, w in worker_info(client).items() if w["name"] == "victim")
-            client.run(chaos_helpers.warm_up, workers=[victim])
-            client.register_plugin(KillOnFinish("victim"))
             thread, out = fit_in_thread(
                 model=digits_cnn(7),
                 data=(X, y),

@@ -54,7 +54,7 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         # the epoch's last shard is committed at once (its version is validated and closes the epoch)
         last = run.ledger.completes(epoch, shard)  # (recorded in the version's progress, for a resume)
         run.server.in_use_step = watch.in_use_step(run)  # what the merge thread's retention must keep
-        more = run.more_results()  # fold their commits
+        more = run.tasks.results_waiting()  # fold their commits
         merged = await run.in_thread(run.server.merge, rec, last, run.staleness_limit(), last, more)
         fault = merged.pop("fault", None)
         row = run.ledger.record(

@@ -30,14 +30,21 @@ STATUSES = ("running", "finished", "stopped", "cancelled", "failed")
 
 
 async def finish(run: Run) -> None:
-    """Cancel the copies still out, commit what is merged, validate the head, drop the run's updates
-    (unless kept) and apply its retention once more."""
+    """Cancel the copies still out (and the results handed over but not merged), commit what is
+    merged, validate the head, drop the run's updates (unless kept) and apply its retention once more."""
+    why = f"cancelled: {run.stopping or 'run finished'}"
+    for handed, _ in run.tasks.handed:  # results handed over after the last merge the run needed
+        if handed.kind == "update":
+            run.ledger.record_copy(handed, "cancelled", why)
+            run.settled += 1  # turned down: no task asking for its base waits for it
+    run.tasks.handed.clear()
+    run.note_settled()
     leftover = [k for k, _ in run.tasks.updates()]
     await run.tasks.cancel(leftover)
     for key in leftover:
         task = run.tasks.pop(key)
         if task is not None:
-            run.ledger.record_copy(task, "cancelled", f"cancelled: {run.stopping or 'run finished'}")
+            run.ledger.record_copy(task, "cancelled", why)
     await run.in_thread(run.server.commit)
     head = run.server.head
     if run.spec.validation is not None and head.step not in run.ledger.validations:

@@ -120,10 +120,9 @@ class Run:
             while not self.finished():
                 self.check_workers()
                 self.fill()
-                if not self.tasks.tasks and not self.handed:
+                if not self.tasks.tasks and not self.tasks.handed:
                     if self.server.folded:  # nothing more will come soon: commit the merges folded so far
-                        await self.in_thread(self.server.commit)
-                        self.note_settled()
+                        await self._settle_folded()
                     await watch.idle(self)
                     continue
                 if nxt is None and self.tasks.tasks:  # (each has its future in there until it is read)
@@ -134,8 +133,8 @@ class Run:
                 await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 if watchdog.done():
                     watchdog.result()  # the deadline watchdog failed (e.g. on_shard_failure="stop"): raise it
-                if self.handed:
-                    await self._on_record(*self.handed.popleft())
+                if self.tasks.handed:
+                    await self._on_record(*self.tasks.handed.popleft())
                     await self._settle_folded()
                 elif handed.done():
                     self._handed_any.clear()
@@ -147,13 +146,7 @@ class Run:
             for waiting in (nxt, handed):
                 if waiting is not None:
                     waiting.cancel()
-            self._taking = False
-            for task, _ in self.handed:  # results handed over after the last merge the run needed
-                if task.kind == "update":
-                    self.ledger.record_copy(task, "cancelled", f"cancelled: {self.stopping or 'run finished'}")
-                    self.settled += 1  # turned down: no task asking for its base waits for it
-            self.handed.clear()
-            self.note_settled()
+            self._taking = False  # what is still out is the end's to cancel
             await end.finish(self)
         except asyncio.CancelledError:
             self.status = "cancelled"
@@ -174,7 +167,7 @@ class Run:
         The run takes it now, a round trip sooner than from Dask (which reports the task done, then
         the run fetches its result), and even while the driver is busy merging the results before
         it: the worker gets its next shard at once (it queues there behind the finishing task), and
-        the record waits in :attr:`handed` for its merge.  Whichever of the two ways comes second
+        the record waits in :attr:`InFlight.handed` for its merge.  Whichever of the two ways comes second
         finds the task taken and is dropped.
         """
         if not self._taking:  # the run is ending: its end reads (or cancels) what is still out
@@ -184,7 +177,7 @@ class Run:
             return
         self.tasks.stale.add(key)
         self.handed_over += 1
-        self.handed.append((task, record))  # first: the record is the run's now, whatever happens below
+        self.tasks.handed.append((task, record))  # first: the record is the run's now, whatever happens below
         self._handed_any.set()
         try:
             self._taken(task, record)
@@ -201,17 +194,8 @@ class Run:
         if not self.finished():
             self.fill(record["worker"])
 
-    @property
-    def handed(self) -> Any:
-        """Records handed over and not yet merged (:attr:`InFlight.handed`)."""
-        return self.tasks.handed
-
-    def more_results(self) -> bool:
-        """Whether results are waiting to be read (:meth:`InFlight.results_waiting`)."""
-        return self.tasks.results_waiting()
-
     async def _settle_folded(self) -> None:
-        if self.server.folded and not self.more_results():  # the queue ran dry: commit the folded merges
+        if self.server.folded and not self.tasks.results_waiting():  # the queue ran dry: commit the folded merges
             await self.in_thread(self.server.commit)
         self.note_settled()
 

@@ -79,7 +79,7 @@ def in_use_step(run: Run) -> int:
     newest committed one at the time, never older.
     """
     steps = [task.step for task in run.tasks.tasks.values()]
-    steps += [int(record.get("base_step", task.step)) for task, record in run.handed]  # taken, not merged yet
+    steps += [task.step for task, _ in run.tasks.handed]  # taken, not merged yet (``step``: its base)
     steps += [step for _, step, _ in run.dispatch.parked_validations]
     return min([*steps, run.server.head.version_step])
 
