@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["dumps", "loads"]
+__all__ = ["dump_parts", "dumps", "loads"]
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, without the name
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory entry, without the name
@@ -29,11 +29,17 @@ _DOS_DATE = (1980 - 1980) << 9 | 1 << 5 | 1  # 1980-01-01: content-addressed, no
 
 def dumps(arrays: Mapping[str, np.ndarray]) -> bytes:
     """The ``.npz`` bytes of ``arrays`` (uncompressed; each array stored C-contiguous)."""
+    return b"".join(dump_parts(arrays))
+
+
+def dump_parts(arrays: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
+    """The ``.npz`` bytes of ``arrays`` as pieces to write one after the other: the arrays' own
+    memory, not copies (joining them costs a copy of the whole, in fresh memory)."""
     arrays = {k: v if v.flags.c_contiguous else v.copy(order="C") for k, v in arrays.items()}
     if sum(a.nbytes for a in arrays.values()) > _LIMIT // 2:
         buf = io.BytesIO()
         np.savez(buf, **arrays)  # type: ignore[arg-type]
-        return buf.getvalue()
+        return [buf.getvalue()]
     parts: list[bytes | memoryview] = []
     central: list[bytes] = []
     offset = 0
@@ -59,7 +65,7 @@ def dumps(arrays: Mapping[str, np.ndarray]) -> bytes:
         offset += len(local) + size
     directory = b"".join(central)
     end = _END.pack(0x06054B50, 0, 0, len(central), len(central), len(directory), offset, 0)
-    return b"".join([*parts, directory, end])
+    return [*parts, directory, end]
 
 
 def loads(data: bytes | bytearray) -> dict[str, np.ndarray]:

@@ -50,15 +50,13 @@ def write_update(files, path: str, params: FlatParams | EncodedUpdate, meta: dic
     arrays["__meta__"] = _json(meta or {})
     if isinstance(params, EncodedUpdate):
         arrays["__codec__"] = _json({"codec": params.codec, "base_version": params.base_version})
-    data = _npz.dumps(arrays)
-    files.put(path, data)
-    return len(data)
+    return files.put_parts(path, _npz.dump_parts(arrays))
 
 
 def read_update(files, path: str) -> FlatParams | EncodedUpdate:
     """Read an update written by :func:`write_update`: ``W_c``, or an :class:`EncodedUpdate` to decode
     against its base version."""
-    z = _npz.loads(bytearray(files.get(path)))  # arrays viewing one writable buffer: no further copy
+    z = _npz.loads(files.get_buffer(path))  # arrays viewing one writable buffer: no further copy
     layout = Layout.from_dict(json.loads(z["__layout__"].tobytes()))
     if "__codec__" not in z:
         return FlatParams(layout, {dtype: _to_torch(z[dtype], dtype) for dtype in layout.sizes})

@@ -5,10 +5,12 @@ They live under ``<store>/runs/<run_id>/``; Icechunk never reads or deletes them
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from fsspec.implementations.local import LocalFileSystem
 from zarr.storage import FsspecStore
 
 from ..errors import ReadOnlyStoreError, StoreAccessDeniedError, StoreError
@@ -79,10 +81,49 @@ class SideFiles:
         except OSError as e:
             raise _fault(e, f"writing {path!r} to {self.where}") from e
 
+    def put_parts(self, path: str, parts: Sequence[bytes | memoryview]) -> int:
+        """Write the concatenation of ``parts`` to ``path`` (as :meth:`put`); return its size.
+
+        A local file is written piece by piece; elsewhere the pieces are joined into one request.
+        """
+        if not isinstance(self.fs, LocalFileSystem):
+            data = b"".join(parts)
+            self.put(path, data)
+            return len(data)
+        if not self.writable:
+            raise ReadOnlyStoreError(f"cannot write {path!r} to {self.where}: it was opened with mode='r'")
+        full = self.fs._strip_protocol(self._path(path))
+        try:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "wb") as f:
+                return sum(f.write(part) for part in parts)
+        except OSError as e:
+            raise _fault(e, f"writing {path!r} to {self.where}") from e
+
     def get(self, path: str) -> bytes:
         """Read the object at ``path``; FileNotFoundError if it does not exist."""
         try:
             return self.fs.cat_file(self._path(path))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no object {path!r} in {self.where}") from None
+        except OSError as e:
+            raise _fault(e, f"reading {path!r} from {self.where}") from e
+
+    def get_buffer(self, path: str) -> bytearray:
+        """Read the object at ``path`` into a new writable buffer; FileNotFoundError if it does not exist.
+
+        A local file is read straight into the buffer; ``bytearray(get(path))`` copies the bytes
+        once more, and for a 20 MB update that copy took ten times the read (measured in
+        ``benchmarks/merge_path.py``: 20 ms against 2 ms).
+        """
+        full = self._path(path)
+        try:
+            if not isinstance(self.fs, LocalFileSystem):
+                return bytearray(self.fs.cat_file(full))
+            with open(self.fs._strip_protocol(full), "rb") as f:
+                buf = bytearray(os.fstat(f.fileno()).st_size)
+                n = f.readinto(buf)
+            return buf if n == len(buf) else buf[:n]
         except FileNotFoundError:
             raise FileNotFoundError(f"no object {path!r} in {self.where}") from None
         except OSError as e:
