@@ -30,6 +30,8 @@ class RuleState:
 
     arrays: dict[str, FlatParams] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
+    #: Working memory a rule reuses from merge to merge (never stored): see :func:`scratch`.
+    work: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
 
 class MergeRule(ABC):
@@ -95,6 +97,19 @@ def check_layout(server: FlatParams, client: FlatParams) -> None:
 def floats(params: FlatParams) -> dict[str, torch.Tensor]:
     """The floating-point vectors (the ones rules merge)."""
     return {d: a for d, a in params.arrays.items() if a.is_floating_point()}
+
+
+def scratch(state: RuleState, key: str, like: torch.Tensor) -> torch.Tensor:
+    """A buffer shaped like ``like`` kept in ``state.work`` under ``key`` (contents undefined).
+
+    A parameter-sized temporary per merge (``ws - wc``) is fresh memory each time once the
+    allocator has returned the last one to the system, and on a VM fresh memory is slow to
+    touch: the default rule's step took 12-17 ms for 5M parameters with a temporary, 4 ms with this.
+    """
+    buf = state.work.get(key)
+    if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+        buf = state.work[key] = torch.empty_like(like)
+    return buf
 
 
 def zeros_like(params: FlatParams) -> FlatParams:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from ..params import FlatParams
-from ._base import Arrival, MergeRule, RuleState, check_layout, copy_non_float, floats, zeros_like
+from ._base import Arrival, MergeRule, RuleState, check_layout, copy_non_float, floats, scratch, zeros_like
 
 __all__ = ["Nesterov"]
 
@@ -166,7 +166,7 @@ class Nesterov(MergeRule):
         check_layout(server, client)
         m = state.arrays["momentum"]
         if self._delay() == 1:
-            g = {dtype: ws - client.arrays[dtype] for dtype, ws in floats(server).items()}
+            g = {d: torch.sub(ws, client.arrays[d], out=scratch(state, d, ws)) for d, ws in floats(server).items()}
             gain = self._momentum_gain(state, m, g, server)
             for dtype, ws in floats(server).items():
                 buf = m.arrays[dtype]
@@ -177,7 +177,7 @@ class Nesterov(MergeRule):
             state.scalars["arrivals"] += 1
             window_done = state.scalars["arrivals"] >= self._delay()
             for dtype, ws in floats(server).items():
-                pseudo = ws - client.arrays[dtype]
+                pseudo = torch.sub(ws, client.arrays[dtype], out=scratch(state, dtype, ws))
                 pending.arrays[dtype].add_(pseudo)
                 ws.sub_(pseudo, alpha=self.lr / self._delay())
             if window_done:
