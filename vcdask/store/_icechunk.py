@@ -25,7 +25,7 @@ from ._history import history, is_reserved, store_nbytes, version_nbytes
 from ._layout import is_version, read_flat, version_info
 from ._repository import open_repository
 from ._retention import GCReport
-from ._state import read_state
+from ._state import StateWriter, read_state
 
 if TYPE_CHECKING:
     from ._backend import StoreBackend
@@ -76,6 +76,7 @@ class IcechunkParamStore(ParamStore):
         self._histories: dict[tuple[str, str], list] = {}  # (branch, head) -> history of a branch without policy
         #: branch -> (version, layout) of this object's last commit there (the fast path of ._commit)
         self._last_commit: dict[str, tuple[str, dict]] = {}
+        self._state_writer = StateWriter()  # rewrites only the rule state arrays that changed
         if secrets:  # copies unpickled in this process (an in-process scheduler or worker) use them too
             register_credentials(self.location, **secrets)
 

@@ -2,12 +2,17 @@
 
 Resuming a run needs the rule's state of the newest version of its branch only, so the state is
 not part of a version (where every kept version would carry it forever): each commit writes it as
-one plain object in ``<store>/runs/<branch>/rule-state/`` *before* the version, names it in the
-version's metadata (``vcdask:state``), and deletes the state of the version it replaced once the
+plain objects in ``<store>/runs/<branch>/rule-state/`` *before* the version, names them in the
+version's metadata (``vcdask:state``), and deletes the objects no version names any more once the
 new version has landed.  Versions written before this (with the state in ``/rule`` inside the
 version) are still read.
 
-An object is an uncompressed ``.npz``: for each state name, one array per dtype and the layout.
+An object is an uncompressed ``.npz``: for each state name, one array per dtype and the layout; a
+name whose arrays are all zero is stored as its layout only.  ``vcdask:state`` maps each state name
+to the object holding it (versions of vcdask before stop 32 name one object holding them all).  A
+commit writes only the arrays that changed since the branch's last commit by this store object
+(:class:`StateWriter`): the default rule's momentum moves once per window and its pending
+pseudo-gradient is zero right after, so most commits write one of its two arrays, not both.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,10 +32,12 @@ from ..params import FlatParams, Layout, torch_dtype
 
 __all__ = [
     "STATE_KEY",
+    "StateWriter",
     "delete_state",
     "read_state",
     "read_state_object",
     "state_folder",
+    "state_paths",
     "sweep_states",
     "write_state_object",
 ]
@@ -45,34 +53,128 @@ def state_folder(branch: str) -> str:
     return f"{branch}/rule-state"
 
 
-def write_state_object(files: Any, branch: str, state: Mapping[str, FlatParams]) -> str:
-    """Write ``state`` as a new object for ``branch`` (one request); return its path."""
+def write_state_object(
+    files: Any, branch: str, state: Mapping[str, FlatParams], zeros: frozenset[str] | set[str] = frozenset()
+) -> str:
+    """Write ``state`` as a new object for ``branch`` (one request); return its path.  The names in
+    ``zeros`` are stored as their layout only (their arrays are all zero)."""
     arrays: dict[str, np.ndarray] = {}
     layouts = {}
     for name, flat in state.items():
         layouts[name] = flat.layout.to_dict()
+        if name in zeros:
+            continue
         for dtype, values in flat.arrays.items():
             data = values.view(torch.uint16) if dtype == "bfloat16" else values
             arrays[f"{name}/{dtype}"] = data.detach().cpu().numpy()
     arrays["__layouts__"] = np.frombuffer(json.dumps(layouts).encode(), dtype=np.uint8)
+    if zeros:
+        arrays["__zeros__"] = np.frombuffer(json.dumps(sorted(zeros)).encode(), dtype=np.uint8)
     path = f"{state_folder(branch)}/{uuid.uuid4().hex}.npz"
-    files.put(path, _npz.dumps(arrays))
+    files.put_parts(path, _npz.dump_parts(arrays))
     return path
 
 
 def read_state_object(files: Any, path: str) -> dict[str, FlatParams]:
     """The state in the object at ``path`` (FileNotFoundError when it is gone)."""
-    z = _npz.loads(bytearray(files.get(path)))  # arrays viewing one writable buffer
+    z = _npz.loads(files.get_buffer(path))  # arrays viewing one writable buffer
     layouts = json.loads(z["__layouts__"].tobytes())
+    zeros = set(json.loads(z["__zeros__"].tobytes())) if "__zeros__" in z else set()
     out = {}
     for name, layout_dict in layouts.items():
         layout = Layout.from_dict(layout_dict)
         arrays = {}
-        for dtype in layout.sizes:
+        for dtype, size in layout.sizes.items():
+            if name in zeros:
+                arrays[dtype] = torch.zeros(size, dtype=torch_dtype(dtype))
+                continue
             t = torch.from_numpy(z[f"{name}/{dtype}"])
             arrays[dtype] = t.view(torch_dtype(dtype)) if dtype == "bfloat16" else t
         out[name] = FlatParams(layout, arrays)
     return out
+
+
+def state_paths(value: Any) -> set[str]:
+    """The objects a version's ``vcdask:state`` names (a mapping of names to objects, or one object)."""
+    if not value:
+        return set()
+    return {value} if isinstance(value, str) else set(value.values())
+
+
+def read_state_objects(files: Any, value: Any) -> dict[str, FlatParams]:
+    """The state a version's ``vcdask:state`` names (FileNotFoundError when an object is gone)."""
+    if isinstance(value, str):  # (one object holding every name)
+        return read_state_object(files, value)
+    objects: dict[str, dict[str, FlatParams]] = {}
+    out = {}
+    for name, path in value.items():
+        if path not in objects:
+            objects[path] = read_state_object(files, path)
+        out[name] = objects[path][name]
+    return out
+
+
+class StateWriter:
+    """Writes a branch's rule state at each commit, reusing the objects of arrays that have not changed.
+
+    An array is unchanged when it is the same tensor as at the last commit (a weak reference, so a
+    new tensor at a freed one's address is never taken for it) and PyTorch's version counter of it,
+    which every in-place operation bumps, has not moved.  A write that bypasses PyTorch (through a
+    NumPy view) is not seen: rules change their state with torch operations.
+    """
+
+    def __init__(self) -> None:
+        #: per branch: the version last committed and, per state name, its object and fingerprint
+        self._last: dict[str, tuple[str, dict[str, tuple[str, Any]]]] = {}
+        self._pending: tuple[str, dict[str, tuple[str, Any]]] | None = None  # written, not committed yet
+
+    def write(self, files: Any, branch: str, head: str | None, state: Mapping[str, FlatParams]) -> dict[str, str]:
+        """Write what changed in ``state`` since this writer's last commit to ``branch``, if ``head`` (the
+        branch head now) is that commit; return the ``vcdask:state`` value naming every array's object."""
+        last = self._last.get(branch)
+        known = last[1] if last is not None and last[0] == head else {}
+        refs: dict[str, str] = {}
+        fingerprints = {name: _fingerprint(flat) for name, flat in state.items()}
+        changed = {}
+        for name, flat in state.items():
+            was = known.get(name)
+            if was is not None and _same(was[1], fingerprints[name]):
+                refs[name] = was[0]
+            else:
+                changed[name] = flat
+        if changed:
+            zeros = {n for n, flat in changed.items() if not any(bool(a.any()) for a in flat.arrays.values())}
+            path = write_state_object(files, branch, changed, zeros)
+            refs.update(dict.fromkeys(changed, path))
+        self._pending = (branch, {name: (refs[name], fingerprints[name]) for name in state})
+        return {name: refs[name] for name in state}
+
+    def committed(self, branch: str, version: str) -> None:
+        """The commit whose state :meth:`write` wrote last landed as ``version``."""
+        pending = self._pending
+        if pending is not None and pending[0] == branch:
+            self._last[branch] = (version, pending[1])
+        self._pending = None
+
+    def forget(self, branch: str) -> None:
+        """The last commit to ``branch`` failed: write every array next time."""
+        self._last.pop(branch, None)
+        self._pending = None
+
+
+def _fingerprint(flat: FlatParams) -> tuple[Any, ...]:
+    arrays = tuple((dtype, weakref.ref(t), getattr(t, "_version", None)) for dtype, t in sorted(flat.arrays.items()))
+    return (*arrays, flat.layout)
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    if len(a) != len(b) or not (a[-1] is b[-1] or a[-1] == b[-1]):
+        return False
+    for (d1, r1, v1), (d2, r2, v2) in zip(a[:-1], b[:-1], strict=True):
+        t = r1()
+        if d1 != d2 or t is None or t is not r2() or v1 is None or v1 != v2:
+            return False
+    return True
 
 
 def read_state(store: Any, version: str) -> dict[str, FlatParams]:
@@ -84,11 +186,11 @@ def read_state(store: Any, version: str) -> dict[str, FlatParams]:
     from ._layout import read_flat
 
     session = store._repo.readonly_session(snapshot_id=version)
-    path = (store._repo.lookup_snapshot(version).metadata or {}).get(STATE_KEY)
-    if path is not None:
+    value = (store._repo.lookup_snapshot(version).metadata or {}).get(STATE_KEY)
+    if value is not None:
         try:
-            return read_state_object(store.files, path)
-        except FileNotFoundError:
+            return read_state_objects(store.files, value)
+        except (FileNotFoundError, KeyError):
             raise VersionNotFoundError(
                 f"the rule state of version {version!r} is no longer kept: only a branch's newest version "
                 "keeps it (resuming needs nothing else), and a newer version replaced this one"
@@ -100,29 +202,33 @@ def read_state(store: Any, version: str) -> dict[str, FlatParams]:
     return {name: read_flat(group) for name, group in rule.groups()}
 
 
-def delete_state(files: Any, path: str | None, branch: str) -> None:
-    """Delete the state object ``path`` if it belongs to ``branch`` (best effort: a later sweep retries).
+def delete_state(files: Any, value: Any, branch: str, keep: Any = None) -> None:
+    """Delete the state objects ``value`` names that ``keep`` does not, if they belong to ``branch``
+    (best effort: a later sweep retries).
 
-    A branch made from another branch's version starts from that version's state object, which
-    belongs to the other branch: it is left alone.
+    A branch made from another branch's version starts from that version's state objects, which
+    belong to the other branch: they are left alone.
     """
-    if not path or not path.startswith(state_folder(branch) + "/"):
-        return
-    try:
-        files.delete(path)
-    except OSError as e:
-        logger.warning("could not delete the superseded rule state %s (a later collection retries): %s", path, e)
+    for path in sorted(state_paths(value) - state_paths(keep)):
+        if not path.startswith(state_folder(branch) + "/"):
+            continue
+        try:
+            files.delete(path)
+        except OSError as e:
+            logger.warning("could not delete the superseded rule state %s (a later collection retries): %s", path, e)
 
 
-def sweep_states(files: Any, branch: str, keep: str | None) -> int:
-    """Delete every state object of ``branch`` but ``keep`` (the newest version's); return how many.
+def sweep_states(files: Any, branch: str, keep: Any) -> int:
+    """Delete every state object of ``branch`` but those ``keep`` (the newest version's ``vcdask:state``)
+    names; return how many.
 
     Only the branch's own writer may call this (between its commits): an object written for a
     commit in progress would be taken too.
     """
+    kept = state_paths(keep)
     gone = 0
     for path in files.list(state_folder(branch)):
-        if path != keep:
+        if path not in kept:
             files.delete(path)
             gone += 1
     return gone

@@ -271,6 +271,49 @@ class StoreTests:
             store.read_state(v0)
         assert store.read_state(store.commit(_constant_state(2))) == {}
 
+    def test_rule_state_rewrites_only_the_arrays_that_changed(self, store, store_options):
+        """A commit writes the rule state arrays that changed since the writer's last commit (a zero
+        array as its layout only) and names the objects of the others; every version reads back its
+        own state exactly, also after another writer committed in between."""
+        from vcdask.store._state import state_folder
+
+        def objects() -> int:
+            return len(store.files.list(state_folder("main")))
+
+        def check(version: str, **expected: torch.Tensor) -> None:
+            got = store.read_state(version)
+            assert sorted(got) == sorted(expected)
+            for name, values in expected.items():
+                assert torch.equal(got[name].arrays["float32"], values), name
+
+        m, p = flatten({"w": torch.randn(1000)}), flatten({"w": torch.randn(1000)})
+        state = {"momentum": m, "pending": p}
+        v1 = store.commit(_constant_state(1), state=state)
+        assert objects() == 1
+        check(v1, momentum=m.arrays["float32"], pending=p.arrays["float32"])
+        p.arrays["float32"].add_(1.0)  # in place, as rules change their state
+        v2 = store.commit(_constant_state(2), state=state)
+        assert objects() == 2  # the first object still holds the unchanged momentum
+        check(v2, momentum=m.arrays["float32"], pending=p.arrays["float32"])
+        p.arrays["float32"].zero_()
+        m.arrays["float32"].mul_(0.5)
+        v3 = store.commit(_constant_state(3), state=state)
+        assert objects() == 1  # both changed: one new object, the others gone
+        check(v3, momentum=m.arrays["float32"], pending=torch.zeros(1000))
+        with pytest.raises(VersionNotFoundError, match="no longer kept"):
+            store.read_state(v2)
+        v4 = store.commit(_constant_state(4), state=state)  # nothing changed: no new object
+        assert objects() == 1
+        check(v4, momentum=m.arrays["float32"], pending=torch.zeros(1000))
+        m2 = flatten({"w": m.arrays["float32"].clone()})  # a new tensor, equal values: written again
+        v5 = store.commit(_constant_state(5), state={"momentum": m2, "pending": p})
+        check(v5, momentum=m.arrays["float32"], pending=torch.zeros(1000))
+        other = open_store(store.location, **store_options)
+        other.commit(_constant_state(6), state={"momentum": flatten({"w": torch.ones(1000)})})
+        v7 = store.commit(_constant_state(7), state={"momentum": m2, "pending": p})  # not its head: all of it
+        check(v7, momentum=m.arrays["float32"], pending=torch.zeros(1000))
+        assert objects() == 1
+
     def test_hold_keeps_a_version_through_gc(self, store):
         from vcdask import Retention
 
