@@ -265,6 +265,47 @@ def _set_worker_config(values):
     dask.config.set(values)
 
 
+def _count_started_messages(dask_scheduler):
+    """Wrap the scheduler's ``vcdask_started`` handler to keep the task keys it is called for."""
+    inner = dask_scheduler.handlers["vcdask_started"]
+    keys = dask_scheduler.vcdask_test_started = []
+
+    def counted(*args, **kwargs):
+        keys.append(kwargs.get("key"))
+        return inner(*args, **kwargs)
+
+    counted.inner = inner  # type: ignore[attr-defined]
+    dask_scheduler.handlers["vcdask_started"] = counted
+
+
+def _uncount_started_messages(dask_scheduler):
+    dask_scheduler.handlers["vcdask_started"] = dask_scheduler.handlers["vcdask_started"].inner
+
+
+def test_a_warm_task_says_it_started_with_its_request_for_a_base(client, digits_data, tmp_path):
+    """A shard task on a worker that has the run's spec and the shard's rows at hand sends one message
+    before it trains (its request for a base, which says it started), not two; a cold one sends both.
+    Either way every shard is merged once, none re-issued for want of a start."""
+    from vcdask.handle import ensure_plugin
+
+    (X, y), _ = digits_data
+    ensure_plugin(client)  # (its handlers are there from now on)
+    client.run_on_scheduler(_count_started_messages)
+    try:
+        result = vcdask.fit(
+            digits_cnn(0), (X, y), max_epochs=3, n_shards=4, client=client, store=tmp_path / "s", progress=False
+        )
+    finally:
+        client.run_on_scheduler(_uncount_started_messages)
+    h = result.history
+    assert (h.outcome == "merged").all(), h[["epoch", "shard", "outcome", "reason"]]
+    started = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.vcdask_test_started))
+    shard_keys = [k for k in started if str(k).startswith("vcdask-train-")]
+    # 12 shard tasks on 2 workers: a worker is cold for its first task of each shard only (its rows)
+    assert 1 <= len(shard_keys) <= 8, started
+    assert len(shard_keys) < len(h), (started, len(h))
+
+
 @pytest.mark.parametrize("hand_over", [True, False], ids=["handed-over", "through-dask"])
 def test_results_handed_over_by_their_tasks_or_read_through_dask(hand_over, client, digits_data, tmp_path):
     """A task hands its record to the run as it finishes (``vcdask.worker.hand-over``); with that off the

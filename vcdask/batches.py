@@ -60,6 +60,14 @@ def _tensor(a: np.ndarray, spec, name: str) -> torch.Tensor:
     return cast_like_training(torch.as_tensor(np.ascontiguousarray(a)), spec, name)
 
 
+def rows_cached(source, start: int, stop: int, *, pin: bool = False) -> bool:
+    """Whether :func:`rows` has these rows at hand (a dataset's items are read batch by batch, later)."""
+    if isinstance(source, DatasetSource):
+        return True
+    with _lock:
+        return (*source.cache_key, start, stop, pin) in _cache
+
+
 def rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows:
     """Rows ``[start, stop)`` of ``source``, cached per process (pinned when the worker trains on a GPU).
 

@@ -127,6 +127,12 @@ def loads(data: bytes) -> RunSpec:
     return _Unpickler(io.BytesIO(data)).load()
 
 
+def cached_spec(store, run_id: str) -> RunSpec | None:
+    """The run's spec if this process has read it already (else None: nothing is read)."""
+    with _lock:
+        return _specs.get((store.location, run_id))
+
+
 def load_spec(store, run_id: str) -> RunSpec:
     """The run's spec, read from the store once per process."""
     key = (store.location, run_id)

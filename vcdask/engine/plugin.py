@@ -194,7 +194,15 @@ class VcdaskPlugin(SchedulerPlugin):
         if run is not None and not run.done.is_set() and isinstance(record, dict):
             run.hand_over(key, record)
 
-    async def handle_base(self, comm=None, run_id: str = "", key: str = "", worker: str = "") -> dict | None:
-        """The version a shard task that is ready to train starts from (see :func:`vcdask.engine.watch.base_for`)."""
+    async def handle_base(
+        self, comm=None, run_id: str = "", key: str = "", worker: str = "", started: dict | None = None
+    ) -> dict | None:
+        """The version a shard task that is ready to train starts from (see :func:`vcdask.engine.watch.base_for`).
+
+        ``started``: the task began just now and says so with this request (what
+        :meth:`handle_started` gets otherwise): a warm worker had its spec and rows at hand.
+        """
+        if started is not None:
+            self.handle_started(run_id=run_id, key=key, worker=worker, **started)
         run = self.runs.get(run_id)
         return None if run is None else await run.base_for(key, worker)
