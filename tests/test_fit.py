@@ -266,20 +266,28 @@ def _set_worker_config(values):
 
 
 def _count_started_messages(dask_scheduler):
-    """Wrap the scheduler's ``vcdask_started`` handler to keep the task keys it is called for."""
-    inner = dask_scheduler.handlers["vcdask_started"]
-    keys = dask_scheduler.vcdask_test_started = []
+    """Keep the task keys of the ``vcdask_started`` messages (the handler) and of the starts a request
+    for a base says (the plugin's ``handle_started``, called by ``handle_base``)."""
+    plugin = dask_scheduler.plugins["vcdask"]
+    for name, calls in (("messages", dask_scheduler.handlers), ("starts", None)):
+        inner = calls["vcdask_started"] if calls is not None else plugin.handle_started
+        keys: list = []
 
-    def counted(*args, **kwargs):
-        keys.append(kwargs.get("key"))
-        return inner(*args, **kwargs)
+        def counted(*args, _inner=inner, _keys=keys, **kwargs):
+            _keys.append(kwargs.get("key"))
+            return _inner(*args, **kwargs)
 
-    counted.inner = inner  # type: ignore[attr-defined]
-    dask_scheduler.handlers["vcdask_started"] = counted
+        setattr(dask_scheduler, f"vcdask_test_{name}", (keys, inner))
+        if calls is not None:
+            calls["vcdask_started"] = counted
+        else:
+            plugin.handle_started = counted
 
 
 def _uncount_started_messages(dask_scheduler):
-    dask_scheduler.handlers["vcdask_started"] = dask_scheduler.handlers["vcdask_started"].inner
+    dask_scheduler.handlers["vcdask_started"] = dask_scheduler.vcdask_test_messages[1]
+    del dask_scheduler.plugins["vcdask"].handle_started  # the class's method again
+    return [list(dask_scheduler.vcdask_test_messages[0]), list(dask_scheduler.vcdask_test_starts[0])]
 
 
 def test_a_warm_task_says_it_started_with_its_request_for_a_base(client, digits_data, tmp_path):
@@ -296,14 +304,16 @@ def test_a_warm_task_says_it_started_with_its_request_for_a_base(client, digits_
             digits_cnn(0), (X, y), max_epochs=3, n_shards=4, client=client, store=tmp_path / "s", progress=False
         )
     finally:
-        client.run_on_scheduler(_uncount_started_messages)
+        messages, starts = client.run_on_scheduler(_uncount_started_messages)
     h = result.history
     assert (h.outcome == "merged").all(), h[["epoch", "shard", "outcome", "reason"]]
-    started = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.vcdask_test_started))
-    shard_keys = [k for k in started if str(k).startswith("vcdask-train-")]
+    messages = [k for k in messages if str(k).startswith("vcdask-train-")]
+    starts = [k for k in starts if str(k).startswith("vcdask-train-")]
     # 12 shard tasks on 2 workers: a worker is cold for its first task of each shard only (its rows)
-    assert 1 <= len(shard_keys) <= 8, started
-    assert len(shard_keys) < len(h), (started, len(h))
+    assert 1 <= len(messages) <= 8, messages
+    assert len(messages) < len(h), (messages, len(h))
+    # every task's start is recorded once: from its own message (cold) or from its request for a base (warm)
+    assert len(set(messages + starts)) == len(messages + starts) == len(h), (messages, starts, len(h))
 
 
 @pytest.mark.parametrize("hand_over", [True, False], ids=["handed-over", "through-dask"])

@@ -76,7 +76,7 @@ def test_rewritten_versions_read_the_same_with_plain_zarr(tmp_path, where):
 
     def state(i: int) -> dict[str, torch.Tensor]:
         return {
-            "w": torch.randn(5003, generator=gen),  # 5003 float32: 4 chunks of 1024, the last one padded
+            "w": torch.randn(5003, generator=gen),  # 5003 float32: 5 chunks of 1024, the last one padded
             "h": torch.randn(3001, generator=gen).to(torch.bfloat16),
             "f": torch.randn(2049, generator=gen).to(torch.float16),
             "n": torch.tensor([i, -i, 2**40 + i]),

@@ -26,7 +26,12 @@ class Arrival:
 
 @dataclass
 class RuleState:
-    """A rule's state: arrays laid out like the server parameters, and JSON scalars."""
+    """A rule's state: arrays laid out like the server parameters, and JSON scalars.
+
+    Change the arrays in place with torch operations (``add_``, ``mul_``, ``copy_``, ...), or put new
+    tensors in: a commit stores only the arrays PyTorch counts as changed since the last one (the
+    tensor's version counter), and a change through ``.data`` or a NumPy view is not counted.
+    """
 
     arrays: dict[str, FlatParams] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)

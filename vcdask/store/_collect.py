@@ -176,7 +176,8 @@ def collect(
     for b in drops:  # by the branch's writer, or on a branch nobody writes any more: only the newest state stays
         head = fresh.lookup_snapshot(heads[b])
         if b in in_use or (listed_at - head.written_at).total_seconds() > ACTIVE_SECONDS:
-            sweep_states(store.files, b, (head.metadata or {}).get(STATE_KEY))
+            if sweep_states(store.files, b, (head.metadata or {}).get(STATE_KEY)):
+                store._state_writer.forget(b)  # (a commit between the head's lookup and the sweep lost objects)
     return report
 
 

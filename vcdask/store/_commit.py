@@ -62,11 +62,14 @@ def commit_version(
                     raise StoreConflict(
                         f"{what}: expected the branch head to be {parent!r} but it is {head!r}; nothing was written"
                     )
+            written = None  # what this attempt wrote of the rule state
             if state and STATE_KEY not in meta:  # first: a version never names a state object that is not there
-                meta[STATE_KEY] = store._state_writer.write(store.files, branch, session.snapshot_id, state)
+                meta[STATE_KEY], written = store._state_writer.write(store.files, branch, session.snapshot_id, state)
             try:
                 if store._last_commit.get(branch) == (session.snapshot_id, layout):
-                    rewrite_flat(session.store, flat)  # our own head, same layout: the arrays are there
+                    # our own head, same layout: the arrays are there (a memory store keeps the bytes it is
+                    # given, so it gets a copy, not a view of parameters the run goes on changing)
+                    rewrite_flat(session.store, flat, copy=not store._backend.durable)
                 else:
                     write_flat(session.store, flat, store.chunk_bytes)
                     write_state(session.store, None, store.chunk_bytes)  # (earlier vcdask kept it inside)
@@ -76,6 +79,7 @@ def commit_version(
                 store._last_commit.pop(branch, None)
                 store._state_writer.forget(branch)
                 meta.pop(STATE_KEY, None)  # written again (in full) for the next attempt
+                written = None
                 if parent is not None:
                     raise translate(e, what) from None
                 logger.debug("commit to %r lost a race (attempt %d); retrying", branch, attempt + 1)
@@ -84,35 +88,40 @@ def commit_version(
                 store._last_commit.pop(branch, None)
                 store._state_writer.forget(branch)
                 raise translate(e, what) from None
+            except BaseException:
+                store._last_commit.pop(branch, None)
+                store._state_writer.forget(branch)
+                raise
             store._last_commit[branch] = (version, layout)
-            store._state_writer.committed(branch, version)
+            store._state_writer.committed(branch, version, written)
         # (a failed attempt leaves its state object: the branch's writer sweeps it, see ParamStore.gc)
         delete_state(store.files, replaced.get(STATE_KEY), branch, keep=meta.get(STATE_KEY))
         return version
     raise StoreConflict(f"{what}: lost the race to other writers {store.commit_retries + 1} times; nothing was written")
 
 
-def rewrite_flat(zstore: Any, flat: FlatParams, path: str = "params") -> None:
+def rewrite_flat(zstore: Any, flat: FlatParams, path: str = "params", *, copy: bool = False) -> None:
     """Overwrite the arrays of a group that :func:`~._layout.write_flat` wrote with this same layout.
 
     One metadata read per array (its shape and dtype are checked all the same); the root group,
     the listing of the group and its layout attribute are left as they are.  The chunks are
-    written as they are stored (:func:`_put_chunks`), not through Zarr's write path.
+    written as they are stored (:func:`_put_chunks`), not through Zarr's write path; ``copy``: each
+    chunk as a copy, for a store that keeps the bytes it is given (in memory).
     """
     import zarr
 
-    from ._layout import _to_numpy
+    from ._layout import _to_numpy, write_all
 
     for dtype, values in flat.arrays.items():
         data, zdtype = _to_numpy(values, dtype)
         arr = zarr.open_array(zstore, path=f"{path}/{dtype}", mode="r+")
         if arr.shape != data.shape or arr.dtype != zdtype:  # cannot happen with the same layout; never write wrong
             raise ValueError(f"array {path}/{dtype} is {arr.shape} {arr.dtype}, not {data.shape} {zdtype}")
-        if data.size and not _put_chunks(zstore, arr, data):
-            arr.with_config({"write_empty_chunks": True})[:] = data  # (see write_flat)
+        if data.size and not _put_chunks(zstore, arr, data, copy=copy):
+            write_all(arr, data)
 
 
-def _put_chunks(zstore: Any, arr: Any, data: np.ndarray) -> bool:
+def _put_chunks(zstore: Any, arr: Any, data: np.ndarray, *, copy: bool = False) -> bool:
     """Write ``data`` into the 1-d array ``arr`` chunk by chunk, each straight from ``data``'s memory.
 
     An uncompressed chunk of ``write_flat``'s arrays is its values' little-endian bytes (the last one
@@ -120,7 +129,12 @@ def _put_chunks(zstore: Any, arr: Any, data: np.ndarray) -> bool:
     write copies each chunk twice into fresh memory (into a chunk buffer, then to ``bytes``) and
     compares it with the fill value first: a third of a 5M-parameter commit, measured with py-spy in
     ``benchmarks/merge_bound.py``.  Returns False (nothing written) for an array stored any other way.
+
+    Icechunk keeps a view of each piece until the write is done (when this returns: the caller may
+    change ``data`` then); an in-memory store keeps it for good, so ``copy`` is needed there.  At most
+    zarr's ``async.concurrency`` pieces are written at a time, as zarr's own write does.
     """
+    import zarr
     from zarr.codecs import BytesCodec
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
@@ -129,6 +143,9 @@ def _put_chunks(zstore: Any, arr: Any, data: np.ndarray) -> bool:
     codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
     little = data.dtype.byteorder == "|" or (data.dtype.byteorder in "<=" and sys.byteorder == "little")
     if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec) or not little or data.ndim != 1:
+        return False
+    endian = getattr(codecs[0].endian, "value", codecs[0].endian)
+    if endian not in (None, "little"):
         return False
     chunk = int(arr.chunks[0])
     raw = getattr(zstore, "_store", None)  # Icechunk's store takes any bytes-like value without a copy
@@ -141,14 +158,18 @@ def _put_chunks(zstore: Any, arr: Any, data: np.ndarray) -> bool:
             padded = np.full(chunk, arr.fill_value, dtype=data.dtype)
             padded[: len(piece) // data.dtype.itemsize] = data[i * chunk :]
             piece = memoryview(padded.data).cast("B")
-        pieces.append((f"{arr.path}/{meta.encode_chunk_key((i,))}", piece))
+        pieces.append((f"{arr.path}/{meta.encode_chunk_key((i,))}", bytes(piece) if copy else piece))
+    limit = asyncio.Semaphore(max(1, int(zarr.config.get("async.concurrency") or 10)))
+
+    async def put(key: str, piece: Any) -> None:
+        async with limit:
+            if raw is not None and hasattr(raw, "set"):
+                await raw.set(key, piece)
+            else:
+                await zstore.set(key, default_buffer_prototype().buffer.from_bytes(bytes(piece)))
 
     async def put_all() -> None:
-        if raw is not None and hasattr(raw, "set"):
-            await asyncio.gather(*(raw.set(key, piece) for key, piece in pieces))
-        else:
-            buf = default_buffer_prototype().buffer
-            await asyncio.gather(*(zstore.set(key, buf.from_bytes(piece)) for key, piece in pieces))
+        await asyncio.gather(*(put(key, piece) for key, piece in pieces))
 
     sync(put_all())
     return True

@@ -71,14 +71,20 @@ def write_flat(zstore: Any, flat: FlatParams, chunk_bytes: int, path: str = "par
                 attributes={DTYPE_KEY: dtype},
             )
         if data.size:
-            # every chunk is written, zeros too: zarr's check for chunks equal to the fill value
-            # compares each chunk bytewise (a void-dtype array_equal), which took most of a commit
-            arr.with_config({"write_empty_chunks": True})[:] = data
+            write_all(arr, data)
     for stale in existing:  # a dtype the new layout no longer has
         del group[stale]
     layout = flat.layout.to_dict()
     if group.attrs.get(LAYOUT_KEY) != layout:
         group.attrs[LAYOUT_KEY] = layout
+
+
+def write_all(arr: Any, data: np.ndarray) -> None:
+    """``arr[:] = data``, every chunk written, zeros too: zarr's check for chunks equal to the fill value
+    compares each chunk bytewise (a void-dtype ``array_equal``), which took most of a commit.
+    (``Array.with_config`` is zarr 3.1.6's; before it, the check stays.)"""
+    with_config = getattr(arr, "with_config", None)
+    (arr if with_config is None else with_config({"write_empty_chunks": True}))[:] = data
 
 
 def write_state(zstore: Any, state: Mapping[str, FlatParams] | None, chunk_bytes: int) -> None:

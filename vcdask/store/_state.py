@@ -119,18 +119,20 @@ class StateWriter:
 
     An array is unchanged when it is the same tensor as at the last commit (a weak reference, so a
     new tensor at a freed one's address is never taken for it) and PyTorch's version counter of it,
-    which every in-place operation bumps, has not moved.  A write that bypasses PyTorch (through a
-    NumPy view) is not seen: rules change their state with torch operations.
+    which every in-place operation bumps, has not moved.  A write that bypasses the counter (through
+    ``.data`` or a NumPy view) is not seen: rules change their state with torch operations.
     """
 
     def __init__(self) -> None:
         #: per branch: the version last committed and, per state name, its object and fingerprint
         self._last: dict[str, tuple[str, dict[str, tuple[str, Any]]]] = {}
-        self._pending: tuple[str, dict[str, tuple[str, Any]]] | None = None  # written, not committed yet
 
-    def write(self, files: Any, branch: str, head: str | None, state: Mapping[str, FlatParams]) -> dict[str, str]:
+    def write(
+        self, files: Any, branch: str, head: str | None, state: Mapping[str, FlatParams]
+    ) -> tuple[dict[str, str], dict[str, tuple[str, Any]]]:
         """Write what changed in ``state`` since this writer's last commit to ``branch``, if ``head`` (the
-        branch head now) is that commit; return the ``vcdask:state`` value naming every array's object."""
+        branch head now) is that commit.  Returns the ``vcdask:state`` value naming every array's object,
+        and the record to hand to :meth:`committed` once the commit has landed."""
         last = self._last.get(branch)
         known = last[1] if last is not None and last[0] == head else {}
         refs: dict[str, str] = {}
@@ -143,28 +145,43 @@ class StateWriter:
             else:
                 changed[name] = flat
         if changed:
-            zeros = {n for n, flat in changed.items() if not any(bool(a.any()) for a in flat.arrays.values())}
+            zeros = {n for n, flat in changed.items() if all(_all_zero(a) for a in flat.arrays.values())}
             path = write_state_object(files, branch, changed, zeros)
             refs.update(dict.fromkeys(changed, path))
-        self._pending = (branch, {name: (refs[name], fingerprints[name]) for name in state})
-        return {name: refs[name] for name in state}
+        value = {name: refs[name] for name in state}
+        return value, {name: (refs[name], fingerprints[name]) for name in state}
 
-    def committed(self, branch: str, version: str) -> None:
-        """The commit whose state :meth:`write` wrote last landed as ``version``."""
-        pending = self._pending
-        if pending is not None and pending[0] == branch:
-            self._last[branch] = (version, pending[1])
-        self._pending = None
+    def committed(self, branch: str, version: str, written: dict[str, tuple[str, Any]] | None) -> None:
+        """A commit to ``branch`` landed as ``version``, with the state :meth:`write` returned ``written``
+        for (None: a commit without state, after which nothing is reused)."""
+        if written is None:
+            self._last.pop(branch, None)
+        else:
+            self._last[branch] = (version, written)
 
     def forget(self, branch: str) -> None:
-        """The last commit to ``branch`` failed: write every array next time."""
+        """A commit to ``branch`` failed, or its objects may be gone (a collection): write every array next time."""
         self._last.pop(branch, None)
-        self._pending = None
+
+
+def _all_zero(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is zero bit for bit (``-0.0`` is not)."""
+    if t.is_floating_point():
+        t = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return not bool(t.any())
 
 
 def _fingerprint(flat: FlatParams) -> tuple[Any, ...]:
-    arrays = tuple((dtype, weakref.ref(t), getattr(t, "_version", None)) for dtype, t in sorted(flat.arrays.items()))
+    arrays = tuple((dtype, weakref.ref(t), _version(t)) for dtype, t in sorted(flat.arrays.items()))
     return (*arrays, flat.layout)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """PyTorch's count of in-place changes to ``t`` (None where it keeps none: an inference tensor)."""
+    try:
+        return int(t._version)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

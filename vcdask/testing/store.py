@@ -275,10 +275,14 @@ class StoreTests:
         """A commit writes the rule state arrays that changed since the writer's last commit (a zero
         array as its layout only) and names the objects of the others; every version reads back its
         own state exactly, also after another writer committed in between."""
+        from vcdask import _npz
         from vcdask.store._state import state_folder
 
         def objects() -> int:
             return len(store.files.list(state_folder("main")))
+
+        def names(version: str) -> dict[str, str]:  # the version's vcdask:state: each name's object
+            return dict(store._repo.lookup_snapshot(version).metadata["vcdask:state"])
 
         def check(version: str, **expected: torch.Tensor) -> None:
             got = store.read_state(version)
@@ -300,19 +304,42 @@ class StoreTests:
         v3 = store.commit(_constant_state(3), state=state)
         assert objects() == 1  # both changed: one new object, the others gone
         check(v3, momentum=m.arrays["float32"], pending=torch.zeros(1000))
+        (path,) = set(names(v3).values())
+        stored = _npz.loads(store.files.get_buffer(path))
+        assert "pending/float32" not in stored and "momentum/float32" in stored  # zeros: the layout only
         with pytest.raises(VersionNotFoundError, match="no longer kept"):
             store.read_state(v2)
         v4 = store.commit(_constant_state(4), state=state)  # nothing changed: no new object
-        assert objects() == 1
+        assert names(v4) == names(v3)
         check(v4, momentum=m.arrays["float32"], pending=torch.zeros(1000))
         m2 = flatten({"w": m.arrays["float32"].clone()})  # a new tensor, equal values: written again
         v5 = store.commit(_constant_state(5), state={"momentum": m2, "pending": p})
+        assert names(v5)["momentum"] != names(v4)["momentum"] and names(v5)["pending"] == names(v4)["pending"]
         check(v5, momentum=m.arrays["float32"], pending=torch.zeros(1000))
+        p.arrays["float32"][7] = -0.0  # a sign bit is not a zero
+        v6 = store.commit(_constant_state(6), state={"momentum": m2, "pending": p})
+        assert torch.signbit(store.read_state(v6)["pending"].arrays["float32"][7])
         other = open_store(store.location, **store_options)
-        other.commit(_constant_state(6), state={"momentum": flatten({"w": torch.ones(1000)})})
-        v7 = store.commit(_constant_state(7), state={"momentum": m2, "pending": p})  # not its head: all of it
-        check(v7, momentum=m.arrays["float32"], pending=torch.zeros(1000))
+        other.commit(_constant_state(7), state={"momentum": flatten({"w": torch.ones(1000)})})
+        v8 = store.commit(_constant_state(8), state={"momentum": m2, "pending": p})  # not its head: all of it
+        assert len(set(names(v8).values())) == 1
+        check(v8, momentum=m.arrays["float32"], pending=p.arrays["float32"])
         assert objects() == 1
+
+    def test_a_committed_version_never_changes(self, store):
+        """The parameters and rule state a commit was given may change in place right after (a run's
+        merge thread does that): the versions already committed read back as they were."""
+        flat = flatten({"w": torch.randn(300_000), "n": torch.tensor([1, 2, 3])})
+        momentum = flatten({"w": torch.randn(300_000)})
+        expected = []
+        for i in range(3):
+            version = store.commit(flat, {"step": i}, state={"momentum": momentum})
+            expected.append((version, flat.arrays["float32"].clone(), momentum.arrays["float32"].clone()))
+            flat.arrays["float32"].add_(1.0)
+            momentum.arrays["float32"].mul_(2.0)
+        for version, params, _ in expected:
+            assert torch.equal(store.read(version).params.arrays["float32"], params), version
+        assert torch.equal(store.read_state(expected[-1][0])["momentum"].arrays["float32"], expected[-1][2])
 
     def test_hold_keeps_a_version_through_gc(self, store):
         from vcdask import Retention
