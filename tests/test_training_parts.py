@@ -229,6 +229,21 @@ def test_integer_inputs_stay_integer_without_cast():
     assert [n for _, n in got] == [2, 2, 1] and torch.equal(got[0][0][0], cols["X"][:2])
 
 
+def test_cached_rows_are_the_rows_already_read_or_none():
+    """A warm task takes its rows from the cache in one step (``cached_rows``), without reading."""
+    reads = []
+    src = types.SimpleNamespace(
+        cache_key=("mem", id(test_cached_rows_are_the_rows_already_read_or_none)),
+        url=None,
+        read_columns=lambda a, b: reads.append((a, b)) or {"X": np.ones((b - a, 2)), "y": np.zeros(b - a)},
+    )
+    assert batches.cached_rows(src, 0, 4) is None and reads == []
+    cols = batches.rows(_spec(), src, 0, 4)
+    assert batches.cached_rows(src, 0, 4) is cols and reads == [(0, 4)]
+    assert batches.cached_rows(src, 0, 4, pin=True) is None  # pinned rows are another entry
+    assert batches.cached_rows(src, 4, 6) is None and reads == [(0, 4)]
+
+
 def test_check_steps_names_what_is_wrong():
     model = torch.nn.Linear(2, 1)
     batch = (torch.ones(3, 2), torch.ones(3, 1))

@@ -60,12 +60,17 @@ def _tensor(a: np.ndarray, spec, name: str) -> torch.Tensor:
     return cast_like_training(torch.as_tensor(np.ascontiguousarray(a)), spec, name)
 
 
-def rows_cached(source, start: int, stop: int, *, pin: bool = False) -> bool:
-    """Whether :func:`rows` has these rows at hand (a dataset's items are read batch by batch, later)."""
+def cached_rows(source, start: int, stop: int, *, pin: bool = False) -> Rows | None:
+    """What :func:`rows` returns, if it has these rows at hand (None: they would be read); a dataset's
+    items are read batch by batch, later, so its rows are always at hand."""
     if isinstance(source, DatasetSource):
-        return True
+        return source.slice(start, stop)
+    key = (*source.cache_key, start, stop, pin)
     with _lock:
-        return (*source.cache_key, start, stop, pin) in _cache
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+        return hit
 
 
 def rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows:

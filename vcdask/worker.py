@@ -114,16 +114,16 @@ def _setup(spec: RunSpec) -> tuple[torch.device, Precision]:
     return device, Precision(spec.precision, device)
 
 
-def _warm(store, run_id: str, shard: int) -> bool:
-    """Whether this process has the run's spec and the shard's rows at hand (nothing is read)."""
+def _warm_rows(store, run_id: str, shard: int) -> _batches.Rows | None:
+    """The shard's rows, if this process has them and the run's spec at hand (None: nothing is read)."""
     spec = cached_spec(store, run_id)
     if spec is None:
-        return False
+        return None
     try:
         pin = resolve_device(spec.device).type == "cuda"
     except RuntimeError:  # (the task fails on it below, once it has said it started)
-        return False
-    return _batches.rows_cached(spec.train, *spec.shards.bounds(shard), pin=pin)
+        return None
+    return _batches.cached_rows(spec.train, *spec.shards.bounds(shard), pin=pin)
 
 
 def _tell_run(handler: str, run_id: str, **extra: Any) -> dict[str, Any] | None:
@@ -191,16 +191,16 @@ def train_shard(
     t0 = time.perf_counter()
     # with the spec and the rows at hand (a warm worker), the task is ready at once: the run learns that it
     # started from its request for a base, one message instead of two
-    warm = _warm(store, run_id, shard)
-    if not warm:
+    warm = _warm_rows(store, run_id, shard)
+    if warm is None:
         _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here; what it costs
     spec = load_spec(store, run_id)
     device, precision = _setup(spec)
     start, stop = spec.shards.bounds(shard)
-    rows = _batches.rows(spec, spec.train, start, stop, pin=device.type == "cuda")
+    rows = warm if warm is not None else _batches.rows(spec, spec.train, start, stop, pin=device.type == "cuda")
     t_base = time.perf_counter()
     # ready to train: from the newest version
-    newest = _tell_run("vcdask_base", run_id, **({"started": instance_here()} if warm else {}))
+    newest = _tell_run("vcdask_base", run_id, **({"started": instance_here()} if warm is not None else {}))
     wait = time.perf_counter() - t_base  # the history's wait_seconds
     if newest is not None and newest.get("abandon"):  # the run no longer waits for this copy
         return {"kind": "abandoned", "run_id": run_id, "epoch": epoch, "shard": shard, "attempt": attempt}
