@@ -81,14 +81,10 @@ def rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows:
     StoreError
         The storage holding the data failed (a store fault, not the worker's).
     """
-    if isinstance(source, DatasetSource):
-        return source.slice(start, stop)
+    hit = cached_rows(source, start, stop, pin=pin)
+    if hit is not None:
+        return hit
     key = (*source.cache_key, start, stop, pin)
-    with _lock:
-        hit = _cache.get(key)
-        if hit is not None:
-            _cache.move_to_end(key)
-            return hit
     try:
         arrays = source.read_columns(start, stop)
     except (FileNotFoundError, PermissionError):
