@@ -75,22 +75,15 @@ def commit_version(
                     write_state(session.store, None, store.chunk_bytes)  # (earlier vcdask kept it inside)
                 replaced = store._repo.lookup_snapshot(session.snapshot_id).metadata or {}
                 version = session.commit(message or "vcdask version", metadata=meta)
-            except icechunk.ConflictError as e:
+            except BaseException as e:  # nothing of this store's last commit is known to hold any more
                 store._last_commit.pop(branch, None)
                 store._state_writer.forget(branch)
-                meta.pop(STATE_KEY, None)  # written again (in full) for the next attempt
-                written = None
-                if parent is not None:
+                if isinstance(e, icechunk.ConflictError) and parent is None:
+                    meta.pop(STATE_KEY, None)  # written again (in full) for the next attempt
+                    logger.debug("commit to %r lost a race (attempt %d); retrying", branch, attempt + 1)
+                    continue
+                if isinstance(e, (icechunk.ConflictError, icechunk.IcechunkError)):
                     raise translate(e, what) from None
-                logger.debug("commit to %r lost a race (attempt %d); retrying", branch, attempt + 1)
-                continue
-            except icechunk.IcechunkError as e:
-                store._last_commit.pop(branch, None)
-                store._state_writer.forget(branch)
-                raise translate(e, what) from None
-            except BaseException:
-                store._last_commit.pop(branch, None)
-                store._state_writer.forget(branch)
                 raise
             store._last_commit[branch] = (version, layout)
             store._state_writer.committed(branch, version, written)
@@ -148,7 +141,7 @@ def _put_chunks(zstore: Any, arr: Any, data: np.ndarray, *, copy: bool = False) 
     if endian not in (None, "little"):
         return False
     chunk = int(arr.chunks[0])
-    raw = getattr(zstore, "_store", None)  # Icechunk's store takes any bytes-like value without a copy
+    raw_set = getattr(getattr(zstore, "_store", None), "set", None)  # Icechunk's: any bytes-like value, no copy
     whole = memoryview(data.data).cast("B")
     width = chunk * data.dtype.itemsize
     pieces = []
@@ -163,8 +156,8 @@ def _put_chunks(zstore: Any, arr: Any, data: np.ndarray, *, copy: bool = False) 
 
     async def put(key: str, piece: Any) -> None:
         async with limit:
-            if raw is not None and hasattr(raw, "set"):
-                await raw.set(key, piece)
+            if raw_set is not None:
+                await raw_set(key, piece)
             else:
                 await zstore.set(key, default_buffer_prototype().buffer.from_bytes(bytes(piece)))
 

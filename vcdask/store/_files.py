@@ -72,6 +72,10 @@ class SideFiles:
     def _path(self, path: str) -> str:
         return f"{self.root}/{path.lstrip('/')}"
 
+    def _local(self, path: str) -> str | None:
+        """The file system path of ``path`` on a local store (None elsewhere)."""
+        return self.fs._strip_protocol(self._path(path)) if isinstance(self.fs, LocalFileSystem) else None
+
     def put(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path`` (relative to ``<store>/runs``), replacing any object there."""
         if not self.writable:
@@ -86,13 +90,11 @@ class SideFiles:
 
         A local file is written piece by piece; elsewhere the pieces are joined into one request.
         """
-        if not isinstance(self.fs, LocalFileSystem):
+        full = self._local(path)
+        if full is None or not self.writable:
             data = b"".join(parts)
             self.put(path, data)
             return len(data)
-        if not self.writable:
-            raise ReadOnlyStoreError(f"cannot write {path!r} to {self.where}: it was opened with mode='r'")
-        full = self.fs._strip_protocol(self._path(path))
         try:
             os.makedirs(os.path.dirname(full), exist_ok=True)
             with open(full, "wb") as f:
@@ -116,11 +118,11 @@ class SideFiles:
         once more, and for a 20 MB update that copy took ten times the read (measured in
         ``benchmarks/merge_path.py``: 20 ms against 2 ms).
         """
-        full = self._path(path)
+        full = self._local(path)
         try:
-            if not isinstance(self.fs, LocalFileSystem):
-                return bytearray(self.fs.cat_file(full))
-            with open(self.fs._strip_protocol(full), "rb") as f:
+            if full is None:
+                return bytearray(self.fs.cat_file(self._path(path)))
+            with open(full, "rb") as f:
                 buf = bytearray(os.fstat(f.fileno()).st_size)
                 n = f.readinto(buf)
             return buf if n == len(buf) else buf[:n]
