@@ -1,4 +1,7 @@
-"""``.npz`` bytes without the copies: the format of updates and rule-state objects.
+"""``.npz`` bytes without the copies: the format of updates and rule-state objects until stop 33.
+
+Objects written since are safetensors files (:mod:`vcdask._safetensors`); an older run's leftover
+updates and a store's older state objects are still read through here.
 
 ``numpy.savez`` into a ``BytesIO`` copies each array in chunks and again on ``getvalue()``;
 ``numpy.load`` of such bytes copies each array out of the buffer, and a writable tensor needs a

@@ -20,7 +20,7 @@ import torch
 
 from .errors import ParameterMismatchError
 
-__all__ = ["Entry", "FlatParams", "Layout", "flatten", "load_into"]
+__all__ = ["Entry", "FlatParams", "Layout", "flatten", "load_into", "state_tensors"]
 
 # torch dtypes a layout can hold, by the name used in layouts and store arrays.
 _DTYPES: dict[str, torch.dtype] = {
@@ -295,16 +295,30 @@ def flatten(obj: torch.nn.Module | Mapping[str, Any] | FlatParams, *, device: An
     """
     if isinstance(obj, FlatParams):
         return obj
-    state = _as_state(obj)
+    layout, tensors = state_tensors(obj)
+    arrays = {d: torch.empty(n, dtype=torch_dtype(d), device=device) for d, n in layout.sizes.items()}
+    for t, e in zip(tensors, layout.entries, strict=True):
+        arrays[e.dtype][e.offset : e.offset + e.size].copy_(t.reshape(-1))
+    return FlatParams(layout, arrays)
+
+
+def state_tensors(obj: torch.nn.Module | Mapping[str, Any]) -> tuple[Layout, list[torch.Tensor]]:
+    """The layout :func:`flatten` gives ``obj`` and its tensors in layout order, not copied (detached;
+    wherever they are).
+
+    What :func:`flatten` packs, for a caller that writes the tensors out one by one instead.
+
+    Raises
+    ------
+    TypeError
+        For an unsupported object or dtype.
+    """
     tensors: list[tuple[str, torch.Tensor]] = []
-    for name, value in state.items():
+    for name, value in _as_state(obj).items():
         t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
         tensors.append((str(name), t.detach()))
     layout = Layout.from_shapes([(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors])
-    arrays = {d: torch.empty(n, dtype=torch_dtype(d), device=device) for d, n in layout.sizes.items()}
-    for (_, t), e in zip(tensors, layout.entries, strict=True):
-        arrays[e.dtype][e.offset : e.offset + e.size].copy_(t.reshape(-1))
-    return FlatParams(layout, arrays)
+    return layout, [t for _, t in tensors]
 
 
 def load_into(module: torch.nn.Module, params: FlatParams | Mapping[str, Any]) -> torch.nn.Module:

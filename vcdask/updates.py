@@ -1,11 +1,14 @@
 """Client updates ``W_c`` in transit: one plain object per update in the store's run folder.
 
-An update is an uncompressed ``.npz`` (readable with ``numpy.load``): one array per dtype
-plus the layout as JSON bytes, written in a single request by the worker that trained
-it, read once by the merge thread, deleted once its merge is committed.  A compressed update
-(:mod:`vcdask.compress`) holds its encoded parts (``"<dtype>.<part>"``) and a ``__codec__``
-record (the codec and the base version) instead of the float arrays.  This module is the
-only place that writes, reads, lists or deletes updates.
+An update is a `safetensors <https://huggingface.co/docs/safetensors>`_ file
+(``safetensors.torch.load_file`` reads it as a state dict): each tensor of ``W_c`` under its
+``state_dict`` name, and in its metadata the layout (``vcdask.layout``) and a small JSON record
+(``vcdask.meta``).  It is written in a single request by the worker that trained it, straight from
+the model's tensors on a CPU worker, read once by the merge thread as views of one buffer, and
+deleted once its merge is committed.  A compressed update (:mod:`vcdask.compress`) holds its encoded
+parts (``"<dtype>.<part>"``) and the codec and base version (``vcdask.codec``) instead.  Updates
+written before stop 33 are ``.npz`` files (:mod:`vcdask._npz`); they are still read.  This module is
+the only place that writes, reads, lists or deletes updates.
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ from __future__ import annotations
 import json
 import logging
 
-import numpy as np
 import torch
 
 from . import _npz
+from . import _safetensors as st
 from .compress import EncodedUpdate
-from .params import FlatParams, Layout, torch_dtype
+from .params import FlatParams, Layout, state_tensors, torch_dtype
 
 __all__ = [
     "delete_run_updates",
@@ -35,56 +38,81 @@ logger = logging.getLogger(__name__)
 
 def update_path(run_id: str, epoch: int, shard: int, attempt: int) -> str:
     """Where the update of one shard-training attempt lives, relative to ``<store>/runs``."""
-    return f"{_folder(run_id)}/e{epoch:05d}-s{shard:05d}-a{attempt:03d}.npz"
+    return f"{_folder(run_id)}/e{epoch:05d}-s{shard:05d}-a{attempt:03d}.safetensors"
 
 
 def _folder(run_id: str) -> str:
     return f"{run_id}/updates"
 
 
-def write_update(files, path: str, params: FlatParams | EncodedUpdate, meta: dict | None = None) -> int:
-    """Write ``params`` (and a small JSON ``meta`` record) to ``path`` in one request; return the bytes written."""
-    tensors = params.arrays if isinstance(params, FlatParams) else params.parts
-    arrays = {name: _to_numpy(a) for name, a in tensors.items()}
-    arrays["__layout__"] = _json(params.layout.to_dict())
-    arrays["__meta__"] = _json(meta or {})
+def write_update(
+    files, path: str, params: FlatParams | EncodedUpdate | torch.nn.Module, meta: dict | None = None
+) -> int:
+    """Write ``params`` (and a small JSON ``meta`` record) to ``path`` in one request; return the bytes written.
+
+    ``params`` may be the trained module itself (on the CPU): its tensors are written as they are,
+    with no packed copy of them made first.
+    """
     if isinstance(params, EncodedUpdate):
-        arrays["__codec__"] = _json({"codec": params.codec, "base_version": params.base_version})
-    return files.put_parts(path, _npz.dump_parts(arrays))
+        tensors = dict(params.parts)
+        layout = params.layout
+        metadata = {"vcdask.codec": json.dumps({"codec": params.codec, "base_version": params.base_version})}
+    else:
+        if isinstance(params, FlatParams):
+            layout = params.layout
+            values = [params[e.name] for e in layout.entries]
+        else:
+            layout, values = state_tensors(params)
+        tensors = dict(zip(layout.names, values, strict=True))
+        metadata = {}
+    metadata["vcdask.layout"] = json.dumps(layout.to_dict())
+    metadata["vcdask.meta"] = json.dumps(meta or {})
+    return files.put_parts(path, st.dump_parts(tensors, metadata))
 
 
 def read_update(files, path: str) -> FlatParams | EncodedUpdate:
     """Read an update written by :func:`write_update`: ``W_c``, or an :class:`EncodedUpdate` to decode
     against its base version."""
-    z = _npz.loads(files.get_buffer(path))  # arrays viewing one writable buffer: no further copy
+    data = files.get_buffer(path)  # the tensors are views of this one writable buffer: no further copy
+    if not st.is_safetensors(data):
+        return _read_npz_update(data)
+    f = st.read(data)
+    layout = Layout.from_dict(f.meta_json("vcdask.layout"))
+    codec = f.meta_json("vcdask.codec")
+    if codec is None:
+        names: dict[str, list[str]] = {}
+        for e in layout.entries:
+            names.setdefault(e.dtype, []).append(e.name)
+        return FlatParams(layout, {d: f.flat(names[d], torch_dtype(d)) for d in layout.sizes})
+    return EncodedUpdate(layout, codec["codec"], codec["base_version"], {n: f.tensor(n) for n in f.entries})
+
+
+def _read_npz_update(data: bytearray) -> FlatParams | EncodedUpdate:
+    """An update in the ``.npz`` form of vcdask before stop 33."""
+    z = _npz.loads(data)
     layout = Layout.from_dict(json.loads(z["__layout__"].tobytes()))
     if "__codec__" not in z:
-        return FlatParams(layout, {dtype: _to_torch(z[dtype], dtype) for dtype in layout.sizes})
+        return FlatParams(layout, {dtype: _npz_torch(z[dtype], dtype) for dtype in layout.sizes})
     codec = json.loads(z["__codec__"].tobytes())
     parts = {}
     for name, a in z.items():
         if not name.startswith("__"):
             bf16 = codec["codec"] == "bf16" and name.endswith(".delta")  # stored as uint16
-            parts[name] = _to_torch(a, "bfloat16" if bf16 else None)
+            parts[name] = _npz_torch(a, "bfloat16" if bf16 else None)
     return EncodedUpdate(layout, codec["codec"], codec["base_version"], parts)
 
 
-def _to_numpy(a: torch.Tensor) -> np.ndarray:
-    return (a.view(torch.uint16) if a.dtype == torch.bfloat16 else a).numpy()
-
-
-def _to_torch(a: np.ndarray, dtype: str | None) -> torch.Tensor:
+def _npz_torch(a, dtype: str | None) -> torch.Tensor:
     t = torch.from_numpy(a)
     return t.view(torch_dtype(dtype)) if dtype == "bfloat16" else t
 
 
-def _json(record: dict) -> np.ndarray:
-    return np.frombuffer(json.dumps(record).encode(), dtype=np.uint8)
-
-
 def read_update_meta(files, path: str) -> dict:
     """The ``meta`` record stored with an update (epoch, shard, attempt, base_step, ...)."""
-    z = _npz.loads(files.get(path))
+    data = files.get(path)
+    if st.is_safetensors(data):
+        return st.read(data).meta_json("vcdask.meta", {})
+    z = _npz.loads(data)
     return json.loads(z["__meta__"].tobytes()) if "__meta__" in z else {}
 
 

@@ -254,10 +254,11 @@ def train_shard(
         "step_seconds": statistics.median(b - a for a, b in itertools.pairwise(stamps)) if len(stamps) > 1 else None,
     }
     # the record travels with the update, so a resumed run can merge an upload nobody reported
-    w_c = _to_cpu(model, device)
-    update: FlatParams | EncodedUpdate = w_c
+    update: FlatParams | EncodedUpdate | torch.nn.Module
     if spec.compression is not None:  # W_c - W_base in fewer bits, with error feedback
-        update = encode(spec.compression, w_c, _version(store, base_version), base_version, run_id)
+        update = encode(spec.compression, _to_cpu(model, device), _version(store, base_version), base_version, run_id)
+    else:  # a CPU model's tensors are written as they are (no packed copy); a GPU's are packed there, copied once
+        update = model if device.type == "cpu" else _to_cpu(model, device)
     record["nbytes"] = write_update(store.files, path, update, meta=record)
     t_end = time.perf_counter()
     record.update(seconds=t_end - t0, upload_seconds=t_end - t_train)

@@ -7,12 +7,14 @@ version's metadata (``vcdask:state``), and deletes the objects no version names 
 new version has landed.  Versions written before this (with the state in ``/rule`` inside the
 version) are still read.
 
-An object is an uncompressed ``.npz``: for each state name, one array per dtype and the layout; a
-name whose arrays are all zero is stored as its layout only.  ``vcdask:state`` maps each state name
-to the object holding it (versions of vcdask before stop 32 name one object holding them all).  A
-commit writes only the arrays that changed since the branch's last commit by this store object
-(:class:`StateWriter`): the default rule's momentum moves once per window and its pending
-pseudo-gradient is zero right after, so most commits write one of its two arrays, not both.
+An object is a safetensors file (:mod:`vcdask._safetensors`): for each state name, one flat array
+per dtype (``"<name>/<dtype>"``), and the layouts in its metadata; a name whose arrays are all zero
+is stored as its layout only (objects of vcdask before stop 33 are ``.npz`` files, still read).
+``vcdask:state`` maps each state name to the object holding it (versions of vcdask before stop 32
+name one object holding them all).  A commit writes only the arrays that changed since the branch's
+last commit by this store object (:class:`StateWriter`): the default rule's momentum moves once per
+window and its pending pseudo-gradient is zero right after, so most commits write one of its two
+arrays, not both.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import _npz
+from .. import _safetensors as st
 from ..params import FlatParams, Layout, torch_dtype
 
 __all__ = [
@@ -58,26 +60,43 @@ def write_state_object(
 ) -> str:
     """Write ``state`` as a new object for ``branch`` (one request); return its path.  The names in
     ``zeros`` are stored as their layout only (their arrays are all zero)."""
-    arrays: dict[str, np.ndarray] = {}
+    tensors: dict[str, torch.Tensor] = {}
     layouts = {}
     for name, flat in state.items():
         layouts[name] = flat.layout.to_dict()
         if name in zeros:
             continue
         for dtype, values in flat.arrays.items():
-            data = values.view(torch.uint16) if dtype == "bfloat16" else values
-            arrays[f"{name}/{dtype}"] = data.detach().cpu().numpy()
-    arrays["__layouts__"] = np.frombuffer(json.dumps(layouts).encode(), dtype=np.uint8)
-    if zeros:
-        arrays["__zeros__"] = np.frombuffer(json.dumps(sorted(zeros)).encode(), dtype=np.uint8)
-    path = f"{state_folder(branch)}/{uuid.uuid4().hex}.npz"
-    files.put_parts(path, _npz.dump_parts(arrays))
+            tensors[f"{name}/{dtype}"] = values.detach().cpu()
+    metadata = {"vcdask.layouts": json.dumps(layouts), "vcdask.zeros": json.dumps(sorted(zeros))}
+    path = f"{state_folder(branch)}/{uuid.uuid4().hex}.safetensors"
+    files.put_parts(path, st.dump_parts(tensors, metadata))
     return path
 
 
 def read_state_object(files: Any, path: str) -> dict[str, FlatParams]:
     """The state in the object at ``path`` (FileNotFoundError when it is gone)."""
-    z = _npz.loads(files.get_buffer(path))  # arrays viewing one writable buffer
+    data = files.get_buffer(path)  # the arrays are views of this one writable buffer
+    if not st.is_safetensors(data):
+        return _read_npz_state(data)
+    f = st.read(data)
+    zeros = set(f.meta_json("vcdask.zeros", []))
+    out = {}
+    for name, layout_dict in f.meta_json("vcdask.layouts").items():
+        layout = Layout.from_dict(layout_dict)
+        arrays = {}
+        for dtype, size in layout.sizes.items():
+            if name in zeros:
+                arrays[dtype] = torch.zeros(size, dtype=torch_dtype(dtype))
+            else:
+                arrays[dtype] = f.tensor(f"{name}/{dtype}")
+        out[name] = FlatParams(layout, arrays)
+    return out
+
+
+def _read_npz_state(data: bytearray) -> dict[str, FlatParams]:
+    """A state object in the ``.npz`` form of vcdask before stop 33."""
+    z = _npz.loads(data)
     layouts = json.loads(z["__layouts__"].tobytes())
     zeros = set(json.loads(z["__zeros__"].tobytes())) if "__zeros__" in z else set()
     out = {}

@@ -1,0 +1,158 @@
+"""vcdask._safetensors and the objects written with it: updates and rule-state objects.
+
+Checked against the safetensors library's own reader and writer, and against the ``.npz`` objects
+that vcdask wrote before stop 33 (still read).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from vcdask import _npz
+from vcdask import _safetensors as st
+from vcdask.compress import encode
+from vcdask.params import FlatParams, flatten
+from vcdask.store import open_store
+from vcdask.store._state import read_state_object, write_state_object
+from vcdask.updates import read_update, read_update_meta, update_path, write_update
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+TENSORS = {
+    "w": torch.randn(3, 4),
+    "steps": torch.arange(5),  # int64: ordered first, by item size
+    "mask": torch.tensor([True, False, True]),
+    "half": torch.randn(7).bfloat16(),
+    "b": torch.randn(2),
+    "empty": torch.empty(0),
+    "scalar": torch.tensor(3.0),
+    "strided": torch.arange(20.0)[::2],  # not contiguous: stored contiguous
+}
+
+
+def _same(got, want) -> None:
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+
+
+def test_dump_parts_is_a_safetensors_file_that_the_library_reads():
+    data = b"".join(st.dump_parts(TENSORS, {"vcdask.x": "1"}))
+    _same(safetensors_torch.load(data), TENSORS)
+    (n,) = np.frombuffer(data[:8], dtype="<u8")
+    assert (8 + n) % 64 == 0  # the data starts 64-byte aligned
+    f = st.read(bytearray(data))
+    assert f.metadata == {"vcdask.x": "1"}
+    for name, e in f.entries.items():  # each tensor aligned to its item size
+        assert (f.start + e.begin) % TENSORS[name].element_size() == 0, name
+
+
+def test_read_gives_writable_views_of_a_bytearray_and_copies_of_bytes():
+    buf = bytearray(b"".join(st.dump_parts(TENSORS)))
+    f = st.read(buf)
+    _same({k: f.tensor(k) for k in f.entries}, TENSORS)
+    f.tensor("w")[0, 0] = 42.0  # a view: the buffer changed, nothing was copied
+    assert st.read(buf).tensor("w")[0, 0] == 42.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns about tensors over read-only memory: none here
+        assert st.read(bytes(buf)).tensor("w")[0, 0] == 42.0
+
+
+def test_read_reads_what_the_library_wrote():
+    data = safetensors_torch.save({k: v.contiguous() for k, v in TENSORS.items()}, metadata={"k": "v"})
+    f = st.read(bytearray(data))
+    assert f.metadata == {"k": "v"}
+    _same({k: f.tensor(k) for k in f.entries}, TENSORS)
+
+
+def test_tensors_of_one_dtype_given_in_order_read_back_as_one_flat_view():
+    parts = {"a": torch.arange(6.0).view(2, 3), "i": torch.arange(3, dtype=torch.int32), "b": torch.arange(6.0, 10.0)}
+    buf = bytearray(b"".join(st.dump_parts(parts)))
+    f = st.read(buf)
+    flat = f.flat(["a", "b"], torch.float32)
+    assert torch.equal(flat, torch.arange(10.0))
+    flat[0] = -1.0  # one view of the buffer, no copy
+    assert st.read(buf).tensor("a")[0, 0] == -1.0
+    assert torch.equal(f.flat(["b", "a"], torch.float32), torch.cat([parts["b"], flat[:6]]))  # out of order: a copy
+    with pytest.raises(ValueError, match="'i' is torch.int32, expected torch.float32"):
+        f.flat(["a", "i"], torch.float32)
+
+
+def test_bad_input_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        st.read(bytearray(b"PK\x03\x04 a zip, not safetensors"))
+    data = b"".join(st.dump_parts({"w": torch.randn(100)}))
+    with pytest.raises(ValueError, match="tensor 'w': bytes 0:400 do not fit"):
+        st.read(bytearray(data[:-8]))  # torn
+    with pytest.raises(TypeError, match=r"tensor 'z': cannot store dtype torch.complex64; supported: .*torch.float32"):
+        st.dump_parts({"z": torch.zeros(2, dtype=torch.complex64)})
+
+
+def _model() -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    model[1].running_mean.add_(0.5)
+    return model
+
+
+def test_an_update_written_from_the_module_is_its_state_dict(tmp_path):
+    """A CPU worker writes ``W_c`` straight from its model's tensors: the file reads back as the same
+    FlatParams as the packed form gives, and the safetensors library reads it as the state dict."""
+    store = open_store(tmp_path / "store")
+    model = _model()
+    from_module = update_path("r", 1, 0, 0)
+    n = write_update(store.files, from_module, model, meta={"shard": 0})
+    write_update(store.files, "r/updates/packed.safetensors", flatten(model))
+    assert n == (tmp_path / "store" / "runs" / from_module).stat().st_size
+    got, packed = read_update(store.files, from_module), read_update(store.files, "r/updates/packed.safetensors")
+    assert isinstance(got, FlatParams) and got.layout == flatten(model).layout and got.equal(flatten(model))
+    assert got.equal(packed)
+    _same(safetensors_torch.load_file(tmp_path / "store" / "runs" / from_module), model.state_dict())
+    assert read_update_meta(store.files, from_module) == {"shard": 0}
+
+
+def test_a_compressed_update_keeps_its_parts(tmp_path):
+    store = open_store(tmp_path / "store")
+    base = flatten(_model())
+    w_c = flatten({k: v + 0.01 if v.is_floating_point() else v for k, v in base.items()})
+    for codec in ("bf16", "int8"):
+        enc = encode(codec, w_c, base, "v0", f"run-{codec}")
+        write_update(store.files, f"r/updates/{codec}.safetensors", enc)
+        back = read_update(store.files, f"r/updates/{codec}.safetensors")
+        assert back.codec == codec and back.base_version == "v0"
+        _same(back.parts, dict(enc.parts))
+
+
+def test_updates_and_state_objects_of_earlier_releases_still_read(tmp_path):
+    """Before stop 33 both were ``.npz`` files; a store keeps its state objects, and a resumed run
+    finds an older run's leftover updates."""
+    store = open_store(tmp_path / "store")
+    w = flatten(_model())
+    arrays = {d: a.numpy() for d, a in w.arrays.items()}
+    arrays["__layout__"] = np.frombuffer(json.dumps(w.layout.to_dict()).encode(), dtype=np.uint8)
+    arrays["__meta__"] = np.frombuffer(b'{"shard": 3}', dtype=np.uint8)
+    store.files.put("r/updates/e00001-s00003-a000.npz", _npz.dumps(arrays))
+    assert read_update(store.files, "r/updates/e00001-s00003-a000.npz").equal(w)
+    assert read_update_meta(store.files, "r/updates/e00001-s00003-a000.npz") == {"shard": 3}
+
+    m = flatten({"w": torch.randn(10)})
+    layouts = {"momentum": m.layout.to_dict(), "pending": m.layout.to_dict()}
+    old = {
+        "momentum/float32": m.arrays["float32"].numpy(),
+        "__layouts__": np.frombuffer(json.dumps(layouts).encode(), dtype=np.uint8),
+        "__zeros__": np.frombuffer(b'["pending"]', dtype=np.uint8),
+    }
+    store.files.put("main/rule-state/old.npz", _npz.dumps(old))
+    state = read_state_object(store.files, "main/rule-state/old.npz")
+    assert torch.equal(state["momentum"].arrays["float32"], m.arrays["float32"])
+    assert torch.equal(state["pending"].arrays["float32"], torch.zeros(10))
+    path = write_state_object(store.files, "main", state, zeros={"pending"})
+    assert path.endswith(".safetensors")
+    again = read_state_object(store.files, path)
+    assert torch.equal(again["momentum"].arrays["float32"], m.arrays["float32"]) and again["pending"].equal(
+        state["pending"]
+    )
