@@ -2,6 +2,7 @@
 
 usage: python benchmarks/merge_bound.py [--params 5000000] [--shards 60] [--epochs 2] [--workers 2]
                                         [--rules nesterov,vc-asgd] [--compression none,int8]
+                                        [--fold on,off] [--tasks-per-slot 1]
 
 A model of ``--params`` float32 parameters that trains in no time (a linear head on the digits and a
 large table the loss does not touch) on many tiny shards: every task is a read, a few steps and an
@@ -61,6 +62,7 @@ def run(args, rule: str, codec: str, client, commit_every) -> dict:
             (X, y),
             merge=rule,
             commit_every=commit_every,
+            tasks_per_slot=args.tasks_per_slot,
             n_shards=args.shards,
             max_epochs=args.epochs,
             batch_size=256,
@@ -98,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rules", default="nesterov,vc-asgd")
     ap.add_argument("--compression", default="none,int8")
     ap.add_argument("--fold", default="on,off", help="on, off or both: commit queued merges together or one by one")
+    ap.add_argument("--tasks-per-slot", type=int, default=1, help="shard tasks kept in flight per worker thread")
     args = ap.parse_args(argv)
     from devices import markdown
     from distributed import Client

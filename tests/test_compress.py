@@ -95,14 +95,14 @@ def test_a_non_finite_update_decodes_non_finite_and_leaves_no_residual():
 def test_int8_and_int4_files_are_a_quarter_and_an_eighth_of_float32(tmp_path):
     store = vcdask.open_store(tmp_path / "s")
     base, w_c = _pair(n=1_000_000)
-    sizes = {None: write_update(store.files, "r/updates/raw.npz", w_c)}
+    sizes = {None: write_update(store.files, "r/updates/raw.safetensors", w_c)}
     for codec in ("fp16", "int8", "int4"):
-        path = f"r/updates/{codec}.npz"
+        path = f"r/updates/{codec}.safetensors"
         sizes[codec] = write_update(store.files, path, encode(codec, w_c, base, "v0", run_id="bytes"))
         back = read_update(store.files, path)
         assert isinstance(back, EncodedUpdate) and back.codec == codec and back.base_version == "v0"
         assert all(torch.equal(back.parts[k], v) for k, v in encode(codec, w_c, base, "v0", "x").parts.items())
-    assert isinstance(read_update(store.files, "r/updates/raw.npz"), FlatParams)
+    assert isinstance(read_update(store.files, "r/updates/raw.safetensors"), FlatParams)
     assert sizes["fp16"] <= 0.51 * sizes[None]
     assert sizes["int8"] <= 0.27 * sizes[None]
     assert sizes["int4"] <= 0.14 * sizes[None]

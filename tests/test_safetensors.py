@@ -84,13 +84,34 @@ def test_tensors_of_one_dtype_given_in_order_read_back_as_one_flat_view():
 
 
 def test_bad_input_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="not a safetensors file"):
-        st.read(bytearray(b"PK\x03\x04 a zip, not safetensors"))
-    data = b"".join(st.dump_parts({"w": torch.randn(100)}))
-    with pytest.raises(ValueError, match="tensor 'w': bytes 0:400 do not fit"):
-        st.read(bytearray(data[:-8]))  # torn
+    assert not st.is_safetensors(b"PK\x03\x04 a zip") and st.is_safetensors(b"\x10\x00")  # the latter: a torn one
+    data = b"".join(st.dump_parts({"w": torch.randn(100), "b": torch.randn(3)}))
+    with pytest.raises(ValueError, match="the tensors end at byte 412 of the data, which holds 404"):
+        st.read(bytearray(data[:-8]))  # torn in its data
+    with pytest.raises(ValueError, match="a header of .* bytes in 40 .torn, or not one"):
+        st.read(bytearray(data[:40]))  # torn in its header
+    with pytest.raises(ValueError, match="shorter than its header length"):
+        st.read(b"\x01")
+    with pytest.raises(ValueError, match="not a safetensors file: its header is not a JSON object"):
+        st.read(b"\x02\x00\x00\x00\x00\x00\x00\x00[]")
+
+    def header(entries: dict) -> bytes:
+        text = json.dumps(entries).encode()
+        return len(text).to_bytes(8, "little") + text
+
+    with pytest.raises(ValueError, match="tensor 'b' starts at byte 8 of the data, expected 4"):  # a hole
+        st.read(header({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                        "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}) + bytes(12))  # fmt: skip
+    with pytest.raises(ValueError, match=r"tensor 'a': dtype 'C64' is not one of \['BF16', 'BOOL'"):
+        st.read(header({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}) + bytes(8))
+    with pytest.raises(ValueError, match="tensor 'a': bytes 0:4 do not hold its shape .-1."):
+        st.read(header({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}) + bytes(4))
+    with pytest.raises(ValueError, match="not a safetensors file: TypeError"):
+        st.read(header({"a": [1, 2]}))
     with pytest.raises(TypeError, match=r"tensor 'z': cannot store dtype torch.complex64; supported: .*torch.float32"):
         st.dump_parts({"z": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(ValueError, match="may not be named '__metadata__'"):
+        st.dump_parts({"__metadata__": torch.zeros(2)})
 
 
 def _model() -> torch.nn.Module:
@@ -113,6 +134,68 @@ def test_an_update_written_from_the_module_is_its_state_dict(tmp_path):
     assert got.equal(packed)
     _same(safetensors_torch.load_file(tmp_path / "store" / "runs" / from_module), model.state_dict())
     assert read_update_meta(store.files, from_module) == {"shard": 0}
+
+
+class _Mixed(torch.nn.Module):
+    """Parameters and buffers of every stored dtype, those of equal item size interleaved."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(3, 2))
+        self.register_buffer("count", torch.arange(4, dtype=torch.int32))
+        self.b = torch.nn.Parameter(torch.randn(5))
+        self.register_buffer("f16", torch.randn(6).half())
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+        self.register_buffer("brain", torch.randn(2).bfloat16())
+        self.register_buffer("steps", torch.tensor(7))
+        self.register_buffer("none", torch.empty(0, 4))
+        self.c = torch.nn.Parameter(torch.randn(2, 2, dtype=torch.float64))
+        self.register_buffer("more", torch.arange(3, dtype=torch.int32))
+
+
+def test_every_dtype_reads_back_as_flat_views_of_one_buffer(tmp_path):
+    store = open_store(tmp_path / "store")
+    model = _Mixed()
+    write_update(store.files, "r/updates/m.safetensors", model)
+    got = read_update(store.files, "r/updates/m.safetensors")
+    assert got.layout == flatten(model).layout and got.equal(flatten(model))
+    size = (tmp_path / "store" / "runs" / "r/updates/m.safetensors").stat().st_size
+    starts = [a.data_ptr() for a in got.arrays.values() if a.numel()]
+    assert len(got.arrays) == 7 and max(starts) - min(starts) < size  # views into one buffer, none copied
+    assert all(a.data_ptr() % a.element_size() == 0 for a in got.arrays.values())
+
+
+def test_a_layout_not_packed_in_order_reads_back_at_its_offsets(tmp_path):
+    """Every layout vcdask makes packs its entries in order; one that does not still reads back right."""
+    from vcdask.params import Entry, Layout
+
+    store = open_store(tmp_path / "store")
+    layout = Layout((Entry("a", (2,), "float32", 3), Entry("b", (3,), "float32", 0)))
+    w = FlatParams(layout, {"float32": torch.arange(5.0)})
+    write_update(store.files, "r/updates/x.safetensors", w)
+    got = read_update(store.files, "r/updates/x.safetensors")
+    assert torch.equal(got["a"], torch.tensor([3.0, 4.0])) and torch.equal(got["b"], torch.tensor([0.0, 1.0, 2.0]))
+    assert got.equal(w)
+
+
+def test_a_torn_or_foreign_update_is_rejected_by_the_merge_with_its_reason(tmp_path):
+    from vcdask.engine.params_server import ParamsServer
+    from vcdask.merge import VCASGD
+
+    store = open_store(tmp_path / "s")
+    store.create_branch("run")
+    base = flatten(_model())
+    store.commit(base, {"run_id": "run", "step": 0, "epoch": 0, "merged": []}, branch="run")
+    server = ParamsServer(store, "run", VCASGD(alpha=0.5), "run")
+    server.load()
+    torn, foreign = update_path("run", 1, 0, 0), update_path("run", 1, 1, 0)
+    write_update(store.files, torn, base)
+    store.files.put(torn, store.files.get(torn)[:-100])
+    store.files.put(foreign, safetensors_torch.save(dict(_model().state_dict())))  # no vcdask layout
+    for shard, path, why in ((0, torn, "the tensors end at byte"), (1, foreign, "without a vcdask layout")):
+        out = server.merge({"epoch": 1, "shard": shard, "attempt": 0, "base_step": 0, "update": path, "n_samples": 1})
+        assert not out["accepted"] and out["reason"].startswith("unreadable update") and why in out["reason"]
+    assert server.step == 0
 
 
 def test_a_compressed_update_keeps_its_parts(tmp_path):

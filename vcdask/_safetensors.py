@@ -5,7 +5,7 @@ length, a JSON header (each tensor's dtype, shape and byte range; string ``__met
 tensors' bytes, back to back.  PyTorch users read it with ``safetensors.torch.load_file``.  Unlike
 the ``.npz`` that updates were before stop 33 (``vcdask._npz``, still read), it has no checksum: a
 zip member's CRC-32 cost 6-10 ms per 20 MB on every write, and no reader of ours checked it (an
-object is written whole or not at all; a torn local write is caught by its length).
+object is written whole or not at all; a torn one is caught by its lengths: :class:`TensorFile`).
 
 Written here as pieces to write one after the other (the tensors' own memory, never joined), the
 header padded with spaces so the data starts 64-byte aligned, tensors ordered by item size (each
@@ -54,6 +54,8 @@ def dump_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] 
     The pieces are the header and each tensor's own memory (a non-contiguous tensor is copied
     first): write them one after the other, or join them.
     """
+    if "__metadata__" in tensors:
+        raise ValueError("a tensor may not be named '__metadata__' (the name of the file's metadata)")
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), _code(tensors[k].dtype, k)))  # stable
     header: dict[str, Any] = {}
     if metadata:
@@ -84,11 +86,9 @@ def _code(dtype: torch.dtype, name: str) -> str:
 
 
 def is_safetensors(data: bytes | bytearray | memoryview) -> bool:
-    """Whether ``data`` starts like a safetensors file (a header length, then ``{``)."""
-    if len(data) < 9 or bytes(data[8:9]) != b"{":
-        return False
-    (n,) = struct.unpack_from("<Q", data, 0)
-    return n <= min(_MAX_HEADER, len(data) - 8)
+    """Whether ``data`` is meant as a safetensors file: anything but a zip (the ``.npz`` objects of
+    earlier releases).  A torn or broken one is then refused by :func:`read` with the reason."""
+    return bytes(memoryview(data)[:4]) != b"PK\x03\x04"
 
 
 @dataclass(frozen=True)
@@ -104,33 +104,54 @@ class Entry:
 class TensorFile:
     """A parsed safetensors file over ``buffer``: its metadata and tensors as views of the buffer.
 
-    A ``bytearray`` gives writable views; ``bytes`` (e.g. to read the metadata only) read-only ones.
+    From a ``bytearray`` the tensors are writable views of it (which keep it alive and stop it
+    from being resized); from ``bytes`` (e.g. to read the metadata only), copies.
 
     Raises
     ------
     ValueError
-        If the bytes are not a safetensors file (the reason says why).
+        If the bytes are not a whole safetensors file (the reason says why).
     """
 
     def __init__(self, buffer: bytes | bytearray | memoryview):
-        self.buffer = buffer
-        if not is_safetensors(buffer):
-            raise ValueError("not a safetensors file (no header length and JSON header at its start)")
-        (n,) = struct.unpack_from("<Q", buffer, 0)
-        header = json.loads(bytes(memoryview(buffer)[8 : 8 + n]))
-        self.metadata: dict[str, str] = dict(header.pop("__metadata__", None) or {})
+        self.buffer = memoryview(buffer)  # an export: a bytearray cannot be resized under the views
+        try:
+            self._parse()
+        except (TypeError, KeyError, AttributeError, struct.error, UnicodeDecodeError) as e:
+            raise ValueError(f"not a safetensors file: {type(e).__name__}: {e}") from None
+
+    def _parse(self) -> None:
+        buf = self.buffer
+        if len(buf) < 8:
+            raise ValueError(f"not a safetensors file: {len(buf)} bytes, shorter than its header length")
+        (n,) = struct.unpack_from("<Q", buf, 0)
+        if n > min(_MAX_HEADER, len(buf) - 8):
+            raise ValueError(f"not a safetensors file: a header of {n} bytes in {len(buf)} (torn, or not one)")
+        header = json.loads(bytes(buf[8 : 8 + n]))
+        if not isinstance(header, dict):
+            raise ValueError("not a safetensors file: its header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        self.metadata: dict[str, str] = {str(k): str(v) for k, v in dict(metadata).items()}
         self.start = 8 + n
-        size = len(buffer) - self.start
+        size = len(buf) - self.start
         self.entries: dict[str, Entry] = {}
         for name, info in header.items():
-            code = info.get("dtype")
+            code = info["dtype"]
             if code not in _DTYPES:
                 raise ValueError(f"tensor {name!r}: dtype {code!r} is not one of {sorted(_DTYPES)}")
             begin, end = (int(x) for x in info["data_offsets"])
-            e = Entry(_DTYPES[code], tuple(int(s) for s in info["shape"]), begin, end)
-            if not 0 <= begin <= end <= size or end - begin != _numel(e.shape) * _itemsize(e.dtype):
-                raise ValueError(f"tensor {name!r}: bytes {begin}:{end} do not fit its shape or the file's {size}")
+            shape = tuple(int(x) for x in info["shape"])
+            e = Entry(_DTYPES[code], shape, begin, end)
+            if min(shape, default=0) < 0 or end - begin != _numel(shape) * _itemsize(e.dtype):
+                raise ValueError(f"tensor {name!r}: bytes {begin}:{end} do not hold its shape {list(shape)}")
             self.entries[name] = e
+        at = 0  # the tensors cover the data exactly, with no gaps or overlaps (as the format requires)
+        for name, e in sorted(self.entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+            if e.begin != at:
+                raise ValueError(f"tensor {name!r} starts at byte {e.begin} of the data, expected {at}")
+            at = e.end
+        if at != size:
+            raise ValueError(f"the tensors end at byte {at} of the data, which holds {size} (torn, or not one)")
 
     def meta_json(self, key: str, default: Any = None) -> Any:
         """A metadata value holding JSON, decoded."""
@@ -159,9 +180,8 @@ class TensorFile:
         if count == 0:
             return torch.empty(0, dtype=dtype)
         offset = self.start + begin
-        if isinstance(self.buffer, bytes) or memoryview(self.buffer).readonly:  # torch warns on read-only memory
-            copy = bytearray(memoryview(self.buffer)[offset:][: count * _itemsize(dtype)])
-            return torch.frombuffer(copy, dtype=dtype)
+        if self.buffer.readonly:  # torch warns about tensors over read-only memory
+            return torch.frombuffer(bytearray(self.buffer[offset:][: count * _itemsize(dtype)]), dtype=dtype)
         return torch.frombuffer(self.buffer, dtype=dtype, count=count, offset=offset)
 
 

@@ -63,6 +63,7 @@ def write_update(
             values = [params[e.name] for e in layout.entries]
         else:
             layout, values = state_tensors(params)
+            values = [t.cpu() for t in values]  # (those on the CPU as they are)
         tensors = dict(zip(layout.names, values, strict=True))
         metadata = {}
     metadata["vcdask.layout"] = json.dumps(layout.to_dict())
@@ -77,14 +78,31 @@ def read_update(files, path: str) -> FlatParams | EncodedUpdate:
     if not st.is_safetensors(data):
         return _read_npz_update(data)
     f = st.read(data)
+    if "vcdask.layout" not in f.metadata:
+        raise ValueError(f"{path!r} is a safetensors file without a vcdask layout: not an update")
     layout = Layout.from_dict(f.meta_json("vcdask.layout"))
     codec = f.meta_json("vcdask.codec")
     if codec is None:
-        names: dict[str, list[str]] = {}
-        for e in layout.entries:
-            names.setdefault(e.dtype, []).append(e.name)
-        return FlatParams(layout, {d: f.flat(names[d], torch_dtype(d)) for d in layout.sizes})
+        return FlatParams(layout, {d: _flat(f, layout, d) for d in layout.sizes})
     return EncodedUpdate(layout, codec["codec"], codec["base_version"], {n: f.tensor(n) for n in f.entries})
+
+
+def _flat(f: st.TensorFile, layout: Layout, dtype: str) -> torch.Tensor:
+    """The flat array of ``dtype``: a view of the file's tensors where the layout packs them in order
+    (as every layout vcdask makes does), else assembled at the layout's offsets."""
+    entries = [e for e in layout.entries if e.dtype == dtype]
+    missing = [e.name for e in entries if e.name not in f.entries]
+    if missing:
+        raise ValueError(f"the update has no tensor {missing[0]!r} of its layout")
+    packed, at = True, 0
+    for e in entries:
+        packed, at = packed and e.offset == at, at + e.size
+    if packed:
+        return f.flat([e.name for e in entries], torch_dtype(dtype))
+    out = torch.empty(layout.sizes[dtype], dtype=torch_dtype(dtype))
+    for e in entries:
+        out[e.offset : e.offset + e.size] = f.tensor(e.name).reshape(-1)
+    return out
 
 
 def _read_npz_update(data: bytearray) -> FlatParams | EncodedUpdate:

@@ -7,6 +7,7 @@ uploads), and the run rebuilt from it.
 from __future__ import annotations
 
 import logging
+import zipfile
 from typing import TYPE_CHECKING
 
 from ..updates import delete_update, list_updates, read_update_meta
@@ -61,7 +62,11 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
                 ends[epoch] = (info.metadata["step"], info.id)
     pending = []
     for path in list_updates(store.files, run_id):
-        meta = read_update_meta(store.files, path)
+        try:
+            meta = read_update_meta(store.files, path)
+        except (ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # torn: its shard is not merged
+            logger.warning("run %s: leftover update %s unreadable (%s); its shard is trained again", run_id, path, e)
+            meta = {}
         if not meta:  # not an update of this run's format: nothing to merge
             delete_update(store.files, path, strict=True)
             continue

@@ -80,6 +80,8 @@ def read_state_object(files: Any, path: str) -> dict[str, FlatParams]:
     if not st.is_safetensors(data):
         return _read_npz_state(data)
     f = st.read(data)
+    if "vcdask.layouts" not in f.metadata:
+        raise ValueError(f"{path!r} is a safetensors file without vcdask layouts: not a rule-state object")
     zeros = set(f.meta_json("vcdask.zeros", []))
     out = {}
     for name, layout_dict in f.meta_json("vcdask.layouts").items():
