@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import dask.config
 import pytest
@@ -88,9 +89,27 @@ def cluster():
         yield cl, c
 
 
+def _busy(client) -> dict:
+    """Tasks still running on the shared cluster's workers, by worker: cancelled ones included (a
+    finished test's run may have left some, e.g. stuck reading a store it broke)."""
+
+    def running(dask_worker) -> int:
+        return len(dask_worker.state.executing) + len(dask_worker.state.long_running)
+
+    return {w: n for w, n in client.run(running).items() if n}
+
+
 @pytest.fixture
 def client(cluster):
-    return cluster[1]
+    """The shared cluster's client, its workers idle: a test that counts on both workers must not find
+    one still busy with an earlier test's task (restarted after a short wait)."""
+    client = cluster[1]
+    deadline = time.monotonic() + 5.0
+    while _busy(client) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _busy(client):
+        client.restart()
+    return client
 
 
 @pytest.fixture(scope="session")
