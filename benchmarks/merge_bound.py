@@ -2,7 +2,7 @@
 
 usage: python benchmarks/merge_bound.py [--params 5000000] [--shards 60] [--epochs 2] [--workers 2]
                                         [--rules nesterov,vc-asgd] [--compression none,int8]
-                                        [--fold on,off] [--tasks-per-slot 1]
+                                        [--fold on,off] [--tasks-per-slot 1] [--cpu]
 
 A model of ``--params`` float32 parameters that trains in no time (a linear head on the digits and a
 large table the loss does not touch) on many tiny shards: every task is a read, a few steps and an
@@ -14,11 +14,19 @@ and the median upload size; with queued merges folded into one commit (``fold on
 ``benchmarks/merge_path.py`` measures the merge path alone for the floor.  Where a task's time goes:
 ``read`` (the spec, rows and base version, including ``wait``, the wait for the merges before its base),
 ``train``, ``upload`` (writing ``W_c``), medians in seconds from the run's history.
+
+``--cpu`` adds where the machine's CPU went over each whole ``fit``, in milliseconds per merge (user +
+system; after a warm-up run, so no row pays for cold workers): ``sched``, the scheduler's process (of
+which ``sched loop``, its event loop, which the client shares here, and ``sched icechunk``, Icechunk's
+I/O threads; the rest is mostly the merge thread), ``workers``, the worker processes together (of which
+``workers icechunk``), and the machine's ``kernel`` (system) and ``idle`` time.  The cores bound the
+run: ``merges/s <= cores * 1000 / (sched + workers)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -51,11 +59,51 @@ class TableNet(torch.nn.Module):
         return self.head(x.flatten(1))
 
 
+def cpu_times() -> dict[str, float]:
+    """CPU seconds so far (user + system) of this process, its threads by kind, its child processes and
+    their Icechunk threads, and the machine's system and idle time."""
+    import threading
+
+    import psutil
+
+    def kind(pid: int, tid: int, names: dict[int, str]) -> str:
+        if tid in names:
+            return names[tid]
+        try:  # native threads: Icechunk's (Rust) I/O runtime names its threads "tokio-runtime-worker"
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                return f.read().strip()
+        except OSError:
+            return "?"
+
+    me = psutil.Process()
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out = dict.fromkeys(("sched", "sched loop", "sched icechunk", "workers", "workers icechunk"), 0.0)
+    times = me.cpu_times()
+    out["sched"] = times.user + times.system  # with the threads that exited (a run's merge thread)
+    for t in me.threads():
+        k = kind(me.pid, t.id, names)
+        if k == "IO loop":
+            out["sched loop"] += t.user_time + t.system_time
+        elif k.startswith("tokio"):
+            out["sched icechunk"] += t.user_time + t.system_time
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            out["workers"] += times.user + times.system
+            for t in child.threads():
+                if kind(child.pid, t.id, {}).startswith("tokio"):
+                    out["workers icechunk"] += t.user_time + t.system_time
+    machine = psutil.cpu_times()
+    out["kernel"], out["idle"] = machine.system, machine.idle
+    return out
+
+
 def run(args, rule: str, codec: str, client, commit_every) -> dict:
     from vcdask.demo import digits
 
     (X, y), _ = digits()
     with scratch_store(None, "mergebound") as store:
+        before = cpu_times() if args.cpu else {}
         t0 = time.perf_counter()
         result = vcdask.fit(
             TableNet(args.params),
@@ -74,6 +122,7 @@ def run(args, rule: str, codec: str, client, commit_every) -> dict:
             progress=False,
         )
         wall = time.perf_counter() - t0
+        after = cpu_times() if args.cpu else {}
     h = result.history[result.history.accepted].sort_values("time")
     later = h[h.epoch > 1]
     span = later.time.iloc[-1] - h[h.epoch == 1].time.iloc[-1]
@@ -88,6 +137,7 @@ def run(args, rule: str, codec: str, client, commit_every) -> dict:
         **{f"{k} s": float(h[f"{k}_seconds"].median()) for k in ("read", "wait", "train", "upload")},
         "upload MB (median)": float(h.nbytes.median()) / 1e6,
         "wall s": wall,
+        **{f"{k} ms": (after[k] - before[k]) / len(h) * 1e3 for k in after},
     }
 
 
@@ -101,6 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compression", default="none,int8")
     ap.add_argument("--fold", default="on,off", help="on, off or both: commit queued merges together or one by one")
     ap.add_argument("--tasks-per-slot", type=int, default=1, help="shard tasks kept in flight per worker thread")
+    ap.add_argument("--cpu", action="store_true", help="where the machine's CPU went, ms per merge")
     args = ap.parse_args(argv)
     from devices import markdown
     from distributed import Client
@@ -109,6 +160,14 @@ def main(argv=None) -> int:
 
     rows = []
     with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
+        if args.cpu:  # the workers' first tasks import and load what later ones find ready
+            run(
+                argparse.Namespace(**{**vars(args), "shards": 4, "epochs": 2, "cpu": False}),
+                "vc-asgd",
+                "none",
+                client,
+                1,
+            )
         for fold in args.fold.split(","):
             for rule in args.rules.split(","):
                 for codec in args.compression.split(","):
