@@ -12,6 +12,7 @@ import threading
 import time
 from datetime import UTC, datetime, timedelta
 
+import dask
 import numpy as np
 import pytest
 import torch
@@ -163,6 +164,44 @@ def test_only_the_newest_version_keeps_the_rule_state(tmp_path):
     assert store.read_state(legacy)["momentum"].equal(states[0]["momentum"])
     newer = store.commit(_params(10), {"step": 10}, branch="run-s")
     assert "rule" not in zarr.open_group(store._repo.readonly_session(snapshot_id=newer).store, mode="r")
+
+
+def _state_writer(location: str, commits: int, conn) -> None:
+    """Commit versions with rule state on ``run-w``; send back the versions whose state was gone at once."""
+    store = vcdask.open_store(location)
+    lost = []
+    for i in range(commits):
+        version = store.commit(_params(i, 256), {"step": i}, branch="run-w", state={"momentum": _params(1000 + i, 256)})
+        try:
+            store.read_state(version)  # (nobody else commits here: the version is still the branch's head)
+        except VersionNotFoundError as e:
+            lost.append(f"commit {i}: {e}")
+    conn.send(lost)
+
+
+def test_a_collection_in_another_process_never_takes_the_state_of_a_commit_in_progress(tmp_path):
+    """``vcdask gc`` sweeps an idle branch's rule state; a writer that resumes on that branch meanwhile
+    writes its state object first and commits after, and the sweep must not take that object."""
+    location = str(tmp_path / "s")
+    store = vcdask.open_store(location)
+    store.create_branch("run-w")
+    store.commit(_params(0, 256), {"step": 0}, branch="run-w", state={"momentum": _params(999, 256)})
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    writer = ctx.Process(target=_state_writer, args=(location, 40, child))
+    collections = 0
+    with dask.config.set({"vcdask.store.idle-after": 0}):  # every branch counts as idle: anyone sweeps it
+        writer.start()
+        while writer.is_alive() and not parent.poll():
+            store.gc(Retention(keep_last=1))
+            collections += 1
+        lost = parent.recv()
+    writer.join(30)
+    assert collections > 5 and lost == []
+    store.gc(Retention(keep_last=1))  # what no version names is swept once the writer is done
+    head = store.versions("run-w")[0]
+    assert store.read_state(head.id)["momentum"].equal(_params(1039, 256))
+    assert len(store.files.list("run-w/rule-state")) == 1
 
 
 # -- a reader in another process, while a collection runs --------------------------------------------

@@ -51,8 +51,6 @@ logger = logging.getLogger(__name__)
 
 #: Version metadata: versions of this branch at or after this step may still be needed by its writer.
 KEEP_FROM_KEY = "vcdask:keep_from_step"
-#: A writer's marker counts while its newest version is younger than this (seconds); older runs are over.
-ACTIVE_SECONDS = 3600.0
 HOLDS = "_holds"
 
 
@@ -173,12 +171,30 @@ def collect(
         report = replace(
             report, bytes_deleted=summary.bytes_deleted, objects_deleted=deleted + summary.transaction_logs_deleted
         )
-    for b in drops:  # by the branch's writer, or on a branch nobody writes any more: only the newest state stays
+    for b in drops:  # only the newest version keeps its rule state
         head = fresh.lookup_snapshot(heads[b])
-        if b in in_use or (listed_at - head.written_at).total_seconds() > ACTIVE_SECONDS:
+        if b in in_use:  # by the branch's writer, between its commits
             if sweep_states(store.files, b, (head.metadata or {}).get(STATE_KEY)):
-                store._state_writer.forget(b)  # (a commit between the head's lookup and the sweep lost objects)
+                store._state_writer.forget(b)
+        elif _idle(listed_at, head.written_at):
+            _sweep_idle(store, b, listed_at - grace)
     return report
+
+
+def _sweep_idle(store: IcechunkParamStore, branch: str, written_before: datetime) -> None:
+    """Sweep the rule state of a branch that looked idle: a writer may resume on it meanwhile.
+
+    A writer writes its state object first and commits after, so an object no head names yet may be
+    a commit's in progress.  Under the commit lock (a local store's: no commit is in progress while it is
+    held) the head is looked up again; and only objects written before ``written_before`` go (object
+    stores, which have no lock: the collection's grace, as for Icechunk's own objects).
+    """
+    with store._backend.commit_lock():
+        repo = store._repo.reopen()
+        head = repo.lookup_snapshot(repo.lookup_branch(branch))
+        keep = (head.metadata or {}).get(STATE_KEY)
+        if sweep_states(store.files, branch, keep, written_before=written_before.timestamp()):
+            store._state_writer.forget(branch)  # (this process's writer, if any, knew of objects now gone)
 
 
 def _pin_holds(repo: Any, names: set[str], held: set[str]) -> int:
@@ -216,7 +232,7 @@ def _marker(repo: Any, branch: str, now: datetime, *, active_only: bool) -> int 
     step = (head.metadata or {}).get(KEEP_FROM_KEY)
     if not isinstance(step, int):
         return None
-    if active_only and (now - head.written_at).total_seconds() > ACTIVE_SECONDS:
+    if active_only and _idle(now, head.written_at):
         return None
     return step
 
@@ -249,7 +265,7 @@ def _bound(
     when = oldest[1]
     if step is None:
         why = "it keeps its whole history (no retention policy)"
-    elif (now - repo.lookup_snapshot(head).written_at).total_seconds() > ACTIVE_SECONDS:
+    elif _idle(now, repo.lookup_snapshot(head).written_at):
         why = "its run stopped before it could apply its retention policy"
     else:
         return [when]  # a running run: it collects itself soon
@@ -273,6 +289,12 @@ def _exists(repo: Any, version: str) -> bool:
     except icechunk.IcechunkError:
         return False
     return True
+
+
+def _idle(now: datetime, written_at: datetime) -> bool:
+    """A branch whose newest version was written at ``written_at`` is idle (``vcdask.store.idle-after``):
+    its writer's marker no longer counts, and any collection may sweep its rule state."""
+    return (now - written_at).total_seconds() > float(config.get("store.idle-after"))
 
 
 def _default_grace(store: IcechunkParamStore) -> float:

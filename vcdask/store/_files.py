@@ -5,9 +5,11 @@ They live under ``<store>/runs/<run_id>/``; Icechunk never reads or deletes them
 
 from __future__ import annotations
 
+import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -20,6 +22,24 @@ if TYPE_CHECKING:
     from ._base import ParamStore
 
 __all__ = ["SideFiles"]
+
+
+def _modified(info: Mapping[str, Any]) -> float | None:
+    """When an object was last written (POSIX seconds), from an fsspec ``info`` dict: ``mtime`` (local),
+    ``LastModified`` (s3fs), ``last_modified`` (adlfs), ``updated`` (gcsfs), ``created`` (memory)."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, datetime):
+            return (value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+    return None
 
 
 def _fault(e: OSError, what: str) -> StoreError:
@@ -146,15 +166,19 @@ class SideFiles:
         except OSError as e:
             raise _fault(e, f"deleting {path!r} from {self.where}") from e
 
-    def list(self, prefix: str) -> list[str]:
-        """Paths (relative to ``<store>/runs``) of the objects under ``prefix``."""
+    def list(self, prefix: str, *, written_before: float | None = None) -> list[str]:
+        """Paths (relative to ``<store>/runs``) of the objects under ``prefix``; with ``written_before``
+        (POSIX seconds), only those last modified before then (an object whose time the filesystem does
+        not give is left out)."""
         base = self._path(prefix).rstrip("/")
         try:
-            found = self.fs.find(base)
+            found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return []
         except OSError as e:
             raise _fault(e, f"listing {prefix!r} in {self.where}") from e
+        if written_before is not None:
+            found = {p: info for p, info in found.items() if (_modified(info) or math.inf) < written_before}
         strip = len(self.root.strip("/")) + 1
         return sorted(p.strip("/")[strip:] for p in found)
 

@@ -256,16 +256,16 @@ def delete_state(files: Any, value: Any, branch: str, keep: Any = None) -> None:
             logger.warning("could not delete the superseded rule state %s (a later collection retries): %s", path, e)
 
 
-def sweep_states(files: Any, branch: str, keep: Any) -> int:
+def sweep_states(files: Any, branch: str, keep: Any, *, written_before: float | None = None) -> int:
     """Delete every state object of ``branch`` but those ``keep`` (the newest version's ``vcdask:state``)
-    names; return how many.
+    names; return how many.  ``written_before`` (POSIX seconds): only objects written before then.
 
-    Only the branch's own writer may call this (between its commits): an object written for a
-    commit in progress would be taken too.
+    Without ``written_before`` only the branch's own writer may call this (between its commits): an
+    object written for a commit in progress would be taken too.
     """
     kept = state_paths(keep)
     gone = 0
-    for path in files.list(state_folder(branch)):
+    for path in files.list(state_folder(branch), written_before=written_before):
         if path not in kept:
             files.delete(path)
             gone += 1

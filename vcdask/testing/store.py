@@ -341,6 +341,28 @@ class StoreTests:
             assert torch.equal(store.read(version).params.arrays["float32"], params), version
         assert torch.equal(store.read_state(expected[-1][0])["momentum"].arrays["float32"], expected[-1][2])
 
+    def test_a_collection_keeps_young_state_objects_of_an_idle_branch(self, store):
+        """Any collection sweeps the rule state of an idle branch (``vcdask gc``); an object no version
+        names may be another writer's commit in progress, so only those older than the grace go."""
+        import time
+
+        import dask
+
+        from vcdask import Retention
+        from vcdask.store._state import state_folder, write_state_object
+
+        momentum = flatten({"w": torch.randn(100)})
+        head = [store.commit(_constant_state(s), {"step": s}, state={"momentum": momentum}) for s in range(2)][-1]
+        (kept,) = store.files.list(state_folder("main"))
+        stray = write_state_object(store.files, "main", {"momentum": flatten({"w": torch.ones(100)})})
+        with dask.config.set({"vcdask.store.idle-after": 0}):  # every branch counts as idle
+            store.gc(Retention(keep_last=1, grace=3600))
+            assert sorted(store.files.list(state_folder("main"))) == sorted([kept, stray])
+            time.sleep(1.1)  # (object stores date objects to the second)
+            store.gc(Retention(keep_last=1, grace=0))
+        assert store.files.list(state_folder("main")) == [kept]
+        assert store.read_state(head)["momentum"].equal(momentum)
+
     def test_hold_keeps_a_version_through_gc(self, store):
         from vcdask import Retention
 
