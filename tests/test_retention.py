@@ -192,13 +192,21 @@ def test_a_collection_in_another_process_never_takes_the_state_of_a_commit_in_pr
     collections = 0
     with dask.config.set({"vcdask.store.idle-after": 0}):  # every branch counts as idle: anyone sweeps it
         writer.start()
-        while writer.is_alive() and not parent.poll():
-            store.gc(Retention(keep_last=1))
-            collections += 1
-        lost = parent.recv()
-    writer.join(30)
-    assert collections > 5 and lost == []
-    store.gc(Retention(keep_last=1))  # what no version names is swept once the writer is done
+        child.close()
+        try:
+            while writer.is_alive() and not parent.poll():
+                store.gc(Retention(keep_last=1))
+                collections += 1
+            assert parent.poll(60), f"the writer died (exit code {writer.exitcode})"
+            lost = parent.recv()
+        finally:
+            writer.join(30)
+            if writer.is_alive():
+                writer.terminate()
+        assert collections > 5 and lost == []
+        (stray,) = store.files.list("run-w/rule-state")  # (the writer deleted what its own commits replaced)
+        store.files.put(stray.replace(".safetensors", "-left.safetensors"), b"a failed commit's leftover")
+        store.gc(Retention(keep_last=1))  # an idle branch: what no version names goes, what the head names stays
     head = store.versions("run-w")[0]
     assert store.read_state(head.id)["momentum"].equal(_params(1039, 256))
     assert len(store.files.list("run-w/rule-state")) == 1

@@ -216,8 +216,8 @@ class ParamStore(ABC):
             Only report what would be removed.
         in_use : mapping of str to int, optional
             Branch -> the oldest step the tasks of the run writing it still read (``vcdask.fit``
-            passes it).  Without it, a branch written in the last hour keeps what its writer marked
-            in use with its newest version.
+            passes it).  Without it, a branch written recently (``vcdask.store.idle-after``, an hour)
+            keeps what its writer marked in use with its newest version.
 
         Returns
         -------
