@@ -22,7 +22,7 @@ from ._credentials import lookup_credentials, register_credentials
 from ._errors import quiet_logs, ref_error, translate
 from ._files import SideFiles
 from ._history import history, is_reserved, store_nbytes, version_nbytes
-from ._layout import is_version, read_flat, version_info
+from ._layout import is_version, read_flat_at, version_info
 from ._repository import open_repository
 from ._retention import GCReport
 from ._state import StateWriter, read_state
@@ -187,7 +187,6 @@ class IcechunkParamStore(ParamStore):
             Unknown version, tag or branch, or a branch with no versions yet.
         """
         import icechunk
-        import zarr
 
         if version is not None and tag is not None:
             raise ValueError(f"give version or tag, not both (got version={version!r}, tag={tag!r})")
@@ -211,7 +210,7 @@ class IcechunkParamStore(ParamStore):
                 raise VersionNotFoundError(self._empty_branch_message(branch))
             raise VersionNotFoundError(f"{tag or version!r} in {self._backend.describe()} has no vcdask version yet")
         try:
-            params = read_flat(zarr.open_group(session.store, mode="r", path="params"))
+            params = read_flat_at(session.store)
         except icechunk.IcechunkError as e:
             raise translate(e, f"reading version {snap.id!r} from {self._backend.describe()}") from None
         return Checkpoint(version_info(snap, self._version_or_none(snap.parent_id)), params)
