@@ -171,29 +171,30 @@ def collect(
         report = replace(
             report, bytes_deleted=summary.bytes_deleted, objects_deleted=deleted + summary.transaction_logs_deleted
         )
-    for b in drops:  # only the newest version keeps its rule state
-        head = fresh.lookup_snapshot(heads[b])
-        if b in in_use:  # by the branch's writer, between its commits
-            if sweep_states(store.files, b, (head.metadata or {}).get(STATE_KEY)):
-                store._state_writer.forget(b)
-        elif _idle(listed_at, head.written_at):
-            _sweep_idle(store, b, listed_at - grace)
+    for b in drops:  # by the branch's writer (between its commits), or on an idle branch
+        if b in in_use:
+            _sweep(store, b, None)
+        elif _idle(listed_at, fresh.lookup_snapshot(heads[b]).written_at):
+            _sweep(store, b, listed_at - grace)
     return report
 
 
-def _sweep_idle(store: IcechunkParamStore, branch: str, written_before: datetime) -> None:
-    """Sweep the rule state of a branch that looked idle: a writer may resume on it meanwhile.
+def _sweep(store: IcechunkParamStore, branch: str, written_before: datetime | None) -> None:
+    """Delete the rule state objects of ``branch`` that its newest version does not name (only the
+    newest version keeps its rule state).
 
     A writer writes its state object first and commits after, so an object no head names yet may be
-    a commit's in progress.  Under the commit lock (a local store's: no commit is in progress while it is
-    held) the head is looked up again; and only objects written before ``written_before`` go (object
-    stores, which have no lock: the collection's grace, as for Icechunk's own objects).
+    a commit's in progress (on an idle branch, a writer resuming on it).  Under the commit lock (a local
+    store's: no commit is in progress while it is held) the head is looked up again; and with
+    ``written_before`` only objects written before then go (object stores, which have no lock: the
+    collection's grace, as for Icechunk's own objects).
     """
     with store._backend.commit_lock():
         repo = store._repo.reopen()
         head = repo.lookup_snapshot(repo.lookup_branch(branch))
         keep = (head.metadata or {}).get(STATE_KEY)
-        if sweep_states(store.files, branch, keep, written_before=written_before.timestamp()):
+        before = None if written_before is None else written_before.timestamp()
+        if sweep_states(store.files, branch, keep, written_before=before):
             store._state_writer.forget(branch)  # (this process's writer, if any, knew of objects now gone)
 
 

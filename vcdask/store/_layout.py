@@ -103,14 +103,9 @@ def write_state(zstore: Any, state: Mapping[str, FlatParams] | None, chunk_bytes
         write_flat(zstore, flat, chunk_bytes, path=f"rule/{name}")
 
 
-def read_flat(group: Any) -> FlatParams:
-    """The flat parameters in a group written by :func:`write_flat`."""
-    layout = Layout.from_dict(group.attrs[LAYOUT_KEY])
-    return FlatParams(layout, {dtype: _from_numpy(group[dtype][:], dtype) for dtype in layout.sizes})
-
-
 def read_flat_at(zstore: Any, path: str = "params") -> FlatParams:
-    """:func:`read_flat` of the group at ``path`` in ``zstore``, in one trip to Zarr's event loop.
+    """The flat parameters in the group at ``path`` of ``zstore`` (written by :func:`write_flat`), read
+    in one trip to Zarr's event loop.
 
     Zarr's synchronous API makes one trip per call (open the group, then each array, then its
     values: three for a model of one dtype), each a hand-over to Zarr's I/O thread and back.  On

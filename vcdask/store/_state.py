@@ -221,7 +221,7 @@ def read_state(store: Any, version: str) -> dict[str, FlatParams]:
     import zarr
 
     from ..errors import VersionNotFoundError
-    from ._layout import read_flat
+    from ._layout import read_flat_at
 
     session = store._repo.readonly_session(snapshot_id=version)
     value = (store._repo.lookup_snapshot(version).metadata or {}).get(STATE_KEY)
@@ -237,7 +237,7 @@ def read_state(store: Any, version: str) -> dict[str, FlatParams]:
     if "rule" not in root:
         return {}
     rule = zarr.open_group(session.store, mode="r", path="rule")
-    return {name: read_flat(group) for name, group in rule.groups()}
+    return {name: read_flat_at(session.store, f"rule/{name}") for name in rule.group_keys()}
 
 
 def delete_state(files: Any, value: Any, branch: str, keep: Any = None) -> None:
