@@ -2,6 +2,7 @@
 
 usage: python benchmarks/compression.py [--tasks digits,wide] [--codecs none,fp16,int8,int4]
                                         [--workers 2] [--epochs 6] [--seeds 0,1,2]
+       python benchmarks/compression.py --speed [--params 5000000] [--codecs none,fp16,bf16,int8,int4]
 
 Each task trains with vcdask's defaults on an embedded cluster of ``--workers`` worker processes
 (one thread each), once per seed and codec: the same data, shards, epochs and seeds for every codec.
@@ -15,6 +16,11 @@ cost takes a dozen seeds or more.
 
 * ``digits``: the demo CNN (40k parameters) on 8x8 digits, 10 shards, 2 local epochs.
 * ``wide``: the wide CNN of ``benchmarks/strategies.py`` (3.3M parameters), the same data.
+
+``--speed``: what a codec costs in CPU instead, one thread, no cluster: the median milliseconds of a
+worker's ``encode`` (``W_c - W_base``, error feedback, quantization) of ``--params`` float32 values, at
+every step of a run (its kept memory reused), and of the merge thread's ``decode``; the floor is one
+copy of the values into new memory (``clone``), measured in the same run.
 """
 
 from __future__ import annotations
@@ -78,6 +84,57 @@ def _paired(runs: list[dict], ref: list[dict], key: str, scale: float, relative:
     return f"{statistics.mean(diffs):+.2f} +- {statistics.stdev(diffs) / len(diffs) ** 0.5:.2f}"
 
 
+def speed(n: int, codecs: list[str], repeat: int = 25) -> list[dict]:
+    """Median ms of encode and decode of ``n`` float32 values per codec, and of a clone (the floor)."""
+    from vcdask import compress
+    from vcdask.params import flatten
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(n // 1000, 1000)  # about n values, not a whole number of blocks
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(model.weight.shape, generator=g))
+    base = flatten(model)
+
+    def median_ms(f) -> float:
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return 1000 * statistics.median(times[3:])
+
+    floor = median_ms(lambda: base.arrays["float32"].clone())
+    rows = []
+    for codec in codecs:
+        if codec == "none":
+            continue
+        times = {"encode": [], "decode": []}
+        for _ in range(repeat):
+            with torch.no_grad():
+                model.weight.add_(1e-3 * torch.randn(model.weight.shape, generator=g))
+            w_c = flatten(model)
+            t = time.perf_counter()
+            update = compress.encode(codec, w_c, base, "v", run_id=f"speed-{codec}")
+            times["encode"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            update.decode(base)
+            times["decode"].append(time.perf_counter() - t)
+        enc, dec = (1000 * statistics.median(times[k][3:]) for k in ("encode", "decode"))
+        values = base.layout.sizes["float32"]
+        rows.append(
+            {
+                "compression": codec,
+                "values": values,
+                "encode ms": round(enc, 2),
+                "decode ms": round(dec, 2),
+                "clone ms (floor)": round(floor, 2),
+                "encode / floor": round(enc / floor, 1),
+            }
+        )
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="digits,wide")
@@ -85,7 +142,14 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--speed", action="store_true", help="encode and decode ms per codec instead (no cluster)")
+    ap.add_argument("--params", type=int, default=5_000_000, help="values encoded with --speed")
     args = ap.parse_args(argv)
+    if args.speed:
+        from devices import markdown
+
+        print(markdown(speed(args.params, args.codecs.split(","))))
+        return 0
     seeds = [int(s) for s in args.seeds.split(",")]
     codecs = args.codecs.split(",")
     if codecs[0] != "none":
