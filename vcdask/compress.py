@@ -123,7 +123,9 @@ def encode(codec: str, w_c: FlatParams, base: FlatParams, base_version: str, run
         if r is not None:
             work.add_(r)
         # the last residual, now added, is the integer codecs' scratch, then the next update's work buffer
-        scratch = r if r is not None or codec not in _LEVELS else torch.empty(size, dtype=torch.float32)
+        scratch = r
+        if scratch is None and codec in _LEVELS:
+            scratch = kept.buffer(size)
         encoded = _encode(codec, work, n, scratch)
         parts.update({f"{dtype}.{k}": v for k, v in encoded.items()})
         left.residual[dtype] = work  # now what this update left out
