@@ -428,3 +428,26 @@ def test_nesterov_bias_correction_must_be_a_known_choice():
     with pytest.raises(ValueError, match=r"bias_correction='adam': must be True, False, 'agreement' or 'trust'"):
         Nesterov(bias_correction="adam")
     assert Nesterov(bias_correction="agreement").describe()["bias_correction"] == "agreement"
+
+
+@pytest.mark.parametrize("correction", ["trust", "agreement"])
+def test_nesterov_correction_once_below_float32_resolution_is_the_plain_step(correction):
+    """Past the momentum step where ``1 / (1 - momentum**t)`` is within float32's resolution of 1 (158 for
+    0.9) the bounded corrections make exactly the uncorrected step (and skip their passes over the
+    arrays); before it they still correct."""
+    torch.manual_seed(0)
+    start = {"w": torch.randn(1000), "m": torch.randn(1000) * 0.01}
+    pseudo = [start["m"] + torch.randn(1000) * 0.001 for _ in range(2)]  # along the momentum: corrected
+
+    def window(bias_correction, steps):
+        rule = Nesterov(lr=0.5, momentum=0.9, delay=2, bias_correction=bias_correction)
+        server = flatten({"w": start["w"].clone()})
+        state = rule.init_state(server)
+        state.arrays["momentum"].arrays["float32"].copy_(start["m"])
+        state.scalars["steps"] = steps
+        for g in pseudo:
+            rule.apply(server, flatten({"w": server.state_dict()["w"] - g}), state, Arrival(epoch=1))
+        return server.state_dict()["w"]
+
+    assert torch.equal(window(correction, 158), window(False, 158))
+    assert not torch.equal(window(correction, 20), window(False, 20))

@@ -239,3 +239,23 @@ def test_updates_and_state_objects_of_earlier_releases_still_read(tmp_path):
     assert torch.equal(again["momentum"].arrays["float32"], m.arrays["float32"]) and again["pending"].equal(
         state["pending"]
     )
+
+
+def test_a_state_array_is_kept_as_zeros_only_when_every_value_is_zero(tmp_path):
+    """The state writer stores an all-zero array as its layout alone; it looks at a thousand spread-out
+    values first, so an array with one value set between them, or a ``-0.0``, must still be written."""
+    store = open_store(tmp_path / "store")
+    n = 100_003
+    one = torch.zeros(n)
+    one[n // 1024 * 7 + 3] = 1e-30  # between the sampled values
+    negative = torch.zeros(n)
+    negative[-1] = -0.0
+    zeros = torch.zeros(n)
+    state = {name: flatten({"w": t}) for name, t in (("one", one), ("negative", negative), ("zeros", zeros))}
+    version = store.commit(flatten({"w": torch.ones(3)}), state=state)
+    back = store.read_state(version)
+    for name, t in (("one", one), ("negative", negative), ("zeros", zeros)):
+        got = back[name].arrays["float32"]
+        assert torch.equal(got.view(torch.int32), t.view(torch.int32)), name  # bit for bit: -0.0 stays -0.0
+    (path,) = store.files.list("main/rule-state")
+    assert len(store.files.get(path)) < 3 * n * 4  # two arrays written, the zeros as their layout

@@ -186,10 +186,18 @@ class StateWriter:
 
 
 def _all_zero(t: torch.Tensor) -> bool:
-    """Whether every value of ``t`` is zero bit for bit (``-0.0`` is not)."""
+    """Whether every value of ``t`` is zero bit for bit (``-0.0`` is not).
+
+    A thousand values spread over ``t`` first: an array that is not all zeros (a rule's momentum) almost
+    always shows it there, in microseconds; only one that passes is counted in full.  (``Tensor.any`` over
+    5M int32 values took 4 ms, ``count_nonzero`` 1.5.)
+    """
     if t.is_floating_point():
         t = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    return not bool(t.any())
+    t = t.reshape(-1)
+    if bool(t[:: max(1, t.numel() // 1024)].any()):
+        return False
+    return int(torch.count_nonzero(t)) == 0
 
 
 def _fingerprint(flat: FlatParams) -> tuple[Any, ...]:
