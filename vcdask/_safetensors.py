@@ -198,4 +198,4 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize
