@@ -26,7 +26,8 @@ training (vcdask: ``fit`` with its staging and first commit, to the moment each 
 DDP: after the process group is up).  (Until stop 22 a vcdask version counted from its update's arrival
 plus the run's overhead outside its history, the time after the last merge included; measured on digits
 that was 7-10 ms later than the commit, the median over a run.)
-Prints medians over seeds, the ratio vcdask / DDP and the work each vcdask worker did.
+Prints medians over seeds, the ratio vcdask / DDP and the work each vcdask worker did; then each vcdask variant
+against the same seed's DDP and torch (the medians of per-seed ratios and differences).
 """
 
 from __future__ import annotations
@@ -375,7 +376,7 @@ def main(argv=None) -> int:
 
     from vcdask.cluster import embedded_cluster
 
-    rows = []
+    rows, paired = [], []
     with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
         # warm-up: worker processes import torch and vcdask once, outside the measurements
         vcdask_run("default", args.task, 0, X[:320], y[:320], 1, 0.0, 0.0, client)
@@ -429,6 +430,7 @@ def main(argv=None) -> int:
                         "slow worker's share": statistics.median(r.get("slow share", float("nan")) for r in rs),
                     }
                 )
+            paired += seed_by_seed(f"{slow:g}x", runs)
     from devices import markdown
 
     print(
@@ -436,7 +438,35 @@ def main(argv=None) -> int:
         f"kill every {args.kill_every or '-'} s, {os.cpu_count()} cores"
     )
     print(markdown(rows))
+    if paired:
+        print("\nseed by seed (each vcdask run against the same seed's DDP and torch; medians over the seeds)")
+        print(markdown(paired))
     return 0
+
+
+def seed_by_seed(slow: str, runs: dict[str, list]) -> list[dict]:
+    """Each vcdask variant against the same seed's peers: one test image moves a median of finals by a
+    step, and the peers' own seeds spread as much as the variants do (stop 36: torch alone ended between
+    0.958 and 0.981 over seeds 0-9)."""
+    inf = float("inf")
+    ddp, torch_ = runs.get("torch DDP, 2 ranks"), runs.get("torch, 1 process")
+    out = []
+    for name, rs in runs.items():
+        if not name.startswith("vcdask") or not (ddp or torch_):
+            continue
+        row: dict = {"slow worker": slow, "trainer": name}
+        if ddp:  # a run that never reaches the target took forever; a seed neither reached says nothing
+            pairs = [(r["reached"], d["reached"]) for r, d in zip(rs, ddp, strict=True)]
+            pairs = [(a if a == a else inf, b if b == b else inf) for a, b in pairs]
+            ratios = [a / b for a, b in pairs if a < inf or b < inf]
+            row["time / DDP's"] = statistics.median(ratios) if ratios else float("nan")
+            row["seeds at or under DDP's time"] = f"{sum(x <= 1 for x in ratios)} of {len(ratios)}"
+        if torch_:
+            row["points vs torch"] = statistics.median(
+                100 * (r["final"] - t["final"]) for r, t in zip(rs, torch_, strict=True)
+            )
+        out.append(row)
+    return out
 
 
 if __name__ == "__main__":
