@@ -2,9 +2,10 @@
 
 A run commits after (almost) every merge, so this path is kept short.  When the branch head is the
 version this store object committed last, with the same parameter layout, the arrays are known to be
-there with the right shapes: they are opened by path and overwritten, without opening the root group,
-listing the arrays or rewriting attributes (:func:`rewrite_flat`), and without looking for the rule
-state that versions of earlier vcdask releases kept inside the version.
+there with the right shapes: their chunks are overwritten (:func:`rewrite_flat`), without opening the
+root group, listing the arrays or rewriting attributes, without reading again the Zarr metadata read
+for the previous commit, and without looking for the rule state that versions of earlier vcdask
+releases kept inside the version.  For a small model these reads were most of a commit's time.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +31,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["commit_version", "rewrite_flat"]
+__all__ = ["LastCommit", "commit_version", "rewrite_flat"]
+
+
+@dataclass(frozen=True)
+class LastCommit:
+    """What a store object committed last on a branch (the fast path of :func:`commit_version`)."""
+
+    version: str
+    layout: dict
+    #: the version's metadata (which rule state object it names)
+    metadata: dict
+    #: dtype -> the Zarr metadata of its array (chunks, codecs, chunk keys), as read for this commit
+    arrays: dict[str, Any] = field(default_factory=dict)
 
 
 def commit_version(
@@ -66,14 +80,17 @@ def commit_version(
             if state and STATE_KEY not in meta:  # first: a version never names a state object that is not there
                 meta[STATE_KEY], written = store._state_writer.write(store.files, branch, session.snapshot_id, state)
             try:
-                if store._last_commit.get(branch) == (session.snapshot_id, layout):
+                last = store._last_commit.get(branch)
+                arrays: dict[str, Any] = {}
+                if last is not None and last.version == session.snapshot_id and last.layout == layout:
                     # our own head, same layout: the arrays are there (a memory store keeps the bytes it is
                     # given, so it gets a copy, not a view of parameters the run goes on changing)
-                    rewrite_flat(session.store, flat, copy=not store._backend.durable)
+                    arrays = rewrite_flat(session.store, flat, copy=not store._backend.durable, known=last.arrays)
+                    replaced = last.metadata
                 else:
                     write_flat(session.store, flat, store.chunk_bytes)
                     write_state(session.store, None, store.chunk_bytes)  # (earlier vcdask kept it inside)
-                replaced = store._repo.lookup_snapshot(session.snapshot_id).metadata or {}
+                    replaced = store._repo.lookup_snapshot(session.snapshot_id).metadata or {}
                 version = session.commit(message or "vcdask version", metadata=meta)
             except BaseException as e:  # nothing of this store's last commit is known to hold any more
                 store._last_commit.pop(branch, None)
@@ -85,7 +102,7 @@ def commit_version(
                 if isinstance(e, (icechunk.ConflictError, icechunk.IcechunkError)):
                     raise translate(e, what) from None
                 raise
-            store._last_commit[branch] = (version, layout)
+            store._last_commit[branch] = LastCommit(version, layout, meta, arrays)
             store._state_writer.committed(branch, version, written)
         # (a failed attempt leaves its state object: the branch's writer sweeps it, see ParamStore.gc)
         delete_state(store.files, replaced.get(STATE_KEY), branch, keep=meta.get(STATE_KEY))
@@ -93,29 +110,43 @@ def commit_version(
     raise StoreConflict(f"{what}: lost the race to other writers {store.commit_retries + 1} times; nothing was written")
 
 
-def rewrite_flat(zstore: Any, flat: FlatParams, path: str = "params", *, copy: bool = False) -> None:
+def rewrite_flat(
+    zstore: Any, flat: FlatParams, path: str = "params", *, copy: bool = False, known: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Overwrite the arrays of a group that :func:`~._layout.write_flat` wrote with this same layout.
 
-    One metadata read per array (its shape and dtype are checked all the same); the root group,
-    the listing of the group and its layout attribute are left as they are.  The chunks are
-    written as they are stored (:func:`_put_chunks`), not through Zarr's write path; ``copy``: each
-    chunk as a copy, for a store that keeps the bytes it is given (in memory).
+    Each array's Zarr metadata is read (and its shape and dtype checked) unless ``known`` has it
+    (dtype -> metadata, as this function returned it for the previous version); the root group, the
+    listing of the group and its layout attribute are left as they are.  The chunks are written as
+    they are stored (:func:`_put_chunks`), not through Zarr's write path; ``copy``: each chunk as a
+    copy, for a store that keeps the bytes it is given (in memory).  Returns the metadata of the
+    arrays written that way, for the next version's ``known``.
     """
     import zarr
 
     from ._layout import _to_numpy, write_all
 
+    written = {}
     for dtype, values in flat.arrays.items():
         data, zdtype = _to_numpy(values, dtype)
-        arr = zarr.open_array(zstore, path=f"{path}/{dtype}", mode="r+")
-        if arr.shape != data.shape or arr.dtype != zdtype:  # cannot happen with the same layout; never write wrong
-            raise ValueError(f"array {path}/{dtype} is {arr.shape} {arr.dtype}, not {data.shape} {zdtype}")
-        if data.size and not _put_chunks(zstore, arr, data, copy=copy):
-            write_all(arr, data)
+        meta = (known or {}).get(dtype)
+        if meta is None or tuple(meta.shape) != data.shape:
+            arr = zarr.open_array(zstore, path=f"{path}/{dtype}", mode="r+")
+            if arr.shape != data.shape or arr.dtype != zdtype:  # cannot happen with the same layout; never write wrong
+                raise ValueError(f"array {path}/{dtype} is {arr.shape} {arr.dtype}, not {data.shape} {zdtype}")
+            meta = arr.metadata
+        if not data.size:
+            continue
+        if _put_chunks(zstore, f"{path}/{dtype}", meta, data, copy=copy):
+            written[dtype] = meta
+        else:
+            write_all(zarr.open_array(zstore, path=f"{path}/{dtype}", mode="r+"), data)
+    return written
 
 
-def _put_chunks(zstore: Any, arr: Any, data: np.ndarray, *, copy: bool = False) -> bool:
-    """Write ``data`` into the 1-d array ``arr`` chunk by chunk, each straight from ``data``'s memory.
+def _put_chunks(zstore: Any, path: str, meta: Any, data: np.ndarray, *, copy: bool = False) -> bool:
+    """Write ``data`` into the 1-d array at ``path`` (Zarr metadata ``meta``) chunk by chunk, each
+    straight from ``data``'s memory.
 
     An uncompressed chunk of ``write_flat``'s arrays is its values' little-endian bytes (the last one
     padded with the fill value to the chunk's size), so these are the bytes Zarr writes.  Zarr's own
@@ -132,7 +163,6 @@ def _put_chunks(zstore: Any, arr: Any, data: np.ndarray, *, copy: bool = False) 
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
-    meta = arr.metadata
     codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
     little = data.dtype.byteorder == "|" or (data.dtype.byteorder in "<=" and sys.byteorder == "little")
     if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec) or not little or data.ndim != 1:
@@ -140,7 +170,10 @@ def _put_chunks(zstore: Any, arr: Any, data: np.ndarray, *, copy: bool = False) 
     endian = getattr(codecs[0].endian, "value", codecs[0].endian)
     if endian not in (None, "little"):
         return False
-    chunk = int(arr.chunks[0])
+    grid = getattr(getattr(meta, "chunk_grid", None), "chunk_shape", None)
+    if grid is None or len(grid) != 1:
+        return False
+    chunk = int(grid[0])
     raw_set = getattr(getattr(zstore, "_store", None), "set", None)  # Icechunk's: any bytes-like value, no copy
     whole = memoryview(data.data).cast("B")
     width = chunk * data.dtype.itemsize
@@ -148,10 +181,10 @@ def _put_chunks(zstore: Any, arr: Any, data: np.ndarray, *, copy: bool = False) 
     for i in range(-(-data.size // chunk)):
         piece: Any = whole[i * width : (i + 1) * width]
         if len(piece) < width:  # the last chunk, stored at full size
-            padded = np.full(chunk, arr.fill_value, dtype=data.dtype)
+            padded = np.full(chunk, meta.fill_value, dtype=data.dtype)
             padded[: len(piece) // data.dtype.itemsize] = data[i * chunk :]
             piece = memoryview(padded.data).cast("B")
-        pieces.append((f"{arr.path}/{meta.encode_chunk_key((i,))}", bytes(piece) if copy else piece))
+        pieces.append((f"{path}/{meta.encode_chunk_key((i,))}", bytes(piece) if copy else piece))
     limit = asyncio.Semaphore(max(1, int(zarr.config.get("async.concurrency") or 10)))
 
     async def put(key: str, piece: Any) -> None:

@@ -17,12 +17,13 @@ from ..errors import ReadOnlyStoreError, VersionNotFoundError
 from ..params import FlatParams, flatten
 from ._base import Checkpoint, ParamStore, VersionInfo
 from ._collect import gc, hold
-from ._commit import commit_version
+from ._commit import LastCommit, commit_version
 from ._credentials import lookup_credentials, register_credentials
 from ._errors import quiet_logs, ref_error, translate
 from ._files import SideFiles
+from ._flatread import Seen, read_flat
 from ._history import history, is_reserved, store_nbytes, version_nbytes
-from ._layout import is_version, read_flat_at, version_info
+from ._layout import is_version, version_info
 from ._repository import open_repository
 from ._retention import GCReport
 from ._state import StateWriter, read_state
@@ -74,9 +75,10 @@ class IcechunkParamStore(ParamStore):
         self._repo = open_repository(backend, mode, self.max_tries)
         self._pinned: dict[str, VersionInfo] = {}  # versions kept by a pin (immutable): read once
         self._histories: dict[tuple[str, str], list] = {}  # (branch, head) -> history of a branch without policy
-        #: branch -> (version, layout) of this object's last commit there (the fast path of ._commit)
-        self._last_commit: dict[str, tuple[str, dict]] = {}
+        #: branch -> what this object committed there last (the fast path of ._commit)
+        self._last_commit: dict[str, LastCommit] = {}
         self._state_writer = StateWriter()  # rewrites only the rule state arrays that changed
+        self._seen: dict[str, Seen] = {}  # what the last read found (the next one asks for it all at once)
         if secrets:  # copies unpickled in this process (an in-process scheduler or worker) use them too
             register_credentials(self.location, **secrets)
 
@@ -210,7 +212,7 @@ class IcechunkParamStore(ParamStore):
                 raise VersionNotFoundError(self._empty_branch_message(branch))
             raise VersionNotFoundError(f"{tag or version!r} in {self._backend.describe()} has no vcdask version yet")
         try:
-            params = read_flat_at(session.store)
+            params = read_flat(session.store, self._seen)
         except icechunk.IcechunkError as e:
             raise translate(e, f"reading version {snap.id!r} from {self._backend.describe()}") from None
         return Checkpoint(version_info(snap, self._version_or_none(snap.parent_id)), params)
