@@ -174,9 +174,23 @@ def collect(
     for b in drops:  # by the branch's writer (between its commits), or on an idle branch
         if b in in_use:
             _sweep(store, b, None)
-        elif _idle(listed_at, fresh.lookup_snapshot(heads[b]).written_at):
+        elif _still_idle(store, fresh, b, heads[b], listed_at):
             _sweep(store, b, listed_at - grace)
     return report
+
+
+def _still_idle(store: IcechunkParamStore, repo: Any, branch: str, head: str, now: datetime) -> bool:
+    """Whether ``branch``, whose head was ``head`` when the collection listed it, is idle.  A writer may
+    have committed on it since, and this collection expired and removed ``head`` (an old version now):
+    then it is not idle."""
+    import icechunk
+
+    try:
+        return _idle(now, repo.lookup_snapshot(head).written_at)
+    except icechunk.IcechunkError:
+        if store._repo.reopen().lookup_branch(branch) != head:
+            return False
+        raise
 
 
 def _sweep(store: IcechunkParamStore, branch: str, written_before: datetime | None) -> None:
