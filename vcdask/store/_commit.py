@@ -23,7 +23,7 @@ from ..params import FlatParams
 from ._base import check_metadata
 from ._collect import KEEP_FROM_KEY
 from ._errors import translate
-from ._layout import FORMAT, FORMAT_KEY, write_flat, write_state
+from ._layout import FORMAT, FORMAT_KEY, plain_chunk, write_flat, write_state
 from ._state import STATE_KEY, delete_state
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def rewrite_flat(
     written = {}
     for dtype, values in flat.arrays.items():
         data, zdtype = _to_numpy(values, dtype)
-        meta = (known or {}).get(dtype)
+        meta, arr = (known or {}).get(dtype), None
         if meta is None or tuple(meta.shape) != data.shape:
             arr = zarr.open_array(zstore, path=f"{path}/{dtype}", mode="r+")
             if arr.shape != data.shape or arr.dtype != zdtype:  # cannot happen with the same layout; never write wrong
@@ -140,7 +140,7 @@ def rewrite_flat(
         if _put_chunks(zstore, f"{path}/{dtype}", meta, data, copy=copy):
             written[dtype] = meta
         else:
-            write_all(zarr.open_array(zstore, path=f"{path}/{dtype}", mode="r+"), data)
+            write_all(arr if arr is not None else zarr.open_array(zstore, path=f"{path}/{dtype}", mode="r+"), data)
     return written
 
 
@@ -159,21 +159,13 @@ def _put_chunks(zstore: Any, path: str, meta: Any, data: np.ndarray, *, copy: bo
     zarr's ``async.concurrency`` pieces are written at a time, as zarr's own write does.
     """
     import zarr
-    from zarr.codecs import BytesCodec
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
-    codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
+    chunk = plain_chunk(meta)
     little = data.dtype.byteorder == "|" or (data.dtype.byteorder in "<=" and sys.byteorder == "little")
-    if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec) or not little or data.ndim != 1:
+    if chunk is None or not little or data.ndim != 1:
         return False
-    endian = getattr(codecs[0].endian, "value", codecs[0].endian)
-    if endian not in (None, "little"):
-        return False
-    grid = getattr(getattr(meta, "chunk_grid", None), "chunk_shape", None)
-    if grid is None or len(grid) != 1:
-        return False
-    chunk = int(grid[0])
     raw_set = getattr(getattr(zstore, "_store", None), "set", None)  # Icechunk's: any bytes-like value, no copy
     whole = memoryview(data.data).cast("B")
     width = chunk * data.dtype.itemsize

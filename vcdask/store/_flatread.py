@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..params import FlatParams, Layout
-from ._layout import _from_numpy, read_flat_async
+from ._layout import _from_numpy, plain_chunk, read_flat_async
 
 __all__ = ["Seen", "read_flat"]
 
@@ -119,18 +119,11 @@ async def _read_and_see(zstore: Any, path: str) -> tuple[FlatParams, Seen | None
 def _plain(arr: Any, dtype: str, path: str) -> _Array | None:
     """How to read an array stored as plain little-endian bytes in 1-d chunks (its ``doc`` still to
     fill in); None for any other array (Zarr reads those)."""
-    from zarr.codecs import BytesCodec
-
     meta = arr.metadata
-    codecs = tuple(getattr(meta, "codecs", ()))
-    grid = getattr(getattr(meta, "chunk_grid", None), "chunk_shape", None)
-    if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec) or grid is None or len(grid) != 1:
-        return None
-    endian = getattr(codecs[0].endian, "value", codecs[0].endian)
+    chunk = plain_chunk(meta)
     numpy_dtype = np.dtype(arr.dtype)
-    little = numpy_dtype.itemsize == 1 or (endian == "little" and sys.byteorder == "little")
-    if len(arr.shape) != 1 or not little:
+    if chunk is None or (numpy_dtype.itemsize > 1 and sys.byteorder != "little"):
         return None
-    size, chunk = int(arr.shape[0]), int(grid[0])
+    size = int(arr.shape[0])
     keys = tuple(f"{path}/{dtype}/{meta.encode_chunk_key((i,))}" for i in range(-(-size // chunk)))
     return _Array(dtype, b"", numpy_dtype.newbyteorder("="), size, chunk, meta.fill_value, keys)

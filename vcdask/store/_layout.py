@@ -131,6 +131,21 @@ async def read_flat_async(zstore: Any, path: str = "params") -> tuple[FlatParams
     return FlatParams(layout, arrays), opened
 
 
+def plain_chunk(meta: Any) -> int | None:
+    """The chunk length of a 1-d array whose chunks are their values' little-endian bytes and nothing
+    else (how :func:`write_flat` stores its arrays), from its Zarr metadata; None for any other array."""
+    from zarr.codecs import BytesCodec
+
+    codecs = tuple(getattr(meta, "codecs", ()))
+    grid = getattr(getattr(meta, "chunk_grid", None), "chunk_shape", None)
+    if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec) or grid is None or len(grid) != 1:
+        return None
+    if len(meta.shape) != 1:
+        return None
+    endian = getattr(codecs[0].endian, "value", codecs[0].endian)
+    return int(grid[0]) if endian in (None, "little") else None
+
+
 def _to_numpy(values: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.dtype]:
     if dtype == "bfloat16":
         values = values.view(torch.uint16)
