@@ -114,6 +114,25 @@ def _setup(spec: RunSpec) -> tuple[torch.device, Precision]:
     return device, Precision(spec.precision, device)
 
 
+_torch_warm = False
+
+
+def _warm_torch() -> None:
+    """Pay, once per process, what PyTorch's first training step costs before a task asks for its base.
+
+    The first optimizer built in a process imports ``torch._dynamo``: 1.7-3.7 s on a freshly spawned
+    worker, against milliseconds for a small model's whole task.  Paid after the base was chosen, it
+    counted as staleness: a cold worker's first update came back 14-18 merges old and was rejected.
+    """
+    global _torch_warm
+    if _torch_warm:
+        return
+    weight = torch.nn.Parameter(torch.zeros(1))
+    torch.optim.SGD([weight], lr=0.0)  # any optimizer: the import is the cost
+    (weight * 2.0).sum().backward()  # and autograd's first backward
+    _torch_warm = True
+
+
 def _warm_rows(store, run_id: str, shard: int) -> _batches.Rows | None:
     """The shard's rows, if this process has them and the run's spec at hand (None: nothing is read)."""
     spec = cached_spec(store, run_id)
@@ -198,6 +217,8 @@ def train_shard(
     device, precision = _setup(spec)
     start, stop = spec.shards.bounds(shard)
     rows = warm if warm is not None else _batches.rows(spec, spec.train, start, stop, pin=device.type == "cuda")
+    if warm is None:
+        _warm_torch()
     t_base = time.perf_counter()
     # ready to train: from the newest version
     newest = _tell_run("vcdask_base", run_id, **({"started": instance_here()} if warm is not None else {}))
