@@ -26,8 +26,10 @@ training (vcdask: ``fit`` with its staging and first commit, to the moment each 
 DDP: after the process group is up).  (Until stop 22 a vcdask version counted from its update's arrival
 plus the run's overhead outside its history, the time after the last merge included; measured on digits
 that was 7-10 ms later than the commit, the median over a run.)
-Prints medians over seeds, the ratio vcdask / DDP and the work each vcdask worker did; then each vcdask variant
-against the same seed's DDP and torch (the medians of per-seed ratios and differences).
+Prints medians over seeds, the ratio vcdask / DDP, the passes over the data each trainer took to the
+target (vcdask: shards merged over shards per epoch; DDP: both ranks' batches) and the work each vcdask
+worker did; then each vcdask variant against the same seed's DDP and torch (the medians of per-seed
+ratios and differences).
 """
 
 from __future__ import annotations
@@ -98,17 +100,17 @@ def batch_seconds(task: str, X: np.ndarray, y: np.ndarray) -> float:
         torch.set_num_threads(previous)
 
 
-def first_reaching(points: list[tuple[float, dict]], task: str, seed: int, Xt, yt, target: float):
-    """(time to target or nan, final accuracy) of ``(seconds, state_dict)`` snapshots, evaluated here."""
+def first_reaching(points: list[tuple[float, dict, float]], task: str, seed: int, Xt, yt, target: float):
+    """(time to target or nan, passes over the data to target or nan, final accuracy) of
+    ``(seconds, state_dict, passes)`` snapshots, evaluated here."""
     model = MODELS[task](seed)
-    reached = float("nan")
-    acc = float("nan")
-    for seconds, state in points:
+    reached = at_pass = acc = float("nan")
+    for seconds, state, passes in points:
         model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
         acc = accuracy_on(model, Xt, yt)
         if acc >= target and reached != reached:
-            reached = seconds
-    return reached, acc
+            reached, at_pass = seconds, passes
+    return reached, at_pass, acc
 
 
 # -- single-process torch ---------------------------------------------------------------------------
@@ -133,8 +135,9 @@ def torch_single(task, seed, X, y, passes):
             opt.step()
             n += 1
             if n % every == 0:
-                points.append((time.perf_counter() - t0, {k: v.clone() for k, v in model.state_dict().items()}))
-    points.append((time.perf_counter() - t0, {k: v.clone() for k, v in model.state_dict().items()}))
+                state = {k: v.clone() for k, v in model.state_dict().items()}
+                points.append((time.perf_counter() - t0, state, n / steps))
+    points.append((time.perf_counter() - t0, {k: v.clone() for k, v in model.state_dict().items()}, passes))
     return points, {"total": time.perf_counter() - t0}
 
 
@@ -164,6 +167,7 @@ def _ddp_rank(rank, port, task, seed, X, y, passes, delay, start_pass, ckpt, out
         order = torch.randperm(len(Xb), generator=torch.Generator().manual_seed(seed * 1000 + p))[rank::2]
         model.train()
         for i in range(0, len(order), 32):
+            done = p + (i + 32) / len(order)  # passes over the data once this step is taken (both ranks)
             if rank == 1 and delay:
                 time.sleep(delay)
             idx = order[i : i + 32]
@@ -173,14 +177,14 @@ def _ddp_rank(rank, port, task, seed, X, y, passes, delay, start_pass, ckpt, out
             n += 1
             if rank == 0 and n % every == 0:
                 state = {k: v.numpy().copy() for k, v in model.module.state_dict().items()}  # (not via shared memory)
-                out.put(("point", time.perf_counter() - t0, state))
+                out.put(("point", time.perf_counter() - t0, state, min(done, p + 1)))
         if rank == 0:
             torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, ckpt + ".tmp")
             os.replace(ckpt + ".tmp", ckpt)
             out.put(("pass", p + 1, time.perf_counter() - t0))
     if rank == 0:
         state = {k: v.numpy().copy() for k, v in model.module.state_dict().items()}  # (not via shared memory)
-        out.put(("done", time.perf_counter() - t0, state))
+        out.put(("done", time.perf_counter() - t0, state, passes))
     dist.destroy_process_group()
 
 
@@ -331,10 +335,12 @@ def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
         merged = h[h.accepted].sort_values("time")
         # each version counts from the moment it was committed (same machine, same clock as wall0)
         committed = {v.id: v.written_at.timestamp() - wall0 for v in vcdask.open_store(store).versions(r.run_id)}
+        n_shards = merged.shard.nunique()  # passes: shards merged, over shards per epoch
         points = []
-        for row in merged.itertuples():
+        for i, row in enumerate(merged.itertuples()):
             model = vcdask.load(store, MODELS[task](seed), version=row.version_id, branch=r.run_id)
-            points.append((committed[row.version_id], {k: v.clone() for k, v in model.state_dict().items()}))
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            points.append((committed[row.version_id], state, (i + 1) / n_shards))
     work = h[h.accepted].groupby("worker").size()
     # worker 0 is never slowed nor killed; worker 1 may come back at a new address after a kill
     fast = next(
@@ -408,15 +414,17 @@ def main(argv=None) -> int:
                     )
                 for name, make in trainers:
                     points, info = make()
-                    reached, acc = first_reaching(points, args.task, seed, Xt, yt, args.target)
-                    runs.setdefault(name, []).append({"reached": reached, "final": acc, **info})
-                    print(f"slow {slow} seed {seed} {name}: reached {reached:.2f} final {acc:.4f} {info}", flush=True)
+                    reached, at_pass, acc = first_reaching(points, args.task, seed, Xt, yt, args.target)
+                    runs.setdefault(name, []).append({"reached": reached, "passes": at_pass, "final": acc, **info})
+                    print(
+                        f"slow {slow} seed {seed} {name}: reached {reached:.2f} (pass {at_pass:.2f}) "
+                        f"final {acc:.4f} {info}",
+                        flush=True,
+                    )
             ddp = statistics.median(r["reached"] for r in runs.get("torch DDP, 2 ranks", [{"reached": float("nan")}]))
             ref = statistics.median(r["final"] for r in runs.get("torch, 1 process", [{"final": float("nan")}]))
             for name, rs in runs.items():
-                reached = [r["reached"] for r in rs]
-                finite = [v for v in reached if v == v]
-                med = statistics.median(finite) if len(finite) > len(reached) // 2 else float("nan")
+                med = _median_reached([r["reached"] for r in rs])
                 final = statistics.median(r["final"] for r in rs)
                 rows.append(
                     {
@@ -424,6 +432,7 @@ def main(argv=None) -> int:
                         "trainer": name,
                         f"time to {args.target} (s)": med,
                         "vs DDP": med / ddp,
+                        f"passes to {args.target}": _median_reached([r["passes"] for r in rs]),
                         "final acc": final,
                         "points vs torch": 100 * (final - ref),
                         "total (s)": statistics.median(r["total"] for r in rs),
@@ -442,6 +451,12 @@ def main(argv=None) -> int:
         print("\nseed by seed (each vcdask run against the same seed's DDP and torch; medians over the seeds)")
         print(markdown(paired))
     return 0
+
+
+def _median_reached(values: list[float]) -> float:
+    """The median over seeds of a time (or passes) to target; nan (never) where most seeds never got there."""
+    finite = [v for v in values if v == v]
+    return statistics.median(finite) if len(finite) > len(values) // 2 else float("nan")
 
 
 def seed_by_seed(slow: str, runs: dict[str, list]) -> list[dict]:
