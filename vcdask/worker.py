@@ -129,7 +129,8 @@ def _warm_torch() -> None:
         return
     weight = torch.nn.Parameter(torch.zeros(1))
     torch.optim.SGD([weight], lr=0.0)  # any optimizer: the import is the cost
-    (weight * 2.0).sum().backward()  # and autograd's first backward
+    with torch.enable_grad():  # and autograd's first backward (whatever this thread's grad mode)
+        (weight * 2.0).sum().backward()
     _torch_warm = True
 
 
