@@ -451,9 +451,14 @@ class Saboteur(torch.optim.Adam):
 
 
 class SlowerOnceFlagged(SlowOn):
-    """:class:`SlowOn`, and once the file ``flag`` exists, ``after`` seconds per batch on that worker
-    (a machine that slows down, e.g. throttled as its instance is being reclaimed).  Each slowed batch
-    first appends a line to ``flag + ".seen"``: a test knows a batch began after the flag."""
+    """:class:`SlowOn`, and once the file ``flag`` exists, ``after`` seconds per training batch on that
+    worker (a machine that slows down, e.g. throttled as its instance is being reclaimed).  Each slowed
+    batch first appends a line to ``flag + ".seen"``: a test knows a shard's batch began after the flag.
+
+    A validation also calls the train step (for its loss, with no ``eval_step``), with the model in eval
+    mode: its batches are not slowed and leave no mark.  Until stop 38 they were, and a validation running
+    on the worker at the flag wrote the mark while no shard ran there (CI: "no shard running on the
+    victim" for 60 s)."""
 
     def __init__(self, address: str, delay: float, flag: str, after: float):
         super().__init__(address, delay)
@@ -463,7 +468,7 @@ class SlowerOnceFlagged(SlowOn):
         try:
             from distributed import get_worker
 
-            if get_worker().address == self.address and os.path.exists(self.flag):
+            if model.training and get_worker().address == self.address and os.path.exists(self.flag):
                 with open(self.flag + ".seen", "a") as f:
                     f.write(f"{time.time()}\n")
                 time.sleep(self.after)
