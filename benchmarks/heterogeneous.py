@@ -167,7 +167,7 @@ def _ddp_rank(rank, port, task, seed, X, y, passes, delay, start_pass, ckpt, out
         order = torch.randperm(len(Xb), generator=torch.Generator().manual_seed(seed * 1000 + p))[rank::2]
         model.train()
         for i in range(0, len(order), 32):
-            done = p + (i + 32) / len(order)  # passes over the data once this step is taken (both ranks)
+            done = p + min(1.0, (i + 32) / len(order))  # passes over the data once this step is taken (both ranks)
             if rank == 1 and delay:
                 time.sleep(delay)
             idx = order[i : i + 32]
@@ -177,7 +177,7 @@ def _ddp_rank(rank, port, task, seed, X, y, passes, delay, start_pass, ckpt, out
             n += 1
             if rank == 0 and n % every == 0:
                 state = {k: v.numpy().copy() for k, v in model.module.state_dict().items()}  # (not via shared memory)
-                out.put(("point", time.perf_counter() - t0, state, min(done, p + 1)))
+                out.put(("point", time.perf_counter() - t0, state, done))
         if rank == 0:
             torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, ckpt + ".tmp")
             os.replace(ckpt + ".tmp", ckpt)
