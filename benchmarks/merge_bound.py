@@ -2,7 +2,7 @@
 
 usage: python benchmarks/merge_bound.py [--params 5000000] [--shards 60] [--epochs 2] [--workers 2]
                                         [--rules nesterov,vc-asgd] [--compression none,int8]
-                                        [--fold on,off] [--tasks-per-slot 1] [--cpu]
+                                        [--fold on,off] [--tasks-per-slot 1] [--backlog default] [--cpu]
 
 A model of ``--params`` float32 parameters that trains in no time (a linear head on the digits and a
 large table the loss does not touch) on many tiny shards: every task is a read, a few steps and an
@@ -10,7 +10,10 @@ upload, so the run is as fast as its merge thread.  Each row is one ``vcdask.fit
 cluster with a local-directory store (removed after): merges per second sustained (accepted merges
 after the first epoch over the time they took), the median shard-task time,
 and the median upload size; with queued merges folded into one commit (``fold on``:
-``commit_every="auto"``) and committed one by one (``off``: the default ``commit_every=1``).
+``commit_every="auto"``) and committed one by one (``off``: the default ``commit_every=1``), or a number
+``N``: a commit every ``N`` merges (``commit_every=N``).  ``--backlog``: the run's retention collects once
+this many MiB of versions were committed since its last collection (``Retention(backlog_bytes=...)``;
+``none``: every 10 s only, as before stop 39; ``default``: the default policy).
 ``benchmarks/merge_path.py`` measures the merge path alone for the floor.  Where a task's time goes:
 ``read`` (the spec, rows and base version, including ``wait``, the wait for the merges before its base),
 ``train``, ``upload`` (writing ``W_c``), medians in seconds from the run's history.
@@ -98,7 +101,7 @@ def cpu_times() -> dict[str, float]:
     return out
 
 
-def run(args, rule: str, codec: str, client, commit_every) -> dict:
+def run(args, rule: str, codec: str, client, commit_every, backlog: str = "default") -> dict:
     from vcdask.demo import digits
 
     (X, y), _ = digits()
@@ -120,6 +123,7 @@ def run(args, rule: str, codec: str, client, commit_every) -> dict:
             store=store,
             seed=0,
             progress=False,
+            retention=_retention(backlog),
         )
         wall = time.perf_counter() - t0
         after = cpu_times() if args.cpu else {}
@@ -141,6 +145,16 @@ def run(args, rule: str, codec: str, client, commit_every) -> dict:
     }
 
 
+def _retention(backlog: str) -> vcdask.Retention:
+    if backlog == "default":
+        return vcdask.Retention()
+    return vcdask.Retention(backlog_bytes=None if backlog == "none" else int(float(backlog) * 2**20))
+
+
+def _commit_every(fold: str) -> int | str:
+    return "auto" if fold == "on" else 1 if fold == "off" else int(fold)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=int, default=5_000_000)
@@ -149,7 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rules", default="nesterov,vc-asgd")
     ap.add_argument("--compression", default="none,int8")
-    ap.add_argument("--fold", default="on,off", help="on, off or both: commit queued merges together or one by one")
+    ap.add_argument(
+        "--fold", default="on,off", help="on, off, N: commit queued merges together, one by one, or every N merges"
+    )
+    ap.add_argument("--backlog", default="default", help="MiB of versions that trigger a collection: N, none, default")
     ap.add_argument("--tasks-per-slot", type=int, default=1, help="shard tasks kept in flight per worker thread")
     ap.add_argument("--cpu", action="store_true", help="where the machine's CPU went, ms per merge")
     args = ap.parse_args(argv)
@@ -171,8 +188,10 @@ def main(argv=None) -> int:
         for fold in args.fold.split(","):
             for rule in args.rules.split(","):
                 for codec in args.compression.split(","):
-                    rows.append({"fold": fold, **run(args, rule, codec, client, "auto" if fold == "on" else 1)})
-                    print(rows[-1], flush=True)
+                    for backlog in args.backlog.split(","):
+                        row = run(args, rule, codec, client, _commit_every(fold), backlog)
+                        rows.append({"fold": fold, "backlog MiB": backlog, **row})
+                        print(rows[-1], flush=True)
     print(f"\n{args.params:,} parameters, {args.workers} workers, {args.shards} shards x {args.epochs} epochs")
     print(markdown(rows))
     return 0

@@ -57,6 +57,8 @@ def _commit_run(store, branch: str, merges: int, per_epoch: int) -> dict[int, tu
         ({"interval": -1}, r"interval=-1.*seconds >= 0"),
         ({"interval": float("nan")}, r"interval=nan"),
         ({"grace": "soon"}, r"grace='soon'.*or None"),
+        ({"backlog_bytes": 0}, r"backlog_bytes=0.*integer >= 1 or None"),
+        ({"backlog_bytes": 1.5e8}, r"backlog_bytes=150000000.0"),
     ],
 )
 def test_retention_names_the_bad_value_and_what_is_allowed(kwargs, match):
@@ -311,6 +313,42 @@ def test_resume_after_gc_continues_exactly(tmp_path):
     assert bounded.read(b2.version).params.equal(keep_all.read(a.version).params)
     assert {v.metadata["step"] for v in bounded.versions("run-x")} == {0, 4, 8, 11, 12}
     assert b2.progress == a.progress == {"done": [[1, 4], [2, 8], [3, 12]], "open": []}
+
+
+def test_a_run_collects_once_its_backlog_of_versions_is_reached(tmp_path):
+    """Long before ``interval``: at the commit that brings ``backlog_bytes`` of parameters, not before;
+    with ``backlog_bytes=None`` only by ``interval``."""
+    version_bytes = _params(0).nbytes
+    for backlog, collected_at in ((3 * version_bytes, 3), (3 * version_bytes - 1, 3), (None, None)):
+        store = vcdask.open_store(tmp_path / f"s{backlog}")
+        policy = Retention(keep_last=1, keep_epochs=False, interval=3600, backlog_bytes=backlog)
+        server = _server(store, "run-b", policy)
+        counts = []
+        for i in range(5):
+            server.merge(_upload(store, "run-b", 1, i, i + 1), completes=False)
+            counts.append((len(server.collect_seconds), len(store.versions("run-b"))))
+        if collected_at is None:
+            assert counts == [(0, n) for n in (2, 3, 4, 5, 6)]  # the initial version and one per merge
+        else:  # from the collection on: the newest version alone, then one more per merge
+            assert counts == [(0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+
+
+@pytest.mark.parametrize(
+    ("since", "backlog", "last", "due"),
+    [
+        (10.0, 0, 0.0, True),  # the interval is up, backlog or not
+        (0.1, 64 * 2**20, 0.0, True),  # the backlog is reached
+        (0.1, 64 * 2**20 - 1, 0.0, False),  # one byte short
+        (0.1, 2**40, 0.02, False),  # the last collection took 0.02 s: wait 0.2 s from its start
+        (0.2, 2**40, 0.02, True),
+        (9.9, 2**40, 5.0, False),  # a slow collection (an object store's listing): by the interval
+    ],
+)
+def test_collection_due_takes_at_most_a_tenth_of_the_merge_thread(since, backlog, last, due):
+    from vcdask.engine.committing import collection_due
+
+    assert collection_due(Retention(), since, backlog, last) is due
+    assert collection_due(Retention(backlog_bytes=None), since, backlog, last) is (since >= 10.0)
 
 
 def test_runs_one_after_another_in_one_store_each_keep_their_policy(tmp_path, caplog):

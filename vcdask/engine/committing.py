@@ -27,8 +27,10 @@ if TYPE_CHECKING:
 
 #: Base versions of compressed updates the merge thread keeps in memory (the newest commits).
 BASES_KEPT = 8
+#: A collection starts no sooner than this many times the last one's duration after that one began.
+COST_RATIO = 10
 
-__all__ = ["BASES_KEPT", "Committing", "Head"]
+__all__ = ["BASES_KEPT", "COST_RATIO", "Committing", "Head", "collection_due"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,15 @@ class Head:
     def committed(self) -> bool:
         """Whether every merge so far is in a committed version."""
         return self.version_step == self.step
+
+
+def collection_due(retention: Retention, since: float, backlog: int, last: float) -> bool:
+    """Whether a run collects now, ``since`` seconds after its last collection began (which took
+    ``last`` seconds), with ``backlog`` bytes of parameters committed since (see :meth:`Committing.collect`)."""
+    if since >= retention.interval:
+        return True
+    limit = retention.backlog_bytes
+    return limit is not None and backlog >= limit and since >= COST_RATIO * last
 
 
 class Committing:
@@ -71,6 +82,7 @@ class Committing:
     collect_seconds: list[float]
     stage_seconds: dict[str, deque[float]]
     _collected: float
+    _backlog: int
     _said_held_back: bool
     _bases: OrderedDict[str, FlatParams]
 
@@ -102,6 +114,7 @@ class Committing:
         version = self._through_outages(lambda: self._commit_once(metadata), f"committing step {self.head.step}")
         self.stage_seconds["commit"].append(time.perf_counter() - t0)
         self.head = Head(self.head.step, version, self.head.step)
+        self._backlog += self.params.nbytes if self.params is not None else 0
         if self._bases and self.params is not None:  # compressed updates: the next ones start from here
             self._bases[version] = self.params.clone()
             while len(self._bases) > BASES_KEPT:
@@ -116,16 +129,21 @@ class Committing:
     def collect(self, final: bool = False) -> None:
         """Apply the run's retention policy to its branch (:meth:`vcdask.ParamStore.gc`).
 
-        At most once per ``retention.interval`` seconds (``final``: now), in the merge thread, so it
-        never runs beside a commit of this run.  Versions at or after ``in_use_step`` (what the run's
-        tasks read) are kept.  A failed collection is logged and tried again at the next interval:
-        nothing is lost meanwhile, the store only holds more.
+        Once ``retention.interval`` seconds have passed since the last collection began, or sooner
+        once the versions committed since then hold ``retention.backlog_bytes`` (but not before nine
+        times the last collection's duration has passed: collecting takes at most about a tenth of
+        the thread's time); ``final``: now.  In the merge thread, so it never runs beside a commit
+        of this run.  Versions at or after ``in_use_step`` (what the run's tasks read) are kept.  A
+        failed collection is logged and tried again later: nothing is lost meanwhile, the store
+        only holds more.
         """
         if self.retention is None or self.head.version is None:
             return
-        if not final and time.monotonic() - self._collected < self.retention.interval:
+        last = self.collect_seconds[-1] if self.collect_seconds else 0.0
+        if not final and not collection_due(self.retention, time.monotonic() - self._collected, self._backlog, last):
             return
         self._collected = t0 = time.monotonic()
+        self._backlog = 0
         head_step = self.head.version_step
         in_use = head_step if self.in_use_step is None else min(self.in_use_step, head_step)
         try:

@@ -3,7 +3,8 @@
 Everything that touches parameter arrays runs in the run's merge thread, never on the scheduler's
 event loop.  The loop reads :attr:`ParamsServer.head`, an immutable :class:`Head` that the merge
 thread replaces as one object after each merge or commit.  The run's retention policy is applied
-here too, between merges, at most once per ``Retention.interval`` (:meth:`ParamsServer.collect`).
+here too, between merges, once per ``Retention.interval`` or sooner by its ``backlog_bytes``
+(:meth:`ParamsServer.collect`).
 Commits and retention live in :mod:`vcdask.engine.committing` (a mixin of :class:`ParamsServer`).
 
 Each version's metadata records the run's progress (``progress``: the epochs done, with the step at
@@ -102,6 +103,7 @@ class ParamsServer(Committing):
         self.keep_from = 0  # retention: the kept versions before this step are pinned (the marker for others)
         self.progress: dict[str, list[list[int]]] = {"done": [], "open": []}
         self._collected = time.monotonic()
+        self._backlog = 0  # bytes of parameters committed since the last collection began
         self.collect_seconds: list[float] = []  # how long each collection took (for benchmarks/storage.py)
         #: Where the merge path's time goes, per stage (recent merges; for benchmarks/merge_path.py): reading
         #: the update, checking it, the rule, and the store's commit (parameters, rule state, snapshot).
