@@ -55,7 +55,7 @@ class Retention:
         Also keep the first version at or after every multiple of ``every`` merges (by the
         versions' ``step`` metadata), e.g. ``every=100`` keeps steps 0, 100, 200, ...
     interval : float, default 10.0
-        During a run: collect at least once every this many seconds (and once more when the run
+        During a run: collect every this many seconds (between merges, and once more when the run
         ends), sooner when ``backlog_bytes`` says so.
     grace : float, optional
         Never delete stored objects younger than this many seconds: they may belong to another
@@ -69,7 +69,7 @@ class Retention:
         ``interval`` alone).  A run of a large model commits hundreds of megabytes a second;
         collected every 10 s, the store held gigabytes it was about to delete, which the machine
         had to find memory (and write-back) for, and each collection then deleted them at once: a
-        5M-parameter run on a 2-core machine (vc-asgd) went about 50% faster collected this way
+        5M-parameter run on a 2-core machine (vc-asgd) made 20-50% more merges a second this way
         (``benchmarks/merge_bound.py``, see the storage guide).  Whatever the backlog, the run
         waits nine times as long as its last collection took before the next one, so collecting
         never takes more than about a tenth of the merge thread's time.
