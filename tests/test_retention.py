@@ -319,7 +319,7 @@ def test_a_run_collects_once_its_backlog_of_versions_is_reached(tmp_path):
     """Long before ``interval``: at the commit that brings ``backlog_bytes`` of parameters, not before;
     with ``backlog_bytes=None`` only by ``interval``."""
     version_bytes = _params(0).nbytes
-    for backlog, collected_at in ((3 * version_bytes, 3), (3 * version_bytes - 1, 3), (None, None)):
+    for backlog in (3 * version_bytes, 3 * version_bytes - 1, None):
         store = vcdask.open_store(tmp_path / f"s{backlog}")
         policy = Retention(keep_last=1, keep_epochs=False, interval=3600, backlog_bytes=backlog)
         server = _server(store, "run-b", policy)
@@ -327,9 +327,9 @@ def test_a_run_collects_once_its_backlog_of_versions_is_reached(tmp_path):
         for i in range(5):
             server.merge(_upload(store, "run-b", 1, i, i + 1), completes=False)
             counts.append((len(server.collect_seconds), len(store.versions("run-b"))))
-        if collected_at is None:
+        if backlog is None:
             assert counts == [(0, n) for n in (2, 3, 4, 5, 6)]  # the initial version and one per merge
-        else:  # from the collection on: the newest version alone, then one more per merge
+        else:  # collected at the third merge: the newest version alone, then one more per merge
             assert counts == [(0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
 
 

@@ -71,8 +71,8 @@ def dump_parts(arrays: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
     return [*parts, directory, end]
 
 
-def loads(data: bytes | bytearray) -> dict[str, np.ndarray]:
-    """The arrays of ``.npz`` bytes; from a ``bytearray`` they are writable views of it (no copy)."""
+def loads(data: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
+    """The arrays of ``.npz`` bytes; from writable memory (a ``bytearray``) they are writable views of it (no copy)."""
     buf = memoryview(data)
     out: dict[str, np.ndarray] = {}
     with zipfile.ZipFile(_Reader(buf)) as z:  # the directory only: the members are not read here

@@ -104,8 +104,9 @@ class Entry:
 class TensorFile:
     """A parsed safetensors file over ``buffer``: its metadata and tensors as views of the buffer.
 
-    From a ``bytearray`` the tensors are writable views of it (which keep it alive and stop it
-    from being resized); from ``bytes`` (e.g. to read the metadata only), copies.
+    From writable memory (a ``bytearray``, or what ``SideFiles.get_buffer`` reads) the tensors are writable
+    views of it (which keep it alive and stop it from being resized); from ``bytes`` (e.g. to read the
+    metadata only), copies.
 
     Raises
     ------

@@ -105,7 +105,7 @@ def _flat(f: st.TensorFile, layout: Layout, dtype: str) -> torch.Tensor:
     return out
 
 
-def _read_npz_update(data: bytearray) -> FlatParams | EncodedUpdate:
+def _read_npz_update(data: memoryview) -> FlatParams | EncodedUpdate:
     """An update in the ``.npz`` form of vcdask before stop 33."""
     z = _npz.loads(data)
     layout = Layout.from_dict(json.loads(z["__layout__"].tobytes()))

@@ -96,7 +96,7 @@ def read_state_object(files: Any, path: str) -> dict[str, FlatParams]:
     return out
 
 
-def _read_npz_state(data: bytearray) -> dict[str, FlatParams]:
+def _read_npz_state(data: memoryview) -> dict[str, FlatParams]:
     """A state object in the ``.npz`` form of vcdask before stop 33."""
     z = _npz.loads(data)
     layouts = json.loads(z["__layouts__"].tobytes())
