@@ -3,7 +3,8 @@
 usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [--passes 12] [--target 0.95]
                                           [--seeds 0,1,2] [--kill-every 0]
                                           [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd,
-                                                    agreement,adam-correction,trust,no-hand-over]
+                                                    agreement,adam-correction,trust,no-hand-over,
+                                                    no-next-base]
 
 Two worker processes of one thread each; worker 1 is made ``--slow`` times slower by a **per-batch
 delay**: before each training batch it sleeps ``(slow - 1) * c``, where ``c`` is the median time of one
@@ -289,9 +290,15 @@ VARIANTS = {
     "trust": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction="trust")},
     # stop 31: the defaults, with the run reading every result through Dask (before tasks handed them over)
     "no-hand-over": {},
+    # stop 40: the defaults, with each task asking for its base as it starts (before, the hand-over's
+    # answer brought the base of the worker's next task)
+    "no-next-base": {},
 }
 #: Dask config set on the workers for a variant's run (and set back after)
-WORKER_CONFIG = {"no-hand-over": {"vcdask.worker.hand-over": False}}
+WORKER_CONFIG = {
+    "no-hand-over": {"vcdask.worker.hand-over": False},
+    "no-next-base": {"vcdask.worker.next-base": False},
+}
 
 
 def _set_config(values: dict) -> None:

@@ -2,7 +2,8 @@
 
 usage: python benchmarks/merge_bound.py [--params 5000000] [--shards 60] [--epochs 2] [--workers 2]
                                         [--rules nesterov,vc-asgd] [--compression none,int8]
-                                        [--fold on,off] [--tasks-per-slot 1] [--backlog default] [--cpu]
+                                        [--fold on,off] [--tasks-per-slot 1] [--backlog default]
+                                        [--next-base on] [--cpu]
 
 A model of ``--params`` float32 parameters that trains in no time (a linear head on the digits and a
 large table the loss does not touch) on many tiny shards: every task is a read, a few steps and an
@@ -13,7 +14,9 @@ and the median upload size; with queued merges folded into one commit (``fold on
 ``commit_every="auto"``) and committed one by one (``off``: the default ``commit_every=1``), or a number
 ``N``: a commit every ``N`` merges (``commit_every=N``).  ``--backlog``: the run's retention collects once
 this many MiB of versions were committed since its last collection (``Retention(backlog_bytes=...)``;
-``none``: every 10 s only, as before stop 39; ``default``: the default policy).
+``none``: every 10 s only, as before stop 39; ``default``: the default policy).  ``--next-base off``: each
+task asks the run for its base as it starts (``vcdask.worker.next-base``; ``on``, the default: the
+answer to the last task's hand-over brought it).
 ``benchmarks/merge_path.py`` measures the merge path alone for the floor.  Where a task's time goes:
 ``read`` (the spec, rows and base version, including ``wait``, the wait for the merges before its base),
 ``train``, ``upload`` (writing ``W_c``), medians in seconds from the run's history.
@@ -145,6 +148,12 @@ def run(args, rule: str, codec: str, client, commit_every, backlog: str = "defau
     }
 
 
+def _set_config(values: dict) -> None:
+    import dask.config
+
+    dask.config.set(values)
+
+
 def _retention(backlog: str) -> vcdask.Retention:
     if backlog == "default":
         return vcdask.Retention()
@@ -168,6 +177,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--backlog", default="default", help="MiB of versions that trigger a collection: N, none, default")
     ap.add_argument("--tasks-per-slot", type=int, default=1, help="shard tasks kept in flight per worker thread")
+    ap.add_argument("--next-base", default="on", help="on, off: vcdask.worker.next-base on the workers")
     ap.add_argument("--cpu", action="store_true", help="where the machine's CPU went, ms per merge")
     args = ap.parse_args(argv)
     from devices import markdown
@@ -189,9 +199,11 @@ def main(argv=None) -> int:
             for rule in args.rules.split(","):
                 for codec in args.compression.split(","):
                     for backlog in args.backlog.split(","):
-                        row = run(args, rule, codec, client, _commit_every(fold), backlog)
-                        rows.append({"fold": fold, "backlog MiB": backlog, **row})
-                        print(rows[-1], flush=True)
+                        for next_base in args.next_base.split(","):
+                            client.run(_set_config, {"vcdask.worker.next-base": next_base == "on"})
+                            row = run(args, rule, codec, client, _commit_every(fold), backlog)
+                            rows.append({"fold": fold, "backlog MiB": backlog, "next base": next_base, **row})
+                            print(rows[-1], flush=True)
     print(f"\n{args.params:,} parameters, {args.workers} workers, {args.shards} shards x {args.epochs} epochs")
     print(markdown(rows))
     return 0

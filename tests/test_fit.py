@@ -144,22 +144,28 @@ def _has_plugin(client):
     return client.run_on_scheduler(lambda dask_scheduler: "vcdask" in dask_scheduler.plugins)
 
 
-def test_a_workers_next_task_trains_from_its_own_last_update(client, digits_data, tmp_path):
+@pytest.mark.parametrize("next_base", [True, False], ids=["base-brought-by-the-hand-over", "base-asked-for"])
+def test_a_workers_next_task_trains_from_its_own_last_update(next_base, client, digits_data, tmp_path):
     """A worker gets its next shard as soon as its result is back, before that result is merged; the
-    task waits for the merge before it trains.  Without the wait every task trained from the version
+    task waits for the merge before it trains (or the hand-over waits for it, and its answer brings the
+    next task's base: ``vcdask.worker.next-base``).  Without the wait every task trained from the version
     just before its own worker's last update (half the work lost with ``alpha=0``)."""
     (X, y), _ = digits_data
-    result = vcdask.fit(
-        digits_cnn(0),
-        (X, y),
-        max_epochs=4,
-        n_shards=6,
-        local_epochs=2,
-        tasks_per_slot=1,
-        client=client,
-        store=tmp_path / "s",
-        progress=False,
-    )
+    client.run(_set_worker_config, {"vcdask.worker.next-base": next_base})
+    try:
+        result = vcdask.fit(
+            digits_cnn(0),
+            (X, y),
+            max_epochs=4,
+            n_shards=6,
+            local_epochs=2,
+            tasks_per_slot=1,
+            client=client,
+            store=tmp_path / "s",
+            progress=False,
+        )
+    finally:
+        client.run(_set_worker_config, {"vcdask.worker.next-base": True})
     h = result.history[result.history.accepted].sort_values("time")
     pairs = [
         (int(a.new_version), int(b.base_version))
@@ -170,9 +176,11 @@ def test_a_workers_next_task_trains_from_its_own_last_update(client, digits_data
     fresh = sum(base >= own for own, base in pairs)
     # before the wait: none; with it, nearly all (bounded by a shard's time, so a CI run under load misses some)
     assert fresh >= 0.5 * len(pairs), pairs
-    # the history says what the wait cost: part of the read time, never more than its bound
-    assert ((h.wait_seconds >= 0) & (h.wait_seconds <= h.read_seconds)).all(), h.wait_seconds
-    assert h.wait_seconds.max() < policy.BASE_WAIT_MAX + 1.0
+    # the history says what the wait cost, never more than its bound: part of the read time of a task that
+    # asked (a base brought by the hand-over was waited for before the task began)
+    assert (h.wait_seconds >= 0).all() and h.wait_seconds.max() < policy.BASE_WAIT_MAX + 1.0, h.wait_seconds
+    if not next_base:
+        assert (h.wait_seconds <= h.read_seconds).all(), h[["wait_seconds", "read_seconds"]]
 
 
 def test_default_shards_are_two_per_worker_thread(client, digits_data, tmp_path):
@@ -314,6 +322,62 @@ def test_a_warm_task_says_it_started_with_its_request_for_a_base(client, digits_
     assert len(messages) < len(h), (messages, len(h))
     # every task's start is recorded once: from its own message (cold) or from its request for a base (warm)
     assert len(set(messages + starts)) == len(messages + starts) == len(h), (messages, starts, len(h))
+
+
+def _count_base_messages(dask_scheduler):
+    """Keep the keys of the ``vcdask_base`` requests, and of the copies whose base a hand-over's answer brought."""
+    asked: list = []
+    brought: list = []
+    ask, finish = dask_scheduler.handlers["vcdask_base"], dask_scheduler.handlers["vcdask_finished"]
+
+    async def asking(*args, **kwargs):
+        asked.append(kwargs.get("key"))
+        return await ask(*args, **kwargs)
+
+    async def finishing(*args, **kwargs):
+        answer = await finish(*args, **kwargs)
+        if answer and answer.get("next"):
+            brought.append(answer["next"]["key"])
+        return answer
+
+    dask_scheduler.vcdask_test_bases = (asked, brought, ask, finish)
+    dask_scheduler.handlers.update(vcdask_base=asking, vcdask_finished=finishing)
+
+
+def _uncount_base_messages(dask_scheduler):
+    asked, brought, ask, finish = dask_scheduler.vcdask_test_bases
+    dask_scheduler.handlers.update(vcdask_base=ask, vcdask_finished=finish)
+    return list(asked), list(brought)
+
+
+@pytest.mark.parametrize("next_base", [True, False], ids=["brought-by-the-hand-over", "asked-for"])
+def test_a_warm_worker_gets_its_next_base_with_the_hand_over(next_base, client, digits_data, tmp_path):
+    """With ``vcdask.worker.next-base`` the answer to a shard task's hand-over brings the base of the copy
+    sent to its worker next, and that copy asks for nothing: one message per task, not two (what the copy
+    trains from: :func:`test_a_workers_next_task_trains_from_its_own_last_update`).  Either way every
+    shard is merged once."""
+    from vcdask.handle import ensure_plugin
+
+    (X, y), _ = digits_data
+    ensure_plugin(client)
+    client.run(_set_worker_config, {"vcdask.worker.next-base": next_base})
+    client.run_on_scheduler(_count_base_messages)
+    try:
+        result = vcdask.fit(
+            digits_cnn(0), (X, y), max_epochs=4, n_shards=4, client=client, store=tmp_path / "s", progress=False
+        )
+    finally:
+        asked, brought = client.run_on_scheduler(_uncount_base_messages)
+        client.run(_set_worker_config, {"vcdask.worker.next-base": True})
+    h = result.history
+    assert (h.outcome == "merged").all(), h[["epoch", "shard", "outcome", "reason"]]
+    asked = [k for k in asked if str(k).startswith("vcdask-train-")]
+    if next_base:
+        # 16 copies on 2 workers: after each worker's first epoch most of its copies are on warm shards
+        assert len(brought) >= len(h) // 3, (brought, asked)
+        assert len(set(asked) | set(brought)) == len(h) > len(asked), (asked, brought)
+    else:
+        assert brought == [] and len(asked) == len(h), (asked, brought)
 
 
 @pytest.mark.parametrize("hand_over", [True, False], ids=["handed-over", "through-dask"])

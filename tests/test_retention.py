@@ -265,6 +265,20 @@ def test_a_reader_holding_an_old_version_still_reads_it_while_gc_runs(tmp_path):
             pass
 
 
+def test_a_version_whose_parent_a_collection_just_removed_reads_with_no_parent(tmp_path):
+    """A collection rewrites the parent of the versions it keeps, then deletes the old snapshots: a read
+    that looked its version up just before must still read it (a validation once failed on that race),
+    with no parent, as it reads once the collection is over."""
+    store = vcdask.open_store(tmp_path / "s")
+    run = _commit_run(store, "run-p", merges=3, per_epoch=3)
+    (tmp_path / "s" / "snapshots" / run[2][0]).unlink()  # the collection's delete, after the read's look-up
+    reader = vcdask.open_store(tmp_path / "s")  # a worker's store, nothing cached
+    got = reader.read(run[3][0])
+    assert got.info.parent is None and got.info.id == run[3][0]
+    assert np.array_equal(got.params.arrays["float32"].numpy(), run[3][1].arrays["float32"].numpy())
+    assert reader.read(run[1][0]).info.parent == run[0][0]  # (a parent that is there is still named)
+
+
 # -- resume after a collection -----------------------------------------------------------------------
 def _upload(store, run: str, epoch: int, shard: int, base_step: int) -> dict:
     path = update_path(run, epoch, shard, 0)

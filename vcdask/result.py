@@ -53,7 +53,8 @@ class FitResult:
     history : pandas.DataFrame
         One row per update: epoch, shard, attempt, worker, device (where it trained), base_version, new_version,
         version_id, alpha, staleness, train_loss, seconds (of the task: read_seconds for the
-        version and rows, of which wait_seconds waiting for the merges before its base, train_seconds,
+        version and rows, of which wait_seconds waiting for the merges before its base (or, for a base the
+        answer to its worker's last hand-over brought, that hand-over's wait, before this task began), train_seconds,
         upload_seconds), nbytes (the update as sent), fraction (the share of its
         shard's batches the task trained: below 1 on a slow worker with ``speed_adaptive``), accepted, outcome (one of
         :data:`vcdask.engine.events.OUTCOMES`: merged, rejected, duplicate, late, lost, cancelled,

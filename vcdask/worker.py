@@ -167,19 +167,49 @@ def _tell_run(handler: str, run_id: str, **extra: Any) -> dict[str, Any] | None:
     )
 
 
+#: Bases that hand-overs' answers gave for the shard copies to run next here: key -> (base, seconds waited)
+_next_bases: OrderedDict[str, tuple[dict[str, Any], float]] = OrderedDict()
+_MAX_NEXT_BASES = 8
+
+
 def _hand_over(run_id: str, record: dict[str, Any]) -> None:
     """Send the task's record to the run as the task finishes.
 
     The run gets it a round trip sooner than from Dask (which reports the task done, after which the
     run fetches the result from this worker), and sends this worker its next shard at once.  Best
     effort: the record is also the task's result, which the run reads as before if this fails.
+
+    With ``vcdask.worker.next-base``, a shard task also takes the answer's base for the copy the run
+    sent here to run next, once the run has merged this update (the copy then asks for nothing when
+    it starts: one message to the scheduler per task instead of two).
     """
     if not config.get("worker.hand-over"):
         return
+    ask = record.get("kind") == "update" and bool(config.get("worker.next-base"))
+    t0 = time.perf_counter()
     try:
-        _tell_run("vcdask_finished", run_id, record=record)
+        answer = _tell_run("vcdask_finished", run_id, record=record, **({"next_base": True} if ask else {}))
     except Exception as e:  # noqa: BLE001 - the result still travels the usual way
         logger.debug("could not hand the record of a %s task to run %s: %r", record.get("kind"), run_id, e)
+        return
+    nxt = answer.get("next") if isinstance(answer, dict) else None
+    if nxt:
+        with _lock:
+            _next_bases[nxt.pop("key")] = (nxt, time.perf_counter() - t0)
+            while len(_next_bases) > _MAX_NEXT_BASES:  # copies Dask ran elsewhere
+                _next_bases.popitem(last=False)
+
+
+def _handed_base() -> tuple[dict[str, Any], float] | None:
+    """The base a hand-over's answer gave for the task running here, and the seconds it waited for it."""
+    try:
+        from distributed import get_worker
+
+        key = get_worker().get_current_task()
+    except ValueError:
+        return None
+    with _lock:
+        return _next_bases.pop(str(key), None)
 
 
 def _worker_address() -> str:
@@ -212,7 +242,9 @@ def train_shard(
     # with the spec and the rows at hand (a warm worker), the task is ready at once: the run learns that it
     # started from its request for a base, one message instead of two
     warm = _warm_rows(store, run_id, shard)
-    if warm is None:
+    # the last task's hand-over may have brought this one's base (the run then counts it started already)
+    handed = _handed_base()
+    if warm is None and handed is None:
         _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here; what it costs
     spec = load_spec(store, run_id)
     device, precision = _setup(spec)
@@ -221,9 +253,14 @@ def train_shard(
     if warm is None:
         _warm_torch()
     t_base = time.perf_counter()
-    # ready to train: from the newest version
-    newest = _tell_run("vcdask_base", run_id, **({"started": instance_here()} if warm is not None else {}))
-    wait = time.perf_counter() - t_base  # the history's wait_seconds
+    # ready to train: from the newest version (given already by the last task's hand-over if no rows were read)
+    newest: dict[str, Any] | None
+    if handed is not None and warm is not None:
+        newest, wait = handed  # the history's wait_seconds: the hand-over's, which waited for the merge
+    else:
+        says_started = warm is not None and handed is None
+        newest = _tell_run("vcdask_base", run_id, **({"started": instance_here()} if says_started else {}))
+        wait = time.perf_counter() - t_base
     if newest is not None and newest.get("abandon"):  # the run no longer waits for this copy
         return {"kind": "abandoned", "run_id": run_id, "epoch": epoch, "shard": shard, "attempt": attempt}
     if newest is not None and newest.get("version") is not None:
@@ -291,6 +328,8 @@ def train_shard(
 def validate_version(store, run_id: str, version: str, step: int) -> dict[str, Any]:
     """Validation loss and metrics of one server version."""
     t0 = time.perf_counter()
+    with _lock:  # the base a hand-over gave for the next shard here is older by this validation: ask again
+        _next_bases.clear()
     _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here
     spec = load_spec(store, run_id)
     device, precision = _setup(spec)

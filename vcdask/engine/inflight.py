@@ -27,6 +27,7 @@ class TaskRecord:
     submitted: float = 0.0
     started: float | None = None  # reported by the task when it begins to run
     worker: str | None = None
+    placed: str | None = None  # the one worker a shard copy was placed on (loosely: Dask may move it)
     based: bool = False  # the task asked for its base version (``step`` is the version it trains from)
     overdue: bool = False  # a copy was re-issued because this one missed its deadline (or was stuck)
 

@@ -187,12 +187,29 @@ class VcdaskPlugin(SchedulerPlugin):
             run.task_started(key, worker)
             run.pool.identify(worker, instance, market)
 
-    def handle_finished(self, comm=None, run_id: str = "", key: str = "", worker: str = "", record=None) -> None:
+    async def handle_finished(
+        self, comm=None, run_id: str = "", key: str = "", worker: str = "", record=None, next_base: bool = False
+    ) -> dict | None:
         """A task's record, sent by the task as it finishes: the run need not wait for Dask to report
-        the task done and then fetch its result (see :meth:`Run.hand_over`)."""
+        the task done and then fetch its result (see :meth:`Run.hand_over`).
+
+        ``next_base``: the worker would take the base of the shard copy it runs next with the answer
+        (``{"next": {"key": ..., "version": ..., "step": ...}}``), once the run has merged the results
+        that came before (see :func:`vcdask.engine.watch.next_base`); the copy is recorded as started.
+        """
         run = self.runs.get(run_id)
-        if run is not None and not run.done.is_set() and isinstance(record, dict):
-            run.hand_over(key, record)
+        if run is None or run.done.is_set() or not isinstance(record, dict):
+            return None
+        nxt = run.hand_over(key, record)
+        if not next_base or nxt is None:
+            return None
+        base = await run.next_base(nxt, worker)
+        if base is None:
+            return None
+        self.handle_started(
+            run_id=run_id, key=nxt, worker=worker, instance=record.get("instance"), market=record.get("market")
+        )
+        return {"next": {"key": nxt, **base}}
 
     async def handle_base(
         self, comm=None, run_id: str = "", key: str = "", worker: str = "", started: dict | None = None

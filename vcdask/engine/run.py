@@ -161,7 +161,7 @@ class Run:
             await end.release(self)  # its record written; W_s and the model dropped
             self.done.set()
 
-    def hand_over(self, key: str, record: dict[str, Any]) -> None:
+    def hand_over(self, key: str, record: dict[str, Any]) -> str | None:
         """A task's record, sent by the task as it finishes (see :func:`vcdask.worker.train_shard`).
 
         The run takes it now, a round trip sooner than from Dask (which reports the task done, then
@@ -169,30 +169,35 @@ class Run:
         it: the worker gets its next shard at once (it queues there behind the finishing task), and
         the record waits in :attr:`InFlight.handed` for its merge.  Whichever of the two ways comes second
         finds the task taken and is dropped.
+
+        Returns the key of the shard copy sent to the task's worker to run next (placed there), if
+        any: its base can travel back with the hand-over's answer (:func:`~.watch.next_base`).
         """
         if not self._taking:  # the run is ending: its end reads (or cancels) what is still out
-            return
+            return None
         task = self.tasks.pop(key)
         if task is None:  # Dask's report came first, or the copy was given up
-            return
+            return None
         self.tasks.stale.add(key)
         self.handed_over += 1
         self.tasks.handed.append((task, record))  # first: the record is the run's now, whatever happens below
         self._handed_any.set()
         try:
-            self._taken(task, record)
+            sent = self._taken(task, record)
         except Exception:  # the driver fills the free slot on its next pass
             logger.warning("run %s: sending a worker its next shard failed", self.id, exc_info=True)
+            return None
+        worker = record.get("worker")
+        return next((k for k in sent if getattr(self.tasks.tasks.get(k), "placed", None) == worker), None)
 
-    def _taken(self, task: TaskRecord, record: dict[str, Any]) -> None:
+    def _taken(self, task: TaskRecord, record: dict[str, Any]) -> list[str]:
         """A shard result is in: its worker is free.  Give it its next shard before this result is
         merged, so the new task reads its spec and rows meanwhile; it then waits (briefly) for this
-        merge before it trains (:func:`~.watch.base_for`)."""
+        merge before it trains (:func:`~.watch.base_for`).  The keys of the shard copies sent."""
         if task.kind != "update":
-            return
+            return []
         self.arrived += 1
-        if not self.finished():
-            self.fill(record["worker"])
+        return [] if self.finished() else self.fill(record["worker"])
 
     async def _settle_folded(self) -> None:
         if self.server.folded and not self.tasks.results_waiting():  # the queue ran dry: commit the folded merges
@@ -256,10 +261,11 @@ class Run:
         return True
 
     # -- dispatch -------------------------------------------------------------------------------
-    def fill(self, freed_worker: str | None = None) -> None:
-        """Hand out shards until every slot is busy (parked work first)."""
+    def fill(self, freed_worker: str | None = None) -> list[str]:
+        """Hand out shards until every slot is busy (parked work first); the keys of the shard copies sent."""
+        sent: list[str | None] = []
         if not self.pool.usable() or self.outage.holding():
-            return  # nobody to run on (wait for workers to (re)join), or the store is out
+            return []  # nobody to run on (wait for workers to (re)join), or the store is out
         parked, self.dispatch.parked_validations = self.dispatch.parked_validations, []
         for version, step, retry in parked:
             self.submit_validation(version, step, retry)
@@ -267,13 +273,14 @@ class Run:
             if self.dispatch.returned:
                 epoch, shard = self.dispatch.returned.pop(0)
                 if not self.ledger.is_merged(epoch, shard) and not self.tasks.copy_running(epoch, shard):
-                    self.submit_shard(epoch, shard)
+                    sent.append(self.submit_shard(epoch, shard))
                 continue
             nxt = self.dispatch.next_shard(freed_worker)
             if nxt is None:
-                return
-            self.submit_shard(*nxt)
+                break
+            sent.append(self.submit_shard(*nxt))
             freed_worker = None
+        return [key for key in sent if key is not None]
 
     def submit_shard(self, epoch: int, shard: int, avoid: str | Collection[str] | None = None) -> str | None:
         """Send a copy of (epoch, shard) to train from the newest version; its key.  None when no worker
@@ -287,6 +294,7 @@ class Run:
             return None
         attempt = self.dispatch.next_attempt(epoch, shard)
         head = self.server.head
+        placed = where.get("workers", ())
         key = self.tasks.submit(
             train_shard,
             self.store,
@@ -297,7 +305,15 @@ class Run:
             head.version,
             head.version_step,
             key=train_key(self.id, epoch, shard, attempt),
-            task=TaskRecord("update", epoch, shard, attempt, head.version_step, submitted=time.monotonic()),
+            task=TaskRecord(
+                "update",
+                epoch,
+                shard,
+                attempt,
+                head.version_step,
+                submitted=time.monotonic(),
+                placed=placed[0] if len(placed) == 1 else None,
+            ),
             **where,
         )
         self.ledger.set_shard(epoch, shard, "queued" if attempt == 0 else "re-issued")
@@ -349,6 +365,7 @@ class Run:
     check_workers = watch.check_workers
     task_started = watch.task_started
     base_for = watch.base_for
+    next_base = watch.next_base
     status_dict = views.status_dict
     panel_state = views.panel_state
     result_dict = views.result_dict

@@ -17,7 +17,7 @@ from . import faults, policy, validations
 if TYPE_CHECKING:
     from .run import Run
 
-__all__ = ["INTERVAL", "base_for", "check_workers", "deadlines", "idle", "in_use_step", "task_started"]
+__all__ = ["INTERVAL", "base_for", "check_workers", "deadlines", "idle", "in_use_step", "next_base", "task_started"]
 
 INTERVAL = 0.2  # seconds between deadline checks
 
@@ -66,6 +66,28 @@ async def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, A
     worker = worker or task.worker
     if run.spec.speed_adaptive and worker:  # the share of its shard's batches a task there trains
         base["fraction"] = run.pool.work_fraction(worker)
+    return base
+
+
+async def next_base(run: Run, key: str, worker: str) -> dict[str, Any] | None:
+    """The base of shard copy ``key``, just sent to ``worker`` to run there next, for the answer to the
+    hand-over of the task finishing there (:meth:`~.run.Run.hand_over`): what :func:`base_for` would
+    answer the copy once it starts, decided now, so a warm worker sends one message per task, not two.
+
+    None when the copy started or was given up meanwhile, or when its shard's home is another worker
+    (``worker`` reads its rows first, a while maybe: the copy asks for its base itself once it has
+    them).  The caller records the copy as started on ``worker``: it starts as soon as the hand-over
+    returns.
+    """
+    task = run.tasks.tasks.get(key)
+    if task is None or task.kind != "update" or task.started is not None:
+        return None
+    if run.dispatch.home.get(task.shard) != worker:  # it reads its rows first: it asks once it has them
+        return None
+    base = await base_for(run, key, worker)
+    task = run.tasks.tasks.get(key)
+    if base is None or "abandon" in base or task is None or task.started is not None:
+        return None
     return base
 
 

@@ -215,7 +215,7 @@ class IcechunkParamStore(ParamStore):
             params = read_flat(session.store, self._seen)
         except icechunk.IcechunkError as e:
             raise translate(e, f"reading version {snap.id!r} from {self._backend.describe()}") from None
-        return Checkpoint(version_info(snap, self._version_or_none(snap.parent_id)), params)
+        return Checkpoint(version_info(snap, self._parent_or_none(snap)), params)
 
     def read_state(self, version: str) -> dict[str, FlatParams]:
         """The merge rule's state committed with ``version`` (empty when the rule keeps none).
@@ -362,6 +362,19 @@ class IcechunkParamStore(ParamStore):
         if snapshot_id is None:
             return None
         return snapshot_id if is_version(self._repo.lookup_snapshot(snapshot_id)) else None
+
+    def _parent_or_none(self, snap) -> str | None:
+        """The version before ``snap``; None for the first, or for one collected since ``snap`` was
+        looked up (a collection also rewrites the parent of the versions it keeps)."""
+        import icechunk
+
+        try:
+            return self._version_or_none(snap.parent_id)
+        except icechunk.IcechunkError as e:
+            err = self._ref_error(e, version=snap.parent_id)
+            if isinstance(err, VersionNotFoundError):
+                return None
+            raise err from None
 
     def _require_version(self, version: str) -> str:
         import icechunk
