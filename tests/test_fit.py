@@ -299,8 +299,9 @@ def _uncount_started_messages(dask_scheduler):
 
 
 def test_a_warm_task_says_it_started_with_its_request_for_a_base(client, digits_data, tmp_path):
-    """A shard task on a worker that has the run's spec and the shard's rows at hand sends one message
-    before it trains (its request for a base, which says it started), not two; a cold one sends both.
+    """A shard task on a worker that has the run's spec and the shard's rows at hand sends at most one
+    message before it trains (its request for a base, which says it started; none when the hand-over
+    before it brought its base and the run recorded its start then), not two; a cold one sends both.
     Either way every shard is merged once, none re-issued for want of a start."""
     from vcdask.handle import ensure_plugin
 
@@ -320,7 +321,8 @@ def test_a_warm_task_says_it_started_with_its_request_for_a_base(client, digits_
     # 12 shard tasks on 2 workers: a worker is cold for its first task of each shard only (its rows)
     assert 1 <= len(messages) <= 8, messages
     assert len(messages) < len(h), (messages, len(h))
-    # every task's start is recorded once: from its own message (cold) or from its request for a base (warm)
+    # every task's start is recorded once: from its own message (cold), or from its request for a base or
+    # the hand-over that brought its base (warm)
     assert len(set(messages + starts)) == len(messages + starts) == len(h), (messages, starts, len(h))
 
 
