@@ -26,7 +26,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
 
-# Unit tests and engine tests without worker processes: about 20 s on 2 cores. Tests that start
+# Unit tests and engine tests without worker processes: about 90 s on 2 cores. Tests that start
 # worker processes are marked `cluster` (tests/conftest.py marks users of the cluster/client fixtures).
 test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -m "not slow and not chaos and not cluster"
