@@ -146,14 +146,21 @@ def _warm_rows(store, run_id: str, shard: int) -> _batches.Rows | None:
     return _batches.cached_rows(spec.train, *spec.shards.bounds(shard), pin=pin)
 
 
+def _dask_worker() -> Any:
+    """The Dask worker running this task; None when called directly, off a worker."""
+    from distributed import get_worker
+
+    try:
+        return get_worker()
+    except ValueError:
+        return None
+
+
 def _tell_run(handler: str, run_id: str, **extra: Any) -> dict[str, Any] | None:
     """Call the run's scheduler handler ``handler`` about the task running here; return its answer
     (None off a Dask worker: called directly)."""
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except ValueError:
+    worker = _dask_worker()
+    if worker is None:
         return None
     from distributed.utils import sync
 
@@ -202,23 +209,17 @@ def _hand_over(run_id: str, record: dict[str, Any]) -> None:
 
 def _handed_base() -> tuple[dict[str, Any], float] | None:
     """The base a hand-over's answer gave for the task running here, and the seconds it waited for it."""
-    try:
-        from distributed import get_worker
-
-        key = get_worker().get_current_task()
-    except ValueError:
+    worker = _dask_worker()
+    if worker is None:
         return None
+    key = worker.get_current_task()
     with _lock:
         return _next_bases.pop(str(key), None)
 
 
 def _worker_address() -> str:
-    try:
-        from distributed import get_worker
-
-        return get_worker().address
-    except ValueError:
-        return "local"
+    worker = _dask_worker()
+    return "local" if worker is None else worker.address
 
 
 def train_shard(

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HOLD_PREFIX",
     "PIN_PREFIX",
+    "empty_branch_message",
     "history",
     "is_reserved",
     "parse_pin",
@@ -110,3 +111,17 @@ def store_nbytes(store: IcechunkParamStore) -> int:
     if store._backend.scheme == "memory":  # the repository itself lives in Icechunk's memory storage
         total += int(store._repo.chunk_storage_stats().native_bytes)
     return total
+
+
+def empty_branch_message(store: IcechunkParamStore, branch: str) -> str:
+    """Why ``branch`` has nothing to read, and which branches do (runs write their own, never ``main``)."""
+    heads = {b: v for b, v in store.branches().items() if v is not None and b != branch}
+    where = f"branch {branch!r} of {store._backend.describe()} has no vcdask version yet"
+    if not heads:
+        return f"{where}, and no other branch has one: nothing was committed to this store"
+    newest = sorted(heads, key=lambda b: store._repo.lookup_snapshot(heads[b]).written_at, reverse=True)
+    shown = ", ".join(newest[:5]) + (f" and {len(newest) - 5} more" if len(newest) > 5 else "")
+    return (
+        f"{where}; every run writes its own branch (its run_id), newest first: {shown}. Read one with "
+        f"branch={newest[0]!r} (vcdask.load(store, branch=...)), or list them with `vcdask runs STORE`"
+    )

@@ -22,7 +22,7 @@ from ._credentials import lookup_credentials, register_credentials
 from ._errors import quiet_logs, ref_error, translate
 from ._files import SideFiles
 from ._flatread import Seen, read_flat
-from ._history import history, is_reserved, store_nbytes, version_nbytes
+from ._history import empty_branch_message, history, is_reserved, store_nbytes, version_nbytes
 from ._layout import is_version, version_info
 from ._repository import open_repository
 from ._retention import GCReport
@@ -209,7 +209,7 @@ class IcechunkParamStore(ParamStore):
                 raise err from None
         if not is_version(snap):
             if tag is None and version is None:
-                raise VersionNotFoundError(self._empty_branch_message(branch))
+                raise VersionNotFoundError(empty_branch_message(self, branch))
             raise VersionNotFoundError(f"{tag or version!r} in {self._backend.describe()} has no vcdask version yet")
         try:
             params = read_flat(session.store, self._seen)
@@ -341,19 +341,6 @@ class IcechunkParamStore(ParamStore):
         return store_nbytes(self)
 
     # -- helpers ----------------------------------------------------------------------
-    def _empty_branch_message(self, branch: str) -> str:
-        """Why ``branch`` has nothing to read, and which branches do (runs write their own, never ``main``)."""
-        heads = {b: v for b, v in self.branches().items() if v is not None and b != branch}
-        where = f"branch {branch!r} of {self._backend.describe()} has no vcdask version yet"
-        if not heads:
-            return f"{where}, and no other branch has one: nothing was committed to this store"
-        newest = sorted(heads, key=lambda b: self._repo.lookup_snapshot(heads[b]).written_at, reverse=True)
-        shown = ", ".join(newest[:5]) + (f" and {len(newest) - 5} more" if len(newest) > 5 else "")
-        return (
-            f"{where}; every run writes its own branch (its run_id), newest first: {shown}. Read one with "
-            f"branch={newest[0]!r} (vcdask.load(store, branch=...)), or list them with `vcdask runs STORE`"
-        )
-
     def _check_writable(self, action: str) -> None:
         if not self.writable:
             raise ReadOnlyStoreError(f"cannot {action} {self.location!r}: it was opened with mode='r'")
