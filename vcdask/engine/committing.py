@@ -130,9 +130,9 @@ class Committing:
         """Apply the run's retention policy to its branch (:meth:`vcdask.ParamStore.gc`).
 
         Once ``retention.interval`` seconds have passed since the last collection began, or sooner
-        once the versions committed since then hold ``retention.backlog_bytes`` (but not before nine
-        times the last collection's duration has passed: collecting takes at most about a tenth of
-        the thread's time); ``final``: now.  In the merge thread, so it never runs beside a commit
+        once the versions committed since then hold ``retention.backlog_bytes`` (but not sooner than
+        :data:`COST_RATIO` times the last collection's duration after it began: collecting takes at
+        most about a tenth of the thread's time); ``final``: now.  In the merge thread, so it never runs beside a commit
         of this run.  Versions at or after ``in_use_step`` (what the run's tasks read) are kept.  A
         failed collection is logged and tried again later: nothing is lost meanwhile, the store
         only holds more.
