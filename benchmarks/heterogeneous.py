@@ -4,7 +4,8 @@ usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [-
                                           [--seeds 0,1,2] [--kill-every 0]
                                           [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd,
                                                     agreement,adam-correction,trust,no-hand-over,
-                                                    no-next-base]
+                                                    no-next-base,no-inline-base,
+                                                    no-base-before-commit]
 
 Two worker processes of one thread each; worker 1 is made ``--slow`` times slower by a **per-batch
 delay**: before each training batch it sleeps ``(slow - 1) * c``, where ``c`` is the median time of one
@@ -293,18 +294,32 @@ VARIANTS = {
     # stop 40: the defaults, with each task asking for its base as it starts (before, the hand-over's
     # answer brought the base of the worker's next task)
     "no-next-base": {},
+    # stop 41: the defaults, with workers reading every base from the store (before, a small model's
+    # base came with the run's answer that gave it)
+    "no-inline-base": {},
+    # stop 41: the defaults, with bases given once committed (before, a small model's base went out as
+    # soon as it was merged, while the merge thread committed it)
+    "no-base-before-commit": {},
 }
 #: Dask config set on the workers for a variant's run (and set back after)
 WORKER_CONFIG = {
     "no-hand-over": {"vcdask.worker.hand-over": False},
     "no-next-base": {"vcdask.worker.next-base": False},
 }
+#: Dask config set on the scheduler for a variant's run (and set back after)
+SCHEDULER_CONFIG = {
+    "no-inline-base": {"vcdask.worker.inline-base-bytes": 0},
+    "no-base-before-commit": {"vcdask.worker.base-before-commit": False},
+}
 
 
-def _set_config(values: dict) -> None:
+def _set_config(values: dict) -> dict:
+    """Set ``values`` in this process's Dask config; return what they were."""
     import dask.config
 
+    before = {k: dask.config.get(k) for k in values}
     dask.config.set(values)
+    return before
 
 
 def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
@@ -314,6 +329,9 @@ def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
         config = WORKER_CONFIG.get(variant, {})
         if config:
             client.run(_set_config, config)
+        on_scheduler = SCHEDULER_CONFIG.get(variant, {})
+        if on_scheduler:  # (the scheduler may run in this process: keep what it had)
+            on_scheduler_before = client.run_on_scheduler(_set_config, on_scheduler)
         t0, wall0 = time.perf_counter(), time.time()
         if killer:
             killer.start()
@@ -334,10 +352,12 @@ def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
         finally:
             if killer:
                 killer.stop()
-            if config:
-                import dask.config
+            import dask.config
 
+            if config:
                 client.run(_set_config, {k: dask.config.get(k) for k in config})
+            if on_scheduler:
+                client.run_on_scheduler(_set_config, on_scheduler_before)
         h = r.history
         merged = h[h.accepted].sort_values("time")
         # each version counts from the moment it was committed (same machine, same clock as wall0)

@@ -382,6 +382,138 @@ def test_a_warm_worker_gets_its_next_base_with_the_hand_over(next_base, client, 
         assert brought == [] and len(asked) == len(h), (asked, brought)
 
 
+def _count_store_reads(dask_worker):
+    """Keep the key of the task behind each read of a version from the store on this worker."""
+    from vcdask.store._icechunk import IcechunkParamStore
+
+    reads: list = []
+    read = IcechunkParamStore.read
+
+    def counting(self, *args, **kwargs):
+        try:
+            reads.append(str(dask_worker.get_current_task()))
+        except Exception:  # noqa: BLE001 - (not in a task)
+            reads.append(None)
+        return read(self, *args, **kwargs)
+
+    IcechunkParamStore.read = counting
+    dask_worker.vcdask_test_reads = (reads, read)
+
+
+def _uncount_store_reads(dask_worker):
+    from vcdask.store._icechunk import IcechunkParamStore
+
+    reads, read = dask_worker.vcdask_test_reads
+    IcechunkParamStore.read = read
+    return list(reads)
+
+
+def _set_scheduler_config(values, dask_scheduler=None):
+    """Set ``values`` where the scheduler runs; return what they were."""
+    import dask.config
+
+    before = {k: dask.config.get(k) for k in values}
+    dask.config.set(values)
+    return before
+
+
+@pytest.mark.parametrize("inline", [1 << 20, 0], ids=["with-the-answer", "from-the-store"])
+def test_a_small_models_base_comes_with_the_answer_that_gives_it(inline, client, digits_data, tmp_path):
+    """With ``vcdask.worker.inline-base-bytes`` above the model's size (the default: 1 MiB; digits' CNN is
+    150 kB) every answer that gives a shard task its base also brings that version's parameters, and no
+    shard task reads a version from the store; with 0 they read their bases from the store, as before.
+    Either way every shard is merged once."""
+    (X, y), _ = digits_data
+    before = client.run_on_scheduler(_set_scheduler_config, {"vcdask.worker.inline-base-bytes": inline})
+    client.run(_count_store_reads)
+    try:
+        result = vcdask.fit(
+            digits_cnn(0), (X, y), max_epochs=3, n_shards=4, client=client, store=tmp_path / "s", progress=False
+        )
+    finally:
+        reads = client.run(_uncount_store_reads)
+        client.run_on_scheduler(_set_scheduler_config, before)
+    h = result.history
+    assert (h.outcome == "merged").all() and len(h) == 12, h[["epoch", "shard", "outcome", "reason"]]
+    by_training = [k for keys in reads.values() for k in keys if str(k).startswith("vcdask-train-")]
+    if inline:
+        assert by_training == [], reads
+    else:  # (a worker reads each version once: two copies based on one version share the read)
+        assert len(by_training) >= len(h) // 2, reads
+
+
+def _keep_base_answers(dask_scheduler):
+    """Keep (key, version, step) of every base the run gives: asked for, or brought by a hand-over's answer."""
+    given: list = []
+    ask, finish = dask_scheduler.handlers["vcdask_base"], dask_scheduler.handlers["vcdask_finished"]
+
+    async def asking(*args, **kwargs):
+        answer = await ask(*args, **kwargs)
+        if answer and "step" in answer:
+            given.append((kwargs.get("key"), answer["version"], answer["step"]))
+        return answer
+
+    async def finishing(*args, **kwargs):
+        answer = await finish(*args, **kwargs)
+        if answer and answer.get("next"):
+            given.append((answer["next"]["key"], answer["next"]["version"], answer["next"]["step"]))
+        return answer
+
+    dask_scheduler.vcdask_test_given = (given, ask, finish)
+    dask_scheduler.handlers.update(vcdask_base=asking, vcdask_finished=finishing)
+
+
+def _forget_base_answers(dask_scheduler):
+    given, ask, finish = dask_scheduler.vcdask_test_given
+    dask_scheduler.handlers.update(vcdask_base=ask, vcdask_finished=finish)
+    return list(given)
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["before-the-commit", "once-committed"])
+def test_a_small_models_base_goes_out_while_it_is_committed(early, client, digits_data, tmp_path):
+    """With ``vcdask.worker.base-before-commit`` a task waiting for a merge gets its parameters as soon as
+    they are merged, while the merge thread commits them: such a base has no version id yet, only its
+    step, and that step becomes a version of its own.  Off, every base is a committed version.  Either
+    way every shard is merged once, each merge committed in a version of its own step."""
+    from vcdask.handle import ensure_plugin
+
+    (X, y), _ = digits_data
+    ensure_plugin(client)
+    before = client.run_on_scheduler(_set_scheduler_config, {"vcdask.worker.base-before-commit": early})
+    client.run_on_scheduler(_keep_base_answers)
+    try:
+        result = vcdask.fit(
+            digits_cnn(0),
+            (X, y),
+            max_epochs=4,
+            n_shards=4,
+            client=client,
+            store=tmp_path / "s",
+            progress=False,
+            retention=False,  # (every version kept, to be counted)
+        )
+    finally:
+        given = client.run_on_scheduler(_forget_base_answers)
+        client.run_on_scheduler(_set_scheduler_config, before)
+    h = result.history
+    assert (h.outcome == "merged").all() and len(h) == 16, h[["epoch", "shard", "outcome", "reason"]]
+    versions = vcdask.open_store(tmp_path / "s").versions(result.run_id)
+    steps = sorted(v.metadata["step"] for v in versions)
+    assert steps == list(range(17)), steps  # every merge its own version
+    drafts = [(key, step) for key, version, step in given if version is None]
+    if early:  # a worker that hands its update over waits for that merge: its next base is a draft
+        assert len(drafts) >= len(h) // 4, given
+        assert {step for _, step in drafts} <= set(steps)
+    else:
+        assert drafts == [] and given, given
+    # each copy trained from the base it was given (the history's base_version is that step)
+    based = {key: step for key, _, step in given}
+    rows = h.set_index(["epoch", "shard", "attempt"]).base_version
+    for key, step in based.items():
+        epoch, shard, attempt = (int(part[1:]) for part in str(key).rsplit("-", 3)[1:])
+        assert rows[(epoch, shard, attempt)] == step, (key, step)
+
+
 @pytest.mark.parametrize("hand_over", [True, False], ids=["handed-over", "through-dask"])
 def test_results_handed_over_by_their_tasks_or_read_through_dask(hand_over, client, digits_data, tmp_path):
     """A task hands its record to the run as it finishes (``vcdask.worker.hand-over``); with that off the

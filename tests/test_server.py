@@ -116,3 +116,57 @@ def test_commit_every_names_the_bad_value_and_what_is_allowed(bad, digits_data):
     (X, y), _ = digits_data
     with pytest.raises(ValueError, match=r"commit_every must be an integer >= 1 or 'auto', got "):
         vcdask.fit(digits_cnn(0), (X, y), commit_every=bad, progress=False)
+
+
+def test_a_small_models_newest_version_is_kept_packed_with_the_head(tmp_path):
+    """With ``inline_bytes`` at least the parameters' size, the head carries its committed version's
+    parameters packed for a Dask message (a base then travels with the answer that gives it): equal to
+    what the store holds for that version, taken at the commit (a merge not committed yet leaves it as
+    it was).  Larger parameters, the default ``inline_bytes=0`` and an ended run carry none."""
+    from vcdask._wire import unpack
+
+    store, state = _state(tmp_path / "small", inline_bytes=16, commit_every=2)
+    first = state.head
+    assert first.payload is not None and unpack(first.payload).equal(store.read(first.version).params)
+    state.merge(_upload(store, 0, 2.0))  # merged, not committed: the head's version and payload stay
+    assert state.step == 1 and state.head.version == first.version and state.head.payload is first.payload
+    state.merge(_upload(store, 1, 4.0))
+    head = state.head
+    assert head.version != first.version and head.payload is not None
+    assert unpack(head.payload).equal(store.read(head.version).params)
+    assert unpack(head.payload)["w"].tolist() == [2.5] * 4  # 0.5 * 1 + 0.5 * 4, after 0.5 * 0 + 0.5 * 2
+    state.release()
+    assert state.head.payload is None and state.head.version == head.version
+    for kw in ({"inline_bytes": 15}, {}):  # 4 float32 values are 16 bytes
+        store, state = _state(tmp_path / str(kw), **kw)
+        state.merge(_upload(store, 0, 2.0))
+        assert state.head.payload is None
+
+
+def test_a_merge_goes_out_as_a_draft_and_is_committed_as_the_version_of_its_step(tmp_path):
+    """With ``drafts`` (small parameters, ``commit_every=1``, no guard), a merge that does not end its
+    epoch leaves its commit to the caller: the head carries the merged parameters packed (``draft``) at
+    the new step while its committed version stays the last one (``version_id`` None); the caller's
+    commit makes them the version of that step, and the draft its payload.  An epoch's last merge commits
+    at once, and where a draft cannot be made the merge commits as before."""
+    from vcdask._wire import unpack
+
+    store, state = _state(tmp_path / "drafts", inline_bytes=16, drafts=True)
+    first, n_versions = state.head, len(store.versions("run-x"))
+    out = state.merge(_upload(store, 0, 2.0))
+    draft = state.head
+    assert out["accepted"] and out["new_version"] == 1 and out["version_id"] is None
+    assert (draft.step, draft.version, draft.version_step) == (1, first.version, 0) and not state.folded
+    assert draft.draft is not None and unpack(draft.draft)["w"].tolist() == [1.0] * 4
+    assert len(store.versions("run-x")) == n_versions and not state.committed
+    state.commit()
+    head = state.head
+    assert (head.step, head.version_step, head.draft) == (1, 1, None) and head.payload is draft.draft
+    committed = store.read(head.version)
+    assert committed.metadata["step"] == 1 and unpack(draft.draft).equal(committed.params)
+    out = state.merge(_upload(store, 1, 4.0), completes=True)  # the epoch's last: committed at once
+    assert out["version_id"] == state.version and state.head.draft is None and state.committed
+    for kw in ({"commit_every": 2}, {"commit_every": "auto"}, {"inline_bytes": 0}, {"inline_bytes": 15}):
+        store, state = _state(tmp_path / str(kw), drafts=True, **{"inline_bytes": 16, **kw})
+        state.merge(_upload(store, 0, 2.0))
+        assert state.head.draft is None, kw

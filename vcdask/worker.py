@@ -22,6 +22,7 @@ import torch
 
 from . import batches as _batches
 from . import config
+from ._wire import unpack
 from .compress import EncodedUpdate, encode
 from .cost import instance_here
 from .device import Precision, describe, resolve_device
@@ -52,11 +53,21 @@ def _version(store, version: str) -> FlatParams:
         if params is not None:
             _versions.move_to_end(version)
             return params
-    params = store.read(version).params
+    return _keep_version(version, store.read(version).params)
+
+
+def _pinned(params: FlatParams) -> FlatParams:
     if torch.cuda.is_available():  # copies to a GPU from pinned memory do not block
         params = FlatParams(params.layout, {d: a.pin_memory() for d, a in params.arrays.items()})
+    return params
+
+
+def _keep_version(version: str, params: FlatParams) -> FlatParams:
+    """Keep ``params`` as ``version``'s (read from the store, or brought by the run's answer)."""
+    params = _pinned(params)
     with _lock:
         _versions[version] = params
+        _versions.move_to_end(version)
         while len(_versions) > _MAX_VERSIONS:
             _versions.popitem(last=False)
     return params
@@ -77,9 +88,13 @@ def _model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def _loaded_model(spec: RunSpec, store, version: str, device: torch.device) -> torch.nn.Module:
-    """This thread's copy of the model holding ``version``, on ``device``."""
-    params = _version(store, version)
+def _loaded_model(
+    spec: RunSpec, store, version: str | None, device: torch.device, params: FlatParams | None = None
+) -> torch.nn.Module:
+    """This thread's copy of the model holding ``version`` (whose ``params`` may be at hand), on ``device``."""
+    if params is None:
+        assert version is not None, "a version or its parameters"
+        params = _version(store, version)
     if device.type != "cpu":  # one copy per dtype to the device, then device-to-device into the tensors
         params = FlatParams(params.layout, {d: a.to(device, non_blocking=True) for d, a in params.arrays.items()})
     model = _model(spec, device)
@@ -223,7 +238,7 @@ def _worker_address() -> str:
 
 
 def train_shard(
-    store, run_id: str, epoch: int, shard: int, attempt: int, base_version: str, base_step: int
+    store, run_id: str, epoch: int, shard: int, attempt: int, base_version: str | None, base_step: int
 ) -> dict[str, Any]:
     """Train one shard for ``local_epochs`` from the run's newest version; upload ``W_c``.
 
@@ -264,13 +279,18 @@ def train_shard(
         wait = time.perf_counter() - t_base
     if newest is not None and newest.get("abandon"):  # the run no longer waits for this copy
         return {"kind": "abandoned", "run_id": run_id, "epoch": epoch, "shard": shard, "attempt": attempt}
-    if newest is not None and newest.get("version") is not None:
-        base_version, base_step = newest["version"], int(newest["step"])
+    given = None  # a small model's base came with the answer: no store read
+    if newest is not None and (newest.get("version") is not None or newest.get("params") is not None):
+        # (no version id: parameters merged and being committed as the version of that step)
+        base_version, base_step = newest.get("version"), int(newest["step"])
+        if newest.get("params") is not None:
+            given = unpack(newest["params"])
+            given = _pinned(given) if base_version is None else _keep_version(base_version, given)
     # speed_adaptive: a slow worker trains the share of its shard's batches the run gives it
     fraction = float(newest.get("fraction", 1.0)) if newest is not None else 1.0
     per_pass = -(-_batches.n_rows(rows) // spec.batch_size)
     limit = None if fraction >= 1.0 else max(1, math.ceil(fraction * per_pass))
-    model = _loaded_model(spec, store, base_version, device)
+    model = _loaded_model(spec, store, base_version, device, given)
     t_read = time.perf_counter()
     inner = InnerOptimizer(spec, model, precision, epoch)  # fresh, or this worker's kept state
     train_step = spec.train_step or SupervisedStep(spec.loss)
@@ -316,6 +336,8 @@ def train_shard(
     # the record travels with the update, so a resumed run can merge an upload nobody reported
     update: FlatParams | EncodedUpdate | torch.nn.Module
     if spec.compression is not None:  # W_c - W_base in fewer bits, with error feedback
+        if base_version is None:  # (the run gives no draft base to a run with compression)
+            raise RuntimeError(f"shard {shard}: a compressed update needs the version id of its base")
         update = encode(spec.compression, _to_cpu(model, device), _version(store, base_version), base_version, run_id)
     else:  # a CPU model's tensors are written as they are (no packed copy); a GPU's are packed there, copied once
         update = model if device.type == "cpu" else _to_cpu(model, device)

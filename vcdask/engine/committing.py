@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError, VersionNotFoundError
@@ -37,11 +37,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Head:
-    """Where the server stands: merges so far, and the newest committed version with its step."""
+    """Where the server stands: merges so far, and the newest committed version with its step.
+
+    ``payload``: that version's parameters packed for a Dask message (:func:`vcdask._wire.pack`), when
+    they are small (``ParamsServer(inline_bytes=...)``).  ``draft``: the parameters at ``step``, packed
+    the same way, while they are being committed (``ParamsServer(drafts=True)``): the loop may give them
+    as a base before their version id exists.  The loop reads all of it in one attribute read.
+    """
 
     step: int = 0
     version: str | None = None
     version_step: int = 0
+    payload: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    draft: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def committed(self) -> bool:
@@ -85,6 +93,8 @@ class Committing:
     _backlog: int
     _said_held_back: bool
     _bases: OrderedDict[str, FlatParams]
+    inline_bytes: int
+    drafts: bool
 
     def commit(self) -> None:
         """Commit the merges not yet in a version (no-op when there are none).
@@ -113,7 +123,8 @@ class Committing:
         t0 = time.perf_counter()
         version = self._through_outages(lambda: self._commit_once(metadata), f"committing step {self.head.step}")
         self.stage_seconds["commit"].append(time.perf_counter() - t0)
-        self.head = Head(self.head.step, version, self.head.step)
+        draft = self.head.draft  # (the parameters just committed, packed already)
+        self.head = Head(self.head.step, version, self.head.step, payload=self.packed() if draft is None else draft)
         self._backlog += self.params.nbytes if self.params is not None else 0
         if self._bases and self.params is not None:  # compressed updates: the next ones start from here
             self._bases[version] = self.params.clone()
@@ -125,6 +136,15 @@ class Committing:
         self.uncommitted = []
         self.folded = False
         self.collect()
+
+    def packed(self) -> dict[str, Any] | None:
+        """``W_s`` packed for the answers that give its version as a base (:attr:`Head.payload`), if
+        it is at most ``inline_bytes``: a copy, taken as it is committed."""
+        from .._wire import pack
+
+        if self.params is None or not 0 < self.params.nbytes <= self.inline_bytes:
+            return None
+        return pack(self.params)
 
     def collect(self, final: bool = False) -> None:
         """Apply the run's retention policy to its branch (:meth:`vcdask.ParamStore.gc`).

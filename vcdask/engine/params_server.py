@@ -19,6 +19,7 @@ import time
 import zipfile
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ..compress import EncodedUpdate
@@ -64,6 +65,13 @@ class ParamsServer(Committing):
         Seconds to wait through a store outage before giving up.
     retention : Retention, optional
         Which versions of the branch to keep (None: all of them).
+    inline_bytes : int
+        Parameters of at most this many bytes are also kept packed for a Dask message after each
+        commit (:attr:`Head.payload`), so a base can travel with the answer that gives it (0: never).
+    drafts : bool
+        With such parameters, ``commit_every=1`` and no guard: a merge that is not its epoch's last
+        leaves its commit to the caller and packs the new parameters first (:attr:`Head.draft`), so the
+        caller can give them as a base while it commits them (:meth:`commit`).
     """
 
     def __init__(
@@ -79,6 +87,8 @@ class ParamsServer(Committing):
         guard: Guard | None = None,
         outage_timeout: float = 600.0,
         retention: Retention | None = None,
+        inline_bytes: int = 0,
+        drafts: bool = False,
     ):
         self.store = store
         self.branch = branch
@@ -96,6 +106,9 @@ class ParamsServer(Committing):
         self.waiting: tuple[str, float] | None = None  # the store request under way, since when
         self.params: FlatParams | None = None
         self.head = Head()
+        self.inline_bytes = int(inline_bytes)
+        self.drafts = bool(drafts) and self.inline_bytes > 0 and self.commit_every == 1 and not self.fold
+        self.drafts = self.drafts and guard is None  # (the guard screens an update against its base version)
         self.uncommitted: list[dict[str, Any]] = []
         self.retention = retention
         #: The oldest step the run's tasks still read (the loop sets it; older is conservative).
@@ -145,6 +158,7 @@ class ParamsServer(Committing):
         """Drop the parameter-sized arrays (``W_s``, the rule's state, the bases, the guard) once the
         run has ended: the scheduler keeps only the run's small records (:attr:`head`, progress)."""
         self.params = None
+        self.head = replace(self.head, payload=None, draft=None)
         self.rule_state = RuleState()
         self._bases.clear()
         self.guard = None
@@ -155,7 +169,7 @@ class ParamsServer(Committing):
         checkpoint = self.store.read(branch=self.branch)
         self.params = checkpoint.params.clone()
         step = int(checkpoint.metadata.get("step", 0))
-        self.head = Head(step, checkpoint.version, step)
+        self.head = Head(step, checkpoint.version, step, payload=self.packed())
         meta = checkpoint.metadata
         saved = meta.get("merge", {}).get("name") if isinstance(meta.get("merge"), dict) else None
         fresh = self.rule.init_state(self.params)
@@ -223,13 +237,17 @@ class ParamsServer(Committing):
         )
         for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, time.perf_counter() - t2), strict=False):
             self.stage_seconds[stage].append(seconds)  # (commit: in commit())
-        self.head = Head(self.step + 1, self.version, self.version_step)
+        self.head = replace(self.head, step=self.step + 1)
         self.uncommitted.append(record)
         self._progress(record, completes)
         due = len(self.uncommitted) >= self.commit_every
         if force_commit or completes or (due and not (self.fold and more and len(self.uncommitted) < FOLD_MAX)):
-            self.commit()
-        self.folded = due and not self.committed
+            draft = self.packed() if self.drafts and not (force_commit or completes) else None
+            if draft is None:
+                self.commit()
+            else:  # the caller gives it as a base, then commits it (``version_id`` is None till then)
+                self.head = replace(self.head, draft=draft)
+        self.folded = due and not self.committed and self.head.draft is None
         return {
             "accepted": True,
             "alpha": outcome.get("alpha"),

@@ -18,6 +18,7 @@ from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .. import config
 from ..errors import NoWorkersError
 from ..spec import RunSpec
 from ..worker import train_shard, validate_version
@@ -61,6 +62,9 @@ class Run:
             guard=Guard(spec) if Guard.wanted(spec) else None,
             outage_timeout=self.res.store_outage_timeout,
             retention=spec.retention,
+            inline_bytes=config.get("worker.inline-base-bytes"),
+            # (a compressed update is decoded on its base version: its id must be known to the worker)
+            drafts=bool(config.get("worker.base-before-commit")) and spec.compression is None,
         )
         self.pool = WorkerPool(
             self.res, spec.tasks_per_slot, {a: ws.nthreads for a, ws in scheduler.workers.items()}, clock=self.now
@@ -88,6 +92,9 @@ class Run:
         #: (merged and committed, or turned down): a task that asks for its base waits for the ones before it.
         self.arrived = 0
         self.settled = 0
+        #: Results whose merge path has decided, with the state they make committed or being committed
+        #: (a draft: ``Head.draft``): ``settled``, or one more while the loop commits a draft.
+        self.decided = 0
         self._settled = asyncio.Event()
         self._handed_any = asyncio.Event()  # set when a record is handed over (self.tasks.handed)
         self.handed_over = 0  # records taken that way
@@ -246,11 +253,24 @@ class Run:
         self._settled.set()
         self._settled = asyncio.Event()
 
+    def note_drafted(self) -> None:
+        """The result being merged made a draft (:attr:`~.committing.Head.draft`), which the loop
+        commits next: the tasks waiting for it may start from the draft meanwhile."""
+        self.decided = self.settled + 1
+        self.note_settled()
+
+    def through(self, arrived: int) -> bool:
+        """Whether a task that asks for its base now may have it, with ``arrived`` results to wait for."""
+        head = self.server.head
+        if head.draft is not None and max(self.decided, self.settled) >= arrived:
+            return True  # merged, being committed: a small model's base goes out as a draft
+        return self.settled >= arrived and (head.step == head.version_step or self.server.commit_every > 1)
+
     async def settled_through(self, arrived: int, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until the first ``arrived`` results are merged and committed
-        (or turned down); whether they are."""
+        (or turned down), or merged and being committed as a draft; whether they are."""
         deadline = time.monotonic() + timeout
-        while self.settled < arrived or not (self.server.committed or self.server.commit_every > 1):
+        while not self.through(arrived):
             left = deadline - time.monotonic()
             if left <= 0 or self.done.is_set():
                 return False

@@ -44,25 +44,34 @@ async def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, A
     were once rejected as stale for it).  A worker gets its next shard as soon as its result is back,
     before that result is merged: without the wait, its next task would train from the version just
     before its own update, every time (half of the work lost with ``alpha=0``; one step staler with
-    every rule).  Returns ``{"version": ..., "step": ...}`` (and, with ``speed_adaptive``, the
-    ``"fraction"`` of its shard's batches the task trains on ``worker``), or ``{"abandon": True}`` for
-    a copy the run no longer waits for: cancelled, or a finished one that Dask runs again because the
-    worker holding its result died (the run read that result from the store, :mod:`.results`); it
-    would train for nothing and overwrite the update the run merges.
+    every rule).  Returns ``{"version": ..., "step": ...}`` (with the version's ``"params"``, packed by
+    :func:`vcdask._wire.pack`, when they are at most ``vcdask.worker.inline-base-bytes``; ``"version"``
+    is None for such parameters given while their commit is under way, ``vcdask.worker.base-before-commit``:
+    the version of that step, once committed; and, with
+    ``speed_adaptive``, the ``"fraction"`` of its shard's batches the task trains on ``worker``), or
+    ``{"abandon": True}`` for a copy the run no longer waits for: cancelled, or a finished one that Dask
+    runs again because the worker holding its result died (the run read that result from the store,
+    :mod:`.results`); it would train for nothing and overwrite the update the run merges.
     """
     task = run.tasks.tasks.get(key)
     if task is None:
         return {"abandon": True}
     if task.kind != "update":
         return None
-    if run.settled < run.arrived:
+    if run.settled < run.arrived and not run.through(run.arrived):
         await run.settled_through(run.arrived, policy.base_wait(run.ledger.shard_seconds))
         task = run.tasks.tasks.get(key)
         if task is None:
             return {"abandon": True}
     head = run.server.head
-    task.step, task.based = head.version_step, True
-    base: dict[str, Any] = {"version": head.version, "step": head.version_step}
+    base: dict[str, Any]
+    if head.draft is not None:  # merged, being committed: its version id does not exist yet
+        base = {"version": None, "step": head.step, "params": head.draft}
+    else:
+        base = {"version": head.version, "step": head.version_step}
+        if head.payload is not None:  # a small model: no store read for the worker
+            base["params"] = head.payload
+    task.step, task.based = base["step"], True
     worker = worker or task.worker
     if run.spec.speed_adaptive and worker:  # the share of its shard's batches a task there trains
         base["fraction"] = run.pool.work_fraction(worker)
