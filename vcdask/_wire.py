@@ -4,9 +4,9 @@ The run's answer that gives a shard task its base (the version it trains from) c
 version's parameters when they are small (``vcdask.worker.inline-base-bytes``): the worker then
 keeps them as if it had read them, and skips a store read that costs a small model more than its
 bytes (an Icechunk session, Zarr's metadata and chunk requests: 7 ms in a run for digits' CNN of
-150 kB, where the message takes a fraction of a millisecond).  The merge thread packs the copy
-right after its commit, so the event loop only passes ``bytes`` along; the version is committed
-before any worker trains from it, as with a read.
+150 kB, where the message takes a fraction of a millisecond).  The merge thread packs the copy (at
+a commit, or as it merges: ``vcdask.worker.base-before-commit``), so the event loop only passes
+``bytes`` along.
 """
 
 from __future__ import annotations

@@ -245,7 +245,9 @@ def train_shard(
     ``base_version`` / ``base_step`` is the version the run had when it dispatched this copy.  The
     task first reads what it needs (the spec, its rows: slow on a cold worker), then asks the run for
     its newest version and trains from that, so time spent queued or warming up is not counted as
-    staleness.
+    staleness.  A small model's base comes with the run's answer (no store read); one given as it was
+    merged, before its commit, has no version id yet: the record's ``base_version`` is then None, and
+    ``base_step`` the step whose version it becomes.
 
     Returns
     -------

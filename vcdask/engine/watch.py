@@ -44,14 +44,18 @@ async def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, A
     were once rejected as stale for it).  A worker gets its next shard as soon as its result is back,
     before that result is merged: without the wait, its next task would train from the version just
     before its own update, every time (half of the work lost with ``alpha=0``; one step staler with
-    every rule).  Returns ``{"version": ..., "step": ...}`` (with the version's ``"params"``, packed by
-    :func:`vcdask._wire.pack`, when they are at most ``vcdask.worker.inline-base-bytes``; ``"version"``
-    is None for such parameters given while their commit is under way, ``vcdask.worker.base-before-commit``:
-    the version of that step, once committed; and, with
-    ``speed_adaptive``, the ``"fraction"`` of its shard's batches the task trains on ``worker``), or
-    ``{"abandon": True}`` for a copy the run no longer waits for: cancelled, or a finished one that Dask
-    runs again because the worker holding its result died (the run read that result from the store,
-    :mod:`.results`); it would train for nothing and overwrite the update the run merges.
+    every rule).
+
+    Returns ``{"version": ..., "step": ...}``, or ``{"abandon": True}`` for a copy the run no longer
+    waits for: cancelled, or a finished one that Dask runs again because the worker holding its result
+    died (the run read that result from the store, :mod:`.results`); it would train for nothing and
+    overwrite the update the run merges.  A base also has
+
+    - ``"params"``: its parameters packed by :func:`vcdask._wire.pack`, when they are at most
+      ``vcdask.worker.inline-base-bytes``; ``"version"`` is None for such parameters given as they
+      were merged, while the merge thread commits them as the version of ``"step"``
+      (``vcdask.worker.base-before-commit``);
+    - ``"fraction"``, with ``speed_adaptive``: the share of its shard's batches the task trains on ``worker``.
     """
     task = run.tasks.tasks.get(key)
     if task is None:
