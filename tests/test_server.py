@@ -155,7 +155,7 @@ def test_a_merge_goes_out_as_a_draft_and_is_committed_as_the_version_of_its_step
     first, n_versions = state.head, len(store.versions("run-x"))
     out = state.merge(_upload(store, 0, 2.0))
     draft = state.head
-    assert out["accepted"] and out["new_version"] == 1 and out["version_id"] is None
+    assert out["accepted"] and out["new_version"] == 1 and out["version_id"] is None and out["drafted"]
     assert (draft.step, draft.version, draft.version_step) == (1, first.version, 0) and not state.folded
     assert draft.draft is not None and unpack(draft.draft)["w"].tolist() == [1.0] * 4
     assert len(store.versions("run-x")) == n_versions and not state.committed
@@ -166,6 +166,7 @@ def test_a_merge_goes_out_as_a_draft_and_is_committed_as_the_version_of_its_step
     assert committed.metadata["step"] == 1 and unpack(draft.draft).equal(committed.params)
     out = state.merge(_upload(store, 1, 4.0), completes=True)  # the epoch's last: committed at once
     assert out["version_id"] == state.version and state.head.draft is None and state.committed
+    assert "drafted" not in out
     for kw in ({"commit_every": 2}, {"commit_every": "auto"}, {"inline_bytes": 0}, {"inline_bytes": 15}):
         store, state = _state(tmp_path / str(kw), drafts=True, **{"inline_bytes": 16, **kw})
         state.merge(_upload(store, 0, 2.0))

@@ -53,3 +53,6 @@ def test_a_payload_that_does_not_match_its_layout_is_refused():
     payload["arrays"]["float32"] = payload["arrays"]["float32"][:-4]  # one value short
     with pytest.raises(ParameterMismatchError, match="float32"):
         unpack(payload)
+    payload["arrays"]["float32"] = payload["arrays"]["float32"][:-1]  # not a whole number of values
+    with pytest.raises(ParameterMismatchError, match="not a whole number of float32 values"):
+        unpack(payload)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .errors import ParameterMismatchError
 from .params import FlatParams, Layout, torch_dtype
 
 __all__ = ["pack", "unpack"]
@@ -38,5 +39,10 @@ def unpack(payload: dict[str, Any]) -> FlatParams:
     for d, raw in payload["arrays"].items():
         dtype = torch_dtype(d)
         buf = bytearray(raw)  # writable and owned: the worker loads it into its model
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if len(buf) % itemsize:
+            raise ParameterMismatchError(
+                f"{len(buf)} bytes are not a whole number of {d} values ({itemsize} bytes each)"
+            )
         arrays[d] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype) if buf else torch.empty(0, dtype=dtype)
     return FlatParams(Layout.from_dict(payload["layout"]), arrays)

@@ -285,7 +285,9 @@ def train_shard(
     if newest is not None and (newest.get("version") is not None or newest.get("params") is not None):
         # (no version id: parameters merged and being committed as the version of that step)
         base_version, base_step = newest.get("version"), int(newest["step"])
-        if newest.get("params") is not None:
+        with _lock:
+            given = _versions.get(base_version) if base_version is not None else None
+        if given is None and newest.get("params") is not None:
             given = unpack(newest["params"])
             given = _pinned(given) if base_version is None else _keep_version(base_version, given)
     # speed_adaptive: a slow worker trains the share of its shard's batches the run gives it

@@ -56,9 +56,9 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         run.server.in_use_step = watch.in_use_step(run)  # what the merge thread's retention must keep
         more = run.tasks.results_waiting()  # fold their commits
         merged = await run.in_thread(run.server.merge, rec, last, run.staleness_limit(), last, more)
-        if run.server.head.draft is not None:  # the tasks waiting for this merge start from its draft
-            run.note_drafted()  # while it is committed (before any other result is merged)
-            await run.in_thread(run.server.commit)
+        if merged.pop("drafted", False):  # the tasks waiting for this merge start from its draft while it
+            run.note_drafted()  # is committed, before any other result is merged (a commit queued
+            await run.in_thread(run.server.commit)  # meanwhile, by a skipped shard, may have done it already)
             merged["version_id"] = run.server.version
         fault = merged.pop("fault", None)
         row = run.ledger.record(

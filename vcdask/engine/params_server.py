@@ -70,8 +70,9 @@ class ParamsServer(Committing):
         commit (:attr:`Head.payload`), so a base can travel with the answer that gives it (0: never).
     drafts : bool
         With such parameters, ``commit_every=1`` and no guard: a merge that is not its epoch's last
-        leaves its commit to the caller and packs the new parameters first (:attr:`Head.draft`), so the
-        caller can give them as a base while it commits them (:meth:`commit`).
+        leaves its commit to the caller and packs the new parameters first (:attr:`Head.draft`; the
+        merge's answer says ``drafted=True``), so the caller can give them as a base while it commits
+        them (:meth:`commit`).
     """
 
     def __init__(
@@ -248,13 +249,16 @@ class ParamsServer(Committing):
             else:  # the caller gives it as a base, then commits it (``version_id`` is None till then)
                 self.head = replace(self.head, draft=draft)
         self.folded = due and not self.committed and self.head.draft is None
-        return {
+        out = {
             "accepted": True,
             "alpha": outcome.get("alpha"),
             "new_version": self.step,
             "staleness": self.step - 1 - record["base_step"],
             "version_id": self.version if self.committed else None,
         }
+        if self.head.draft is not None:
+            out["drafted"] = True  # the caller commits it (:meth:`commit`), then knows ``version_id``
+        return out
 
     def _base(self, version: str) -> FlatParams:
         """The parameters of ``version`` (a compressed update's base): kept since this server committed
