@@ -88,6 +88,16 @@ def _model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def _brought(version: str | None, payload: dict[str, Any]) -> FlatParams:
+    """The base an answer brought packed (:func:`vcdask._wire.pack`): this worker's copy of ``version``
+    if it has one, else the payload unpacked (and kept as ``version``'s; a draft, with no id, is not)."""
+    if version is None:
+        return _pinned(unpack(payload))
+    with _lock:
+        kept = _versions.get(version)
+    return kept if kept is not None else _keep_version(version, unpack(payload))
+
+
 def _loaded_model(
     spec: RunSpec, store, version: str | None, device: torch.device, params: FlatParams | None = None
 ) -> torch.nn.Module:
@@ -285,11 +295,8 @@ def train_shard(
     if newest is not None and (newest.get("version") is not None or newest.get("params") is not None):
         # (no version id: parameters merged and being committed as the version of that step)
         base_version, base_step = newest.get("version"), int(newest["step"])
-        with _lock:
-            given = _versions.get(base_version) if base_version is not None else None
-        if given is None and newest.get("params") is not None:
-            given = unpack(newest["params"])
-            given = _pinned(given) if base_version is None else _keep_version(base_version, given)
+        if newest.get("params") is not None:
+            given = _brought(base_version, newest["params"])
     # speed_adaptive: a slow worker trains the share of its shard's batches the run gives it
     fraction = float(newest.get("fraction", 1.0)) if newest is not None else 1.0
     per_pass = -(-_batches.n_rows(rows) // spec.batch_size)

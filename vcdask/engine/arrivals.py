@@ -57,7 +57,7 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         more = run.tasks.results_waiting()  # fold their commits
         merged = await run.in_thread(run.server.merge, rec, last, run.staleness_limit(), last, more)
         if merged.pop("drafted", False):  # the tasks waiting for this merge start from its draft while it
-            run.note_drafted()  # is committed, before any other result is merged (a commit queued
+            run.note_settled()  # is committed, before any other result is merged (a commit queued
             await run.in_thread(run.server.commit)  # meanwhile, by a skipped shard, may have done it already)
             merged["version_id"] = run.server.version
         fault = merged.pop("fault", None)

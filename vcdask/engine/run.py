@@ -92,9 +92,6 @@ class Run:
         #: (merged and committed, or turned down): a task that asks for its base waits for the ones before it.
         self.arrived = 0
         self.settled = 0
-        #: Results whose merge path has decided, with the state they make committed or being committed
-        #: (a draft: ``Head.draft``): ``settled``, or one more while the loop commits a draft.
-        self.decided = 0
         self._settled = asyncio.Event()
         self._handed_any = asyncio.Event()  # set when a record is handed over (self.tasks.handed)
         self.handed_over = 0  # records taken that way
@@ -253,17 +250,13 @@ class Run:
         self._settled.set()
         self._settled = asyncio.Event()
 
-    def note_drafted(self) -> None:
-        """The result being merged made a draft (:attr:`~.committing.Head.draft`), which the loop
-        commits next: the tasks waiting for it may start from the draft meanwhile."""
-        self.decided = self.settled + 1
-        self.note_settled()
-
     def through(self, arrived: int) -> bool:
         """Whether a task that asks for its base now may have it, with ``arrived`` results to wait for."""
         head = self.server.head
-        if head.draft is not None and max(self.decided, self.settled) >= arrived:
-            return True  # merged, being committed: a small model's base goes out as a draft
+        # a draft (:attr:`~.committing.Head.draft`) is the merge of the result after the settled ones,
+        # being committed: a small model's base goes out as that draft
+        if head.draft is not None and self.settled + 1 >= arrived:
+            return True
         return self.settled >= arrived and (head.step == head.version_step or self.server.commit_every > 1)
 
     async def settled_through(self, arrived: int, timeout: float) -> bool:
