@@ -34,3 +34,43 @@ def test_outage_past_its_timeout_names_the_option():
         r"last fault: connection refused",
     ):
         outage.fault(StoreUnreachableError("connection refused"))
+
+
+def test_a_commit_that_fails_before_it_is_sent_says_so_and_the_server_does_not_look_for_it(tmp_path):
+    """A commit whose rule state cannot be written (its folder is blocked by a file) fails before the
+    version is sent: the error says so (``unsent``), the branch head is unchanged, and the merge thread
+    raises it without reading the branch head to see whether it landed (that read costs another round of
+    the store client's retries under an S3 outage)."""
+    import torch
+
+    import vcdask
+    from vcdask.engine.params_server import ParamsServer
+    from vcdask.errors import StoreError
+    from vcdask.merge import Nesterov
+    from vcdask.params import flatten
+    from vcdask.store._state import state_folder
+
+    store = vcdask.open_store(tmp_path / "s")
+    flat = flatten(torch.nn.Linear(4, 3))
+    store.create_branch("run-x", store.commit(flat, metadata={"step": 0}))
+    first = store.commit(flat, metadata={"step": 0}, branch="run-x")
+    server = ParamsServer(store, "run-x", Nesterov(delay=1), "run-x", outage_timeout=0)
+    server.load()
+    server.head = server.head.__class__(1, first, 0)
+    server.uncommitted = [{"epoch": 1, "shard": 0, "attempt": 0, "update": "none"}]
+    blocked = tmp_path / "s" / "runs" / state_folder("run-x")
+    blocked.parent.mkdir(parents=True, exist_ok=True)
+    blocked.write_text("not a folder")
+    looked, versions = [], store.versions
+
+    def counted(*args, **kwargs):  # the store's own listing, counted: how the server would look for a landing
+        looked.append(args)
+        return versions(*args, **kwargs)
+
+    store.versions = counted
+    with pytest.raises(StoreError, match="store_outage_timeout=0 s") as raised:
+        server.commit()
+    assert raised.value.__cause__.unsent, raised.value.__cause__  # the store's error, as the server got it
+    assert not looked
+    del store.versions
+    assert store.versions("run-x")[0].id == first  # nothing landed

@@ -93,7 +93,16 @@ class MissingRegionError(InvalidLocationError):
 
 
 class StoreError(VcdaskError, OSError):
-    """A fault while talking to the parameter store."""
+    """A fault while talking to the parameter store.
+
+    Attributes
+    ----------
+    unsent : bool
+        True when a commit failed before it was sent to the store: no version can have landed.
+        (False otherwise: a failed commit may still have landed, its answer lost.)
+    """
+
+    unsent: bool = False
 
 
 class StoreNotFoundError(StoreError, FileNotFoundError):

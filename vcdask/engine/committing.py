@@ -205,7 +205,9 @@ class Committing:
             return version
         except (StoreNotFoundError, StoreAccessDeniedError):
             raise
-        except StoreError:
+        except StoreError as e:
+            if getattr(e, "unsent", False):  # it failed before the commit was sent: it cannot have landed
+                raise
             version = self._landed(metadata, quiet=True)  # the store may have taken it before failing
             if version is None:
                 raise

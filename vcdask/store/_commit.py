@@ -69,7 +69,7 @@ def commit_version(
             try:
                 session = store._repo.writable_session(branch)
             except icechunk.IcechunkError as e:
-                raise store._ref_error(e, branch=branch) from None
+                raise _unwritten(store._ref_error(e, branch=branch)) from None
             if parent is not None:
                 head = store._version_or_none(session.snapshot_id)
                 if head != parent:
@@ -78,7 +78,14 @@ def commit_version(
                     )
             written = None  # what this attempt wrote of the rule state
             if state and STATE_KEY not in meta:  # first: a version never names a state object that is not there
-                meta[STATE_KEY], written = store._state_writer.write(store.files, branch, session.snapshot_id, state)
+                try:
+                    meta[STATE_KEY], written = store._state_writer.write(
+                        store.files, branch, session.snapshot_id, state
+                    )
+                except OSError as e:
+                    _unwritten(e)
+                    raise
+            sent = False  # whether the commit itself was sent (it may have landed although it failed)
             try:
                 last = store._last_commit.get(branch)
                 arrays: dict[str, Any] = {}
@@ -91,6 +98,7 @@ def commit_version(
                     write_flat(session.store, flat, store.chunk_bytes)
                     write_state(session.store, None, store.chunk_bytes)  # (earlier vcdask kept it inside)
                     replaced = store._repo.lookup_snapshot(session.snapshot_id).metadata or {}
+                sent = True
                 version = session.commit(message or "vcdask version", metadata=meta)
             except BaseException as e:  # nothing of this store's last commit is known to hold any more
                 store._last_commit.pop(branch, None)
@@ -100,7 +108,8 @@ def commit_version(
                     logger.debug("commit to %r lost a race (attempt %d); retrying", branch, attempt + 1)
                     continue
                 if isinstance(e, (icechunk.ConflictError, icechunk.IcechunkError)):
-                    raise translate(e, what) from None
+                    error = translate(e, what)
+                    raise (error if sent else _unwritten(error)) from None
                 raise
             store._last_commit[branch] = LastCommit(version, layout, meta, arrays)
             store._state_writer.committed(branch, version, written)
@@ -108,6 +117,14 @@ def commit_version(
         delete_state(store.files, replaced.get(STATE_KEY), branch, keep=meta.get(STATE_KEY))
         return version
     raise StoreConflict(f"{what}: lost the race to other writers {store.commit_retries + 1} times; nothing was written")
+
+
+def _unwritten(error: BaseException) -> BaseException:
+    """``error``, marked as raised before the commit was sent: the version cannot have landed, so a
+    caller need not look at the branch head for it (:attr:`StoreError.unsent`; under an S3 outage that
+    look costs another round of the client's retries, 20-30 s)."""
+    error.unsent = True  # type: ignore[attr-defined]
+    return error
 
 
 def rewrite_flat(
