@@ -17,7 +17,13 @@ from vcdask.demo import accuracy_on, digits_cnn
 from vcdask.engine.guard import WARM, Guard
 from vcdask.params import flatten
 
-FIT = dict(validation=0.1, max_epochs=12, n_shards=8, seed=3, progress=False, retention=False)
+#: One run's test accuracy varies by about +-0.015 from run to run (asynchronous merges): 12 epochs, clean
+#: 0.928-0.953 in three runs, the hostile runs screened within 0.03 of their clean run, unscreened 0.35-0.60;
+#: 8 epochs, clean 0.933, screened 0.925 and 0.930, unscreened 0.60 (0.894 against a clean 0.922 with another
+#: test session on the same two cores, where the hostile worker trained fewer shards).  Screened runs may
+#: fall short of the clean one by NOISE; the unscreened attack must cost more than HURT.
+NOISE, HURT = 0.04, 0.02
+FIT = dict(validation=0.1, max_epochs=8, n_shards=8, seed=3, progress=False, retention=False)
 ROBUST = vcdask.Resilience(max_norm_ratio=3.0, min_cosine=0.0)
 
 
@@ -75,7 +81,7 @@ def test_one_hostile_worker_of_four_is_rejected_every_time(
     honest = h[h.worker != hostile]
     assert honest.accepted.all(), honest[~honest.accepted].reason.tolist()  # no honest update turned down
     assert result.workers.set_index("worker").loc[hostile].excluded  # and the hostile worker is let go
-    assert _accuracy(result, Xt, yt) >= clean_accuracy - 0.02
+    assert _accuracy(result, Xt, yt) >= clean_accuracy - NOISE
 
 
 @pytest.mark.cluster
@@ -119,7 +125,7 @@ def test_without_the_robust_options_the_attack_hurts(four_workers, clean_accurac
     )
     h = result.history
     assert h[h.worker == hostile].accepted.all()
-    assert _accuracy(result, Xt, yt) < clean_accuracy - 0.02
+    assert _accuracy(result, Xt, yt) < clean_accuracy - HURT
 
 
 # -- the screen's decisions, without a cluster ------------------------------------------------------
