@@ -44,8 +44,11 @@ lint: $(VENV)/.lint-installed
 	exit $$status
 
 # The documentation, built with warnings as errors into docs/_build/html.
-docs: $(VENV)/.installed
+$(VENV)/.docs-installed: pyproject.toml constraints.txt $(VENV)/.installed
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
 	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 clean:
