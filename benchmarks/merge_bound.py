@@ -3,7 +3,7 @@
 usage: python benchmarks/merge_bound.py [--params 5000000] [--shards 60] [--epochs 2] [--workers 2]
                                         [--rules nesterov,vc-asgd] [--compression none,int8]
                                         [--fold on,off] [--tasks-per-slot 1] [--backlog default]
-                                        [--next-base on] [--cpu]
+                                        [--next-base on] [--repeats 1] [--cpu]
 
 A model of ``--params`` float32 parameters that trains in no time (a linear head on the digits and a
 large table the loss does not touch) on many tiny shards: every task is a read, a few steps and an
@@ -16,7 +16,8 @@ and the median upload size; with queued merges folded into one commit (``fold on
 this many MiB of versions were committed since its last collection (``Retention(backlog_bytes=...)``;
 ``none``: every 10 s only, as before stop 39; ``default``: the default policy).  ``--next-base off``: each
 task asks the run for its base as it starts (``vcdask.worker.next-base``; ``on``, the default: the
-answer to the last task's hand-over brought it).
+answer to the last task's hand-over brought it).  ``--repeats N``: each row is run N times, round robin
+over the rows, and the table gives the median of each number (``each``: every run's merges/s).
 ``benchmarks/merge_path.py`` measures the merge path alone for the floor.  Where a task's time goes:
 ``read`` (the spec, rows and base version, including ``wait``, the wait for the merges before its base),
 ``train``, ``upload`` (writing ``W_c``), medians in seconds from the run's history.
@@ -44,6 +45,9 @@ import vcdask
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _scratch import scratch_store
+
+#: The column the benchmark is about.
+RATE = "merges/s (after epoch 1)"
 
 
 class TableNet(torch.nn.Module):
@@ -137,7 +141,7 @@ def run(args, rule: str, codec: str, client, commit_every, backlog: str = "defau
         "rule": rule,
         "compression": codec,
         "merges": len(h),
-        "merges/s (after epoch 1)": len(later) / span if span > 0 else float("nan"),
+        RATE: len(later) / span if span > 0 else float("nan"),
         "task s (median)": float(h.seconds.median()),
         # where a task's time goes (medians, s): reading the spec, rows and its base (of which waiting for
         # the merges before that base), the steps, writing W_c
@@ -160,6 +164,19 @@ def _retention(backlog: str) -> vcdask.Retention:
     return vcdask.Retention(backlog_bytes=None if backlog == "none" else int(float(backlog) * 2**20))
 
 
+def _median_row(done: list[dict]) -> dict:
+    """One row for the runs of a configuration: the median of each number, and every run's merges/s."""
+    import statistics
+
+    row = dict(done[0])
+    for key, value in row.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            row[key] = statistics.median(float(r[key]) for r in done)
+    if len(done) > 1:
+        row["each"] = ", ".join(f"{float(r[RATE]):.1f}" for r in done)
+    return row
+
+
 def _commit_every(fold: str) -> int | str:
     return "auto" if fold == "on" else 1 if fold == "off" else int(fold)
 
@@ -178,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backlog", default="default", help="MiB of versions that trigger a collection: N, none, default")
     ap.add_argument("--tasks-per-slot", type=int, default=1, help="shard tasks kept in flight per worker thread")
     ap.add_argument("--next-base", default="on", help="on, off: vcdask.worker.next-base on the workers")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per row (the table gives medians)")
     ap.add_argument("--cpu", action="store_true", help="where the machine's CPU went, ms per merge")
     args = ap.parse_args(argv)
     from devices import markdown
@@ -185,7 +203,15 @@ def main(argv=None) -> int:
 
     from vcdask.cluster import embedded_cluster
 
-    rows = []
+    configs = [
+        (fold, rule, codec, backlog, next_base)
+        for fold in args.fold.split(",")
+        for rule in args.rules.split(",")
+        for codec in args.compression.split(",")
+        for backlog in args.backlog.split(",")
+        for next_base in args.next_base.split(",")
+    ]
+    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
     with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
         if args.cpu:  # the workers' first tasks import and load what later ones find ready
             run(
@@ -195,15 +221,18 @@ def main(argv=None) -> int:
                 client,
                 1,
             )
-        for fold in args.fold.split(","):
-            for rule in args.rules.split(","):
-                for codec in args.compression.split(","):
-                    for backlog in args.backlog.split(","):
-                        for next_base in args.next_base.split(","):
-                            client.run(_set_config, {"vcdask.worker.next-base": next_base == "on"})
-                            row = run(args, rule, codec, client, _commit_every(fold), backlog)
-                            rows.append({"fold": fold, "backlog MiB": backlog, "next base": next_base, **row})
-                            print(rows[-1], flush=True)
+        for _ in range(args.repeats):  # round robin: a noisy minute spreads over the configurations
+            for config in configs:
+                fold, rule, codec, backlog, next_base = config
+                client.run(_set_config, {"vcdask.worker.next-base": next_base == "on"})
+                row = run(args, rule, codec, client, _commit_every(fold), backlog)
+                runs[config].append(row)
+                print({"fold": fold, "backlog MiB": backlog, "next base": next_base, **row}, flush=True)
+    rows = []
+    for (fold, _rule, _codec, backlog, next_base), done in runs.items():
+        rows.append({"fold": fold, "backlog MiB": backlog, "next base": next_base, **_median_row(done)})
+    if args.repeats > 1:
+        print(f"\nmedians of {args.repeats} runs per row (merges/s of each run in 'each')")
     print(f"\n{args.params:,} parameters, {args.workers} workers, {args.shards} shards x {args.epochs} epochs")
     print(markdown(rows))
     return 0
