@@ -206,7 +206,7 @@ class Committing:
         except (StoreNotFoundError, StoreAccessDeniedError):
             raise
         except StoreError as e:
-            if getattr(e, "unsent", False):  # it failed before the commit was sent: it cannot have landed
+            if e.unsent:  # it failed before the commit was sent: it cannot have landed
                 raise
             version = self._landed(metadata, quiet=True)  # the store may have taken it before failing
             if version is None:

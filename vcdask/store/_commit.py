@@ -69,7 +69,7 @@ def commit_version(
             try:
                 session = store._repo.writable_session(branch)
             except icechunk.IcechunkError as e:
-                raise _unwritten(store._ref_error(e, branch=branch)) from None
+                raise _unsent(store._ref_error(e, branch=branch)) from None
             if parent is not None:
                 head = store._version_or_none(session.snapshot_id)
                 if head != parent:
@@ -83,7 +83,7 @@ def commit_version(
                         store.files, branch, session.snapshot_id, state
                     )
                 except OSError as e:
-                    _unwritten(e)
+                    _unsent(e)
                     raise
             sent = False  # whether the commit itself was sent (it may have landed although it failed)
             try:
@@ -109,7 +109,7 @@ def commit_version(
                     continue
                 if isinstance(e, (icechunk.ConflictError, icechunk.IcechunkError)):
                     error = translate(e, what)
-                    raise (error if sent else _unwritten(error)) from None
+                    raise (error if sent else _unsent(error)) from None
                 raise
             store._last_commit[branch] = LastCommit(version, layout, meta, arrays)
             store._state_writer.committed(branch, version, written)
@@ -119,7 +119,7 @@ def commit_version(
     raise StoreConflict(f"{what}: lost the race to other writers {store.commit_retries + 1} times; nothing was written")
 
 
-def _unwritten(error: BaseException) -> BaseException:
+def _unsent(error: BaseException) -> BaseException:
     """``error``, marked as raised before the commit was sent: the version cannot have landed, so a
     caller need not look at the branch head for it (:attr:`StoreError.unsent`; under an S3 outage that
     look costs another round of the client's retries, 20-30 s)."""
