@@ -204,6 +204,56 @@ def test_a_task_that_diverged_keeps_no_optimizer_state():
     assert inner.InnerOptimizer(spec, model, opt.precision, 1).resumed
 
 
+def _on_two_devices(optimizer: torch.optim.Optimizer) -> None:
+    """Lay Adam's state out as CUDA does: ``step`` on the CPU, the moments on the accelerator (a stand-in)."""
+    from vcdask.testing.devices import on_accelerator
+
+    for state in optimizer.state.values():
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[name] = on_accelerator(state[name])
+
+
+def test_optimizer_state_on_two_devices_is_checked_and_kept_as_on_a_gpu():
+    """Every CUDA run with a kept state failed here (``torch.stack`` over tensors on two devices); the
+    stand-in refuses the same mix on the CPU, so CI guards the GPU path."""
+    from vcdask.testing.devices import ACCELERATOR
+
+    spec = _spec(run_id="two-devices-run", optimizer_state="worker")
+    model = torch.nn.Linear(3, 1)
+    opt = inner.InnerOptimizer(spec, model, Precision("32", torch.device("cpu")), 1)
+    opt.step(model(torch.ones(2, 3)).pow(2).mean())
+    _on_two_devices(opt.optimizer)
+    devices = {t.device for state in opt.optimizer.state.values() for t in state.values()}
+    assert devices == {torch.device("cpu"), ACCELERATOR}
+    with pytest.raises(RuntimeError, match="same device"):  # what the check did before
+        torch.stack([torch.isfinite(t).all() for t in opt.optimizer.state[model.weight].values()])
+    assert inner._finite_state(opt.optimizer)
+    opt.done()
+    assert inner.InnerOptimizer(spec, model, opt.precision, 1).resumed  # kept, and loaded by the next task
+
+    opt = inner.InnerOptimizer(spec, model, opt.precision, 1)
+    opt.step(model(torch.ones(2, 3)).pow(2).mean())
+    _on_two_devices(opt.optimizer)
+    opt.optimizer.state[model.bias]["exp_avg_sq"].fill_(float("inf"))  # poisoned on the accelerator
+    assert not inner._finite_state(opt.optimizer)
+    opt.done()
+    assert not inner.InnerOptimizer(spec, model, opt.precision, 1).resumed
+
+
+def test_the_accelerator_stand_in_refuses_what_cuda_refuses():
+    from vcdask.testing.devices import on_accelerator
+
+    a, cpu = on_accelerator(torch.ones(3)), torch.ones(3)
+    for combine in (lambda: a + cpu, lambda: torch.stack([a, cpu]), lambda: torch.cat([cpu, a])):
+        with pytest.raises(RuntimeError, match="same device"):
+            combine()
+    assert torch.equal((a * torch.tensor(2.0)).cpu(), torch.full((3,), 2.0))  # a 0-d CPU tensor is a scalar
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.stack([on_accelerator(torch.tensor(True)), torch.tensor(True)])  # but not in a list
+    moved = a.to("cpu")
+    assert type(moved) is torch.Tensor and torch.equal(moved + cpu, torch.full((3,), 2.0))
+
+
 def test_lr_schedule_scales_each_local_step():
     model = torch.nn.Linear(3, 1)
     seen = []

@@ -160,11 +160,13 @@ class InnerOptimizer:
 
 
 def _finite_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether every floating tensor of the optimizer's state is finite (one device sync)."""
-    checks = [
-        torch.isfinite(t).all()
-        for state in optimizer.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor) and t.is_floating_point()
-    ]
-    return bool(torch.stack(checks).all()) if checks else True
+    """Whether every floating tensor of the optimizer's state is finite: one device sync per device.
+
+    The state may live on several devices (Adam keeps its ``step`` counters on the CPU and its moments
+    beside the parameters, on CUDA), so the checks are combined per device, never across devices."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for state in optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(checks).all()) for checks in by_device.values())
