@@ -20,6 +20,7 @@ from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
 from .device import check_device, check_precision
 from .inner import check_optimizer_state, check_schedule
+from .overlap import check_overlap
 from .merge import MergeRule, get_rule
 from .preflight import check_model, check_run, check_target, model_dtype
 from .resilience import NEEDS_VALIDATION, Resilience
@@ -302,6 +303,7 @@ def plan_run(
             "compression": compression,
             "speed_adaptive": speed_adaptive,
             "prices": check_prices(config.get("cloud.prices")),
+            "overlap": check_overlap(config.get("worker.overlap")),
             **training,
             "metric_names": metric_names if train_step is not None else (),
             "batch_form": prepared.form,

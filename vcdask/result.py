@@ -34,6 +34,7 @@ HISTORY_COLUMNS = [
     "upload_seconds",
     "nbytes",
     "fraction",
+    "steps_ahead",
     "accepted",
     "outcome",
     "reason",
@@ -56,7 +57,9 @@ class FitResult:
         version and rows, of which wait_seconds waiting for the merges before its base (or, for a base the
         answer to its worker's last hand-over brought, that hand-over's wait, before this task began), train_seconds,
         upload_seconds), nbytes (the update as sent), fraction (the share of its
-        shard's batches the task trained: below 1 on a slow worker with ``speed_adaptive``), accepted, outcome (one of
+        shard's batches the task trained: below 1 on a slow worker with ``speed_adaptive``), steps_ahead (local steps it
+        trained from its worker's own last update before the merged version came, with
+        ``vcdask.worker.overlap="delta"``; see :mod:`vcdask.overlap`), accepted, outcome (one of
         :data:`vcdask.engine.events.OUTCOMES`: merged, rejected, duplicate, late, lost, cancelled,
         skipped, store fault), reason (why, in words, for an update not merged), time (since the
         run started), update (path of W_c under ``<store>/runs``).

@@ -79,6 +79,7 @@ class RunSpec:
     patience: int | None = None  # early stopping: epochs without improvement of `monitor`
     monitor: str | None = None  # the validation metric early stopping (and FitResult.best_version) follows
     start: dict[str, Any] | None = None  # where the model came from: {"version", "tag", "store"} or None
+    overlap: str = "wait"  # vcdask.overlap: how a worker's next shard meets its last merge (runs before it: wait)
 
     @property
     def spec_path(self) -> str:

@@ -8,6 +8,8 @@ worker's device, an optimizer, ``local_epochs`` passes of ``train_step``, upload
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
 import itertools
 import logging
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from . import batches as _batches
-from . import config
+from . import config, overlap
 from ._wire import unpack
 from .compress import EncodedUpdate, encode
 from .cost import instance_here
@@ -181,30 +183,37 @@ def _dask_worker() -> Any:
         return None
 
 
-def _tell_run(handler: str, run_id: str, **extra: Any) -> dict[str, Any] | None:
-    """Call the run's scheduler handler ``handler`` about the task running here; return its answer
-    (None off a Dask worker: called directly)."""
-    worker = _dask_worker()
+def _tell_run(handler: str, run_id: str, *, dask_worker: Any = None, key: str | None = None, **extra: Any) -> Any:
+    """Call the run's scheduler handler ``handler`` about the task running here (or task ``key`` of
+    ``dask_worker``, from another thread); return its answer (None off a Dask worker: called directly)."""
+    worker = dask_worker or _dask_worker()
     if worker is None:
         return None
     from distributed.utils import sync
 
-    return sync(
-        worker.loop,
-        getattr(worker.scheduler, handler),
-        run_id=run_id,
-        key=worker.get_current_task(),
-        worker=worker.address,
-        **extra,
+    key = key if key is not None else worker.get_current_task()
+    return sync(worker.loop, getattr(worker.scheduler, handler), run_id=run_id, key=key, worker=worker.address, **extra)
+
+
+def _tell_run_later(handler: str, run_id: str, **extra: Any) -> concurrent.futures.Future | None:
+    """:func:`_tell_run` without waiting: the answer's future (None off a Dask worker)."""
+    worker = _dask_worker()
+    if worker is None:
+        return None
+    call = getattr(worker.scheduler, handler)(
+        run_id=run_id, key=worker.get_current_task(), worker=worker.address, **extra
     )
+    return asyncio.run_coroutine_threadsafe(call, worker.loop.asyncio_loop)
 
 
 #: Bases that hand-overs' answers gave for the shard copies to run next here: key -> (base, seconds waited)
 _next_bases: OrderedDict[str, tuple[dict[str, Any], float]] = OrderedDict()
 _MAX_NEXT_BASES = 8
+#: run id -> the share of its shard's batches the run last gave this worker (``speed_adaptive``)
+_fractions: dict[str, float] = {}
 
 
-def _hand_over(run_id: str, record: dict[str, Any]) -> None:
+def _hand_over(run_id: str, record: dict[str, Any], own: FlatParams | None = None) -> None:
     """Send the task's record to the run as the task finishes.
 
     The run gets it a round trip sooner than from Dask (which reports the task done, after which the
@@ -214,13 +223,22 @@ def _hand_over(run_id: str, record: dict[str, Any]) -> None:
     With ``vcdask.worker.next-base``, a shard task also takes the answer's base for the copy the run
     sent here to run next, once the run has merged this update (the copy then asks for nothing when
     it starts: one message to the scheduler per task instead of two).
+
+    ``own``: the task's ``W_c`` on its device, with ``vcdask.worker.overlap="delta"``: the hand-over
+    does not wait for the answer, and this process's next task of the run trains from ``own`` meanwhile
+    (:mod:`vcdask.overlap`).
     """
     if not config.get("worker.hand-over"):
+        return
+    if own is not None:
+        answer = _tell_run_later("vcdask_finished", run_id, record=record, next_base=config.get("worker.next-base"))
+        if answer is not None:
+            overlap.put(overlap.Pending(run_id, answer, own, _fractions.get(run_id, 1.0)))
         return
     ask = record.get("kind") == "update" and bool(config.get("worker.next-base"))
     t0 = time.perf_counter()
     try:
-        answer = _tell_run("vcdask_finished", run_id, record=record, **({"next_base": True} if ask else {}))
+        answer = _tell_run("vcdask_finished", run_id, record=record, next_base=ask)
     except Exception as e:  # noqa: BLE001 - the result still travels the usual way
         logger.debug("could not hand the record of a %s task to run %s: %r", record.get("kind"), run_id, e)
         return
@@ -270,9 +288,11 @@ def train_shard(
     # with the spec and the rows at hand (a warm worker), the task is ready at once: the run learns that it
     # started from its request for a base, one message instead of two
     warm = _warm_rows(store, run_id, shard)
-    # the last task's hand-over may have brought this one's base (the run then counts it started already)
+    # the last task's hand-over may have brought this one's base (the run then counts it started already);
+    # with overlap="delta", that hand-over may still be out: this task trains from its W_c meanwhile
     handed = _handed_base()
-    if warm is None and handed is None:
+    pending = overlap.take(run_id) if handed is None else None
+    if warm is None and handed is None and pending is None:
         _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here; what it costs
     spec = load_spec(store, run_id)
     device, precision = _setup(spec)
@@ -281,24 +301,31 @@ def train_shard(
     if warm is None:
         _warm_torch()
     t_base = time.perf_counter()
-    # ready to train: from the newest version (given already by the last task's hand-over if no rows were read)
+    given = None  # a small model's base came with the answer: no store read
     newest: dict[str, Any] | None
-    if handed is not None and warm is not None:
+    if pending is not None:  # the base comes while this task trains: from the worker's own W_c until then
+        pending.resolve(_base_fetcher(store, _dask_worker(), str(_dask_worker().get_current_task())))
+        newest, wait, given = {"fraction": pending.fraction}, 0.0, pending.own
+    elif handed is not None and warm is not None:
         newest, wait = handed  # the history's wait_seconds: the hand-over's, which waited for the merge
-    else:
+    else:  # ready to train: from the newest version
         says_started = warm is not None and handed is None
-        newest = _tell_run("vcdask_base", run_id, **({"started": instance_here()} if says_started else {}))
+        newest = _tell_run("vcdask_base", run_id, started=instance_here() if says_started else None)
         wait = time.perf_counter() - t_base
     if newest is not None and newest.get("abandon"):  # the run no longer waits for this copy
-        return {"kind": "abandoned", "run_id": run_id, "epoch": epoch, "shard": shard, "attempt": attempt}
-    given = None  # a small model's base came with the answer: no store read
-    if newest is not None and (newest.get("version") is not None or newest.get("params") is not None):
+        return _abandoned(run_id, epoch, shard, attempt)
+    if (
+        pending is None
+        and newest is not None
+        and (newest.get("version") is not None or newest.get("params") is not None)
+    ):
         # (no version id: parameters merged and being committed as the version of that step)
         base_version, base_step = newest.get("version"), int(newest["step"])
         if newest.get("params") is not None:
             given = _brought(base_version, newest["params"])
     # speed_adaptive: a slow worker trains the share of its shard's batches the run gives it
     fraction = float(newest.get("fraction", 1.0)) if newest is not None else 1.0
+    _fractions[run_id] = fraction
     per_pass = -(-_batches.n_rows(rows) // spec.batch_size)
     limit = None if fraction >= 1.0 else max(1, math.ceil(fraction * per_pass))
     model = _loaded_model(spec, store, base_version, device, given)
@@ -308,15 +335,25 @@ def train_shard(
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 10_007 + shard * 101 + attempt)
 
     model.train()
+    ahead = 0  # steps trained from the worker's own W_c before the merged version came (overlap="delta")
     losses = []
     stamps = [time.perf_counter()]
     for _ in range(spec.local_epochs):
         for batch, _n in _batches.batches(spec, rows, device, spec.batch_size, generator=g, limit=limit):
+            if pending is not None and pending.ready():  # the merged version is here: train on from it
+                if (base := _corrected(model, pending)) is None:
+                    return _abandoned(run_id, epoch, shard, attempt)
+                (base_version, base_step), pending, ahead = base, None, len(losses)
             with precision.autocast():
                 loss = train_step(model, batch)
             inner.step(loss)
             losses.append(loss.detach())
             stamps.append(time.perf_counter())
+    if pending is not None:  # trained before the merge came: wait for it (the only wait of such a task)
+        t_wait = time.perf_counter()
+        if (base := _corrected(model, pending)) is None:
+            return _abandoned(run_id, epoch, shard, attempt)
+        (base_version, base_step), wait, ahead = base, time.perf_counter() - t_wait, len(losses)
     train_loss = float(torch.stack(losses).float().mean()) if losses else float("nan")
     inner.done(finite=math.isfinite(train_loss))
 
@@ -341,6 +378,7 @@ def train_shard(
         **instance_here(),  # for the run's cost accounting
         "steps": inner.step_count,
         "fraction": 1.0 if limit is None else limit / per_pass,
+        "steps_ahead": ahead,
         # this worker's pace: the median step (a task's first steps also pay warm-up and allocation)
         "step_seconds": statistics.median(b - a for a, b in itertools.pairwise(stamps)) if len(stamps) > 1 else None,
     }
@@ -355,8 +393,51 @@ def train_shard(
     record["nbytes"] = write_update(store.files, path, update, meta=record)
     t_end = time.perf_counter()
     record.update(seconds=t_end - t0, upload_seconds=t_end - t_train)
-    _hand_over(run_id, record)
+    delta = spec.overlap == "delta" and _dask_worker() is not None and config.get("worker.hand-over")
+    _hand_over(run_id, record, own=flatten(model, device=device) if delta else None)
     return record
+
+
+def _abandoned(run_id: str, epoch: int, shard: int, attempt: int) -> dict[str, Any]:
+    """The record of a copy the run no longer waits for: nothing trained is written."""
+    return {"kind": "abandoned", "run_id": run_id, "epoch": epoch, "shard": shard, "attempt": attempt}
+
+
+def _base_fetcher(store, dask_worker: Any, key: str):
+    """What fetches a delta task's base in a thread (:meth:`vcdask.overlap.Pending.resolve`): the answer
+    to the hand-over of the update before it, or, when that answer gives no base for task ``key``, the
+    run's answer to the task's own request; then the base's parameters (brought, cached or read)."""
+
+    def fetch(pending: overlap.Pending) -> overlap.Base:
+        try:
+            answer = pending.answer.result()
+        except Exception as e:  # noqa: BLE001 - the record still reached the run through Dask
+            logger.debug("hand-over of run %s failed: %r; asking for the base", pending.run_id, e)
+            answer = None
+        nxt = answer.get("next") if isinstance(answer, dict) else None
+        if nxt is not None and nxt.pop("key", None) == key:
+            base = nxt  # the run counts this task started from its answer
+        else:  # another copy ran here first, or the run did not answer with a base: ask for this task's
+            base = _tell_run("vcdask_base", pending.run_id, dask_worker=dask_worker, key=key, started=instance_here())
+        if not base or base.get("abandon"):
+            return overlap.Base(None)
+        if "fraction" in base:
+            _fractions[pending.run_id] = float(base["fraction"])
+        if base.get("params") is not None:
+            return overlap.Base(base, _brought(base.get("version"), base["params"]))
+        return overlap.Base(base, _version(store, base["version"]))
+
+    return fetch
+
+
+def _corrected(model: torch.nn.Module, pending: overlap.Pending) -> tuple[str | None, int] | None:
+    """Correct ``model`` by the merged version of the update before it (:func:`vcdask.overlap.correct`);
+    that version's id and step, now the task's base (None: the run no longer waits for the task)."""
+    base = pending.result()
+    if base.answer is None or base.params is None:
+        return None
+    overlap.correct(model, base.params, pending.own)
+    return base.answer.get("version"), int(base.answer["step"])
 
 
 def validate_version(store, run_id: str, version: str, step: int) -> dict[str, Any]:

@@ -33,6 +33,7 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
     fields["wait_seconds"] = rec.get("wait_seconds", float("nan"))  # (absent from older uploads a resumed run merges)
     fields.update(worker=worker, device=rec.get("device"), update=rec["update"], base_version=rec["base_step"])
     fields.update(time=arrived, nbytes=rec.get("nbytes", float("nan")), fraction=rec.get("fraction", 1.0))
+    fields["steps_ahead"] = rec.get("steps_ahead", 0)
     completes = False
     if run.ledger.done(epoch, shard):
         if task.overdue:

@@ -41,6 +41,7 @@ def history_row(epoch: int, shard: int, attempt: int, outcome: Outcome | None = 
         "upload_seconds": float("nan"),
         "nbytes": float("nan"),
         "fraction": float("nan"),
+        "steps_ahead": float("nan"),
         "accepted": False,
         "outcome": outcome,
         "reason": None,

@@ -44,7 +44,9 @@ async def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, A
     were once rejected as stale for it).  A worker gets its next shard as soon as its result is back,
     before that result is merged: without the wait, its next task would train from the version just
     before its own update, every time (half of the work lost with ``alpha=0``; one step staler with
-    every rule).
+    every rule).  With ``vcdask.worker.overlap="delta"`` the worker does not wait for this answer: its
+    next task trains meanwhile and corrects its weights once the answer is there (:mod:`vcdask.overlap`);
+    with ``"newest"`` the answer does not wait for the merges due.
 
     Returns ``{"version": ..., "step": ...}``, or ``{"abandon": True}`` for a copy the run no longer
     waits for: cancelled, or a finished one that Dask runs again because the worker holding its result
@@ -62,7 +64,8 @@ async def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, A
         return {"abandon": True}
     if task.kind != "update":
         return None
-    if run.settled < run.arrived and not run.through(run.arrived):
+    waits = run.spec.overlap != "newest"  # (vcdask.overlap) "newest": the head as it is, without the merges due
+    if waits and run.settled < run.arrived and not run.through(run.arrived):
         await run.settled_through(run.arrived, policy.base_wait(run.ledger.shard_seconds))
         task = run.tasks.tasks.get(key)
         if task is None:

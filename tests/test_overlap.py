@@ -1,0 +1,113 @@
+"""How a worker's next shard meets the merge of its last one: the delta rule and the hand-overs still out."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+
+from vcdask import overlap
+from vcdask.errors import ParameterMismatchError
+from vcdask.params import flatten
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+
+
+def _train(model: torch.nn.Module, steps: int, seed: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+
+
+def test_the_delta_rule_moves_the_local_steps_onto_the_merged_version():
+    """A task that trained on from its own W_c ends as merged + (what it learned since W_c)."""
+    model = _net()
+    _train(model, 3, seed=1)
+    own = flatten(model)  # W_c, handed over
+    _train(model, 2, seed=2)  # the next task's first steps, before the merged version came
+    learned = {d: flatten(model).arrays[d] - own.arrays[d] for d in own.arrays}
+    server = _net()
+    _train(server, 5, seed=3)  # the server's version, holding W_c among others
+    merged = flatten(server)
+    overlap.correct(model, merged, own)
+    after = flatten(model)
+    torch.testing.assert_close(after.arrays["float32"], merged.arrays["float32"] + learned["float32"])
+    assert torch.equal(after.arrays["int64"], merged.arrays["int64"] + learned["int64"])  # BatchNorm's counter
+    assert merged.arrays["float32"].data_ptr() != after.arrays["float32"].data_ptr()
+    assert torch.equal(merged.arrays["float32"], flatten(server).arrays["float32"])  # the base is left as it was
+    _train(model, 1, seed=4)  # the optimizer's parameters were corrected in place: training goes on from there
+
+
+def test_with_nothing_learned_meanwhile_the_task_holds_the_merged_version_exactly():
+    model = _net()
+    own = flatten(model)
+    server = _net()
+    _train(server, 4, seed=5)
+    merged = flatten(server)
+    overlap.correct(model, merged, own)
+    torch.testing.assert_close(flatten(model).arrays["float32"], merged.arrays["float32"])
+    assert torch.equal(flatten(model).arrays["int64"], merged.arrays["int64"])
+
+
+def test_a_boolean_buffer_takes_the_merged_value():
+    model = torch.nn.Linear(2, 1)
+    model.register_buffer("mask", torch.tensor([True, False]))
+    own = flatten(model)
+    merged_model = torch.nn.Linear(2, 1)
+    merged_model.register_buffer("mask", torch.tensor([False, True]))
+    overlap.correct(model, flatten(merged_model), own)
+    assert model.mask.tolist() == [False, True]
+
+
+def test_a_base_of_another_model_is_refused_naming_it():
+    model = _net()
+    with pytest.raises(ParameterMismatchError, match="the merged version does not fit"):
+        overlap.correct(model, flatten(torch.nn.Linear(4, 2)), flatten(model))
+    with pytest.raises(ParameterMismatchError, match="own W_c does not fit"):
+        overlap.correct(model, flatten(model), flatten(torch.nn.Linear(4, 2)))
+
+
+def test_check_overlap_names_the_value_and_the_choices():
+    assert overlap.check_overlap("delta") == "delta"
+    with pytest.raises(ValueError, match=r"overlap must be one of \['delta', 'wait', 'newest'\], got 'eager'"):
+        overlap.check_overlap("eager")
+
+
+def test_fit_refuses_a_bad_overlap_before_any_cluster_work(tmp_path):
+    import dask
+    import numpy as np
+
+    import vcdask
+
+    with dask.config.set({"vcdask.worker.overlap": "sometimes"}), pytest.raises(ValueError, match="'sometimes'"):
+        vcdask.fit(torch.nn.Linear(3, 2), (np.zeros((20, 3), "f4"), np.arange(20) % 2), store=tmp_path, progress=False)
+
+
+def _pending(run_id: str, answer: concurrent.futures.Future | None = None) -> overlap.Pending:
+    return overlap.Pending(run_id, answer or concurrent.futures.Future(), flatten(torch.nn.Linear(2, 1)))
+
+
+def test_hand_overs_still_out_are_taken_oldest_first_once_each_per_run():
+    first, second, other = _pending("run-a"), _pending("run-a"), _pending("run-b")
+    for p in (first, second, other):
+        overlap.put(p)
+    assert overlap.take("run-a") is first and overlap.take("run-a") is second and overlap.take("run-a") is None
+    assert overlap.take("run-b") is other and overlap.take("run-never") is None
+
+
+def test_a_pending_base_is_fetched_in_a_thread_and_never_waited_for_between_steps():
+    answer: concurrent.futures.Future = concurrent.futures.Future()
+    pending = _pending("run-c", answer)
+    params = flatten(torch.nn.Linear(2, 1))
+    pending.resolve(lambda p: overlap.Base(p.answer.result(), params))
+    assert not pending.ready()  # the answer is not there: training goes on
+    answer.set_result({"version": "v7", "step": 7})
+    base = pending.result()
+    assert pending.ready() and base.answer == {"version": "v7", "step": 7} and base.params is params

@@ -1,0 +1,172 @@
+"""How a worker's next shard meets the merge of its last one (``vcdask.worker.overlap``).
+
+A worker hands its update ``W_c`` to the run, and the run merges it into the server's parameters.
+What the worker's next task trains from is a choice between time and what each step learns:
+
+``"delta"`` (the default)
+    The next task starts at once, from the worker's own ``W_c``, while the run merges it.  When the
+    merged version that holds the update arrives (the hand-over's answer, fetched in a thread), the
+    task corrects its weights by ``merged - W_c`` between two steps (hivemind's delta rule, DiLoCo's
+    eager updates): from then on it trains as if it had started from the merged version, which
+    becomes its update's base.  The local steps taken before the answer came are kept; the merge
+    is off the training path.
+``"wait"``
+    The next task waits for the merge (and, for large models, the commit) of the worker's own update,
+    then trains from that version: compute and communication take turns.
+``"newest"``
+    The next task starts from the newest version the run has when it asks, without its own update
+    (which is merged later): nobody waits, and every task's base is a step staler.
+
+Read where ``fit`` is called and kept in the run's spec, so the scheduler and every worker of a run
+agree; a run written before the option resumes as it trained (``"wait"``).
+``benchmarks/utilization.py`` measured the three (see ``docs/user-guide/how-a-run-works.md``).
+
+This module keeps a worker process's hand-overs that are still out (:class:`Pending`) and applies the
+correction (:func:`correct`); :mod:`vcdask.worker` drives them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ParameterMismatchError
+from .params import FlatParams, state_tensors
+
+__all__ = ["OVERLAPS", "Base", "Pending", "check_overlap", "correct", "put", "take"]
+
+#: What ``vcdask.worker.overlap`` accepts.
+OVERLAPS = ("delta", "wait", "newest")
+
+
+def check_overlap(value: Any) -> str:
+    """``value`` if it is one of :data:`OVERLAPS`.
+
+    Raises
+    ------
+    ValueError
+        Naming the value and the valid choices.
+    """
+    if value not in OVERLAPS:
+        raise ValueError(f"vcdask.worker.overlap must be one of {list(OVERLAPS)}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Base:
+    """What a task trains from: the run's answer (``{"version", "step", ...}``) and its parameters;
+    ``answer`` None: the run no longer waits for the task (abandon it, nothing trained is written)."""
+
+    answer: dict[str, Any] | None
+    params: FlatParams | None = None
+
+
+@dataclass
+class Pending:
+    """A shard task's update, handed over to the run and not merged yet, and its ``W_c``.
+
+    Parameters
+    ----------
+    run_id : str
+    answer : concurrent.futures.Future
+        The hand-over's answer: it comes once the run has merged the update.
+    own : FlatParams
+        ``W_c`` as handed over, on the training device (the next task starts from it).
+    fraction : float
+        The share of its shard's batches the run last gave this worker (``speed_adaptive``).
+    """
+
+    run_id: str
+    answer: concurrent.futures.Future
+    own: FlatParams
+    fraction: float = 1.0
+    handed_at: float = field(default_factory=time.perf_counter)
+    base: concurrent.futures.Future | None = None
+
+    def resolve(self, fetch: Callable[[Pending], Base]) -> None:
+        """Fetch the base in a thread: ``fetch(self)`` waits for the answer, and reads its parameters."""
+        self.base = _executor().submit(fetch, self)
+
+    def ready(self) -> bool:
+        """Whether the base is here (a check between two steps: it never waits)."""
+        return self.base is not None and self.base.done()
+
+    def result(self) -> Base:
+        """The base, waiting for it if it is not here yet."""
+        assert self.base is not None, "resolve() first"
+        return self.base.result()
+
+
+_lock = threading.Lock()
+_pending: dict[str, deque[Pending]] = {}
+#: Hand-overs kept per run and process (one per thread that trained; older ones were never taken).
+_MAX_PENDING = 4
+_KEEP_RUNS = 4
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="vcdask-base")
+        return _pool
+
+
+def put(pending: Pending) -> None:
+    """Keep ``pending`` for this process's next task of its run."""
+    with _lock:
+        queue = _pending.setdefault(pending.run_id, deque(maxlen=_MAX_PENDING))
+        queue.append(pending)
+        for old in list(_pending)[:-_KEEP_RUNS]:  # a long-lived worker: forget runs long gone
+            del _pending[old]
+
+
+def take(run_id: str) -> Pending | None:
+    """The oldest hand-over of ``run_id`` that no task here continues yet (None: there is none)."""
+    with _lock:
+        queue = _pending.get(run_id)
+        return queue.popleft() if queue else None
+
+
+def correct(model: torch.nn.Module, merged: FlatParams, own: FlatParams) -> None:
+    """``model += merged - own``, in place, between two steps: the delta rule.
+
+    ``model`` trained on from ``own`` (its ``W_c``); ``merged`` is the server's version holding that
+    ``W_c``.  Afterwards the model is ``merged`` plus the local steps taken since ``own``: its update's
+    base is ``merged``.  Integer buffers take the same difference (exact); boolean ones take ``merged``'s
+    values.  The difference is computed on the model's device (one copy of ``merged`` per dtype).
+
+    Raises
+    ------
+    ParameterMismatchError
+        ``merged`` or ``own`` is not laid out as the model's state.
+    """
+    layout, tensors = state_tensors(model)
+    for other, what in ((merged, "the merged version"), (own, "the task's own W_c")):
+        problems = layout.diff(other.layout)
+        if problems:
+            raise ParameterMismatchError(f"{what} does not fit the model: " + "; ".join(problems))
+    with torch.no_grad():
+        for dtype, own_flat in own.arrays.items():
+            device = own_flat.device
+            target = merged.arrays[dtype].to(device, non_blocking=True)
+            entries = [(t, e) for t, e in zip(tensors, layout.entries, strict=True) if e.dtype == dtype]
+            if own_flat.dtype == torch.bool:
+                for t, e in entries:
+                    t.copy_(target[e.offset : e.offset + e.size].view(t.shape))
+                continue
+            delta = target.sub_(own_flat) if target is not merged.arrays[dtype] else target - own_flat
+            views = [delta[e.offset : e.offset + e.size].view(t.shape) for t, e in entries]
+            if own_flat.is_floating_point():
+                torch._foreach_add_([t for t, _ in entries], views)
+            else:
+                for (t, _), v in zip(entries, views, strict=True):
+                    t.add_(v)
