@@ -164,3 +164,25 @@ def test_pool_measures_step_seconds_and_gives_fractions():
     assert pool.records["slow"].step_seconds == pytest.approx(expected)
     pool.left("fast")  # the fastest left: the slow worker is now the fastest one
     assert pool.work_fraction("slow") == 1.0
+
+
+def test_auto_validation_keeps_validating_within_its_share_of_the_shard_tasks_time():
+    assert policy.validation_due(3, 6, [], []) and not policy.validation_due(3, 7, [100.0], [1.0])  # every 3rd
+    assert policy.validation_due("auto", 1, [], [])  # nothing measured yet: the first one is validated
+    shards = [1.0] * 10  # 10 s of shard tasks: 1 s of validation allowed
+    assert policy.validation_due("auto", 11, [0.5, 0.5], shards)
+    assert not policy.validation_due("auto", 11, [0.5, 0.6], shards)
+    assert policy.validation_due("auto", 12, [0.5, 0.6], [*shards, 1.0])  # the shards caught up
+
+
+def test_a_run_with_validate_every_auto_spends_a_tenth_of_its_task_time_validating():
+    """Replayed: 1.4 s shard tasks, 0.5 s validations (the char-LM of benchmarks/utilization.py on one
+    worker): validating every merge would take a third of the workers' time; "auto" a tenth."""
+    shards: list[float] = []
+    validations: list[float] = []
+    for step in range(1, 201):
+        shards.append(1.4)
+        if policy.validation_due("auto", step, validations, shards):
+            validations.append(0.5)
+    assert sum(validations) <= policy.VALIDATION_SHARE * sum(shards) + 0.5
+    assert len(validations) >= 0.9 * policy.VALIDATION_SHARE * sum(shards) / 0.5

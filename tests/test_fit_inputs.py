@@ -66,6 +66,31 @@ def test_bad_n_shards(n_shards, match, xy, tmp_path):
     _bad(_linear(), xy, tmp_path, ValueError, match, n_shards=n_shards)
 
 
+@pytest.mark.parametrize("value", [0, "often", 2.5])
+def test_bad_validate_every_names_the_choices(value, xy, tmp_path):
+    _bad(
+        _linear(),
+        xy,
+        tmp_path,
+        ValueError,
+        r"validate_every must be an integer >= 1 or 'auto', got",
+        validate_every=value,
+    )
+
+
+def test_a_bad_overlap_in_the_config_fails_before_any_cluster_work(xy, tmp_path):
+    import dask
+
+    with dask.config.set({"vcdask.worker.overlap": "sometimes"}):
+        _bad(
+            _linear(),
+            xy,
+            tmp_path,
+            ValueError,
+            r"overlap must be one of \['delta', 'wait', 'newest'\], got 'sometimes'",
+        )
+
+
 def test_length_mismatch(xy, tmp_path):
     X, y = xy
     _bad(

@@ -80,16 +80,6 @@ def test_check_overlap_names_the_value_and_the_choices():
         overlap.check_overlap("eager")
 
 
-def test_fit_refuses_a_bad_overlap_before_any_cluster_work(tmp_path):
-    import dask
-    import numpy as np
-
-    import vcdask
-
-    with dask.config.set({"vcdask.worker.overlap": "sometimes"}), pytest.raises(ValueError, match="'sometimes'"):
-        vcdask.fit(torch.nn.Linear(3, 2), (np.zeros((20, 3), "f4"), np.arange(20) % 2), store=tmp_path, progress=False)
-
-
 def _pending(run_id: str, answer: concurrent.futures.Future | None = None) -> overlap.Pending:
     return overlap.Pending(run_id, answer or concurrent.futures.Future(), flatten(torch.nn.Linear(2, 1)))
 

@@ -44,7 +44,7 @@ def fit(
     store: str | os.PathLike | ParamStore | None = None,
     seed: int = 0,
     commit_every: int | str = 1,
-    validate_every: int = 1,
+    validate_every: int | str = "auto",
     features: str | Sequence[str] | None = None,
     label: str | None = None,
     sample_dim: str | None = None,
@@ -136,8 +136,10 @@ def fit(
         task starting from a version up to that many merges older: for 5M parameters and 40 ms tasks
         on two cores, medians of three runs, vc-asgd 16 merges per second committing every merge, 20
         every 3 and 28 every 10; the default rule 9, 15 and 20 (stop 42).
-    validate_every : int, default 1
-        Validate every this many merges, when that merge was committed (epoch ends always).
+    validate_every : int or "auto", default "auto"
+        Validate every this many merges, when that merge was committed (epoch ends always).  ``"auto"``:
+        whenever the run's validations so far took at most a tenth of the time its shard tasks took
+        (a validation takes a worker's slot, as a shard does); ``1`` validates every committed merge.
     features, label, sample_dim : optional
         Variable and dimension names for xarray / Zarr data (inferred when unambiguous); for a pandas
         DataFrame, the feature columns (default: all but the label) and the label column.

@@ -20,8 +20,8 @@ from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
 from .device import check_device, check_precision
 from .inner import check_optimizer_state, check_schedule
-from .overlap import check_overlap
 from .merge import MergeRule, get_rule
+from .overlap import check_overlap
 from .preflight import check_model, check_run, check_target, model_dtype
 from .resilience import NEEDS_VALIDATION, Resilience
 from .staging import split
@@ -198,16 +198,19 @@ def plan_run(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_client(client)
     get_rule(merge, alpha)  # a bad rule name fails before the data is read
+    overlap = check_overlap(config.get("worker.overlap"))
     ints: dict[str, int | str] = {
         name: positive_int(name, value)
         for name, value in (
             ("max_epochs", max_epochs),
             ("local_epochs", local_epochs),
             ("batch_size", batch_size),
-            ("validate_every", validate_every),
             ("tasks_per_slot", tasks_per_slot),
         )
     }
+    ints["validate_every"] = (
+        "auto" if validate_every == "auto" else positive_int("validate_every", validate_every, also="'auto'")
+    )
     # "auto": every merge, except that results queued together share a commit
     ints["commit_every"] = (
         "auto" if commit_every == "auto" else positive_int("commit_every", commit_every, also="'auto'")
@@ -303,7 +306,7 @@ def plan_run(
             "compression": compression,
             "speed_adaptive": speed_adaptive,
             "prices": check_prices(config.get("cloud.prices")),
-            "overlap": check_overlap(config.get("worker.overlap")),
+            "overlap": overlap,
             **training,
             "metric_names": metric_names if train_step is not None else (),
             "batch_form": prepared.form,

@@ -54,7 +54,7 @@ class RunSpec:
     merge: Any  # vcdask.merge.MergeRule
     target: dict[str, float] | None
     commit_every: int
-    validate_every: int
+    validate_every: int | str  # or "auto" (engine.policy.validation_due)
     keep_updates: bool = False
     tasks_per_slot: int = 1
     resilience: Any = None  # vcdask.Resilience

@@ -336,7 +336,7 @@ def train_shard(
 
     model.train()
     ahead = 0  # steps trained from the worker's own W_c before the merged version came (overlap="delta")
-    losses = []
+    losses: list[torch.Tensor] = []
     stamps = [time.perf_counter()]
     for _ in range(spec.local_epochs):
         for batch, _n in _batches.batches(spec, rows, device, spec.batch_size, generator=g, limit=limit):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import faults, watch
+from . import faults, policy, watch
 from .inflight import TaskRecord
 
 if TYPE_CHECKING:
@@ -98,7 +98,11 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         return
     if completes and not run.server.committed:  # another shard of the epoch was skipped during the merge
         await run.in_thread(run.server.commit)
-    if run.server.committed and (completes or run.server.step % run.spec.validate_every == 0):
+    ledger = run.ledger
+    due = policy.validation_due(
+        run.spec.validate_every, run.server.step, ledger.validation_seconds, ledger.shard_seconds
+    )
+    if run.server.committed and (completes or due):
         run.submit_validation()
 
 

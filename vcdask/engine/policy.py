@@ -58,6 +58,8 @@ NOTICE_SAFETY = 1.5
 NOTICE_MARGIN = 5.0
 #: Name endings of the metrics that improve downwards (a ``target`` is reached when the value is at most
 #: the goal): ``loss``, ``val_loss``, ``logloss``, ``mse``, ``rmse``, ``mae``, ``error``, ``val_error`` ...
+#: validate_every="auto": validations may take at most this share of the time the run's shard tasks took
+VALIDATION_SHARE = 0.1
 LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse", "mape", "error")
 
 
@@ -254,3 +256,18 @@ def fits_notice(expected: float, elapsed: float, window: float) -> bool:
     :data:`NOTICE_MARGIN` (its upload, the result's hand-over, the worker's retirement)."""
     remaining = max(0.0, expected - elapsed)
     return remaining * NOTICE_SAFETY + NOTICE_MARGIN <= window
+
+
+def validation_due(
+    validate_every: int | str, step: int, validation_seconds: list[float], shard_seconds: list[float]
+) -> bool:
+    """Whether the version committed at merge ``step`` is validated (an epoch's last one always is).
+
+    An int ``k``: every ``k``-th merge.  ``"auto"``: whenever the validations so far took at most
+    :data:`VALIDATION_SHARE` of the time the merged shard tasks took, so validating stays off the
+    training path: a validation takes a worker's slot as a shard task does, and on the char-LM of
+    ``benchmarks/utilization.py`` one of every merge took about a third of the workers' time.
+    """
+    if validate_every != "auto":
+        return step % int(validate_every) == 0
+    return sum(validation_seconds) <= VALIDATION_SHARE * sum(shard_seconds)
