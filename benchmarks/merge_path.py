@@ -1,13 +1,17 @@
 """Latency of one server merge for a 5M-parameter model: read W_c + merge + commit.
 
 usage: python benchmarks/merge_path.py [--params 5000000] [--updates 30] [--rules vc-asgd,nesterov]
+                                       [--stores local,s3] [--every 1,5]
 
 Runs the real merge path (vcdask.engine.params_server.ParamsServer, the code the scheduler plugin's
 merge thread runs) over a stream of client updates written by vcdask.updates, against a
 local directory store and the loopback S3 server (moto), committing every merge and
 every 5th merge, with the paper's rule (``vc-asgd``, alpha 0.9) and the default rule (``nesterov``:
 its momentum and delayed pseudo-gradient are rule state, stored with every commit).  Beside it,
-measured in the same run: the bare in-memory ``lerp_`` (the physical floor of the arithmetic).  A
+measured in the same run: the bare in-memory ``lerp_`` (the physical floor of the arithmetic), and the
+floor of a whole merge and commit on each store's disk: a memory copy of the parameters plus writing the
+same bytes to a file in the same directory (``--stores local``: the local directory's; the default
+rule also writes its state, two more vectors, so its floor is three times that).  A
 second table splits each merge into its stages (``ParamsServer.stage_seconds``); ``commit`` is per
 commit.  The paper's Redis parameter server took 870 ms per update.
 """
@@ -15,6 +19,7 @@ commit.  The paper's Redis parameter server took 870 ms per update.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -42,6 +47,22 @@ def make_rule(name: str):
     if name == "nesterov":
         return replace(DEFAULT_RULE, delay=2)  # fit's delay for 2 workers, one task each
     raise ValueError(f"unknown rule {name!r}: choose from vc-asgd, nesterov")
+
+
+def copy_and_write(n_params: int, directory: str, repeats: int = 5) -> list[float]:
+    """Milliseconds to copy ``n_params`` float32 values in memory and write the same bytes to a new file
+    in ``directory`` (closed, not synced: as a store's writes): a merge-and-commit's floor on that disk."""
+    src, dst = torch.randn(n_params), torch.empty(n_params)
+    times = []
+    for i in range(repeats):
+        path = os.path.join(directory, f"floor-{i}.bin")
+        t = time.perf_counter()
+        dst.copy_(src)
+        with open(path, "wb") as f:
+            f.write(memoryview(dst.numpy()).cast("B"))
+        times.append((time.perf_counter() - t) * 1e3)
+        os.remove(path)
+    return times
 
 
 def run(store, n_params: int, n_updates: int, commit_every: int, rule: str = "vc-asgd"):
@@ -73,6 +94,8 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=5_000_000)
     ap.add_argument("--updates", type=int, default=30)
     ap.add_argument("--rules", default="vc-asgd,nesterov")
+    ap.add_argument("--stores", default="local,s3", help="local (a directory) and/or s3 (moto on loopback)")
+    ap.add_argument("--every", default="1,5", help="commit_every values, a comma list")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ws, wc = torch.randn(args.params), torch.randn(args.params)
@@ -83,14 +106,17 @@ def main() -> None:
         lerp.append((time.perf_counter() - t) * 1e3)
     rows = [("bare lerp_ in memory (floor)", "-", "-", lerp, 1e3 / statistics.median(lerp))]
     stages = []
+    kinds = args.stores.split(",")
     with moto_server() as s3, tempfile.TemporaryDirectory() as d:
-        stores = [
-            ("local directory", open_store(d)),
-            ("local S3 server (moto)", open_store(f"s3://{s3.new_bucket()}/bench", **s3.options())),
-        ]
+        stores = [("local directory", open_store(d))] if "local" in kinds else []
+        if "s3" in kinds:
+            stores.append(("local S3 server (moto)", open_store(f"s3://{s3.new_bucket()}/bench", **s3.options())))
+        if "local" in kinds:
+            disk = copy_and_write(args.params, d)
+            rows.insert(1, ("floor: memory copy + write the same bytes to the same disk", "-", "-", disk, 0.0))
         for name, store in stores:
             for rule in args.rules.split(","):
-                for every in (1, 5):
+                for every in map(int, args.every.split(",")):
                     lat, rate, split = run(store, args.params, args.updates, every, rule)
                     rows.append((name, rule, every, lat, rate))
                     stages.append((name, rule, every, split))
@@ -98,13 +124,15 @@ def main() -> None:
         f"\n{args.params:,} float32 parameters ({args.params * 4 / 1e6:.0f} MB), {args.updates} updates per row, "
         "times in ms (torch 1 thread)\n"
     )
-    print("| merge path | rule | commit every | p50 | p95 | merges/s sustained | p50 / lerp floor |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| merge path | rule | commit every | p50 | p95 | merges/s sustained | p50 / lerp floor | p50 / disk floor |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     floor = statistics.median(lerp)
+    disk_floor = statistics.median(rows[1][3]) if "local" in kinds else float("nan")
     for name, rule, every, lat, rate in rows:
+        on_disk = statistics.median(lat) / disk_floor if "directory" in name or "floor:" in name else float("nan")
         print(
             f"| {name} | {rule} | {every} | {statistics.median(lat):.1f} | {pct(lat, 0.95):.1f} | {rate:.1f} "
-            f"| {statistics.median(lat) / floor:.0f}x |"
+            f"| {statistics.median(lat) / floor:.0f}x | {on_disk:.2f}x |"
         )
     print("\nWhere a merge's time goes (ms, median per stage; commit: per commit)\n")
     print("| merge path | rule | commit every | " + " | ".join(STAGES) + " |")

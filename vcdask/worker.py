@@ -30,7 +30,7 @@ from .cost import instance_here
 from .device import Precision, describe, resolve_device
 from .errors import ParameterMismatchError
 from .inner import InnerOptimizer
-from .params import FlatParams, flatten, load_into
+from .params import FlatParams, flatten, load_into, state_tensors
 from .spec import RunSpec, cached_spec, load_spec
 from .steps import SupervisedStep, evaluate
 from .updates import update_path, write_update
@@ -394,8 +394,17 @@ def train_shard(
     t_end = time.perf_counter()
     record.update(seconds=t_end - t0, upload_seconds=t_end - t_train)
     delta = spec.overlap == "delta" and _dask_worker() is not None and config.get("worker.hand-over")
-    _hand_over(run_id, record, own=flatten(model, device=device) if delta else None)
+    own = flatten(model, device=device) if delta else None
+    if own is not None and _reshaped(own, spec):  # (its update will be rejected): the next task starts as usual
+        own = None
+    _hand_over(run_id, record, own=own)
     return record
+
+
+def _reshaped(params: FlatParams, spec: RunSpec) -> bool:
+    """Whether ``params`` are laid out otherwise than the run's model (user code reshaped its copy)."""
+    problems = params.layout.diff(state_tensors(spec.model)[0])
+    return bool(problems) and problems != ["same entries in a different order"]
 
 
 def _abandoned(run_id: str, epoch: int, shard: int, attempt: int) -> dict[str, Any]:
@@ -436,7 +445,10 @@ def _corrected(model: torch.nn.Module, pending: overlap.Pending) -> tuple[str | 
     base = pending.result()
     if base.answer is None or base.params is None:
         return None
-    overlap.correct(model, base.params, pending.own)
+    try:
+        overlap.correct(model, base.params, pending.own)
+    except ParameterMismatchError as e:  # user code reshaped the model meanwhile: its update will be rejected
+        logger.debug("no correction: %s", e)
     return base.answer.get("version"), int(base.answer["step"])
 
 
