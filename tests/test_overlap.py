@@ -101,3 +101,37 @@ def test_a_pending_base_is_fetched_in_a_thread_and_never_waited_for_between_step
     answer.set_result({"version": "v7", "step": 7})
     base = pending.result()
     assert pending.ready() and base.answer == {"version": "v7", "step": 7} and base.params is params
+
+
+@pytest.mark.gpu
+def test_the_delta_rule_on_cuda_takes_a_pinned_cpu_base():
+    """As a CUDA worker does it: W_c kept on the GPU, the merged version in pinned CPU memory."""
+    device = torch.device("cuda")
+    model = _net().to(device)
+    own = flatten(model, device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))  # what the next task learned before the merge came
+    learned = flatten(model).arrays["float32"] - own.arrays["float32"].cpu()
+    server = _net()
+    _train(server, 3, seed=3)
+    merged = flatten(server)
+    pinned = type(merged)(merged.layout, {d: a.pin_memory() for d, a in merged.arrays.items()})
+    overlap.correct(model, pinned, own)
+    after = flatten(model)  # (packed on the CPU)
+    torch.testing.assert_close(after.arrays["float32"], merged.arrays["float32"] + learned)
+    assert torch.equal(after.arrays["int64"], merged.arrays["int64"])
+    assert all(p.device.type == "cuda" for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_adam_state_kept_on_cuda_is_checked_without_mixing_devices():
+    from vcdask import inner
+
+    model = torch.nn.Linear(3, 1).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 3, device="cuda")).sum().backward()
+    opt.step()
+    devices = {t.device.type for state in opt.state.values() for t in state.values()}
+    assert devices == {"cpu", "cuda"}  # step on the CPU, the moments on the GPU: what crashed every run
+    assert inner._finite_state(opt)
