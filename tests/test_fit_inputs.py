@@ -298,3 +298,23 @@ def test_dask_data_is_staged_by_the_workers(client, digits_data, tmp_path):
     assert computed_by, "nothing staged"
     assert computed_by <= set(client.run(os.getpid).values())
     assert os.getpid() not in computed_by
+
+
+def test_in_memory_data_is_staged_while_the_embedded_cluster_starts_and_dask_data_after(xy, tmp_path):
+    """Numpy data is written from this process, so fit stages it in a thread while the embedded
+    cluster starts; dask data is written by the workers, so it waits for them."""
+    import inspect
+
+    from vcdask.options import plan_run
+    from vcdask.runs import _in_memory
+
+    accepted = inspect.signature(plan_run).parameters
+    defaults = {
+        k: p.default
+        for k, p in inspect.signature(vcdask.fit).parameters.items()
+        if p.default is not inspect.Parameter.empty and k in accepted
+    }
+    X, y = xy
+    assert _in_memory(plan_run(_linear(), (X, y), **{**defaults, "store": tmp_path / "a", "validation": 0.2}))
+    lazy = (da.from_array(X, chunks=50), da.from_array(y, chunks=50))
+    assert not _in_memory(plan_run(_linear(), lazy, **{**defaults, "store": tmp_path / "b"}))

@@ -8,6 +8,7 @@ stopping, ``resume(max_epochs=)``) and where a run's initial parameters came fro
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import logging
@@ -28,7 +29,7 @@ from .handle import FitResult, RunHandle, ensure_plugin
 from .inner import memory_steps, resolve_optimizer_state
 from .options import DEFAULT_STORE, RunPlan, positive_int
 from .spec import RunSpec, loads, save_spec, spec_path
-from .staging import stage
+from .staging import in_memory, stage
 from .store import ParamStore, check_cluster_access, open_store, share_credentials, store_holds_secrets
 
 logger = logging.getLogger(__name__)
@@ -87,22 +88,41 @@ def launch(
     patience: int | None,
     monitor: str | None,
 ) -> FitResult | RunHandle:
-    """Stage, commit the initial version, start the run; wait for it (``wait``) or return its handle."""
+    """Stage, commit the initial version, start the run; wait for it (``wait``) or return its handle.
+
+    In-memory data for the embedded cluster is staged in a thread while that cluster starts (seconds,
+    the first time in a process); a cluster of the caller's may write dask data itself, so it is there first.
+    """
     t0 = time.perf_counter()
     run_id = new_run_id()
-    with resolve_client(client, keep=not wait) as c:
-        _check_cluster(c, plan.store, embedded=client is None)
-        plan.store.create_branch(run_id)
-        start = start_record(model, plan.store)
-        spec = _stage(plan, run_id, c, start)
-        save_spec(dataclasses.replace(spec, patience=patience, monitor=monitor, start=start))
-        handle = _start(
-            c, plan.store, run_id, model=model, setup_seconds=time.perf_counter() - t0, owns=owns_client(client)
-        )
-        if not wait:
-            return handle
-        handle.wait(progress=progress)
-        return handle.result(wall_time=time.perf_counter() - t0)
+    start = start_record(model, plan.store)
+    early = None
+    if client is None and _in_memory(plan):
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vcdask-stage")
+        early = pool.submit(_stage_data, plan, run_id, None, start)
+        pool.shutdown(wait=False)
+    try:
+        with resolve_client(client, keep=not wait) as c:
+            _check_cluster(c, plan.store, embedded=client is None)
+            staged = early.result() if early is not None else _stage_data(plan, run_id, c, start)
+            spec = _stage(plan, run_id, c, *staged)
+            save_spec(dataclasses.replace(spec, patience=patience, monitor=monitor, start=start))
+            handle = _start(
+                c, plan.store, run_id, model=model, setup_seconds=time.perf_counter() - t0, owns=owns_client(client)
+            )
+            if not wait:
+                return handle
+            handle.wait(progress=progress)
+            return handle.result(wall_time=time.perf_counter() - t0)
+    finally:
+        if early is not None:  # (the cluster failed to start: nothing writes to the store once fit has raised)
+            concurrent.futures.wait([early])
+
+
+def _in_memory(plan: RunPlan) -> bool:
+    """Whether the run's data is staged from this process (numpy or torch arrays, no dask)."""
+    parts = [p for p in (plan.train, plan.validation) if p is not None]
+    return all(p.source is None and in_memory(p) for p in parts)
 
 
 def _check_cluster(c, store: ParamStore, *, embedded: bool) -> None:
@@ -127,9 +147,11 @@ def _check_cluster(c, store: ParamStore, *, embedded: bool) -> None:
         check_cluster_access(store, c)
 
 
-def _stage(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> RunSpec:
-    """Stage in-memory data in the store, commit the initial version, and describe the run."""
+def _stage_data(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> tuple[Any, Any]:
+    """The run's branch, its data staged in the store (dask data written by ``c``'s workers, when given)
+    and its initial version committed; the sources of the training and validation data."""
     store = plan.store
+    store.create_branch(run_id)
     spec_max_epochs = plan.options.get("max_epochs")
     train = plan.train.source or stage(plan.train, store.files, f"{run_id}/train.zarr", client=c)
     val = None
@@ -142,6 +164,12 @@ def _stage(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> RunSp
         branch=run_id,
         message=f"{run_id} initial parameters" + (f" (from version {start['version']})" if start else ""),
     )
+    return train, val
+
+
+def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
+    """Describe the run, its data staged (:func:`_stage_data`), for the cluster of ``c``."""
+    store = plan.store
     in_flight = plan.options["tasks_per_slot"] * (sum(c.nthreads().values()) or 1)
     shards = (
         Shards(plan.train.n, plan.n_shards)

@@ -9,7 +9,7 @@ import numpy as np
 
 from .data import DataSource, PreparedData, _is_dask
 
-__all__ = ["split", "stage"]
+__all__ = ["in_memory", "split", "stage"]
 
 
 def stage(prepared: PreparedData, files, path: str, *, client=None, sample_dim: str = "sample") -> DataSource:
@@ -38,6 +38,12 @@ def stage(prepared: PreparedData, files, path: str, *, client=None, sample_dim: 
         names = tuple(columns)
         return DataSource(files.url(path), names, "", sample_dim, prepared.n, store=files.store, path=path, form="dict")
     return DataSource(files.url(path), ("X",), "y", sample_dim, prepared.n, store=files.store, path=path)
+
+
+def in_memory(prepared: PreparedData) -> bool:
+    """Whether :func:`stage` writes ``prepared`` from this process (no dask array among its columns)."""
+    columns = prepared.columns if prepared.form == "dict" else {"X": prepared.X, "y": prepared.y}
+    return columns is not None and not any(_is_dask(a) for a in columns.values())
 
 
 def _rows_per_chunk(X) -> int:
