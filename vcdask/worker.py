@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import itertools
 import logging
 import math
@@ -22,15 +21,14 @@ from typing import Any
 
 import torch
 
+from . import _held, config, overlap
 from . import batches as _batches
-from . import config, overlap
-from ._wire import unpack
 from .compress import EncodedUpdate, encode
 from .cost import instance_here
-from .device import Precision, describe, resolve_device
+from .device import describe, resolve_device
 from .errors import ParameterMismatchError
 from .inner import InnerOptimizer
-from .params import FlatParams, flatten, load_into, state_tensors
+from .params import FlatParams, flatten, state_tensors
 from .spec import RunSpec, cached_spec, load_spec
 from .steps import SupervisedStep, evaluate
 from .updates import update_path, write_update
@@ -38,127 +36,6 @@ from .updates import update_path, write_update
 logger = logging.getLogger(__name__)
 
 __all__ = ["train_shard", "validate_version"]
-
-
-# -- per-process caches -------------------------------------------------------------------
-_lock = threading.Lock()
-_versions: OrderedDict[str, FlatParams] = OrderedDict()
-_models = threading.local()
-_MAX_VERSIONS = 4
-#: Models kept per thread (one per run and device): the runs this worker trained lately.
-_MAX_MODELS = 3
-
-
-def _version(store, version: str) -> FlatParams:
-    with _lock:
-        params = _versions.get(version)
-        if params is not None:
-            _versions.move_to_end(version)
-            return params
-    return _keep_version(version, store.read(version).params)
-
-
-def _pinned(params: FlatParams) -> FlatParams:
-    if torch.cuda.is_available():  # copies to a GPU from pinned memory do not block
-        params = FlatParams(params.layout, {d: a.pin_memory() for d, a in params.arrays.items()})
-    return params
-
-
-def _keep_version(version: str, params: FlatParams) -> FlatParams:
-    """Keep ``params`` as ``version``'s (read from the store, or brought by the run's answer)."""
-    params = _pinned(params)
-    with _lock:
-        _versions[version] = params
-        _versions.move_to_end(version)
-        while len(_versions) > _MAX_VERSIONS:
-            _versions.popitem(last=False)
-    return params
-
-
-def _model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
-    """A private copy of the run's model on ``device`` for this thread (threads never share a module)."""
-    models = getattr(_models, "by_run", None)
-    if models is None:
-        models = _models.by_run = OrderedDict()
-    key = (spec.run_id, str(device))
-    model = models.get(key)
-    if model is None:
-        model = models[key] = copy.deepcopy(spec.model).to(device)
-    models.move_to_end(key)
-    while len(models) > _MAX_MODELS:  # an old run's copy (and its device memory) goes
-        models.popitem(last=False)
-    return model
-
-
-def _brought(version: str | None, payload: dict[str, Any]) -> FlatParams:
-    """The base an answer brought packed (:func:`vcdask._wire.pack`): this worker's copy of ``version``
-    if it has one, else the payload unpacked (and kept as ``version``'s; a draft, with no id, is not)."""
-    if version is None:
-        return _pinned(unpack(payload))
-    with _lock:
-        kept = _versions.get(version)
-    return kept if kept is not None else _keep_version(version, unpack(payload))
-
-
-def _loaded_model(
-    spec: RunSpec, store, version: str | None, device: torch.device, params: FlatParams | None = None
-) -> torch.nn.Module:
-    """This thread's copy of the model holding ``version`` (whose ``params`` may be at hand), on ``device``."""
-    if params is None:
-        assert version is not None, "a version or its parameters"
-        params = _version(store, version)
-    if device.type != "cpu":  # one copy per dtype to the device, then device-to-device into the tensors
-        params = FlatParams(params.layout, {d: a.to(device, non_blocking=True) for d, a in params.arrays.items()})
-    model = _model(spec, device)
-    try:
-        load_into(model, params)
-    except ParameterMismatchError:  # user code reshaped this copy last time: start afresh
-        _models.by_run[(spec.run_id, str(device))] = model = copy.deepcopy(spec.model).to(device)
-        load_into(model, params)
-    return model
-
-
-def _to_cpu(model: torch.nn.Module, device: torch.device) -> FlatParams:
-    """``W_c`` as CPU flat arrays (packed on the device, then one copy per dtype)."""
-    if device.type == "cpu":
-        return flatten(model)
-    on_device = flatten(model, device=device)
-    pin = device.type == "cuda"
-    arrays = {
-        d: torch.empty(a.shape, dtype=a.dtype, pin_memory=pin).copy_(a, non_blocking=pin)
-        for d, a in on_device.arrays.items()
-    }
-    if pin:
-        torch.cuda.synchronize(device)
-    return FlatParams(on_device.layout, arrays)
-
-
-def _setup(spec: RunSpec) -> tuple[torch.device, Precision]:
-    torch.set_num_threads(spec.torch_threads)
-    device = resolve_device(spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device, Precision(spec.precision, device)
-
-
-_torch_warm = False
-
-
-def _warm_torch() -> None:
-    """Pay, once per process, what PyTorch's first training step costs before a task asks for its base.
-
-    The first optimizer built in a process imports ``torch._dynamo``: 1.7-3.7 s on a freshly spawned
-    worker, against milliseconds for a small model's whole task.  Paid after the base was chosen, it
-    counted as staleness: a cold worker's first update came back 14-18 merges old and was rejected.
-    """
-    global _torch_warm
-    if _torch_warm:
-        return
-    weight = torch.nn.Parameter(torch.zeros(1))
-    torch.optim.SGD([weight], lr=0.0)  # any optimizer: the import is the cost
-    with torch.enable_grad():  # and autograd's first backward (whatever this thread's grad mode)
-        (weight * 2.0).sum().backward()
-    _torch_warm = True
 
 
 def _warm_rows(store, run_id: str, shard: int) -> _batches.Rows | None:
@@ -206,6 +83,7 @@ def _tell_run_later(handler: str, run_id: str, **extra: Any) -> concurrent.futur
     return asyncio.run_coroutine_threadsafe(call, worker.loop.asyncio_loop)
 
 
+_lock = threading.Lock()
 #: Bases that hand-overs' answers gave for the shard copies to run next here: key -> (base, seconds waited)
 _next_bases: OrderedDict[str, tuple[dict[str, Any], float]] = OrderedDict()
 _MAX_NEXT_BASES = 8
@@ -295,11 +173,11 @@ def train_shard(
     if warm is None and handed is None and pending is None:
         _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here; what it costs
     spec = load_spec(store, run_id)
-    device, precision = _setup(spec)
+    device, precision = _held.setup(spec)
     start, stop = spec.shards.bounds(shard)
     rows = warm if warm is not None else _batches.rows(spec, spec.train, start, stop, pin=device.type == "cuda")
     if warm is None:
-        _warm_torch()
+        _held.warm_torch(device)
     t_base = time.perf_counter()
     given = None  # a small model's base came with the answer: no store read
     newest: dict[str, Any] | None
@@ -322,13 +200,13 @@ def train_shard(
         # (no version id: parameters merged and being committed as the version of that step)
         base_version, base_step = newest.get("version"), int(newest["step"])
         if newest.get("params") is not None:
-            given = _brought(base_version, newest["params"])
+            given = _held.brought(base_version, newest["params"])
     # speed_adaptive: a slow worker trains the share of its shard's batches the run gives it
     fraction = float(newest.get("fraction", 1.0)) if newest is not None else 1.0
     _fractions[run_id] = fraction
     per_pass = -(-_batches.n_rows(rows) // spec.batch_size)
     limit = None if fraction >= 1.0 else max(1, math.ceil(fraction * per_pass))
-    model = _loaded_model(spec, store, base_version, device, given)
+    model = _held.loaded_model(spec, store, base_version, device, given)
     t_read = time.perf_counter()
     inner = InnerOptimizer(spec, model, precision, epoch)  # fresh, or this worker's kept state
     train_step = spec.train_step or SupervisedStep(spec.loss)
@@ -387,9 +265,15 @@ def train_shard(
     if spec.compression is not None:  # W_c - W_base in fewer bits, with error feedback
         if base_version is None:  # (the run gives no draft base to a run with compression)
             raise RuntimeError(f"shard {shard}: a compressed update needs the version id of its base")
-        update = encode(spec.compression, _to_cpu(model, device), _version(store, base_version), base_version, run_id)
+        update = encode(
+            spec.compression,
+            _held.to_cpu(model, device),
+            _held.version_params(store, base_version),
+            base_version,
+            run_id,
+        )
     else:  # a CPU model's tensors are written as they are (no packed copy); a GPU's are packed there, copied once
-        update = model if device.type == "cpu" else _to_cpu(model, device)
+        update = model if device.type == "cpu" else _held.to_cpu(model, device)
     record["nbytes"] = write_update(store.files, path, update, meta=record)
     t_end = time.perf_counter()
     record.update(seconds=t_end - t0, upload_seconds=t_end - t_train)
@@ -433,8 +317,8 @@ def _base_fetcher(store, dask_worker: Any, key: str):
         if "fraction" in base:
             _fractions[pending.run_id] = float(base["fraction"])
         if base.get("params") is not None:
-            return overlap.Base(base, _brought(base.get("version"), base["params"]))
-        return overlap.Base(base, _version(store, base["version"]))
+            return overlap.Base(base, _held.brought(base.get("version"), base["params"]))
+        return overlap.Base(base, _held.version_params(store, base["version"]))
 
     return fetch
 
@@ -459,8 +343,8 @@ def validate_version(store, run_id: str, version: str, step: int) -> dict[str, A
         _next_bases.clear()
     _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here
     spec = load_spec(store, run_id)
-    device, precision = _setup(spec)
-    model = _loaded_model(spec, store, version, device)
+    device, precision = _held.setup(spec)
+    model = _held.loaded_model(spec, store, version, device)
     rows = _batches.rows(spec, spec.validation, 0, spec.validation.n, pin=device.type == "cuda")
     metrics = evaluate(spec, model, _batches.batches(spec, rows, device, max(spec.batch_size, 512)), precision)
     record = {

@@ -1,0 +1,144 @@
+"""What a worker process holds between its tasks: versions read or brought, its threads' model copies,
+the devices it has warmed up; moving parameters to and from a device.  Used by :mod:`vcdask.worker`."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ._wire import unpack
+from .device import Precision, resolve_device
+from .errors import ParameterMismatchError
+from .params import FlatParams, flatten, load_into
+from .spec import RunSpec
+
+__all__ = ["brought", "keep_version", "loaded_model", "setup", "to_cpu", "version_params", "warm_torch"]
+
+
+# -- per-process caches -------------------------------------------------------------------
+_lock = threading.Lock()
+_versions: OrderedDict[str, FlatParams] = OrderedDict()
+_models = threading.local()
+_MAX_VERSIONS = 4
+#: Models kept per thread (one per run and device): the runs this worker trained lately.
+_MAX_MODELS = 3
+
+
+def version_params(store, version: str) -> FlatParams:
+    with _lock:
+        params = _versions.get(version)
+        if params is not None:
+            _versions.move_to_end(version)
+            return params
+    return keep_version(version, store.read(version).params)
+
+
+def _pinned(params: FlatParams) -> FlatParams:
+    if torch.cuda.is_available():  # copies to a GPU from pinned memory do not block
+        params = FlatParams(params.layout, {d: a.pin_memory() for d, a in params.arrays.items()})
+    return params
+
+
+def keep_version(version: str, params: FlatParams) -> FlatParams:
+    """Keep ``params`` as ``version``'s (read from the store, or brought by the run's answer)."""
+    params = _pinned(params)
+    with _lock:
+        _versions[version] = params
+        _versions.move_to_end(version)
+        while len(_versions) > _MAX_VERSIONS:
+            _versions.popitem(last=False)
+    return params
+
+
+def _model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
+    """A private copy of the run's model on ``device`` for this thread (threads never share a module)."""
+    models = getattr(_models, "by_run", None)
+    if models is None:
+        models = _models.by_run = OrderedDict()
+    key = (spec.run_id, str(device))
+    model = models.get(key)
+    if model is None:
+        model = models[key] = copy.deepcopy(spec.model).to(device)
+    models.move_to_end(key)
+    while len(models) > _MAX_MODELS:  # an old run's copy (and its device memory) goes
+        models.popitem(last=False)
+    return model
+
+
+def brought(version: str | None, payload: dict[str, Any]) -> FlatParams:
+    """The base an answer brought packed (:func:`vcdask._wire.pack`): this worker's copy of ``version``
+    if it has one, else the payload unpacked (and kept as ``version``'s; a draft, with no id, is not)."""
+    if version is None:
+        return _pinned(unpack(payload))
+    with _lock:
+        kept = _versions.get(version)
+    return kept if kept is not None else keep_version(version, unpack(payload))
+
+
+def loaded_model(
+    spec: RunSpec, store, version: str | None, device: torch.device, params: FlatParams | None = None
+) -> torch.nn.Module:
+    """This thread's copy of the model holding ``version`` (whose ``params`` may be at hand), on ``device``."""
+    if params is None:
+        assert version is not None, "a version or its parameters"
+        params = version_params(store, version)
+    if device.type != "cpu":  # one copy per dtype to the device, then device-to-device into the tensors
+        params = FlatParams(params.layout, {d: a.to(device, non_blocking=True) for d, a in params.arrays.items()})
+    model = _model(spec, device)
+    try:
+        load_into(model, params)
+    except ParameterMismatchError:  # user code reshaped this copy last time: start afresh
+        _models.by_run[(spec.run_id, str(device))] = model = copy.deepcopy(spec.model).to(device)
+        load_into(model, params)
+    return model
+
+
+def to_cpu(model: torch.nn.Module, device: torch.device) -> FlatParams:
+    """``W_c`` as CPU flat arrays (packed on the device, then one copy per dtype)."""
+    if device.type == "cpu":
+        return flatten(model)
+    on_device = flatten(model, device=device)
+    pin = device.type == "cuda"
+    arrays = {
+        d: torch.empty(a.shape, dtype=a.dtype, pin_memory=pin).copy_(a, non_blocking=pin)
+        for d, a in on_device.arrays.items()
+    }
+    if pin:
+        torch.cuda.synchronize(device)
+    return FlatParams(on_device.layout, arrays)
+
+
+def setup(spec: RunSpec) -> tuple[torch.device, Precision]:
+    torch.set_num_threads(spec.torch_threads)
+    device = resolve_device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, Precision(spec.precision, device)
+
+
+_torch_warm: set[str] = set()  # the devices warmed up in this process
+
+
+def warm_torch(device: torch.device) -> None:
+    """Pay, once per process and device, what PyTorch's first training step costs before a task asks
+    for its base.
+
+    The first optimizer built in a process imports ``torch._dynamo``: 1.7-3.7 s on a freshly spawned
+    worker, against milliseconds for a small model's whole task.  Paid after the base was chosen, it
+    counted as staleness: a cold worker's first update came back 14-18 merges old and was rejected.
+    On a GPU the first use of the device also creates its CUDA context and cuBLAS handle (hundreds of
+    milliseconds to seconds): a matrix product and a backward pass there pay them here.
+    """
+    if str(device) in _torch_warm:
+        return
+    weight = torch.nn.Parameter(torch.zeros(4, 4, device=device))
+    torch.optim.SGD([weight], lr=0.0)  # any optimizer: the import is the cost
+    with torch.enable_grad():  # and autograd's first backward (whatever this thread's grad mode)
+        (weight @ weight + 2.0).sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    _torch_warm.add(str(device))
