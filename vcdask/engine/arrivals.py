@@ -54,12 +54,13 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
     else:
         # the epoch's last shard is committed at once (its version is validated and closes the epoch)
         last = run.ledger.completes(epoch, shard)  # (recorded in the version's progress, for a resume)
-        run.server.in_use_step = watch.in_use_step(run)  # what the merge thread's retention must keep
         more = run.tasks.results_waiting()  # fold their commits
-        merged = await run.in_thread(run.server.merge, rec, last, run.staleness_limit(), last, more)
+        merged = await run.lane.merge(
+            rec, completes=last, max_staleness=run.staleness_limit(), more=more, in_use_step=watch.in_use_step(run)
+        )
         if merged.pop("drafted", False):  # the tasks waiting for this merge start from its draft while it
-            run.note_settled()  # is committed, before any other result is merged (a commit queued
-            await run.in_thread(run.server.commit)  # meanwhile, by a skipped shard, may have done it already)
+            run.handshake.note_settled()  # is committed, before any other result is merged (a commit queued
+            await run.lane.commit()  # meanwhile, by a skipped shard, may have done it already)
             merged["version_id"] = run.server.version
         fault = merged.pop("fault", None)
         row = run.ledger.record(
@@ -97,7 +98,7 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         run.close_epochs()
         return
     if completes and not run.server.committed:  # another shard of the epoch was skipped during the merge
-        await run.in_thread(run.server.commit)
+        await run.lane.commit()
     ledger = run.ledger
     due = policy.validation_due(
         run.spec.validate_every, run.server.step, ledger.validation_seconds, ledger.shard_seconds

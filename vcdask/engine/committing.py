@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError, VersionNotFoundError
@@ -37,12 +37,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Head:
-    """Where the server stands: merges so far, and the newest committed version with its step.
+    """Where the server stands, as the merge thread publishes it: merges so far, the newest committed
+    version with its step, and what the merge thread is doing.
 
     ``payload``: that version's parameters packed for a Dask message (:func:`vcdask._wire.pack`), when
     they are small (``ParamsServer(inline_bytes=...)``).  ``draft``: the parameters at ``step``, packed
     the same way, while they are being committed (``ParamsServer(drafts=True)``): the loop may give them
-    as a base before their version id exists.  The loop reads all of it in one attribute read.
+    as a base before their version id exists.  ``folded``: merges wait for a commit only because more
+    results were queued.  ``paused``: why the server waits for the store, while it does; ``waiting``:
+    the store request under way, and since when (``time.monotonic()``).
+
+    The merge thread replaces it as a whole; the loop reads all of it in one attribute read: no other
+    attribute of the server crosses from one thread to the other.
     """
 
     step: int = 0
@@ -50,6 +56,9 @@ class Head:
     version_step: int = 0
     payload: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     draft: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    folded: bool = False
+    paused: str | None = None
+    waiting: tuple[str, float] | None = None
 
     @property
     def committed(self) -> bool:
@@ -81,12 +90,9 @@ class Committing:
     progress: dict[str, list[list[int]]]
     keep_updates: bool
     outage_timeout: float
-    paused: str | None
-    waiting: tuple[str, float] | None
     retention: Retention | None
     in_use_step: int | None
     keep_from: int
-    folded: bool
     collect_seconds: list[float]
     stage_seconds: dict[str, deque[float]]
     _collected: float
@@ -124,7 +130,14 @@ class Committing:
         version = self._through_outages(lambda: self._commit_once(metadata), f"committing step {self.head.step}")
         self.stage_seconds["commit"].append(time.perf_counter() - t0)
         draft = self.head.draft  # (the parameters just committed, packed already)
-        self.head = Head(self.head.step, version, self.head.step, payload=self.packed() if draft is None else draft)
+        self.head = replace(
+            self.head,
+            version=version,
+            version_step=self.head.step,
+            payload=self.packed() if draft is None else draft,
+            draft=None,
+            folded=False,
+        )
         self._backlog += self.params.nbytes if self.params is not None else 0
         if self._bases and self.params is not None:  # compressed updates: the next ones start from here
             self._bases[version] = self.params.clone()
@@ -134,7 +147,6 @@ class Committing:
             for r in self.uncommitted:  # merged and committed: the update has done its job
                 delete_update(self.store.files, r["update"])
         self.uncommitted = []
-        self.folded = False
         self.collect()
 
     def packed(self) -> dict[str, Any] | None:
@@ -225,14 +237,14 @@ class Committing:
         ``paused`` say what the server waits for meanwhile."""
 
         def attempt() -> Any:
-            self.waiting = (what, time.monotonic())
+            self.head = replace(self.head, waiting=(what, time.monotonic()))
             try:
                 return fn()
             finally:
-                self.waiting = None
+                self.head = replace(self.head, waiting=None)
 
         def on_wait(why: str | None) -> None:
-            self.paused = why
+            self.head = replace(self.head, paused=why)
 
         return retry_through(attempt, f"run {self.run_id}: {what}", self.outage_timeout, on_wait=on_wait)
 

@@ -36,23 +36,22 @@ async def finish(run: Run) -> None:
     for handed, _ in run.tasks.handed:  # results handed over after the last merge the run needed
         if handed.kind == "update":
             run.ledger.record_copy(handed, "cancelled", why)
-            run.settled += 1  # turned down: no task asking for its base waits for it
+            run.handshake.settled += 1  # turned down: no task asking for its base waits for it
     run.tasks.handed.clear()
-    run.note_settled()
+    run.handshake.note_settled()
     leftover = [k for k, _ in run.tasks.updates()]
     await run.tasks.cancel(leftover)
     for key in leftover:
         task = run.tasks.pop(key)
         if task is not None:
             run.ledger.record_copy(task, "cancelled", why)
-    await run.in_thread(run.server.commit)
+    await run.lane.commit()
     head = run.server.head
     if run.spec.validation is not None and head.step not in run.ledger.validations:
         await validations.final(run, head.version, head.step)
     if not run.spec.keep_updates:
         await run.in_thread(faults.drop_run_updates, run.store, run.id)
-    run.server.in_use_step = watch.in_use_step(run)
-    await run.in_thread(run.server.collect, True)  # the run's retention, once more at the end
+    await run.lane.collect(final=True, in_use_step=watch.in_use_step(run))  # the run's retention, once more at the end
     run.status = "cancelled" if run.cancelled else "finished"
     run.events.emit("finished", version=head.version, step=head.step, reason=run.stopping or "max_epochs")
 
@@ -70,7 +69,7 @@ async def release(run: Run) -> None:
         await run.in_thread(_write_final_record, run, run.final)  # best_version lists versions: not on the loop
     except Exception:
         logger.warning("run %s: could not write its record %s", run.id, record_path(run.id), exc_info=True)
-    run.executor.shutdown(wait=False)
+    run.lane.shutdown()
     run.server.release()
     run.spec = dataclasses.replace(run.spec, model=None)  # type: ignore[arg-type]
 

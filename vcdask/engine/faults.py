@@ -144,7 +144,7 @@ async def retry_or_give_up(
         run.close_epochs()
         return
     if not run.server.committed:  # the epoch's end version must exist to be validated
-        await run.in_thread(run.server.commit)
+        await run.lane.commit()
     run.submit_validation()
 
 

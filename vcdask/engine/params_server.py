@@ -103,8 +103,6 @@ class ParamsServer(Committing):
         self.max_update_norm = max_update_norm
         self.guard = guard
         self.outage_timeout = outage_timeout
-        self.paused: str | None = None  # why the server waits for the store, while it does
-        self.waiting: tuple[str, float] | None = None  # the store request under way, since when
         self.params: FlatParams | None = None
         self.head = Head()
         self.inline_bytes = int(inline_bytes)
@@ -124,8 +122,6 @@ class ParamsServer(Committing):
         self.stage_seconds: dict[str, deque[float]] = {k: deque(maxlen=256) for k in STAGES}
         self._said_held_back = False
         self._bases: OrderedDict[str, FlatParams] = OrderedDict()  # base versions of compressed updates
-        #: Merges are waiting for a commit only because more results were queued (see ``merge``).
-        self.folded = False
 
     # -- the loop's read-only views (each one attribute read) -----------------------------------
     @property
@@ -145,12 +141,18 @@ class ParamsServer(Committing):
     def committed(self) -> bool:
         return self.head.committed
 
+    @property
+    def folded(self) -> bool:
+        """Merges wait for a commit only because more results were queued (see :meth:`merge`)."""
+        return self.head.folded
+
     def stalled(self, after: float = 5.0) -> str | None:
         """Why the run waits for the store, if it does: a failed store request past the store's own
         retries, or one still running after ``after`` seconds."""
-        if self.paused:
-            return self.paused
-        waiting = self.waiting
+        head = self.head  # (one read: the merge thread replaces it as a whole)
+        if head.paused:
+            return head.paused
+        waiting = head.waiting
         if waiting is not None and time.monotonic() - waiting[1] > after:
             return f"waiting {time.monotonic() - waiting[1]:.0f} s for the store ({waiting[0]})"
         return None
@@ -248,7 +250,7 @@ class ParamsServer(Committing):
                 self.commit()
             else:  # the caller gives it as a base, then commits it (``version_id`` is None till then)
                 self.head = replace(self.head, draft=draft)
-        self.folded = due and not self.committed and self.head.draft is None
+        self.head = replace(self.head, folded=due and not self.committed and self.head.draft is None)
         out = {
             "accepted": True,
             "alpha": outcome.get("alpha"),

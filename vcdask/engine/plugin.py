@@ -195,7 +195,7 @@ class VcdaskPlugin(SchedulerPlugin):
 
         ``next_base``: the worker would take the base of the shard copy it runs next with the answer
         (``{"next": {"key": ..., "version": ..., "step": ...}}``), once the run has merged the results
-        that came before (see :func:`vcdask.engine.watch.next_base`); the copy is recorded as started.
+        that came before (see :func:`vcdask.engine.handshake.next_base`); the copy is recorded as started.
         """
         run = self.runs.get(run_id)
         if run is None or run.done.is_set() or not isinstance(record, dict):
@@ -214,7 +214,7 @@ class VcdaskPlugin(SchedulerPlugin):
     async def handle_base(
         self, comm=None, run_id: str = "", key: str = "", worker: str = "", started: dict | None = None
     ) -> dict | None:
-        """The version a shard task that is ready to train starts from (see :func:`vcdask.engine.watch.base_for`).
+        """The version a shard task that is ready to train starts from (see :func:`vcdask.engine.handshake.base_for`).
 
         ``started``: the task began just now and says so with this request (what
         :meth:`handle_started` gets otherwise): a warm worker had its spec and rows at hand.

@@ -15,18 +15,19 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import config
 from ..errors import NoWorkersError
 from ..spec import RunSpec
 from ..worker import train_shard, validate_version
-from . import arrivals, end, faults, notice, results, validations, views, watch
+from . import arrivals, end, faults, handshake, notice, results, validations, views, watch
 from .dispatch import Dispatcher
 from .events import EventLog, train_key, validate_key
 from .guard import Guard
+from .handshake import Handshake
 from .inflight import InFlight, TaskRecord
+from .lane import MergeLane
 from .ledger import Ledger
 from .outage import StoreOutage
 from .params_server import ParamsServer
@@ -45,7 +46,6 @@ class Run:
     def __init__(self, scheduler: Any, spec: RunSpec, resume: bool = False):
         self.scheduler, self.spec, self.resume = scheduler, spec, resume
         self.res, self.store, self.id = spec.resilience, spec.store, spec.run_id
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"vcdask-merge-{self.id[-6:]}")
         self.status: str = "starting"
         self.error: str | None = None
         self.done = asyncio.Event()
@@ -66,6 +66,7 @@ class Run:
             # (a compressed update is decoded on its base version: its id must be known to the worker)
             drafts=bool(config.get("worker.base-before-commit")) and spec.compression is None,
         )
+        self.lane = MergeLane(self.server, f"vcdask-merge-{self.id[-6:]}")  # the merge thread and its calls
         self.pool = WorkerPool(
             self.res, spec.tasks_per_slot, {a: ws.nthreads for a, ws in scheduler.workers.items()}, clock=self.now
         )
@@ -88,18 +89,14 @@ class Run:
         self.final: dict[str, Any] | None = None  # the result dict, kept once the run has ended
         self.idle_since: float | None = None  # since when no usable worker is connected
         self.no_workers: str | None = None  # why the run waits for workers (status()["paused"])
-        #: Shard results taken from the workers, and how many of them the merge path has finished with
-        #: (merged and committed, or turned down): a task that asks for its base waits for the ones before it.
-        self.arrived = 0
-        self.settled = 0
-        self._settled = asyncio.Event()
+        self.handshake = Handshake()  # the results taken and settled, and the tasks waiting for them
         self._handed_any = asyncio.Event()  # set when a record is handed over (self.tasks.handed)
         self.handed_over = 0  # records taken that way
         self._taking = True  # False once the driver's loop is over: hand-overs are left to Dask then
 
     async def in_thread(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` in the run's merge thread (the only thread that touches ``W_s``)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """``fn(*args)`` in the run's merge thread, in order with the merges (:meth:`MergeLane.call`)."""
+        return await self.lane.call(fn, *args)
 
     def now(self) -> float:
         return time.time() - self.started
@@ -115,7 +112,7 @@ class Run:
         watchdog = None
         try:
             await self.tasks.open(f"vcdask-{self.id}")
-            await (recover(self) if self.resume else self.in_thread(self.server.load))
+            await (recover(self) if self.resume else self.lane.load())
             self.status = "running"
             await self.in_thread(end.write_record, self.store, self.id, end.running_record(self))
             self.events.emit("started", version=self.server.version, step=self.server.step)
@@ -175,7 +172,7 @@ class Run:
         finds the task taken and is dropped.
 
         Returns the key of the shard copy sent to the task's worker to run next (placed there), if
-        any: its base can travel back with the hand-over's answer (:func:`~.watch.next_base`).
+        any: its base can travel back with the hand-over's answer (:func:`~.handshake.next_base`).
         """
         if not self._taking:  # the run is ending: its end reads (or cancels) what is still out
             return None
@@ -197,16 +194,16 @@ class Run:
     def _taken(self, task: TaskRecord, record: dict[str, Any]) -> list[str]:
         """A shard result is in: its worker is free.  Give it its next shard before this result is
         merged, so the new task reads its spec and rows meanwhile; it then waits (briefly) for this
-        merge before it trains (:func:`~.watch.base_for`).  The keys of the shard copies sent."""
+        merge before it trains (:func:`~.handshake.base_for`).  The keys of the shard copies sent."""
         if task.kind != "update":
             return []
-        self.arrived += 1
+        self.handshake.arrived += 1
         return [] if self.finished() else self.fill(record["worker"])
 
     async def _settle_folded(self) -> None:
         if self.server.folded and not self.tasks.results_waiting():  # the queue ran dry: commit the folded merges
-            await self.in_thread(self.server.commit)
-        self.note_settled()
+            await self.lane.commit()
+        self.handshake.note_settled()
 
     async def _on_done(self, future: Any) -> None:
         self.tasks.stale.discard(future.key)
@@ -243,35 +240,7 @@ class Run:
         try:
             await arrivals.update(self, record, task)
         finally:
-            self.settled += 1
-
-    def note_settled(self) -> None:
-        """Wake the tasks waiting in :meth:`settled_through` (they check again what they wait for)."""
-        self._settled.set()
-        self._settled = asyncio.Event()
-
-    def through(self, arrived: int) -> bool:
-        """Whether a task that asks for its base now may have it, with ``arrived`` results to wait for."""
-        head = self.server.head
-        # a draft (:attr:`~.committing.Head.draft`) is the merge of the result after the settled ones,
-        # being committed: a small model's base goes out as that draft
-        if head.draft is not None and self.settled + 1 >= arrived:
-            return True
-        return self.settled >= arrived and (head.step == head.version_step or self.server.commit_every > 1)
-
-    async def settled_through(self, arrived: int, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds until the first ``arrived`` results are merged and committed
-        (or turned down), or merged and being committed as a draft; whether they are."""
-        deadline = time.monotonic() + timeout
-        while not self.through(arrived):
-            left = deadline - time.monotonic()
-            if left <= 0 or self.done.is_set():
-                return False
-            try:
-                await asyncio.wait_for(self._settled.wait(), left)
-            except TimeoutError:
-                return False
-        return True
+            self.handshake.settled += 1
 
     # -- dispatch -------------------------------------------------------------------------------
     def fill(self, freed_worker: str | None = None) -> list[str]:
@@ -377,8 +346,8 @@ class Run:
     preempt = notice.preempt
     check_workers = watch.check_workers
     task_started = watch.task_started
-    base_for = watch.base_for
-    next_base = watch.next_base
+    base_for = handshake.base_for
+    next_base = handshake.next_base
     status_dict = views.status_dict
     panel_state = views.panel_state
     result_dict = views.result_dict

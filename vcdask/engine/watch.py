@@ -1,5 +1,5 @@
-"""Watching the pool and the copies in flight: whether a usable worker is there, when each copy starts
-(and from which version), and when one is overdue.
+"""Watching the pool and the copies in flight: whether a usable worker is there, when each copy starts,
+and when one is overdue (which version a copy starts from: :mod:`.handshake`).
 
 Functions of the :class:`~vcdask.engine.run.Run` (the event loop only).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import NoWorkersError
 from . import faults, policy, validations
@@ -17,7 +17,7 @@ from . import faults, policy, validations
 if TYPE_CHECKING:
     from .run import Run
 
-__all__ = ["INTERVAL", "base_for", "check_workers", "deadlines", "idle", "in_use_step", "next_base", "task_started"]
+__all__ = ["INTERVAL", "check_workers", "deadlines", "idle", "in_use_step", "task_started"]
 
 INTERVAL = 0.2  # seconds between deadline checks
 
@@ -34,85 +34,12 @@ def task_started(run: Run, key: str, worker: str) -> None:
         run.ledger.set_shard(task.epoch, task.shard, "running" if task.attempt == 0 else "re-issued")
 
 
-async def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, Any] | None:
-    """The version a shard task that is ready to train should start from: the newest committed one,
-    once the results that came back before it asked are merged (waiting at most
-    :func:`~vcdask.engine.policy.base_wait`).
-
-    A task asks once it has read the run's spec and its rows, so the time a copy waited in a queue
-    or spent warming up a cold worker is not counted as staleness (a healthy run's first updates
-    were once rejected as stale for it).  A worker gets its next shard as soon as its result is back,
-    before that result is merged: without the wait, its next task would train from the version just
-    before its own update, every time (half of the work lost with ``alpha=0``; one step staler with
-    every rule).  With ``vcdask.worker.overlap="delta"`` the worker does not wait for this answer: its
-    next task trains meanwhile and corrects its weights once the answer is there (:mod:`vcdask.overlap`);
-    with ``"newest"`` the answer does not wait for the merges due.
-
-    Returns ``{"version": ..., "step": ...}``, or ``{"abandon": True}`` for a copy the run no longer
-    waits for: cancelled, or a finished one that Dask runs again because the worker holding its result
-    died (the run read that result from the store, :mod:`.results`); it would train for nothing and
-    overwrite the update the run merges.  A base also has
-
-    - ``"params"``: its parameters packed by :func:`vcdask._wire.pack`, when they are at most
-      ``vcdask.worker.inline-base-bytes``; ``"version"`` is None for such parameters given as they
-      were merged, while the merge thread commits them as the version of ``"step"``
-      (``vcdask.worker.base-before-commit``);
-    - ``"fraction"``, with ``speed_adaptive``: the share of its shard's batches the task trains on ``worker``.
-    """
-    task = run.tasks.tasks.get(key)
-    if task is None:
-        return {"abandon": True}
-    if task.kind != "update":
-        return None
-    waits = run.spec.overlap != "newest"  # (vcdask.overlap) "newest": the head as it is, without the merges due
-    if waits and run.settled < run.arrived and not run.through(run.arrived):
-        await run.settled_through(run.arrived, policy.base_wait(run.ledger.shard_seconds))
-        task = run.tasks.tasks.get(key)
-        if task is None:
-            return {"abandon": True}
-    head = run.server.head
-    base: dict[str, Any]
-    if head.draft is not None:  # merged, being committed: its version id does not exist yet
-        base = {"version": None, "step": head.step, "params": head.draft}
-    else:
-        base = {"version": head.version, "step": head.version_step}
-        if head.payload is not None:  # a small model: no store read for the worker
-            base["params"] = head.payload
-    task.step, task.based = base["step"], True
-    worker = worker or task.worker
-    if run.spec.speed_adaptive and worker:  # the share of its shard's batches a task there trains
-        base["fraction"] = run.pool.work_fraction(worker)
-    return base
-
-
-async def next_base(run: Run, key: str, worker: str) -> dict[str, Any] | None:
-    """The base of shard copy ``key``, just sent to ``worker`` to run there next, for the answer to the
-    hand-over of the task finishing there (:meth:`~.run.Run.hand_over`): what :func:`base_for` would
-    answer the copy once it starts, decided now, so a warm worker sends one message per task, not two.
-
-    None when the copy started or was given up meanwhile, or when its shard's home is another worker
-    (``worker`` reads its rows first, a while maybe: the copy asks for its base itself once it has
-    them).  The caller records the copy as started on ``worker``: it starts as soon as the hand-over
-    returns.
-    """
-    task = run.tasks.tasks.get(key)
-    if task is None or task.kind != "update" or task.started is not None:
-        return None
-    if run.dispatch.home.get(task.shard) != worker:  # it reads its rows first: it asks once it has them
-        return None
-    base = await base_for(run, key, worker)
-    task = run.tasks.tasks.get(key)
-    if base is None or "abandon" in base or task is None or task.started is not None:
-        return None
-    return base
-
-
 def in_use_step(run: Run) -> int:
     """The oldest version step the run's tasks may still read: the bases of the shard copies in flight
     and of the results handed over but not merged yet, the versions its validations measure, and the
     newest version (which the next copy gets).
 
-    Published to the merge thread (``run.server.in_use_step``), whose retention keeps every version from
+    Given to the merge thread with each merge and collection (:class:`~.lane.MergeLane`), whose retention keeps every version from
     there on.  A value read a while ago is only lower than the truth: versions handed out later are the
     newest committed one at the time, never older.
     """

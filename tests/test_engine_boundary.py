@@ -1,0 +1,112 @@
+"""The boundary between a run's loop and its merge thread (engine.lane) and the base handshake
+(engine.handshake), without a cluster: a real store, a real merge thread, asyncio on this thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from vcdask import open_store
+from vcdask.engine.committing import Head
+from vcdask.engine.handshake import Handshake
+from vcdask.engine.lane import MergeLane
+from vcdask.engine.params_server import ParamsServer
+from vcdask.params import flatten
+from vcdask.schedules import Constant
+from vcdask.updates import update_path, write_update
+
+
+def _server(tmp_path, **kw) -> ParamsServer:
+    store = open_store(tmp_path / "s")
+    store.create_branch("run-x")
+    store.commit(flatten({"w": torch.zeros(4)}), {"run_id": "run-x", "step": 0, "merged": []}, branch="run-x")
+    return ParamsServer(store, "run-x", Constant(0.5), "run-x", **kw)
+
+
+def _upload(server: ParamsServer, shard: int, value: float) -> dict:
+    path = update_path("run-x", 1, shard, 0)
+    write_update(server.store.files, path, flatten({"w": torch.full((4,), float(value))}))
+    return {"epoch": 1, "shard": shard, "attempt": 0, "base_step": 0, "update": path}
+
+
+def test_every_call_runs_in_the_lanes_thread_in_order_and_the_loop_sees_one_head(tmp_path):
+    server = _server(tmp_path, commit_every="auto")
+    lane = MergeLane(server, "vcdask-merge-test")
+    threads: list[str] = []
+
+    async def scenario() -> list[Head]:
+        await lane.load()
+        heads = [lane.head]
+        for shard in range(3):
+            out = await lane.merge(
+                _upload(server, shard, shard), completes=False, max_staleness=None, more=True, in_use_step=0
+            )
+            assert out["accepted"] and out["version_id"] is None  # folded: more results are queued
+            threads.append(await lane.call(lambda: threading.current_thread().name))
+            heads.append(lane.head)
+        await lane.commit()
+        heads.append(lane.head)
+        await lane.collect(final=True, in_use_step=3)
+        return heads
+
+    heads = asyncio.run(scenario())
+    lane.shutdown()
+    assert set(threads) == {threads[0]} and threads[0].startswith("vcdask-merge-test")
+    assert threading.current_thread().name not in threads
+    assert [h.step for h in heads] == [0, 1, 2, 3, 3] and [h.version_step for h in heads] == [0, 0, 0, 0, 3]
+    assert [h.folded for h in heads] == [False, True, True, True, False]  # published with the head, as one value
+    assert heads[-1].committed and heads[-1].version == server.store.head("run-x")
+    assert server.in_use_step == 3  # given with the call, set in the merge thread
+
+
+def test_a_store_request_under_way_is_published_with_the_head(tmp_path):
+    server = _server(tmp_path)
+    server.load()
+    seen = []
+    server._through_outages(lambda: seen.append(server.head.waiting), "reading something")
+    assert seen[0][0] == "reading something" and server.head.waiting is None and server.stalled() is None
+
+
+def test_a_task_may_have_its_base_once_the_results_before_it_are_settled():
+    hs = Handshake()
+    committed, merged_only = Head(step=2, version="v2", version_step=2), Head(step=3, version="v2", version_step=2)
+    hs.arrived, hs.settled = 3, 2
+    assert not hs.through(committed, 1, hs.arrived)  # one result to merge yet
+    hs.settled = 3
+    assert hs.through(committed, 1, 3) and not hs.through(merged_only, 1, 3)  # merged, not committed yet
+    assert hs.through(merged_only, 5, 3)  # commit_every > 1: merged is enough
+    drafted = Head(step=3, version="v2", version_step=2, draft={"bytes": b""})
+    hs.settled = 2
+    assert hs.through(drafted, 1, 3)  # the next result's merge, being committed: its draft goes out
+
+
+def test_settled_through_wakes_on_each_settled_result_and_gives_up_at_its_timeout_or_the_runs_end():
+    async def scenario() -> tuple[bool, bool, bool]:
+        hs, head, done = Handshake(), Head(step=1, version="v1", version_step=1), asyncio.Event()
+        hs.arrived = 1
+
+        async def settle_later() -> None:
+            await asyncio.sleep(0.05)
+            hs.settled = 1
+            hs.note_settled()
+
+        settling = asyncio.ensure_future(settle_later())
+        woke = await hs.settled_through(lambda: head, 1, 1, timeout=5.0, done=done)
+        await settling
+        hs.arrived = 2
+        timed_out = await hs.settled_through(lambda: head, 1, 2, timeout=0.05, done=done)
+        done.set()
+        ended = await hs.settled_through(lambda: head, 1, 2, timeout=5.0, done=done)
+        return woke, timed_out, ended
+
+    assert asyncio.run(scenario()) == (True, False, False)
+
+
+@pytest.mark.parametrize("attribute", ["folded", "paused", "waiting"])
+def test_what_the_merge_thread_publishes_is_not_a_plain_attribute_of_the_server(tmp_path, attribute):
+    """The loop reads the merge thread's status through ``head`` only (one immutable value)."""
+    server = _server(tmp_path)
+    assert attribute not in vars(server) and hasattr(server.head, attribute)

@@ -1,0 +1,150 @@
+"""The base handshake: which version a shard task trains from, and when it may have it.
+
+A worker gets its next shard as soon as its result is back, before that result is merged.  The loop
+counts the shard results it has taken (``arrived``) and those the merge path has finished with
+(``settled``: merged and committed, or turned down); a task that asks for its base
+(``vcdask_base``, or the answer to its worker's hand-over: ``vcdask_finished``) waits, up to
+:func:`~.policy.base_wait`, until the results taken before it asked are settled, so it trains from
+a version holding its worker's own last update.  :class:`Handshake` holds the counters and the wait;
+:func:`base_for` and :func:`next_base` answer the tasks (the event loop only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import policy
+from .committing import Head
+
+if TYPE_CHECKING:
+    from .run import Run
+
+__all__ = ["Handshake", "base_for", "next_base"]
+
+
+class Handshake:
+    """The results a run took and settled, and the tasks waiting for them (the event loop only)."""
+
+    def __init__(self) -> None:
+        #: Shard results taken from the workers, and how many of them the merge path has finished with
+        #: (merged and committed, or turned down): a task that asks for its base waits for the ones before it.
+        self.arrived = 0
+        self.settled = 0
+        self._settled = asyncio.Event()
+
+    def note_settled(self) -> None:
+        """Wake the tasks waiting in :meth:`settled_through` (they check again what they wait for)."""
+        self._settled.set()
+        self._settled = asyncio.Event()
+
+    def through(self, head: Head, commit_every: int, arrived: int) -> bool:
+        """Whether a task that asks for its base now may have it, with ``arrived`` results to wait for
+        and the server at ``head``."""
+        # a draft (:attr:`~.committing.Head.draft`) is the merge of the result after the settled ones,
+        # being committed: a small model's base goes out as that draft
+        if head.draft is not None and self.settled + 1 >= arrived:
+            return True
+        return self.settled >= arrived and (head.step == head.version_step or commit_every > 1)
+
+    async def settled_through(
+        self, head: Callable[[], Head], commit_every: int, arrived: int, timeout: float, done: asyncio.Event
+    ) -> bool:
+        """Wait up to ``timeout`` seconds until the first ``arrived`` results are merged and committed
+        (or turned down), or merged and being committed as a draft; whether they are.  ``head`` reads
+        the server's head; ``done``: the run has ended (nothing more will settle)."""
+        deadline = time.monotonic() + timeout
+        while not self.through(head(), commit_every, arrived):
+            left = deadline - time.monotonic()
+            if left <= 0 or done.is_set():
+                return False
+            try:
+                await asyncio.wait_for(self._settled.wait(), left)
+            except TimeoutError:
+                return False
+        return True
+
+
+async def base_for(run: Run, key: str, worker: str | None = None) -> dict[str, Any] | None:
+    """The version a shard task that is ready to train should start from: the newest committed one,
+    once the results that came back before it asked are merged (waiting at most
+    :func:`~vcdask.engine.policy.base_wait`).
+
+    A task asks once it has read the run's spec and its rows, so the time a copy waited in a queue
+    or spent warming up a cold worker is not counted as staleness (a healthy run's first updates
+    were once rejected as stale for it).  A worker gets its next shard as soon as its result is back,
+    before that result is merged: without the wait, its next task would train from the version just
+    before its own update, every time (half of the work lost with ``alpha=0``; one step staler with
+    every rule).  With ``vcdask.worker.overlap="delta"`` the worker does not wait for this answer: its
+    next task trains meanwhile and corrects its weights once the answer is there (:mod:`vcdask.overlap`);
+    with ``"newest"`` the answer does not wait for the merges due.
+
+    Returns ``{"version": ..., "step": ...}``, or ``{"abandon": True}`` for a copy the run no longer
+    waits for: cancelled, or a finished one that Dask runs again because the worker holding its result
+    died (the run read that result from the store, :mod:`.results`); it would train for nothing and
+    overwrite the update the run merges.  A base also has
+
+    - ``"params"``: its parameters packed by :func:`vcdask._wire.pack`, when they are at most
+      ``vcdask.worker.inline-base-bytes``; ``"version"`` is None for such parameters given as they
+      were merged, while the merge thread commits them as the version of ``"step"``
+      (``vcdask.worker.base-before-commit``);
+    - ``"fraction"``, with ``speed_adaptive``: the share of its shard's batches the task trains on ``worker``.
+    """
+    task = run.tasks.tasks.get(key)
+    if task is None:
+        return {"abandon": True}
+    if task.kind != "update":
+        return None
+    waits = run.spec.overlap != "newest"  # (vcdask.overlap) "newest": the head as it is, without the merges due
+    if (
+        waits
+        and run.handshake.settled < run.handshake.arrived
+        and not run.handshake.through(run.server.head, run.server.commit_every, run.handshake.arrived)
+    ):
+        await run.handshake.settled_through(
+            lambda: run.server.head,
+            run.server.commit_every,
+            run.handshake.arrived,
+            policy.base_wait(run.ledger.shard_seconds),
+            run.done,
+        )
+        task = run.tasks.tasks.get(key)
+        if task is None:
+            return {"abandon": True}
+    head = run.server.head
+    base: dict[str, Any]
+    if head.draft is not None:  # merged, being committed: its version id does not exist yet
+        base = {"version": None, "step": head.step, "params": head.draft}
+    else:
+        base = {"version": head.version, "step": head.version_step}
+        if head.payload is not None:  # a small model: no store read for the worker
+            base["params"] = head.payload
+    task.step, task.based = base["step"], True
+    worker = worker or task.worker
+    if run.spec.speed_adaptive and worker:  # the share of its shard's batches a task there trains
+        base["fraction"] = run.pool.work_fraction(worker)
+    return base
+
+
+async def next_base(run: Run, key: str, worker: str) -> dict[str, Any] | None:
+    """The base of shard copy ``key``, just sent to ``worker`` to run there next, for the answer to the
+    hand-over of the task finishing there (:meth:`~.run.Run.hand_over`): what :func:`base_for` would
+    answer the copy once it starts, decided now, so a warm worker sends one message per task, not two.
+
+    None when the copy started or was given up meanwhile, or when its shard's home is another worker
+    (``worker`` reads its rows first, a while maybe: the copy asks for its base itself once it has
+    them).  The caller records the copy as started on ``worker``: it starts as soon as the hand-over
+    returns.
+    """
+    task = run.tasks.tasks.get(key)
+    if task is None or task.kind != "update" or task.started is not None:
+        return None
+    if run.dispatch.home.get(task.shard) != worker:  # it reads its rows first: it asks once it has them
+        return None
+    base = await base_for(run, key, worker)
+    task = run.tasks.tasks.get(key)
+    if base is None or "abandon" in base or task is None or task.started is not None:
+        return None
+    return base

@@ -1,0 +1,83 @@
+"""The boundary between a run's event loop and its merge thread.
+
+:class:`MergeLane` owns the run's merge thread (one worker thread: calls run in the order they were
+made) and every call the loop makes into it: loading ``W_s``, merging a result, committing, applying
+the retention policy, and whatever else must run in order with them (writing the run's record,
+reading back what a resumed run merged).  What the loop knows of the other side comes back in two
+ways only: each call's return value, and the server's :class:`~.committing.Head`, one immutable value
+the merge thread replaces as a whole (the step, the newest version, a draft base, folded merges, a
+store outage).  What the loop tells the merge thread (the oldest version its tasks still read, for
+retention) travels as an argument of the call that needs it, never as an attribute set across threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from .committing import Head
+from .params_server import ParamsServer
+
+__all__ = ["MergeLane"]
+
+T = TypeVar("T")
+
+
+class MergeLane:
+    """The merge thread of one run and the loop's calls into it.
+
+    Parameters
+    ----------
+    server : ParamsServer
+        ``W_s`` and its merge path; touched only from this lane's thread once the run has started.
+    name : str
+        The thread's name (``vcdask-merge-<run>``), as seen in a profiler or a stack dump.
+    """
+
+    def __init__(self, server: ParamsServer, name: str):
+        self.server = server
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    @property
+    def head(self) -> Head:
+        """Where the server stands (one attribute read)."""
+        return self.server.head
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the merge thread, in order with the merges (the only thread that touches ``W_s``)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def load(self) -> None:
+        """``W_s`` from the newest version of the run's branch."""
+        await self.call(self.server.load)
+
+    async def merge(
+        self, record: dict[str, Any], *, completes: bool, max_staleness: int | None, more: bool, in_use_step: int
+    ) -> dict[str, Any]:
+        """Merge one shard result (:meth:`ParamsServer.merge`); ``in_use_step``: the oldest version the
+        run's tasks still read, which a collection between merges keeps."""
+        return await self.call(self._merge, record, completes, max_staleness, more, in_use_step)
+
+    def _merge(
+        self, record: dict[str, Any], completes: bool, max_staleness: int | None, more: bool, in_use_step: int
+    ) -> dict[str, Any]:
+        self.server.in_use_step = in_use_step  # (in the merge thread: it is the only reader)
+        return self.server.merge(record, completes, max_staleness, completes, more)
+
+    async def commit(self) -> None:
+        """Commit the merges not yet in a version (a no-op when there are none)."""
+        await self.call(self.server.commit)
+
+    async def collect(self, *, final: bool, in_use_step: int) -> None:
+        """Apply the run's retention policy (:meth:`ParamsServer.collect`)."""
+        await self.call(self._collect, final, in_use_step)
+
+    def _collect(self, final: bool, in_use_step: int) -> None:
+        self.server.in_use_step = in_use_step
+        self.server.collect(final)
+
+    def shutdown(self) -> None:
+        """Let the thread go once its last call is done (the run has ended)."""
+        self._executor.shutdown(wait=False)
