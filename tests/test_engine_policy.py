@@ -168,21 +168,23 @@ def test_pool_measures_step_seconds_and_gives_fractions():
 
 def test_auto_validation_keeps_validating_within_its_share_of_the_shard_tasks_time():
     assert policy.validation_due(3, 6, [], []) and not policy.validation_due(3, 7, [100.0], [1.0])  # every 3rd
-    assert policy.validation_due("auto", 1, [], [])  # nothing measured yet: the first one is validated
-    shards = [1.0] * 10  # 10 s of shard tasks: 1 s of validation allowed
-    assert policy.validation_due("auto", 11, [0.5, 0.5], shards)
-    assert not policy.validation_due("auto", 11, [0.5, 0.6], shards)
-    assert policy.validation_due("auto", 12, [0.5, 0.6], [*shards, 1.0])  # the shards caught up
+    share = policy.VALIDATION_SHARE
+    shards = [1.0] * int(round(2 / share))  # shard tasks long enough for two validations of 1 s
+    assert not policy.validation_due("auto", 1, [], [])  # nothing merged yet
+    assert not policy.validation_due("auto", 1, [], [1.0])  # before any came back, one costs a shard's time
+    assert policy.validation_due("auto", 41, [1.0], shards)  # one more fits
+    assert not policy.validation_due("auto", 41, [1.0, 1.2], shards)  # (the epochs' ends count too)
+    assert policy.validation_due("auto", 62, [1.0, 1.2], [*shards, *[1.0] * 30])  # the shards caught up
 
 
-def test_a_run_with_validate_every_auto_spends_a_tenth_of_its_task_time_validating():
+def test_a_run_with_validate_every_auto_spends_its_share_of_the_task_time_validating():
     """Replayed: 1.4 s shard tasks, 0.5 s validations (the char-LM of benchmarks/utilization.py on one
-    worker): validating every merge would take a third of the workers' time; "auto" a tenth."""
+    worker): validating every merge would take a third of the workers' time; "auto" its share."""
     shards: list[float] = []
     validations: list[float] = []
     for step in range(1, 201):
         shards.append(1.4)
         if policy.validation_due("auto", step, validations, shards):
             validations.append(0.5)
-    assert sum(validations) <= policy.VALIDATION_SHARE * sum(shards) + 0.5
-    assert len(validations) >= 0.9 * policy.VALIDATION_SHARE * sum(shards) / 0.5
+    assert sum(validations) <= policy.VALIDATION_SHARE * sum(shards)
+    assert len(validations) >= 0.9 * policy.VALIDATION_SHARE * sum(shards) / 0.5 - 1

@@ -138,7 +138,8 @@ def fit(
         every 3 and 28 every 10; the default rule 9, 15 and 20 (stop 42).
     validate_every : int or "auto", default "auto"
         Validate every this many merges, when that merge was committed (epoch ends always).  ``"auto"``:
-        whenever the run's validations so far took at most a tenth of the time its shard tasks took
+        when the run's validations so far (the epochs' ends included) and one more take at most a twentieth
+        of the time its shard tasks took
         (a validation takes a worker's slot, as a shard does); ``1`` validates every committed merge.
     features, label, sample_dim : optional
         Variable and dimension names for xarray / Zarr data (inferred when unambiguous); for a pandas
