@@ -135,3 +135,8 @@ def test_adam_state_kept_on_cuda_is_checked_without_mixing_devices():
     devices = {t.device.type for state in opt.state.values() for t in state.values()}
     assert devices == {"cpu", "cuda"}  # step on the CPU, the moments on the GPU: what crashed every run
     assert inner._finite_state(opt)
+
+
+def test_a_delta_task_trains_at_most_half_its_steps_before_its_merged_base():
+    assert overlap.most_ahead(40) == int(overlap.MAX_AHEAD * 40) and overlap.most_ahead(2) == 1
+    assert overlap.most_ahead(1) == 1  # a one-step task may take its step (then it waits at its end)

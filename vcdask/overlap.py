@@ -8,8 +8,8 @@ What the worker's next task trains from is a choice between time and what each s
     merged version that holds the update arrives (the hand-over's answer, fetched in a thread), the
     task corrects its weights by ``merged - W_c`` between two steps (hivemind's delta rule, DiLoCo's
     eager updates): from then on it trains as if it had started from the merged version, which
-    becomes its update's base.  The local steps taken before the answer came are kept; the merge
-    is off the training path.
+    becomes its update's base.  The local steps taken before the answer came are kept (at most
+    :data:`MAX_AHEAD` of the task's: then it waits for the answer); the merge is off the training path.
 ``"wait"``
     The next task waits for the merge (and, for large models, the commit) of the worker's own update,
     then trains from that version: compute and communication take turns.
@@ -40,10 +40,21 @@ import torch
 from .errors import ParameterMismatchError
 from .params import FlatParams, state_tensors
 
-__all__ = ["OVERLAPS", "Base", "Pending", "check_overlap", "correct", "put", "take"]
+__all__ = ["MAX_AHEAD", "OVERLAPS", "Base", "Pending", "check_overlap", "correct", "most_ahead", "put", "take"]
 
 #: What ``vcdask.worker.overlap`` accepts.
 OVERLAPS = ("delta", "wait", "newest")
+#: A ``"delta"`` task trains at most this share of its steps (and at least one) from its worker's own
+#: ``W_c``; then it waits for the merged version, as Streaming DiLoCo overlaps a bounded number of inner
+#: steps with its outer sync.  Steps taken from ``W_c`` compute their gradients away from the merged
+#: version; while merges keep up this never binds (a merge takes a few of a task's steps), and when they
+#: fall behind (a loaded machine, a backed-up queue) it keeps most of each task's steps where they belong.
+MAX_AHEAD = 0.5
+
+
+def most_ahead(steps: int) -> int:
+    """How many of a task's ``steps`` it may train before its merged base is there (:data:`MAX_AHEAD`)."""
+    return max(1, int(MAX_AHEAD * steps))
 
 
 def check_overlap(value: Any) -> str:

@@ -182,6 +182,9 @@ def train_shard(
     given = None  # a small model's base came with the answer: no store read
     newest: dict[str, Any] | None
     if pending is not None:  # the base comes while this task trains: from the worker's own W_c until then
+        # (a round trip, its answer at once: a worker that dies now is charged to this copy, as it must be
+        # when the copy's own data kills it; its deadline counts from here)
+        _tell_run("vcdask_started", run_id, **instance_here())
         pending.resolve(_base_fetcher(store, _dask_worker(), str(_dask_worker().get_current_task())))
         newest, wait, given = {"fraction": pending.fraction}, 0.0, pending.own
     elif handed is not None and warm is not None:
@@ -214,14 +217,18 @@ def train_shard(
 
     model.train()
     ahead = 0  # steps trained from the worker's own W_c before the merged version came (overlap="delta")
+    # (at most this many: then the task waits for it, so most of its steps are taken from the merged version)
+    most_ahead = overlap.most_ahead(spec.local_epochs * (per_pass if limit is None else limit))
     losses: list[torch.Tensor] = []
     stamps = [time.perf_counter()]
     for _ in range(spec.local_epochs):
         for batch, _n in _batches.batches(spec, rows, device, spec.batch_size, generator=g, limit=limit):
-            if pending is not None and pending.ready():  # the merged version is here: train on from it
+            if pending is not None and (pending.ready() or len(losses) >= most_ahead):  # train on from the merge
+                t_wait = time.perf_counter()
                 if (base := _corrected(model, pending)) is None:
                     return _abandoned(run_id, epoch, shard, attempt)
                 (base_version, base_step), pending, ahead = base, None, len(losses)
+                wait = time.perf_counter() - t_wait
             with precision.autocast():
                 loss = train_step(model, batch)
             inner.step(loss)

@@ -133,18 +133,23 @@ async def next_base(run: Run, key: str, worker: str) -> dict[str, Any] | None:
     hand-over of the task finishing there (:meth:`~.run.Run.hand_over`): what :func:`base_for` would
     answer the copy once it starts, decided now, so a warm worker sends one message per task, not two.
 
-    None when the copy started or was given up meanwhile, or when its shard's home is another worker
-    (``worker`` reads its rows first, a while maybe: the copy asks for its base itself once it has
-    them).  The caller records the copy as started on ``worker``: it starts as soon as the hand-over
-    returns.
+    None when the copy started elsewhere, was given its base, or was given up meanwhile, or when its
+    shard's home is another worker (``worker`` reads its rows first, a while maybe: the copy asks for its
+    base itself once it has them).  The caller records the copy as started on ``worker`` unless it said
+    so itself: it starts as soon as the hand-over returns, or (``vcdask.worker.overlap="delta"``) it
+    started already, training from its worker's own last update while this answer waits for the merge.
     """
+
+    def taken(task: Any) -> bool:
+        return task.started is not None and (task.worker != worker or task.based)
+
     task = run.tasks.tasks.get(key)
-    if task is None or task.kind != "update" or task.started is not None:
+    if task is None or task.kind != "update" or taken(task):
         return None
     if run.dispatch.home.get(task.shard) != worker:  # it reads its rows first: it asks once it has them
         return None
     base = await base_for(run, key, worker)
     task = run.tasks.tasks.get(key)
-    if base is None or "abandon" in base or task is None or task.started is not None:
+    if base is None or "abandon" in base or task is None or (task.started is not None and task.worker != worker):
         return None
     return base

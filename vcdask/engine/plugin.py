@@ -206,9 +206,11 @@ class VcdaskPlugin(SchedulerPlugin):
         base = await run.next_base(nxt, worker)
         if base is None:
             return None
-        self.handle_started(
-            run_id=run_id, key=nxt, worker=worker, instance=record.get("instance"), market=record.get("market")
-        )
+        task = run.tasks.tasks.get(nxt)
+        if task is not None and task.started is None:  # (a "delta" copy said it started: its clock runs)
+            self.handle_started(
+                run_id=run_id, key=nxt, worker=worker, instance=record.get("instance"), market=record.get("market")
+            )
         return {"next": {"key": nxt, **base}}
 
     async def handle_base(

@@ -39,9 +39,9 @@ def in_use_step(run: Run) -> int:
     and of the results handed over but not merged yet, the versions its validations measure, and the
     newest version (which the next copy gets).
 
-    Given to the merge thread with each merge and collection (:class:`~.lane.MergeLane`), whose retention keeps every version from
-    there on.  A value read a while ago is only lower than the truth: versions handed out later are the
-    newest committed one at the time, never older.
+    Given to the merge thread with each merge and collection (:class:`~.lane.MergeLane`), whose
+    retention keeps every version from there on.  A value read a while ago is only lower than the
+    truth: versions handed out later are the newest committed one at the time, never older.
     """
     steps = [task.step for task in run.tasks.tasks.values()]
     steps += [task.step for task, _ in run.tasks.handed]  # taken, not merged yet (``step``: its base)
