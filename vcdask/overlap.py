@@ -117,8 +117,9 @@ class Pending:
 
 _lock = threading.Lock()
 _pending: dict[str, deque[Pending]] = {}
-#: Hand-overs kept per run and process (one per thread that trained; older ones were never taken).
-_MAX_PENDING = 4
+#: Hand-overs kept per run and process: one per worker thread that trained (a thread's next task takes
+#: the oldest); more than a worker has threads are never taken.
+_MAX_PENDING = 64
 _KEEP_RUNS = 4
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -127,7 +128,8 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="vcdask-base")
+            # (a fetch mostly waits for its answer: one thread per worker thread that may be waiting)
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=_MAX_PENDING, thread_name_prefix="vcdask-base")
         return _pool
 
 
