@@ -182,8 +182,8 @@ def train_shard(
     given = None  # a small model's base came with the answer: no store read
     newest: dict[str, Any] | None
     if pending is not None:  # the base comes while this task trains: from the worker's own W_c until then
-        # (a round trip, its answer at once: a worker that dies now is charged to this copy, as it must be
-        # when the copy's own data kills it; its deadline counts from here)
+        # (a round trip, answered at once: its deadline counts from here, and a worker that dies from now
+        # on is charged to this copy, as it must be when the copy's own data kills it)
         _tell_run("vcdask_started", run_id, **instance_here())
         pending.resolve(_base_fetcher(store, _dask_worker(), str(_dask_worker().get_current_task())))
         newest, wait, given = {"fraction": pending.fraction}, 0.0, pending.own

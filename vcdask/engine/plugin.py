@@ -181,10 +181,13 @@ class VcdaskPlugin(SchedulerPlugin):
         self, comm=None, run_id: str = "", key: str = "", worker: str = "", instance=None, market=None
     ) -> None:
         """A shard task began to run on ``worker`` (sent by the task itself, with what the worker runs
-        on, for the cost accounting)."""
+        on, for the cost accounting).  A start recorded already on that worker stands (its clock runs
+        from the first: with ``overlap="delta"`` the answer that brings a copy's base may come first)."""
         run = self.runs.get(run_id)
         if run is not None:
-            run.task_started(key, worker)
+            task = run.tasks.tasks.get(key)
+            if task is None or task.started is None or task.worker != worker:
+                run.task_started(key, worker)
             run.pool.identify(worker, instance, market)
 
     async def handle_finished(
@@ -195,7 +198,8 @@ class VcdaskPlugin(SchedulerPlugin):
 
         ``next_base``: the worker would take the base of the shard copy it runs next with the answer
         (``{"next": {"key": ..., "version": ..., "step": ...}}``), once the run has merged the results
-        that came before (see :func:`vcdask.engine.handshake.next_base`); the copy is recorded as started.
+        that came before (see :func:`vcdask.engine.handshake.next_base`); the copy is recorded as started
+        (unless it said so itself: with ``vcdask.worker.overlap="delta"`` it starts before this answer).
         """
         run = self.runs.get(run_id)
         if run is None or run.done.is_set() or not isinstance(record, dict):
@@ -206,11 +210,9 @@ class VcdaskPlugin(SchedulerPlugin):
         base = await run.next_base(nxt, worker)
         if base is None:
             return None
-        task = run.tasks.tasks.get(nxt)
-        if task is not None and task.started is None:  # (a "delta" copy said it started: its clock runs)
-            self.handle_started(
-                run_id=run_id, key=nxt, worker=worker, instance=record.get("instance"), market=record.get("market")
-            )
+        self.handle_started(
+            run_id=run_id, key=nxt, worker=worker, instance=record.get("instance"), market=record.get("market")
+        )
         return {"next": {"key": nxt, **base}}
 
     async def handle_base(
