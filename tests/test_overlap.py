@@ -52,8 +52,7 @@ def test_with_nothing_learned_meanwhile_the_task_holds_the_merged_version_exactl
     _train(server, 4, seed=5)
     merged = flatten(server)
     overlap.correct(model, merged, own)
-    torch.testing.assert_close(flatten(model).arrays["float32"], merged.arrays["float32"])
-    assert torch.equal(flatten(model).arrays["int64"], merged.arrays["int64"])
+    assert flatten(model).equal(merged)  # bit for bit (what a learning rate of 0 relies on: early stopping)
 
 
 def test_a_boolean_buffer_takes_the_merged_value():

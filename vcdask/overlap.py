@@ -150,7 +150,7 @@ def take(run_id: str) -> Pending | None:
 
 
 def correct(model: torch.nn.Module, merged: FlatParams, own: FlatParams) -> None:
-    """``model += merged - own``, in place, between two steps: the delta rule.
+    """``model = merged + (model - own)``, in place, between two steps: the delta rule.
 
     ``model`` trained on from ``own`` (its ``W_c``); ``merged`` is the server's version holding that
     ``W_c``.  Afterwards the model is ``merged`` plus the local steps taken since ``own``: its update's
@@ -176,10 +176,14 @@ def correct(model: torch.nn.Module, merged: FlatParams, own: FlatParams) -> None
                 for t, e in entries:
                     t.copy_(target[e.offset : e.offset + e.size].view(t.shape))
                 continue
-            delta = target.sub_(own_flat) if target is not merged.arrays[dtype] else target - own_flat
-            views = [delta[e.offset : e.offset + e.size].view(t.shape) for t, e in entries]
+            # (model - own) + merged, in that order: what the task learned, added to the merged version, so
+            # a task that learned nothing yet (or with a learning rate of 0) holds the merged version exactly
+            mine = [own_flat[e.offset : e.offset + e.size].view(t.shape) for t, e in entries]
+            theirs = [target[e.offset : e.offset + e.size].view(t.shape) for t, e in entries]
+            tensors_here = [t for t, _ in entries]
             if own_flat.is_floating_point():
-                torch._foreach_add_([t for t, _ in entries], views)
+                torch._foreach_sub_(tensors_here, mine)
+                torch._foreach_add_(tensors_here, theirs)
             else:
-                for (t, _), v in zip(entries, views, strict=True):
-                    t.add_(v)
+                for t, m, o in zip(tensors_here, mine, theirs, strict=True):
+                    t.sub_(m).add_(o)
