@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,7 +97,6 @@ class Pending:
     answer: concurrent.futures.Future
     own: FlatParams
     fraction: float = 1.0
-    handed_at: float = field(default_factory=time.perf_counter)
     base: concurrent.futures.Future | None = None
 
     def resolve(self, fetch: Callable[[Pending], Base]) -> None:

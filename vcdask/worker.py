@@ -185,7 +185,8 @@ def train_shard(
         # (a round trip, answered at once: its deadline counts from here, and a worker that dies from now
         # on is charged to this copy, as it must be when the copy's own data kills it)
         _tell_run("vcdask_started", run_id, **instance_here())
-        pending.resolve(_base_fetcher(store, _dask_worker(), str(_dask_worker().get_current_task())))
+        worker = _dask_worker()
+        pending.resolve(_base_fetcher(store, worker, str(worker.get_current_task())))
         newest, wait, given = {"fraction": pending.fraction}, 0.0, pending.own
     elif handed is not None and warm is not None:
         newest, wait = handed  # the history's wait_seconds: the hand-over's, which waited for the merge
@@ -316,9 +317,9 @@ def _base_fetcher(store, dask_worker: Any, key: str):
             answer = None
         nxt = answer.get("next") if isinstance(answer, dict) else None
         if nxt is not None and nxt.pop("key", None) == key:
-            base = nxt  # the run counts this task started from its answer
+            base = nxt
         else:  # another copy ran here first, or the run did not answer with a base: ask for this task's
-            base = _tell_run("vcdask_base", pending.run_id, dask_worker=dask_worker, key=key, started=instance_here())
+            base = _tell_run("vcdask_base", pending.run_id, dask_worker=dask_worker, key=key)
         if not base or base.get("abandon"):
             return overlap.Base(None)
         if "fraction" in base:

@@ -50,7 +50,7 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
                 epoch, shard, rec["attempt"], "duplicate", **fields, reason="duplicate: (epoch, shard) already merged"
             )
         if not run.spec.keep_updates:
-            await run.in_thread(faults.drop_update, run.store, rec["update"])
+            await run.lane.call(faults.drop_update, run.store, rec["update"])
     else:
         # the epoch's last shard is committed at once (its version is validated and closes the epoch)
         last = run.ledger.completes(epoch, shard)  # (recorded in the version's progress, for a resume)

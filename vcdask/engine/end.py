@@ -50,7 +50,7 @@ async def finish(run: Run) -> None:
     if run.spec.validation is not None and head.step not in run.ledger.validations:
         await validations.final(run, head.version, head.step)
     if not run.spec.keep_updates:
-        await run.in_thread(faults.drop_run_updates, run.store, run.id)
+        await run.lane.call(faults.drop_run_updates, run.store, run.id)
     await run.lane.collect(final=True, in_use_step=watch.in_use_step(run))  # the run's retention, once more at the end
     run.status = "cancelled" if run.cancelled else "finished"
     run.events.emit("finished", version=head.version, step=head.step, reason=run.stopping or "max_epochs")
@@ -66,7 +66,7 @@ async def release(run: Run) -> None:
     run.ended = time.time()
     run.final = views.result_dict(run)
     try:
-        await run.in_thread(_write_final_record, run, run.final)  # best_version lists versions: not on the loop
+        await run.lane.call(_write_final_record, run, run.final)  # best_version lists versions: not on the loop
     except Exception:
         logger.warning("run %s: could not write its record %s", run.id, record_path(run.id), exc_info=True)
     run.lane.shutdown()

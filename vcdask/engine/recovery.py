@@ -85,7 +85,7 @@ async def recover(run: Run) -> None:
     ``W_s`` and the merged (epoch, shard) from the versions' metadata, then merge the uploads
     that no committed version contains."""
     n = run.spec.shards.n_shards
-    merged, ends, attempts, pending = await run.in_thread(read_back, run.server, run.store, run.spec.branch, run.id, n)
+    merged, ends, attempts, pending = await run.lane.call(read_back, run.server, run.store, run.spec.branch, run.id, n)
     run.ledger.merged = merged
     run.ledger.resumed_at = max(ends, default=0)  # early stopping's patience counts from here
     run.dispatch.restore(merged, attempts, max([*merged, *(m["epoch"] for m in pending), 0]))

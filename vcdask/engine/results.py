@@ -45,7 +45,7 @@ async def read(run: Run, future: Any, task: TaskRecord) -> dict[str, Any] | None
     if not isinstance(got, str) and got.get("kind") != "abandoned":
         return got
     why = got if isinstance(got, str) else "the copy gave up: the run no longer waited for it"
-    record = await run.in_thread(_stored_record, run, task) if task.kind == "update" else None
+    record = await run.lane.call(_stored_record, run, task) if task.kind == "update" else None
     if record is not None:
         logger.warning(
             "run %s: read the result of epoch %d shard %d attempt %d from the store (%s)",

@@ -94,10 +94,6 @@ class Run:
         self.handed_over = 0  # records taken that way
         self._taking = True  # False once the driver's loop is over: hand-overs are left to Dask then
 
-    async def in_thread(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` in the run's merge thread, in order with the merges (:meth:`MergeLane.call`)."""
-        return await self.lane.call(fn, *args)
-
     def now(self) -> float:
         return time.time() - self.started
 
@@ -114,7 +110,7 @@ class Run:
             await self.tasks.open(f"vcdask-{self.id}")
             await (recover(self) if self.resume else self.lane.load())
             self.status = "running"
-            await self.in_thread(end.write_record, self.store, self.id, end.running_record(self))
+            await self.lane.call(end.write_record, self.store, self.id, end.running_record(self))
             self.events.emit("started", version=self.server.version, step=self.server.step)
             watchdog = asyncio.ensure_future(watch.deadlines(self))
             nxt = handed = None
