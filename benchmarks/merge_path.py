@@ -1,12 +1,14 @@
 """Latency of one server merge for a 5M-parameter model: read W_c + merge + commit.
 
 usage: python benchmarks/merge_path.py [--params 5000000] [--updates 30] [--rules vc-asgd,nesterov]
-                                       [--stores local,s3] [--every 1,5]
+                                       [--stores local,s3] [--every 1,5] [--queued no,yes]
 
 Runs the real merge path (vcdask.engine.params_server.ParamsServer, the code the scheduler plugin's
 merge thread runs) over a stream of client updates written by vcdask.updates, against a
 local directory store and the loopback S3 server (moto), committing every merge and
-every 5th merge, with the paper's rule (``vc-asgd``, alpha 0.9) and the default rule (``nesterov``:
+every 5th merge, one update at a time (``--queued no``) and with the next update queued behind each
+(``yes``: the fleet outpaces the merges; the run then names it and the server reads it on its side thread
+while the merge before it runs), with the paper's rule (``vc-asgd``, alpha 0.9) and the default rule (``nesterov``:
 its momentum and delayed pseudo-gradient are rule state, stored with every commit).  Beside it,
 measured in the same run: the bare in-memory ``lerp_`` (the physical floor of the arithmetic), and the
 floor of a whole merge and commit on each store's disk: a memory copy of the parameters plus writing the
@@ -65,7 +67,7 @@ def copy_and_write(n_params: int, directory: str, repeats: int = 5) -> list[floa
     return times
 
 
-def run(store, n_params: int, n_updates: int, commit_every: int, rule: str = "vc-asgd"):
+def run(store, n_params: int, n_updates: int, commit_every: int, rule: str = "vc-asgd", read_ahead: bool = True):
     torch.manual_seed(0)
     branch = f"bench-{commit_every}-{time.monotonic_ns()}"
     store.create_branch(branch)
@@ -79,13 +81,18 @@ def run(store, n_params: int, n_updates: int, commit_every: int, rule: str = "vc
         records.append({"epoch": 1, "shard": i, "attempt": 0, "base_step": 0, "update": path})
     latencies = []
     t_start = time.perf_counter()
-    for rec in records:
+    for i, rec in enumerate(records):
         rec["base_step"] = state.step  # fresh: nothing rejected as stale
+        # the next update is queued behind this one (the fleet outpaces the merges): the run names it, and
+        # the server reads it on its side thread while this one is merged and committed
+        ahead = records[i + 1]["update"] if read_ahead and i + 1 < len(records) else None
         t = time.perf_counter()
-        state.merge(rec)
+        state.merge(rec, ahead=ahead)
         latencies.append((time.perf_counter() - t) * 1e3)
     state.commit()
+    state.drain()  # (the merged updates' deletes)
     total = time.perf_counter() - t_start
+    state.close_side()
     return latencies, n_updates / total, {k: statistics.median(v) * 1e3 for k, v in state.stage_seconds.items() if v}
 
 
@@ -96,6 +103,11 @@ def main() -> None:
     ap.add_argument("--rules", default="vc-asgd,nesterov")
     ap.add_argument("--stores", default="local,s3", help="local (a directory) and/or s3 (moto on loopback)")
     ap.add_argument("--every", default="1,5", help="commit_every values, a comma list")
+    ap.add_argument(
+        "--queued",
+        default="no,yes",
+        help="whether the next update is queued behind each merge (the server reads it ahead), a comma list",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     ws, wc = torch.randn(args.params), torch.randn(args.params)
@@ -117,9 +129,11 @@ def main() -> None:
         for name, store in stores:
             for rule in args.rules.split(","):
                 for every in map(int, args.every.split(",")):
-                    lat, rate, split = run(store, args.params, args.updates, every, rule)
-                    rows.append((name, rule, every, lat, rate))
-                    stages.append((name, rule, every, split))
+                    for queued in args.queued.split(","):
+                        label = f"{name}, next queued" if queued == "yes" else name
+                        lat, rate, split = run(store, args.params, args.updates, every, rule, queued == "yes")
+                        rows.append((label, rule, every, lat, rate))
+                        stages.append((label, rule, every, split))
     print(
         f"\n{args.params:,} float32 parameters ({args.params * 4 / 1e6:.0f} MB), {args.updates} updates per row, "
         "times in ms (torch 1 thread)\n"

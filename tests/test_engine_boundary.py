@@ -110,3 +110,38 @@ def test_what_the_merge_thread_publishes_is_not_a_plain_attribute_of_the_server(
     """The loop reads the merge thread's status through ``head`` only (one immutable value)."""
     server = _server(tmp_path)
     assert attribute not in vars(server) and hasattr(server.head, attribute)
+
+
+def test_the_next_queued_update_is_read_ahead_and_merged_ones_are_deleted_off_the_merge_path(tmp_path):
+    server = _server(tmp_path)
+    server.load()
+    first, second, third = (_upload(server, shard, value) for shard, value in ((0, 2.0), (1, 4.0), (2, 8.0)))
+    files = server.store.files
+    server.merge(first, ahead=second["update"])
+    server.drain()  # the side thread read the second update and deleted the first (merged and committed)
+    assert not files.exists(first["update"])
+    files.delete(second["update"])  # gone from the store: only the read ahead still has it
+    second["base_step"] = 1
+    out = server.merge(second, ahead="run-x/updates/never-written.safetensors")  # a read ahead that fails
+    assert out["accepted"], out
+    assert torch.equal(server.params.arrays["float32"], torch.full((4,), 2.5))  # 0 -> 1.0 -> 2.5 (alpha 0.5)
+    third["base_step"] = 2
+    assert server.merge(third)["accepted"]  # the failed read ahead named another update: this one is read now
+    assert torch.equal(server.params.arrays["float32"], torch.full((4,), 5.25))
+    server.drain()
+    assert not any(files.exists(r["update"]) for r in (first, third))
+    server.release()  # lets the side thread go
+    assert server._side_executor is None
+
+
+def test_an_update_whose_read_ahead_failed_is_read_again_through_outages(tmp_path):
+    server = _server(tmp_path)
+    server.load()
+    late = update_path("run-x", 1, 1, 0)
+    first = _upload(server, 0, 2.0)
+    server.merge(first, ahead=late)  # its read ahead fails: not written yet
+    server.drain()
+    second = _upload(server, 1, 6.0)  # written now, under the name read ahead
+    second["base_step"] = 1
+    assert server.merge(second)["accepted"]
+    assert torch.equal(server.params.arrays["float32"], torch.full((4,), 3.5))  # read again, not the failed read

@@ -55,8 +55,14 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         # the epoch's last shard is committed at once (its version is validated and closes the epoch)
         last = run.ledger.completes(epoch, shard)  # (recorded in the version's progress, for a resume)
         more = run.tasks.results_waiting()  # fold their commits
+        ahead = next((r.get("update") for t, r in run.tasks.handed if t.kind == "update"), None)
         merged = await run.lane.merge(
-            rec, completes=last, max_staleness=run.staleness_limit(), more=more, in_use_step=watch.in_use_step(run)
+            rec,
+            completes=last,
+            max_staleness=run.staleness_limit(),
+            more=more,
+            in_use_step=watch.in_use_step(run),
+            ahead=ahead,  # the next handed-over update: read while this one is merged
         )
         if merged.pop("drafted", False):  # the tasks waiting for this merge start from its draft while it
             run.handshake.note_settled()  # is committed, before any other result is merged (a commit queued

@@ -49,6 +49,7 @@ async def finish(run: Run) -> None:
     head = run.server.head
     if run.spec.validation is not None and head.step not in run.ledger.validations:
         await validations.final(run, head.version, head.step)
+    await run.lane.drain()  # (the merged updates' deletes: before the rest is dropped)
     if not run.spec.keep_updates:
         await run.lane.call(faults.drop_run_updates, run.store, run.id)
     await run.lane.collect(final=True, in_use_step=watch.in_use_step(run))  # the run's retention, once more at the end

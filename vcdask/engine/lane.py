@@ -54,21 +54,39 @@ class MergeLane:
         await self.call(self.server.load)
 
     async def merge(
-        self, record: dict[str, Any], *, completes: bool, max_staleness: int | None, more: bool, in_use_step: int
+        self,
+        record: dict[str, Any],
+        *,
+        completes: bool,
+        max_staleness: int | None,
+        more: bool,
+        in_use_step: int,
+        ahead: str | None = None,
     ) -> dict[str, Any]:
         """Merge one shard result (:meth:`ParamsServer.merge`); ``in_use_step``: the oldest version the
-        run's tasks still read, which a collection between merges keeps."""
-        return await self.call(self._merge, record, completes, max_staleness, more, in_use_step)
+        run's tasks still read, which a collection between merges keeps; ``ahead``: the update queued
+        next, read while this one is merged."""
+        return await self.call(self._merge, record, completes, max_staleness, more, in_use_step, ahead)
 
     def _merge(
-        self, record: dict[str, Any], completes: bool, max_staleness: int | None, more: bool, in_use_step: int
+        self,
+        record: dict[str, Any],
+        completes: bool,
+        max_staleness: int | None,
+        more: bool,
+        in_use_step: int,
+        ahead: str | None,
     ) -> dict[str, Any]:
         self.server.in_use_step = in_use_step  # (in the merge thread: it is the only reader)
-        return self.server.merge(record, completes, max_staleness, completes, more)
+        return self.server.merge(record, completes, max_staleness, completes, more, ahead)
 
     async def commit(self) -> None:
         """Commit the merges not yet in a version (a no-op when there are none)."""
         await self.call(self.server.commit)
+
+    async def drain(self) -> None:
+        """Wait for the merge path's side thread (its reads ahead and deletes of merged updates)."""
+        await self.call(self.server.drain)
 
     async def collect(self, *, final: bool, in_use_step: int) -> None:
         """Apply the run's retention policy (:meth:`ParamsServer.collect`)."""

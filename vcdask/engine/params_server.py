@@ -19,6 +19,7 @@ import time
 import zipfile
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -122,6 +123,9 @@ class ParamsServer(Committing):
         self.stage_seconds: dict[str, deque[float]] = {k: deque(maxlen=256) for k in STAGES}
         self._said_held_back = False
         self._bases: OrderedDict[str, FlatParams] = OrderedDict()  # base versions of compressed updates
+        #: The next queued update, being read on the side thread while this merge runs (its path, the read)
+        self._ahead: tuple[str, Future[Any]] | None = None
+        self._side_executor = None
 
     # -- the loop's read-only views (each one attribute read) -----------------------------------
     @property
@@ -165,6 +169,7 @@ class ParamsServer(Committing):
         self.rule_state = RuleState()
         self._bases.clear()
         self.guard = None
+        self.close_side()
 
     # -- the merge thread -----------------------------------------------------------------------
     def load(self) -> None:
@@ -199,13 +204,16 @@ class ParamsServer(Committing):
         max_staleness: int | None = None,
         completes: bool = False,
         more: bool = False,
+        ahead: str | None = None,
     ) -> dict[str, Any]:
         """Merge the update described by ``record`` (epoch, shard, attempt, base_step, update path).
 
         ``completes``: this merge completes its epoch (it is committed at once, and the epoch's end
         recorded in the run's progress).  ``more``: other results are waiting to be merged; with
         ``commit_every="auto"`` the commit is left to the last of them (up to :data:`FOLD_MAX` merges
-        in one version), so a backed-up queue costs one commit, not one per merge.
+        in one version), so a backed-up queue costs one commit, not one per merge.  ``ahead``: the
+        path of the update queued next, read on the side thread while this one is merged and committed
+        (:meth:`_read`), so that a backed-up queue does not wait for each read in turn.
 
         Returns the history fields of the merge: accepted, alpha, new_version, staleness, version_id;
         or, for an update that fails :func:`~vcdask.engine.policy.check_update` (``max_staleness``: the
@@ -216,10 +224,7 @@ class ParamsServer(Committing):
         staleness = self.step - record["base_step"]
         t0 = time.perf_counter()
         try:
-            client = self._through_outages(
-                lambda: read_update(self.store.files, record["update"]),
-                f"reading the update of shard {record['shard']}",
-            )
+            client = self._read(record["update"], f"reading the update of shard {record['shard']}", ahead)
             if isinstance(client, EncodedUpdate):  # W_c - W_base, compressed: add it to its base
                 client = client.decode(self._base(client.base_version))
         except (ValueError, KeyError, FileNotFoundError, EOFError, zipfile.BadZipFile) as e:
@@ -261,6 +266,23 @@ class ParamsServer(Committing):
         if self.head.draft is not None:
             out["drafted"] = True  # the caller commits it (:meth:`commit`), then knows ``version_id``
         return out
+
+    def _read(self, path: str, what: str, ahead: str | None) -> Any:
+        """The update at ``path``: read ahead on the side thread (the previous merge's ``ahead``), else
+        read now; then start reading ``ahead``.  A read ahead that failed is made again here, through
+        outages (an unreadable update then fails here as it would have)."""
+        got, self._ahead = self._ahead, None
+        client = None
+        if got is not None and got[0] == path:
+            try:
+                client = got[1].result()
+            except Exception:  # noqa: BLE001 (whatever it was, the read below meets it again, or not)
+                client = None
+        if client is None:
+            client = self._through_outages(lambda: read_update(self.store.files, path), what)
+        if ahead is not None and ahead != path:
+            self._ahead = (ahead, self._side().submit(read_update, self.store.files, ahead))
+        return client
 
     def _base(self, version: str) -> FlatParams:
         """The parameters of ``version`` (a compressed update's base): kept since this server committed
