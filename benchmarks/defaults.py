@@ -8,7 +8,8 @@ learning rate, the epochs and, where the task needs them, its steps and schedule
 plain single-process torch loop making the same passes over the same data with the same optimizer.
 ``--set`` changes one of ``fit``'s arguments for every vcdask run (repeatable), to measure a
 candidate default against the same torch numbers, e.g. ``--set optimizer_state=fresh``,
-``--set tasks_per_slot=1`` or ``--set merge=nesterov:0.5/0.9`` (lr/momentum of the outer step).
+``--set tasks_per_slot=1``, ``--set merge=nesterov:0.5/0.9`` (lr/momentum of the outer step) or
+``--set merge=staleness:0/1`` (FedAsync's rule: alpha, and the exponent ``a`` of the staleness decay).
 
 * ``digits``:  the demo CNN (40k parameters) on 8x8 digits, Adam 1e-3, 8 epochs; test accuracy.
 * ``wide``:    the wide CNN of ``strategies.py`` (3.3M parameters), the same data, 4 epochs.
@@ -144,8 +145,11 @@ def charlm_vcdask(seed: int, data, client, overrides: dict) -> float:
 
 
 def _value(text: str):
-    from vcdask.merge import Nesterov
+    from vcdask.merge import Nesterov, Staleness
 
+    if text.startswith("staleness:"):  # staleness:ALPHA/A: FedAsync's weight (1 - ALPHA) / (staleness + 1) ** A
+        alpha, a = text.split(":", 1)[1].split("/")
+        return Staleness(alpha=float(alpha), a=float(a))
     if text.startswith("nesterov:"):  # nesterov:LR/MOMENTUM[/nobc|/adam|/agreement|/trust]: the correction
         lr, momentum, *rest = text.split(":", 1)[1].split("/") + ["0.9"] * (text.count("/") == 0)
         correction = {"nobc": False, "adam": True, "agreement": "agreement", "trust": "trust"}[(rest or ["adam"])[0]]
