@@ -33,7 +33,8 @@ Tasks (``--tasks``):
   median test MSE goes from 1.03 (the initial weights) to 0.485 after 5 epochs and 0.505 after 20 (a slight
   overfit from epoch 10 on, kept so that the many-worker trainers, with fewer and larger steps, get enough
   steps): a trainer below torch here has not necessarily learned more, and one that moves further per
-  token overfits more (vcdask's default rule at W=1, seed 0: 0.50 after 5 epochs, 0.65-0.83 after 20).
+  token overfits more (delayed Nesterov, the default rule at W=1 before issue 38, seed 0: 0.50 after 5
+  epochs, 0.65-0.83 after 20).
 
 Seeds (``--seeds``) change the initial weights and the data order of every trainer alike (and the
 breast-cancer split, as in ``defaults.py``).  Prints progress to stderr and, per task, a markdown table:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import vcdask
 from vcdask._docstrings import markdown_table
-from vcdask.merge import DEFAULT_RULE
+from vcdask.merge import DEFAULT_RULE, ONE_IN_FLIGHT
 
 project = "vcdask"
 author = "the vcdask developers"
@@ -70,6 +70,7 @@ def _write_generated() -> None:
     out.mkdir(exist_ok=True)
     table = markdown_table(vcdask.fit, skip=("model", "data"))
     table = table.replace("{data}`vcdask.merge.DEFAULT_RULE`", f"`{DEFAULT_RULE!r}`")
+    table = table.replace("{data}`vcdask.merge.ONE_IN_FLIGHT`", f"`{ONE_IN_FLIGHT!r}`")
     path = out / "fit-options.md"
     if not path.exists() or path.read_text() != table:  # unchanged files keep Sphinx's cache valid
         path.write_text(table)

@@ -570,3 +570,36 @@ def test_results_handed_over_by_their_tasks_or_read_through_dask(hand_over, clie
     handed = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["vcdask"].runs[run_id].handed_over)
     # shard tasks and validations: most come handed over (Dask's own report can come first), none without it
     assert handed >= len(h) // 2 if hand_over else handed == 0, handed
+
+
+@pytest.mark.cluster
+def test_one_worker_with_the_default_rule_is_a_sequence_of_local_runs(digits_data, tmp_path):
+    """One task in flight: the default rule takes each update as the new W_s, bit for bit (one worker's
+    run is plain torch's loop over its shards, no outer step on top of the inner optimizer's own), and
+    records it as the staleness rule with alpha 0."""
+    from distributed import Client
+
+    from vcdask.cluster import embedded_cluster
+    from vcdask.merge import ONE_IN_FLIGHT
+
+    (X, y), _ = digits_data
+    with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+        result = vcdask.fit(
+            _linear(),
+            (X[:300], y[:300]),
+            max_epochs=2,
+            n_shards=3,
+            client=client,
+            store=tmp_path / "s",
+            keep_updates=True,
+            progress=False,
+            retention=False,
+        )
+    store = result.store
+    history = result.history[result.history.accepted]
+    assert len(history) == 6 and set(history.staleness) == {0}
+    assert (history.alpha == 0.0).all()
+    for row in history.itertuples():
+        got = store.read(row.version_id)
+        assert got.params.equal(read_update(store.files, row.update))
+        assert got.metadata["merge"] == ONE_IN_FLIGHT.describe() == {**got.metadata["merge"], "name": "staleness"}

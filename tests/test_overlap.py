@@ -139,3 +139,19 @@ def test_adam_state_kept_on_cuda_is_checked_without_mixing_devices():
 def test_a_delta_task_trains_at_most_half_its_steps_before_its_merged_base():
     assert overlap.most_ahead(40) == int(overlap.MAX_AHEAD * 40) and overlap.most_ahead(2) == 1
     assert overlap.most_ahead(1) == 1  # a one-step task may take its step (then it waits at its end)
+
+
+def test_a_merge_that_took_the_update_as_it_was_leaves_the_training_untouched():
+    """One task in flight: the merged version is W_c itself, and the task's steps since are kept bit for bit
+    (``merged + (model - own)`` would round them, at a moment that depends on when the base arrived)."""
+    model = _net()
+    _train(model, 3, seed=1)
+    own = flatten(model)
+    with torch.no_grad():  # far from W_c, where (model - own) + own is not model in float32
+        for p in model.parameters():
+            p.mul_(37.0).add_(0.1)
+    before = flatten(model)
+    rounded = (before.arrays["float32"] - own.arrays["float32"]) + own.arrays["float32"]
+    assert not torch.equal(rounded, before.arrays["float32"])  # (what the correction would have done)
+    overlap.correct(model, own.clone(), own)
+    assert flatten(model).equal(before)

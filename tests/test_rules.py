@@ -451,3 +451,20 @@ def test_nesterov_correction_once_below_float32_resolution_is_the_plain_step(cor
 
     assert torch.equal(window(correction, 158), window(False, 158))
     assert not torch.equal(window(correction, 20), window(False, 20))
+
+
+def test_the_default_rule_with_one_task_in_flight_takes_each_fresh_update_and_averages_stale_ones():
+    from vcdask.merge import DEFAULT_RULE, ONE_IN_FLIGHT, for_run
+
+    assert for_run(DEFAULT_RULE, in_flight=1) is ONE_IN_FLIGHT
+    assert for_run(DEFAULT_RULE, in_flight=3) == Nesterov(lr=0.5, momentum=0.9, bias_correction="trust", delay=3)
+    chosen = Nesterov(lr=0.5, momentum=0.9, bias_correction="trust")  # equal to the default, but given: kept
+    assert for_run(chosen, in_flight=1) == Nesterov(lr=0.5, momentum=0.9, bias_correction="trust", delay=1)
+    server, client = flatten({"w": torch.randn(5)}), flatten({"w": torch.randn(5)})
+    state = ONE_IN_FLIGHT.init_state(server)
+    fresh = server.clone()
+    ONE_IN_FLIGHT.apply(fresh, client, state, Arrival(1, staleness=0))
+    assert fresh.equal(client)  # bit for bit: the worker's own run goes on as plain torch's would
+    stale = server.clone()
+    ONE_IN_FLIGHT.apply(stale, client, state, Arrival(1, staleness=1))  # a joined worker, a re-issued copy
+    torch.testing.assert_close(stale.arrays["float32"], (server.arrays["float32"] + client.arrays["float32"]) / 2)

@@ -104,7 +104,9 @@ def fit(
     batch_size : int, default 32
     merge : {"vc-asgd", "staleness", "nesterov", "sync"} or vcdask.merge.MergeRule, optional
         How the server folds each update in (see :mod:`vcdask.merge`).  Default:
-        :data:`vcdask.merge.DEFAULT_RULE`, or ``"vc-asgd"`` when ``alpha`` is given.  The paper's rule,
+        :data:`vcdask.merge.DEFAULT_RULE` (on a cluster of one worker thread
+        :data:`vcdask.merge.ONE_IN_FLIGHT`: each update taken as it is), or ``"vc-asgd"`` when ``alpha`` is
+        given.  The paper's rule,
         FedAsync's staleness-aware mixing, an outer Nesterov step per arrival (DiLoCo), or
         synchronous large-batch averaging (one merge per epoch's samples).  Configure a rule
         with an instance, e.g. ``vcdask.merge.Nesterov(lr=0.5)``.

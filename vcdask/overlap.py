@@ -153,7 +153,9 @@ def correct(model: torch.nn.Module, merged: FlatParams, own: FlatParams) -> None
     ``model`` trained on from ``own`` (its ``W_c``); ``merged`` is the server's version holding that
     ``W_c``.  Afterwards the model is ``merged`` plus the local steps taken since ``own``: its update's
     base is ``merged``.  Integer buffers take the same difference (exact); boolean ones take ``merged``'s
-    values.  The difference is computed on the model's device (one copy of ``merged`` per dtype).
+    values.  The difference is computed on the model's device (one copy of ``merged`` per dtype).  Where
+    ``merged`` is ``own`` bit for bit (the default rule with one task in flight takes each update as it
+    is) the model is left as it is: the task goes on exactly as one uninterrupted torch loop.
 
     Raises
     ------
@@ -169,6 +171,8 @@ def correct(model: torch.nn.Module, merged: FlatParams, own: FlatParams) -> None
         for dtype, own_flat in own.arrays.items():
             device = own_flat.device
             target = merged.arrays[dtype].to(device, non_blocking=True)
+            if torch.equal(target, own_flat):  # the merge took W_c as it was (one task in flight): nothing to
+                continue  # correct, and (model - own) + merged would round what the task learned since
             entries = [(t, e) for t, e in zip(tensors, layout.entries, strict=True) if e.dtype == dtype]
             if own_flat.dtype == torch.bool:
                 for t, e in entries:

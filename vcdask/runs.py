@@ -27,6 +27,7 @@ from .data import Shards
 from .errors import VersionNotFoundError
 from .handle import FitResult, RunHandle, ensure_plugin
 from .inner import memory_steps, resolve_optimizer_state
+from .merge import for_run
 from .options import DEFAULT_STORE, RunPlan, positive_int
 from .spec import RunSpec, loads, save_spec, spec_path
 from .staging import in_memory, stage
@@ -190,7 +191,7 @@ def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
         metrics=plan.metrics,
         classification=plan.train.classification,
         x_dtype=plan.x_dtype,
-        merge=plan.rule.for_run(in_flight=in_flight),
+        merge=for_run(plan.rule, in_flight=in_flight),  # (the default rule: one in flight, no outer step)
         target=plan.target,
         **options,
     )
