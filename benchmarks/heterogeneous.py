@@ -1,6 +1,7 @@
 """Mixed-speed workers: time to a target accuracy, vcdask vs torch DDP (gloo) vs single-process torch.
 
 usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [--passes 12] [--target 0.95]
+                                          [--local-epochs 1] [--shards N]
                                           [--seeds 0,1,2] [--kill-every 0]
                                           [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd,
                                                     agreement,adam-correction,trust,no-hand-over,
@@ -18,7 +19,8 @@ core back, as a slower machine would.
   per rank; every step waits for the slow rank.  With ``--kill-every``: rank 1 is killed that often and,
   as ``torchrun --max-restarts`` does, both ranks restart from the last per-pass checkpoint.
 * ``vcdask``: ``vcdask.fit`` on an embedded LocalCluster with 2 worker processes, its defaults except the
-  pass budget (``max_epochs = passes``), one row per ``--vcdask`` variant.  With ``--kill-every``: the
+  pass budget (``max_epochs = passes / local_epochs``: ``--local-epochs`` passes over its shard per task,
+  in ``--shards`` shards, fit's default without it), one row per ``--vcdask`` variant.  With ``--kill-every``: the
   busy slow worker's process is SIGKILLed that often; its nanny starts it again.
 
 Everyone makes the same number of passes over the training data.  Accuracy is measured afterwards on
@@ -322,8 +324,12 @@ def _set_config(values: dict) -> dict:
     return before
 
 
-def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
-    kwargs = VARIANTS[variant]
+def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client, local_epochs=1, shards=None):
+    kwargs = dict(VARIANTS[variant])
+    if local_epochs > 1:
+        kwargs["local_epochs"] = local_epochs
+    if shards is not None:
+        kwargs["n_shards"] = shards
     with scratch_store(None, "hetero") as store:
         killer = Killer(client, kill_every) if kill_every else None
         config = WORKER_CONFIG.get(variant, {})
@@ -339,7 +345,7 @@ def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
             r = vcdask.fit(
                 MODELS[task](seed),
                 (X, y),
-                max_epochs=passes,
+                max_epochs=max(1, passes // local_epochs),
                 seed=seed,
                 train_step=SlowStep({1}, delay),
                 client=client,
@@ -367,7 +373,7 @@ def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client):
         for i, row in enumerate(merged.itertuples()):
             model = vcdask.load(store, MODELS[task](seed), version=row.version_id, branch=r.run_id)
             state = {k: v.clone() for k, v in model.state_dict().items()}
-            points.append((committed[row.version_id], state, (i + 1) / n_shards))
+            points.append((committed[row.version_id], state, (i + 1) * local_epochs / n_shards))
     work = h[h.accepted].groupby("worker").size()
     # worker 0 is never slowed nor killed; worker 1 may come back at a new address after a kill
     fast = next(
@@ -393,6 +399,8 @@ def main(argv=None) -> int:
     ap.add_argument("--task", choices=sorted(MODELS), default="digits")
     ap.add_argument("--slow", default="1,2,5", help="slowdowns of worker 1 (1: equal workers)")
     ap.add_argument("--passes", type=int, default=12)
+    ap.add_argument("--local-epochs", type=int, default=1, help="vcdask: passes over its shard per task")
+    ap.add_argument("--shards", type=int, default=None, help="vcdask: n_shards (default: fit's)")
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--kill-every", type=float, default=0.0, help="seconds between kills of worker 1 (0: none)")
@@ -435,7 +443,17 @@ def main(argv=None) -> int:
                         (
                             f"vcdask {v}",
                             lambda s=seed, v=v, d=delay: vcdask_run(
-                                v, args.task, s, X, y, args.passes, d, args.kill_every, client
+                                v,
+                                args.task,
+                                s,
+                                X,
+                                y,
+                                args.passes,
+                                d,
+                                args.kill_every,
+                                client,
+                                args.local_epochs,
+                                args.shards,
                             ),
                         )
                     )
