@@ -212,6 +212,9 @@ def _ddp_rank(rank: int, world: int, port: int, model, step, optimizer, X, y, ba
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    # (torch.multiprocessing hands the model's tensors to every rank in one shared memory: without a copy of
+    # its own each rank's optimizer would step the same weights, W steps per step, racing)
+    model = copy.deepcopy(model)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         train_passes(ddp, step, optimizer, X, y, batch, epochs, seed, rank, world)
@@ -234,8 +237,18 @@ def train_ddp(task: Task, seed: int, world: int) -> torch.nn.Module:
 
     with tempfile.TemporaryDirectory(prefix="vcdask-bench-ddp-") as tmp:
         out = os.path.join(tmp, "state.pt")
-        args = (world, free_port(), task.init, task.step, task.optimizer, *task.train, task.batch, task.epochs)
-        mp.start_processes(_ddp_rank, args=(*args, seed, out), nprocs=world, join=True, start_method="spawn")
+        init = copy.deepcopy(task.init)  # (spawning moves its tensors to shared memory: never the task's own)
+        args = (world, free_port(), init, task.step, task.optimizer, *task.train, task.batch, task.epochs)
+        for attempt in (1, 2):  # (a rank of gloo on 2 busy cores now and then aborts as it tears down)
+            try:
+                mp.start_processes(_ddp_rank, args=(*args, seed, out), nprocs=world, join=True, start_method="spawn")
+                break
+            except mp.ProcessExitedException:
+                if os.path.exists(out):  # rank 0 had saved the trained model: only the teardown failed
+                    break
+                if attempt == 2:
+                    raise
+                log(f"DDP W={world}: a rank aborted before the end; once more")
         model = copy.deepcopy(task.init)
         model.load_state_dict(torch.load(out))
     return model
