@@ -90,9 +90,9 @@ def run(store, n_params: int, n_updates: int, commit_every: int, rule: str = "vc
         state.merge(rec, ahead=ahead)
         latencies.append((time.perf_counter() - t) * 1e3)
     state.commit()
-    state.drain()  # (the merged updates' deletes)
+    state.side.drain()  # (the merged updates' deletes)
     total = time.perf_counter() - t_start
-    state.close_side()
+    state.side.close()
     return latencies, n_updates / total, {k: statistics.median(v) * 1e3 for k, v in state.stage_seconds.items() if v}
 
 

@@ -118,7 +118,7 @@ def test_the_next_queued_update_is_read_ahead_and_merged_ones_are_deleted_off_th
     first, second, third = (_upload(server, shard, value) for shard, value in ((0, 2.0), (1, 4.0), (2, 8.0)))
     files = server.store.files
     server.merge(first, ahead=second["update"])
-    server.drain()  # the side thread read the second update and deleted the first (merged and committed)
+    server.side.drain()  # the side thread read the second update and deleted the first (merged and committed)
     assert not files.exists(first["update"])
     files.delete(second["update"])  # gone from the store: only the read ahead still has it
     second["base_step"] = 1
@@ -128,10 +128,10 @@ def test_the_next_queued_update_is_read_ahead_and_merged_ones_are_deleted_off_th
     third["base_step"] = 2
     assert server.merge(third)["accepted"]  # the failed read ahead named another update: this one is read now
     assert torch.equal(server.params.arrays["float32"], torch.full((4,), 5.25))
-    server.drain()
+    server.side.drain()
     assert not any(files.exists(r["update"]) for r in (first, third))
     server.release()  # lets the side thread go
-    assert server._side_executor is None
+    assert server.side.closed
 
 
 def test_an_update_whose_read_ahead_failed_is_read_again_through_outages(tmp_path):
@@ -140,7 +140,7 @@ def test_an_update_whose_read_ahead_failed_is_read_again_through_outages(tmp_pat
     late = update_path("run-x", 1, 1, 0)
     first = _upload(server, 0, 2.0)
     server.merge(first, ahead=late)  # its read ahead fails: not written yet
-    server.drain()
+    server.side.drain()
     second = _upload(server, 1, 6.0)  # written now, under the name read ahead
     second["base_step"] = 1
     assert server.merge(second)["accepted"]

@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError, VersionNotFoundError
-from ..updates import delete_update
 from .outage import retry_through
+from .side import SideThread
 
 if TYPE_CHECKING:
     from collections import OrderedDict, deque
@@ -100,8 +99,7 @@ class Committing:
     _backlog: int
     _said_held_back: bool
     _bases: OrderedDict[str, FlatParams]
-    _ahead: tuple[str, Future[Any]] | None
-    _side_executor: ThreadPoolExecutor | None
+    side: SideThread
     inline_bytes: int
     drafts: bool
 
@@ -146,30 +144,11 @@ class Committing:
             self._bases[version] = self.params.clone()
             while len(self._bases) > BASES_KEPT:
                 self._bases.popitem(last=False)
-        if not self.keep_updates:  # merged and committed: the update has done its job (deleted off the
-            for r in self.uncommitted:  # merge path: a 400 MB file takes 20-50 ms to unlink)
-                self._side().submit(delete_update, self.store.files, r["update"])
+        if not self.keep_updates:
+            for r in self.uncommitted:  # merged and committed: the update has done its job
+                self.side.delete(r["update"])
         self.uncommitted = []
         self.collect()
-
-    def _side(self) -> ThreadPoolExecutor:
-        """The merge path's side thread: it reads the next queued update ahead and deletes merged ones,
-        in order, while the merge thread merges and commits."""
-        if self._side_executor is None:
-            self._side_executor = ThreadPoolExecutor(1, thread_name_prefix="vcdask-merge-side")
-        return self._side_executor
-
-    def drain(self) -> None:
-        """Wait for the side thread's reads and deletes (before the run's end drops what is left)."""
-        if self._side_executor is not None:
-            self._side_executor.submit(lambda: None).result()
-
-    def close_side(self) -> None:
-        """Let the side thread go once its queued work is done (the run has ended)."""
-        self._ahead = None
-        if self._side_executor is not None:
-            self._side_executor.shutdown(wait=False)
-            self._side_executor = None
 
     def packed(self) -> dict[str, Any] | None:
         """``W_s`` packed for the answers that give its version as a base (:attr:`Head.payload`), if

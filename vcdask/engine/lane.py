@@ -86,7 +86,7 @@ class MergeLane:
 
     async def drain(self) -> None:
         """Wait for the merge path's side thread (its reads ahead and deletes of merged updates)."""
-        await self.call(self.server.drain)
+        await self.call(self.server.side.drain)
 
     async def collect(self, *, final: bool, in_use_step: int) -> None:
         """Apply the run's retention policy (:meth:`ParamsServer.collect`)."""

@@ -19,7 +19,6 @@ import time
 import zipfile
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +30,7 @@ from ..updates import delete_update, read_update
 from .committing import BASES_KEPT, Committing, Head
 from .guard import Guard
 from .policy import check_update
+from .side import SideThread
 
 #: At most this many merges wait for one commit while more results queue behind them.
 FOLD_MAX = 8
@@ -123,9 +123,8 @@ class ParamsServer(Committing):
         self.stage_seconds: dict[str, deque[float]] = {k: deque(maxlen=256) for k in STAGES}
         self._said_held_back = False
         self._bases: OrderedDict[str, FlatParams] = OrderedDict()  # base versions of compressed updates
-        #: The next queued update, being read on the side thread while this merge runs (its path, the read)
-        self._ahead: tuple[str, Future[Any]] | None = None
-        self._side_executor = None
+        #: Reads the next queued update ahead and deletes merged ones, off the merge path
+        self.side = SideThread(store.files)
 
     # -- the loop's read-only views (each one attribute read) -----------------------------------
     @property
@@ -169,7 +168,7 @@ class ParamsServer(Committing):
         self.rule_state = RuleState()
         self._bases.clear()
         self.guard = None
-        self.close_side()
+        self.side.close()
 
     # -- the merge thread -----------------------------------------------------------------------
     def load(self) -> None:
@@ -213,7 +212,7 @@ class ParamsServer(Committing):
         ``commit_every="auto"`` the commit is left to the last of them (up to :data:`FOLD_MAX` merges
         in one version), so a backed-up queue costs one commit, not one per merge.  ``ahead``: the
         path of the update queued next, read on the side thread while this one is merged and committed
-        (:meth:`_read`), so that a backed-up queue does not wait for each read in turn.
+        (:class:`~.side.SideThread`), so that a backed-up queue does not wait for each read in turn.
 
         Returns the history fields of the merge: accepted, alpha, new_version, staleness, version_id;
         or, for an update that fails :func:`~vcdask.engine.policy.check_update` (``max_staleness``: the
@@ -224,7 +223,10 @@ class ParamsServer(Committing):
         staleness = self.step - record["base_step"]
         t0 = time.perf_counter()
         try:
-            client = self._read(record["update"], f"reading the update of shard {record['shard']}", ahead)
+            path, what = record["update"], f"reading the update of shard {record['shard']}"
+            client = self.side.read(
+                path, lambda: self._through_outages(lambda: read_update(self.store.files, path), what), ahead
+            )
             if isinstance(client, EncodedUpdate):  # W_c - W_base, compressed: add it to its base
                 client = client.decode(self._base(client.base_version))
         except (ValueError, KeyError, FileNotFoundError, EOFError, zipfile.BadZipFile) as e:
@@ -266,23 +268,6 @@ class ParamsServer(Committing):
         if self.head.draft is not None:
             out["drafted"] = True  # the caller commits it (:meth:`commit`), then knows ``version_id``
         return out
-
-    def _read(self, path: str, what: str, ahead: str | None) -> Any:
-        """The update at ``path``: read ahead on the side thread (the previous merge's ``ahead``), else
-        read now; then start reading ``ahead``.  A read ahead that failed is made again here, through
-        outages (an unreadable update then fails here as it would have)."""
-        got, self._ahead = self._ahead, None
-        client = None
-        if got is not None and got[0] == path:
-            try:
-                client = got[1].result()
-            except Exception:  # noqa: BLE001 (whatever it was, the read below meets it again, or not)
-                client = None
-        if client is None:
-            client = self._through_outages(lambda: read_update(self.store.files, path), what)
-        if ahead is not None and ahead != path:
-            self._ahead = (ahead, self._side().submit(read_update, self.store.files, ahead))
-        return client
 
     def _base(self, version: str) -> FlatParams:
         """The parameters of ``version`` (a compressed update's base): kept since this server committed
