@@ -49,3 +49,40 @@ def test_results_waiting_leaves_out_late_reports_of_handed_over_tasks():
     tasks.completed = _Completed(pending=0, ready=0)
     tasks.handed.append((TaskRecord("update", 1, 0), {}))
     assert tasks.results_waiting()
+
+
+class _Task:
+    def __init__(self, state: str, on: str | None = None):
+        self.state = state
+        self.processing_on = None if on is None else type("W", (), {"address": on})()
+
+
+class _Scheduler:
+    def __init__(self, tasks: dict[str, _Task]):
+        self.tasks = tasks
+
+
+def test_held_counts_a_copy_where_it_was_placed_until_dask_assigns_it():
+    """The run's own submit reaches the scheduler a message later: a copy sent this turn is not in
+    Dask's task table yet, and two copies sent in one turn to the one free worker both found it free
+    (the second then queued behind the first there: behind a frozen worker, for its whole deadline)."""
+    scheduler = _Scheduler({})
+    tasks = InFlight(scheduler=scheduler)
+    tasks.tasks = {
+        "running": TaskRecord("update", 1, 0, placed="a"),
+        "moved": TaskRecord("update", 1, 1, placed="a"),
+        "sent": TaskRecord("update", 1, 2, placed="b"),
+        "loose": TaskRecord("update", 1, 3, placed=None),
+        "done": TaskRecord("update", 1, 4, placed="c"),
+        "check": TaskRecord("validation", step=3, placed="c"),
+    }
+    scheduler.tasks = {
+        "running": _Task("processing", on="a"),
+        "moved": _Task("processing", on="b"),  # Dask moved it (placement is loose): where it runs counts
+        "loose": _Task("queued"),
+        "done": _Task("memory"),  # finished, its result not read yet: it holds no worker
+        "check": _Task("processing", on="c"),  # validations are not shard copies
+    }
+    assert tasks.held() == {"a": 1, "b": 2}  # "sent" is not known to Dask yet: counted where it was placed
+    scheduler.tasks["sent"] = _Task("processing", on="c")
+    assert tasks.held() == {"a": 1, "b": 1, "c": 1}

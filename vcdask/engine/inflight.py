@@ -6,7 +6,7 @@ place that asks the scheduler where a task is processing (no plugin hook reports
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -136,6 +136,22 @@ class InFlight:
         """The worker the scheduler has ``key`` processing on (None while queued, or gone)."""
         ts = self.scheduler.tasks.get(key)
         return ts.processing_on.address if ts is not None and ts.processing_on is not None else None
+
+    def held(self) -> Counter[str]:
+        """Shard copies per worker: where Dask has each processing, or, until Dask has assigned it
+        (the run's own submit reaches the scheduler a message later), the worker it was placed on.
+
+        Without the second, two copies sent in one turn of the loop to the same free worker both
+        found it free, and the second queued behind the first there (behind a frozen worker, for as
+        long as its deadline)."""
+        held: Counter[str] = Counter()
+        for key, task in self.updates():
+            worker = self.processing_on(key)
+            if worker is None and self.state(key) in ("forgotten", "released", "waiting", "queued", "no-worker"):
+                worker = task.placed  # not assigned yet (a finished copy, in memory, holds no worker)
+            if worker is not None:
+                held[worker] += 1
+        return held
 
     def state(self, key: str) -> str:
         ts = self.scheduler.tasks.get(key)

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 import traceback
-from collections import Counter
 from collections.abc import Collection
 from typing import Any
 
@@ -300,8 +299,7 @@ class Run:
     def busy_workers(self) -> set[str]:
         """Workers that hold their share of shard copies (``WorkerPool.share``), running or queued
         there: a copy sent to one would wait while another worker is free."""
-        held = Counter(self.tasks.processing_on(key) for key, _ in self.tasks.updates())
-        return {a for a, n in held.items() if a is not None and n >= self.pool.share(a)}
+        return {a for a, n in self.tasks.held().items() if n >= self.pool.share(a)}
 
     def submit_validation(
         self, version: str | None = None, step: int | None = None, retry: int = 0, avoid: set[str] | None = None
