@@ -2,7 +2,7 @@
 
 usage: python benchmarks/equal_tokens.py [--tasks charlm,digits,tabular,diabetes] [--workers 1,2,4,8]
                                          [--ddp-workers 2,4,8] [--seeds 0,1,2] [--set NAME=VALUE ...]
-                                         [--skip-ddp] [--skip-vcdask]
+                                         [--skip-ddp] [--skip-vcdask] [--schedule constant|cosine]
 
 Every trainer makes the same number of passes over the same training data, from the same seeded initial
 weights, with the same optimizer, learning rate and batch size per worker:
@@ -35,6 +35,11 @@ Tasks (``--tasks``):
   steps): a trainer below torch here has not necessarily learned more, and one that moves further per
   token overfits more (delayed Nesterov, the default rule at W=1 before issue 38, seed 0: 0.50 after 5
   epochs, 0.65-0.83 after 20).
+
+``--schedule cosine`` decays every trainer's learning rate on a cosine from its value to 0 over its own
+steps: torch and each DDP rank per optimizer step (``LambdaLR``; the char-LM's torch then uses the same loop
+as the other tasks), vcdask over the run's global count of local steps (``lr_schedule=
+vcdask.lr_schedules.Cosine()``).  The default, ``constant``, keeps each optimizer's learning rate.
 
 Seeds (``--seeds``) change the initial weights and the data order of every trainer alike (and the
 breast-cancer split, as in ``defaults.py``).  Prints progress to stderr and, per task, a markdown table:
@@ -175,12 +180,23 @@ def score(task: Task, model: torch.nn.Module) -> dict[str, float]:
 
 
 # -- the trainers -------------------------------------------------------------------------------------------
-def train_passes(model, step, optimizer, X, y, batch: int, epochs: int, seed: int, rank: int = 0, world: int = 1):
+def train_passes(
+    model, step, optimizer, X, y, batch: int, epochs: int, seed: int, rank: int = 0, world: int = 1,
+    schedule: str = "constant",
+):  # fmt: skip
     """``epochs`` shuffled passes; with ``world > 1`` this rank's slice of each pass (one permutation for all
-    ranks, seeded by ``seed``, padded to a multiple of ``world`` as ``DistributedSampler`` does)."""
+    ranks, seeded by ``seed``, padded to a multiple of ``world`` as ``DistributedSampler`` does).
+    ``schedule="cosine"``: the learning rate on a cosine to 0 over this rank's steps."""
     opt = optimizer(model.parameters())
     Xb, yb = torch.from_numpy(X), torch.from_numpy(y)
     g = torch.Generator().manual_seed(seed)
+    per_rank = -(-len(Xb) // world)
+    total = epochs * -(-per_rank // batch)
+    lr = None
+    if schedule == "cosine":
+        from vcdask.lr_schedules import Cosine
+
+        lr = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(Cosine(), total=total))
     model.train()
     for _ in range(epochs):
         order = torch.randperm(len(Xb), generator=g)
@@ -189,23 +205,27 @@ def train_passes(model, step, optimizer, X, y, batch: int, epochs: int, seed: in
             opt.zero_grad(set_to_none=True)
             step(model, (Xb[idx], yb[idx])).backward()
             opt.step()
+            if lr is not None:
+                lr.step()
 
 
-def train_torch(task: Task, seed: int) -> torch.nn.Module:
+def train_torch(task: Task, seed: int, schedule: str = "constant") -> torch.nn.Module:
     """Single-process torch in this process (one thread): a trained copy of ``task.init``."""
     model = copy.deepcopy(task.init)
-    if task.name == "charlm":
+    if task.name == "charlm" and schedule == "constant":
         X, Y = task.train
         char_lm.train_baseline(
             model, X, Y, epochs=task.epochs, local_epochs=1, batch_size=task.batch, lr=5e-3,
             device=torch.device("cpu"), seed=seed,
         )  # fmt: skip
     else:
-        train_passes(model, task.step, task.optimizer, *task.train, task.batch, task.epochs, seed)
+        train_passes(model, task.step, task.optimizer, *task.train, task.batch, task.epochs, seed, schedule=schedule)
     return model
 
 
-def _ddp_rank(rank: int, world: int, port: int, model, step, optimizer, X, y, batch, epochs, seed, out: str) -> None:
+def _ddp_rank(
+    rank: int, world: int, port: int, model, step, optimizer, X, y, batch, epochs, seed, out: str, schedule: str
+) -> None:
     """One DDP process: train its slices, all-reducing gradients; rank 0 saves the final state_dict to ``out``."""
     import torch.distributed as dist
 
@@ -217,7 +237,7 @@ def _ddp_rank(rank: int, world: int, port: int, model, step, optimizer, X, y, ba
     model = copy.deepcopy(model)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        train_passes(ddp, step, optimizer, X, y, batch, epochs, seed, rank, world)
+        train_passes(ddp, step, optimizer, X, y, batch, epochs, seed, rank, world, schedule)
         if rank == 0:
             torch.save(ddp.module.state_dict(), out)
     finally:
@@ -231,7 +251,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_ddp(task: Task, seed: int, world: int) -> torch.nn.Module:
+def train_ddp(task: Task, seed: int, world: int, schedule: str = "constant") -> torch.nn.Module:
     """Torch DDP over ``world`` spawned processes: a copy of ``task.init`` holding rank 0's final weights."""
     import torch.multiprocessing as mp
 
@@ -241,7 +261,9 @@ def train_ddp(task: Task, seed: int, world: int) -> torch.nn.Module:
         args = (world, free_port(), init, task.step, task.optimizer, *task.train, task.batch, task.epochs)
         for attempt in (1, 2):  # (a rank of gloo on 2 busy cores now and then aborts as it tears down)
             try:
-                mp.start_processes(_ddp_rank, args=(*args, seed, out), nprocs=world, join=True, start_method="spawn")
+                mp.start_processes(
+                    _ddp_rank, args=(*args, seed, out, schedule), nprocs=world, join=True, start_method="spawn"
+                )
                 break
             except mp.ProcessExitedException:
                 if os.path.exists(out):  # rank 0 had saved the trained model: only the teardown failed
@@ -333,6 +355,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=set_help)
     ap.add_argument("--skip-ddp", action="store_true", help="no DDP rows")
     ap.add_argument("--skip-vcdask", action="store_true", help="no vcdask rows")
+    ap.add_argument(
+        "--schedule", choices=["constant", "cosine"], default="constant", help="learning rates (%(default)s)"
+    )
     args = ap.parse_args(argv)
     args.tasks = args.tasks.split(",")
     if unknown := [t for t in args.tasks if t not in TASKS]:
@@ -360,9 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     tasks = {(name, seed): make_task(name, seed) for name in args.tasks for seed in args.seeds}
     runs: dict[str, dict[str, list[dict]]] = {name: {} for name in args.tasks}
     for (_name, seed), task in tasks.items():
-        run_one(runs, task, "torch, 1 process", seed, functools.partial(train_torch, task, seed))
+        run_one(runs, task, "torch, 1 process", seed, functools.partial(train_torch, task, seed, args.schedule))
         for world in [] if args.skip_ddp else args.ddp_workers:
-            run_one(runs, task, f"DDP W={world}", seed, functools.partial(train_ddp, task, seed, world))
+            train = functools.partial(train_ddp, task, seed, world, args.schedule)
+            run_one(runs, task, f"DDP W={world}", seed, train)
+    if args.schedule == "cosine":
+        from vcdask.lr_schedules import Cosine
+
+        args.overrides = {"lr_schedule": Cosine(), **args.overrides}
     if not args.skip_vcdask:
         from distributed import Client
 
@@ -379,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     from devices import markdown
 
     setting = f"vcdask.fit defaults{' with ' + str(args.overrides) if args.overrides else ''}"
-    print(f"\nloss at equal tokens; {setting}; seeds {args.seeds}")
+    print(f"\nloss at equal tokens; {setting}; learning rates {args.schedule}; seeds {args.seeds}")
     for name in args.tasks:
         task = tasks[(name, args.seeds[0])]
         print(f"\n### {name} ({task.epochs} epochs, batch {task.batch} per worker)\n")

@@ -109,3 +109,16 @@ def test_pool_usable_slots_exclusion_and_drain():
     pool.left("c")
     assert pool.usable() == []
     assert {r["worker"] for r in pool.rows()} == {"a", "b", "c"}
+
+
+def test_positions_follow_the_hand_out_order_and_survive_reissue_and_resume():
+    """A global learning-rate schedule's clock: each shard's place in the order the run handed them out.
+    A re-issued copy keeps its shard's place; a resumed run's merged shards keep theirs taken."""
+    d = Dispatcher(n_shards=4, max_epochs=2, seed=3)
+    handed = _drain(d)
+    assert [d.position(e, s) for e, s in handed] == list(range(8))
+    assert d.position(*handed[5]) == 5  # asked again (a re-issue): the same place
+    resumed = Dispatcher(n_shards=4, max_epochs=2, seed=3)
+    resumed.restore({1: {0, 2, 3}}, {}, last_epoch=1)  # three shards of epoch 1 merged before the stop
+    rest = _drain(resumed)
+    assert [resumed.position(e, s) for e, s in rest] == [3, 4, 5, 6, 7]

@@ -603,3 +603,35 @@ def test_one_worker_with_the_default_rule_is_a_sequence_of_local_runs(digits_dat
         got = store.read(row.version_id)
         assert got.params.equal(read_update(store.files, row.update))
         assert got.metadata["merge"] == ONE_IN_FLIGHT.describe() == {**got.metadata["merge"], "name": "staleness"}
+
+
+@pytest.mark.cluster
+def test_a_run_schedule_follows_the_runs_order_of_shards(digits_data, tmp_path):
+    """``lr_schedules.OverRun`` is indexed by the run's global count of local steps: a rate of 0 from the
+    middle of epoch 2 on leaves the last three versions where the sixth merge put them (one task in flight:
+    each update is the new W_s), while a per-task schedule could not tell the tasks of an epoch apart."""
+    from distributed import Client
+
+    from vcdask.cluster import embedded_cluster
+
+    (X, y), _ = digits_data
+    # 4 shards of 100 rows, batches of 50: 2 steps a shard, 16 in the run; from step 10 on, no step moves
+    schedule = vcdask.lr_schedules.OverRun(lambda step, _total: 0.0 if step >= 10 else 1.0)
+    with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+        result = vcdask.fit(
+            _linear(),
+            (X[:400], y[:400]),
+            max_epochs=2,
+            n_shards=4,
+            batch_size=50,
+            lr_schedule=schedule,
+            client=client,
+            store=tmp_path / "s",
+            progress=False,
+            retention=False,
+        )
+    history = result.history[result.history.accepted].sort_values("new_version")
+    params = [result.store.read(v).params for v in history.version_id]
+    assert len(params) == 8
+    assert not params[3].equal(params[4])  # the 5th task (steps 8-9) trained
+    assert params[4].equal(params[5]) and params[5].equal(params[6]) and params[6].equal(params[7])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import cloud, merge
+from . import cloud, lr_schedules, merge
 from . import config as _config  # noqa: F401  (loads vcdask.yaml into dask.config)
 from .api import fit, resume
 from .cluster import preempt
@@ -33,6 +33,7 @@ __all__ = [
     "flatten",
     "load",
     "load_into",
+    "lr_schedules",
     "merge",
     "open_store",
     "preempt",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .handle import FitResult, RunHandle
+from .lr_schedules import RunSchedule
 from .options import plan_run
 from .resilience import Resilience
 from .runs import check_early_stopping, launch, resume
@@ -61,7 +62,7 @@ def fit(
     device: str | torch.device = "auto",
     precision: str = "32",
     optimizer_state: str = "auto",
-    lr_schedule: Callable[[int, int], float] | None = None,
+    lr_schedule: Callable[[int, int], float] | RunSchedule | None = None,
     clip_grad_norm: float | None = None,
     compression: str | None = None,
     speed_adaptive: bool = False,
@@ -192,9 +193,12 @@ def fit(
         CNN (12 Adam steps at 1e-3 per task).  The char-LM (AdamW at 5e-3) did worse with it at every task
         length measured (2, 8 and 16 steps): "auto" picks "fresh" for its 2-step tasks, but pass
         ``"fresh"`` for a high inner learning rate with longer tasks.
-    lr_schedule : callable, optional
-        ``lr_schedule(epoch, step) -> factor`` scales the learning rate at every local step
-        (``epoch`` of the run, from 1; ``step`` within the task, from 0).
+    lr_schedule : callable or vcdask.lr_schedules.RunSchedule, optional
+        Scales the learning rate at every local step.  A schedule of :mod:`vcdask.lr_schedules`
+        (``Cosine(warmup=0.05)``, ``Linear``, ``Constant``, ``OverRun(fn(step, total))``) is indexed by
+        the run's global count of local steps, in the order the run handed out its shards, as plain
+        torch's scheduler is over the same data; ``lr_schedule(epoch, step) -> factor`` by the run's
+        epoch (from 1) and the step within the task (from 0).
     clip_grad_norm : float, optional
         Clip the gradients' total norm to this before every local step.
     compression : {None, "fp16", "bf16", "int8", "int4"}, optional

@@ -14,7 +14,9 @@ most of the update, and it adds its own momentum to the outer rule's.  ``benchma
 
 ``lr_schedule=fn(epoch, step) -> factor`` scales the optimizer's learning rate(s) at every local
 step: ``epoch`` is the run's epoch (1-based) and ``step`` the task's local step (0-based), so warm-up
-over local steps and decay over epochs are both one line.
+over local steps and decay over epochs are both one line.  A :class:`vcdask.lr_schedules.RunSchedule`
+(``Cosine``, ``Linear``, ``Constant``, ``OverRun``) is indexed instead by the run's global count of
+local steps: the task's place in the run (``position``, from the run) times a shard's steps, plus its own.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .lr_schedules import RunSchedule, run_steps
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -85,15 +89,20 @@ def check_schedule(schedule: Any) -> Callable[[int, int], float] | None:
     Raises
     ------
     TypeError, ValueError
-        Not a callable ``(epoch, step) -> factor``, or a negative / non-finite factor.
+        Not a callable ``(epoch, step) -> factor`` or a :class:`~vcdask.lr_schedules.RunSchedule`,
+        or a negative / non-finite factor.
     """
     if schedule is None:
         return None
     if not callable(schedule):
-        raise TypeError(f"lr_schedule must be a callable (epoch, step) -> factor, got {type(schedule).__name__}")
-    factor = schedule(1, 0)
+        raise TypeError(
+            "lr_schedule must be a callable (epoch, step) -> factor or a vcdask.lr_schedules schedule"
+            f" (Cosine, Linear, Constant, OverRun), got {type(schedule).__name__}"
+        )
+    call = "lr_schedule(0, total=1000)" if isinstance(schedule, RunSchedule) else "lr_schedule(1, 0)"
+    factor = schedule(0, 1000) if isinstance(schedule, RunSchedule) else schedule(1, 0)
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 <= float(factor) < float("inf"):
-        raise ValueError(f"lr_schedule(1, 0) must return a finite number >= 0, got {factor!r}")
+        raise ValueError(f"{call} must return a finite number >= 0, got {factor!r}")
     return schedule
 
 
@@ -109,12 +118,21 @@ class InnerOptimizer:
         Its grad scaler (fp16) is kept with the optimizer state.
     epoch : int
         The run's epoch (for ``lr_schedule``).
+    position : int, optional
+        The task's shard's place in the order the run handed out its shards (0-based, over all
+        epochs): where a :class:`~vcdask.lr_schedules.RunSchedule` puts the task's first step.
     """
 
-    def __init__(self, spec, model: torch.nn.Module, precision, epoch: int):
+    def __init__(self, spec, model: torch.nn.Module, precision, epoch: int, position: int | None = None):
         self.spec = spec
         self.precision = precision
         self.epoch = epoch
+        self.start, self.total = 0, 1  # the task's first step on the run's global scale, and the run's steps
+        if isinstance(spec.lr_schedule, RunSchedule):
+            per_shard, self.total = run_steps(spec)
+            if position is None:  # (a run dispatched before positions were sent: its epoch's start)
+                position = (epoch - 1) * spec.shards.n_shards
+            self.start = round(position * per_shard)
         self.optimizer: torch.optim.Optimizer = spec.optimizer(model.parameters())
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.step_count = 0
@@ -131,8 +149,12 @@ class InnerOptimizer:
 
     def step(self, loss: torch.Tensor) -> None:
         """Backward, clip, scheduled learning rate, optimizer step."""
-        if self.spec.lr_schedule is not None:
-            factor = float(self.spec.lr_schedule(self.epoch, self.step_count))
+        schedule = self.spec.lr_schedule
+        if schedule is not None:
+            if isinstance(schedule, RunSchedule):
+                factor = float(schedule(self.start + self.step_count, self.total))
+            else:
+                factor = float(schedule(self.epoch, self.step_count))
             for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
                 group["lr"] = base * factor
         self.optimizer.zero_grad(set_to_none=True)

@@ -144,7 +144,14 @@ def _worker_address() -> str:
 
 
 def train_shard(
-    store, run_id: str, epoch: int, shard: int, attempt: int, base_version: str | None, base_step: int
+    store,
+    run_id: str,
+    epoch: int,
+    shard: int,
+    attempt: int,
+    base_version: str | None,
+    base_step: int,
+    position: int | None = None,
 ) -> dict[str, Any]:
     """Train one shard for ``local_epochs`` from the run's newest version; upload ``W_c``.
 
@@ -153,7 +160,8 @@ def train_shard(
     its newest version and trains from that, so time spent queued or warming up is not counted as
     staleness.  A small model's base comes with the run's answer (no store read); one given as it was
     merged, before its commit, has no version id yet: the record's ``base_version`` is then None, and
-    ``base_step`` the step whose version it becomes.
+    ``base_step`` the step whose version it becomes.  ``position`` is the shard's place in the order
+    the run handed out its shards (a :mod:`vcdask.lr_schedules` schedule's clock).
 
     Returns
     -------
@@ -212,7 +220,7 @@ def train_shard(
     limit = None if fraction >= 1.0 else max(1, math.ceil(fraction * per_pass))
     model = _held.loaded_model(spec, store, base_version, device, given)
     t_read = time.perf_counter()
-    inner = InnerOptimizer(spec, model, precision, epoch)  # fresh, or this worker's kept state
+    inner = InnerOptimizer(spec, model, precision, epoch, position)  # fresh, or this worker's kept state
     train_step = spec.train_step or SupervisedStep(spec.loss)
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 10_007 + shard * 101 + attempt)
 

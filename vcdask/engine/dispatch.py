@@ -37,6 +37,10 @@ class Dispatcher:
         # shards to send again: their copy failed on the store, or no usable worker was there to take it
         self.returned: list[tuple[int, int]] = []
         self.parked_validations: list[tuple[str | None, int, int]] = []  # (version, step, retry) to send again
+        # each shard's place in the order the run handed them out, over all epochs (a global learning-rate
+        # schedule's clock: vcdask.lr_schedules); the shards of an epoch handed out so far
+        self.positions: dict[tuple[int, int], int] = {}
+        self.issued: dict[int, int] = {}
 
     def _order(self) -> list[int]:
         order = list(range(self.n_shards))
@@ -50,6 +54,7 @@ class Dispatcher:
             todo = [s for s in range(self.n_shards) if s not in merged.get(epoch, ())]
             self.rng.shuffle(todo)
             self.queue[epoch] = todo
+            self.issued[epoch] = self.n_shards - len(todo)  # merged before: their places are taken
 
     def take(self, epoch: int, shard: int) -> None:
         """(epoch, shard) is being handled outside the queue (an upload a resumed run merges)."""
@@ -69,7 +74,18 @@ class Dispatcher:
         queue = self.queue[self.epoch]
         pick = next((s for s in queue if worker is not None and self.home.get(s) == worker), queue[0])
         queue.remove(pick)
+        self.position(self.epoch, pick)
         return self.epoch, pick
+
+    def position(self, epoch: int, shard: int) -> int:
+        """(epoch, shard)'s place in the order the run handed out its shards (0-based, over all epochs):
+        given when it is first handed out, kept by the copies that replace it."""
+        key = (epoch, shard)
+        if key not in self.positions:
+            n = self.issued.get(epoch, 0)
+            self.issued[epoch] = n + 1
+            self.positions[key] = (epoch - 1) * self.n_shards + min(n, self.n_shards - 1)
+        return self.positions[key]
 
     def exhausted(self) -> bool:
         """Whether nothing is left to hand out."""

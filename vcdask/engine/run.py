@@ -281,6 +281,7 @@ class Run:
             attempt,
             head.version,
             head.version_step,
+            self.dispatch.position(epoch, shard),
             key=train_key(self.id, epoch, shard, attempt),
             task=TaskRecord(
                 "update",
