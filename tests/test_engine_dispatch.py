@@ -122,3 +122,14 @@ def test_positions_follow_the_hand_out_order_and_survive_reissue_and_resume():
     resumed.restore({1: {0, 2, 3}}, {}, last_epoch=1)  # three shards of epoch 1 merged before the stop
     rest = _drain(resumed)
     assert [resumed.position(e, s) for e, s in rest] == [3, 4, 5, 6, 7]
+
+
+def test_a_fault_forgiven_lifts_the_exclusion_it_caused():
+    """A rejection found to be the data's (the shard came back NaN on two workers) is taken back."""
+    pool = WorkerPool(Resilience(max_worker_failures=2), tasks_per_slot=1, connected={"a": 1, "b": 1})
+    pool.fault("a", "timed_out")
+    assert pool.fault("a", "rejected") is not None and pool.usable() == ["b"]
+    pool.forgive("a", "rejected")
+    assert pool.record("a").rejected == 0 and pool.record("a").excluded is None and sorted(pool.usable()) == ["a", "b"]
+    pool.forgive("b", "rejected")  # nothing to take back: never below 0
+    assert pool.record("b").rejected == 0

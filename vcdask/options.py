@@ -19,6 +19,7 @@ from .compress import check_compression
 from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
 from .device import check_device, check_precision
+from .finite import check_finite
 from .inner import check_optimizer_state, check_schedule
 from .merge import MergeRule, get_rule
 from .overlap import check_overlap
@@ -236,6 +237,7 @@ def plan_run(
     names = {"features": features, "label": label, "sample_dim": sample_dim, "storage_options": storage_options}
     names.update(batches="dict" if train_step is not None else "xy", collate_fn=collate_fn)
     prepared = prepare_data(data, **names)
+    check_finite(prepared)  # NaN / inf in the data, named, before a NaN update blames a worker
     if train_step is None and prepared.form == "dict":
         raise TypeError(
             "dict data gives dict batches, which the default step (loss(model(X), y)) cannot train on; "
@@ -266,6 +268,7 @@ def plan_run(
         if prepared.feature_names:  # a DataFrame: the training columns, by name, whatever the order
             names["features"] = list(prepared.feature_names)
         val_prepared = prepare_data(validation, **names, what="validation")
+        check_finite(val_prepared, "validation")
         if val_prepared.form != prepared.form or (
             prepared.form != "dataset" and val_prepared.shapes != prepared.shapes
         ):

@@ -28,7 +28,7 @@ from .cost import instance_here
 from .device import describe, resolve_device
 from .errors import ParameterMismatchError
 from .inner import InnerOptimizer
-from .params import FlatParams, flatten, state_tensors
+from .params import FlatParams, all_finite, flatten, state_tensors
 from .spec import RunSpec, cached_spec, load_spec
 from .steps import SupervisedStep, evaluate
 from .updates import update_path, write_update
@@ -295,10 +295,16 @@ def train_shard(
     record.update(seconds=t_end - t0, upload_seconds=t_end - t_train)
     delta = spec.overlap == "delta" and _dask_worker() is not None and config.get("worker.hand-over")
     own = flatten(model, device=device) if delta else None
-    if own is not None and _reshaped(own, spec):  # (its update will be rejected): the next task starts as usual
-        own = None
+    if own is not None and (_reshaped(own, spec) or not _finite(own)):
+        own = None  # (its update will be rejected): the next task starts as usual, from the run's version
     _hand_over(run_id, record, own=own)
     return record
+
+
+def _finite(params: FlatParams) -> bool:
+    """Whether every floating value of ``params`` is finite (one sum per dtype, on their device): a next
+    task started ahead from a NaN ``W_c`` would stay NaN through its correction, and be rejected too."""
+    return all(all_finite(a) for a in params.arrays.values() if a.is_floating_point())
 
 
 def _reshaped(params: FlatParams, spec: RunSpec) -> bool:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "blame",
+    "give_up",
     "overdue",
     "cancel_other_copies",
     "rejected",
@@ -111,13 +112,32 @@ def store_back(run: Run) -> None:
 
 
 async def rejected(run: Run, epoch: int, shard: int, worker: str, reason: str, fault: str | None) -> None:
-    """The update of (epoch, shard) from ``worker`` failed its checks."""
+    """The update of (epoch, shard) from ``worker`` failed its checks.
+
+    A shard whose updates came back non-finite from two workers is the data's doing (or the loss's on
+    it, or a learning rate the training diverges at), not theirs: the workers are not blamed (the
+    first is forgiven), and the shard is given up at once, naming its samples."""
     run.ledger.set_shard(epoch, shard, "rejected")
-    if fault not in ("stale", "unreadable"):  # not the worker's fault: its base was old / the store
-        blame(run, worker, "rejected")
     logger.warning(
         "run %s: rejected the update of shard %d, epoch %d from %s: %s", run.id, shard, epoch, worker, reason
     )
+    if fault == "non-finite":
+        seen = run.dispatch.non_finite.setdefault(shard, set())
+        seen.add(worker)
+        if len(seen) >= 2:
+            for other in seen - {worker}:
+                run.pool.forgive(other, "rejected")
+            start, stop = run.spec.shards.bounds(shard)
+            why = (
+                f"its updates were non-finite (NaN/inf) on {len(seen)} workers ({', '.join(sorted(seen))}): "
+                f"the data of samples {start}-{stop - 1} (training rows, after any hold-out), the loss on "
+                "them, or a learning rate the training diverges at"
+            )
+            if not run.tasks.copy_running(epoch, shard):  # (a copy still out comes back NaN too, or merges)
+                await give_up(run, epoch, shard, f"shard {shard} of epoch {epoch} is given up: {why}")
+            return
+    if fault not in ("stale", "unreadable"):  # not the worker's fault: its base was old / the store
+        blame(run, worker, "rejected")
     # an update that came back too stale is the pace's doing, not the shard's: re-issue, uncounted
     await retry_or_give_up(run, epoch, shard, reason, avoid=worker, count=fault != "stale")
 
@@ -129,12 +149,15 @@ async def retry_or_give_up(
     failures = run.dispatch.failed(epoch, shard, count)
     if run.tasks.copy_running(epoch, shard):
         return  # another copy is still running
-    decision = policy.after_failure(failures, run.res)
-    if decision == "retry":
+    if policy.after_failure(failures, run.res) == "retry":
         run.submit_shard(epoch, shard, avoid=avoid)
         return
-    message = f"shard {shard} of epoch {epoch} failed {failures} times (last: {why})"
-    if decision == "stop":
+    await give_up(run, epoch, shard, f"shard {shard} of epoch {epoch} failed {failures} times (last: {why})")
+
+
+async def give_up(run: Run, epoch: int, shard: int, message: str) -> None:
+    """(epoch, shard) gets no more copies: apply ``on_shard_failure`` (stop the run, or skip it)."""
+    if run.res.on_shard_failure == "stop":
         raise RuntimeError(message + "; on_shard_failure='stop'")
     logger.warning("run %s: %s; skipping it for this epoch (on_shard_failure='skip')", run.id, message)
     run.ledger.record(epoch, shard, run.dispatch.last_attempt(epoch, shard), "skipped", reason=f"skipped: {message}")

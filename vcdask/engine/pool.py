@@ -189,6 +189,13 @@ class WorkerPool:
         rec.excluded = policy.exclusion(rec.failed, rec.timed_out, rec.rejected, self.res)
         return rec.excluded
 
+    def forgive(self, address: str, kind: Fault) -> None:
+        """Take back a fault counted against ``address`` (it was not the worker's): an exclusion it
+        caused is lifted."""
+        rec = self.record(address)
+        setattr(rec, kind, max(0, getattr(rec, kind) - 1))
+        rec.excluded = policy.exclusion(rec.failed, rec.timed_out, rec.rejected, self.res)
+
     def drain(self, address: str) -> None:
         """A preemption notice: ``address`` gets no new shards."""
         self.draining.add(address)

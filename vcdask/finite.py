@@ -1,0 +1,139 @@
+"""Finite checks of training and validation data before any cluster work.
+
+A NaN or an inf in the inputs or labels makes every update of its shard non-finite: the run would
+reject them, blame healthy workers for them and fail without naming the data (issue 40).  As
+scikit-learn's ``check_array`` does, :func:`check_finite` refuses such data up front and says which
+array, how many values and where the first is.
+
+Numpy arrays are checked in blocks of rows (no copy of the whole array); dask arrays (and Zarr /
+xarray data, read through dask) in one pass over their chunks.  Integer and boolean arrays hold no
+NaN and are skipped.  A ``torch.utils.data.Dataset`` is checked on the batch the run probes (reading
+every sample of an arbitrary dataset is not cheap): a NaN further in shows up as rejected updates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import DataError
+
+if TYPE_CHECKING:
+    from .data import PreparedData
+
+__all__ = ["BLOCK_BYTES", "check_finite", "first_non_finite"]
+
+#: Bytes of a numpy array checked at a time (one boolean mask of this many elements at most).
+BLOCK_BYTES = 64 * 2**20
+
+
+def _floating(a: Any) -> bool:
+    kind = np.dtype(getattr(a, "dtype", np.float64)).kind
+    return kind in "fc"
+
+
+def first_non_finite(a: Any) -> tuple[int, tuple[int, ...] | None]:
+    """``(count, index)``: how many values of ``a`` are NaN or inf, and the index of the first (None
+    when there is none).  ``a`` is a numpy or dask array; an integer one has none."""
+    if not _floating(a):
+        return 0, None
+    if type(a).__module__.startswith("dask"):
+        return _dask(a)
+    a = np.asarray(a)
+    count, first = 0, None
+    for start, block in _blocks(a):
+        bad = ~np.isfinite(block)
+        n = int(np.count_nonzero(bad))
+        if n and first is None:
+            local = np.unravel_index(int(np.argmax(bad)), bad.shape)
+            first = (start + int(local[0]), *map(int, local[1:]))
+        count += n
+    return count, first
+
+
+def _blocks(a: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    if a.ndim == 0:
+        yield 0, a.reshape(1)
+        return
+    row_bytes = max(1, a.itemsize * math.prod(a.shape[1:]))
+    step = max(1, BLOCK_BYTES // row_bytes)
+    for start in range(0, a.shape[0], step):
+        yield start, a[start : start + step]
+
+
+def _dask(a: Any) -> tuple[int, tuple[int, ...] | None]:
+    import dask
+    import dask.array as da
+
+    bad = ~da.isfinite(a)
+    rows = bad.reshape(a.shape[0], -1).any(axis=1) if a.ndim > 1 else bad
+    count, n_rows, row = dask.compute(bad.sum(), rows.sum(), da.argmax(rows))
+    if not int(n_rows):
+        return 0, None
+    within = np.asarray(a[int(row)])  # the first bad sample's values, to name the element
+    rest = np.unravel_index(int(np.argmax(~np.isfinite(within))), within.shape) if within.ndim else ()
+    return int(count), (int(row), *map(int, rest))
+
+
+def _arrays(prepared: PreparedData) -> Iterator[tuple[str, Any]]:
+    """(name, array) of what ``prepared`` trains on, in memory or lazily (dask)."""
+    if prepared.form == "dataset":
+        yield from _batch_arrays(prepared.sample, "the probe batch")
+    elif prepared.columns is not None:  # dict data (and xarray read per variable)
+        for key, value in prepared.columns.items():
+            yield f"[{key!r}]", value
+    elif prepared.X is not None:
+        yield " X", prepared.X
+        yield " y", prepared.y
+    elif prepared.source is not None:  # Zarr read where it lives
+        yield from _source_arrays(prepared.source)
+
+
+def _source_arrays(source: Any) -> Iterator[tuple[str, Any]]:
+    """Each variable a Zarr source trains on, as a dask array over its stored chunks (read once)."""
+    ds = source.open()
+    ds = ds.isel({source.sample_dim: slice(source.offset, source.offset + source.n)})
+    names = [*source.features, *([source.label] if source.label else [])]
+    for name in names:
+        var = ds[name]
+        chunks = var.encoding.get("chunks") or var.shape
+        var = var.chunk(dict(zip(var.dims, chunks, strict=False)))
+        if source.sample_dim in var.dims:  # the sample first, as the error names it
+            var = var.transpose(source.sample_dim, ...)
+        yield f" variable {name!r}", var.data
+
+
+def _batch_arrays(batch: Any, where: str) -> Iterator[tuple[str, Any]]:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        yield f" ({where})", batch.detach().cpu().numpy() if batch.is_floating_point() else np.zeros(0)
+    elif isinstance(batch, dict):
+        for key, value in batch.items():
+            yield from _batch_arrays(value, f"{where}[{key!r}]")
+    elif isinstance(batch, (tuple, list)):
+        for i, value in enumerate(batch):
+            yield from _batch_arrays(value, f"{where}[{i}]")
+
+
+def check_finite(prepared: PreparedData, what: str = "data") -> None:
+    """Refuse data with NaN or inf values, naming the array, the count and the first bad index.
+
+    Raises
+    ------
+    DataError
+        A ValueError: ``what`` holds non-finite values.
+    """
+    for name, array in _arrays(prepared):
+        count, first = first_non_finite(array)
+        if count:
+            index = ", ".join(map(str, first or ()))
+            sample = f"sample {first[0]}" if first else "a value"
+            raise DataError(
+                f"{what}{name} has {count} non-finite value(s) (NaN or inf); the first at {sample} "
+                f"(index [{index}]). Every update of a shard holding one would be NaN: drop those samples "
+                "(X[np.isfinite(X).all(axis=tuple(range(1, X.ndim)))]) or fill them (np.nan_to_num) before fit"
+            )
