@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -430,3 +432,36 @@ def test_csv_data_with_a_held_out_fraction_on_a_threaded_scheduler(job_dir):
     assert release["baseline"] - release["candidate"] > 0.05 and second.report["released"] is True  # lower loss
     tags = vcdask.open_store(job_dir / "store", mode="r").tags()
     assert tags == {"csv-1": first.report["version"], "csv-2": second.report["version"]}
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_job_as_ctrl_c_does(job_dir):
+    """SIGTERM (cron's timeout, systemd, Kubernetes stopping a pod) ends a job as Ctrl-C ends fit: the run
+    stopped with its merged work committed, nothing released, exit 130, the report saying so."""
+    from vcdask.cli._listing import run_ids, run_info
+
+    job = _edit(job_dir, "fit: {max_epochs: 2, lr: 0.05}", "fit: {max_epochs: 2000, lr: 0.05}", "long.yaml")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vcdask.cli", "train", job.name],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=job.parent,
+    )  # fmt: skip
+    try:
+        deadline, run_id = time.monotonic() + 120, None
+        while run_id is None:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            if (job_dir / "store").exists():
+                store = vcdask.open_store(job_dir / "store", mode="r")
+                ids = run_ids(store)
+                if ids and (run_info(store, ids[0])["step"] or 0) >= 3:
+                    run_id = ids[0]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "interrupted (Ctrl-C or SIGTERM)" in err and "close_embedded()" not in err, err[-3000:]
+    report = json.loads((job_dir / "reports" / "report.json").read_text())
+    assert report["exit_code"] == 130 and report["released"] is False
+    info = run_info(vcdask.open_store(job_dir / "store", mode="r"), run_id)
+    assert info["status"].startswith("stopped") and info["step"] >= 3, info

@@ -212,10 +212,37 @@ class RunHandle:
                 if status["status"] in _ENDED or (deadline is not None and time.monotonic() >= deadline):
                     return status
         except KeyboardInterrupt:
-            self.stop("interrupted")
+            status = self._stop_interrupted(status)
             raise
         finally:
             bar.close(status)
+
+    def _stop_interrupted(self, status: dict | None) -> dict | None:
+        """Ctrl-C (or SIGTERM in a job) while waiting: stop the run and wait, at most
+        ``vcdask.interrupt-grace`` seconds, for it to commit what it merged and end as stopped; a
+        second Ctrl-C leaves at once (the run goes on, as after ``wait=False``)."""
+        import sys
+        import time
+
+        from . import config
+
+        try:
+            self.stop("interrupted")
+            print(
+                f"vcdask: stopping run {self.run_id}: committing what it merged (Ctrl-C again to leave now)",
+                file=sys.stderr,
+                flush=True,
+            )
+            deadline = time.monotonic() + float(config.get("interrupt-grace"))
+            while time.monotonic() < deadline:
+                status = self.client.sync(self.client.scheduler.vcdask_wait, run_id=self.run_id, timeout=0.5)
+                if status["status"] in _ENDED:
+                    break
+        except KeyboardInterrupt:
+            pass
+        except Exception as e:  # noqa: BLE001 - the interrupt is what the caller hears of
+            print(f"vcdask: could not stop run {self.run_id}: {e}", file=sys.stderr, flush=True)
+        return status
 
     def result(
         self, timeout: float | None = None, *, model: torch.nn.Module | None = None, wall_time: float | None = None

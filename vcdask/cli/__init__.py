@@ -29,7 +29,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ..jobs import EXIT_BAD_JOB, EXIT_FAILED, run_job
+    from ..jobs import EXIT_BAD_JOB, EXIT_FAILED, EXIT_INTERRUPTED, run_job
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     outcome = run_job(args.job)
@@ -37,8 +37,9 @@ def _train(args: argparse.Namespace) -> int:
         import traceback
 
         traceback.print_exception(outcome.error)
-    if outcome.exit_code in (EXIT_BAD_JOB, EXIT_FAILED):
-        hint = "" if args.debug or outcome.exit_code == EXIT_BAD_JOB else " (--debug shows the traceback)"
+    if outcome.exit_code in (EXIT_BAD_JOB, EXIT_FAILED, EXIT_INTERRUPTED):
+        plain = args.debug or outcome.exit_code in (EXIT_BAD_JOB, EXIT_INTERRUPTED)
+        hint = "" if plain else " (--debug shows the traceback)"
         print(f"vcdask train: {outcome.message}{hint}", file=sys.stderr)
     else:
         print(outcome.message)

@@ -15,11 +15,12 @@ from __future__ import annotations
 from ._file import DataRef, Job, JobFileError, ReleaseRule, job_schema, load_job
 from ._preflight import preflight
 from ._release import last_release, score
-from ._run import EXIT_BAD_JOB, EXIT_FAILED, EXIT_NOT_BETTER, EXIT_RELEASED, JobOutcome, run_job
+from ._run import EXIT_BAD_JOB, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_BETTER, EXIT_RELEASED, JobOutcome, run_job
 
 __all__ = [
     "EXIT_BAD_JOB",
     "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
     "EXIT_NOT_BETTER",
     "EXIT_RELEASED",
     "DataRef",

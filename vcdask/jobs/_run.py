@@ -20,13 +20,24 @@ from ._file import Job, JobFileError, load_job
 from ._preflight import Prepared, fit_kwargs, preflight
 from ._release import last_release, score
 
-__all__ = ["EXIT_BAD_JOB", "EXIT_FAILED", "EXIT_NOT_BETTER", "EXIT_RELEASED", "JobOutcome", "run_job"]
+__all__ = [
+    "EXIT_BAD_JOB",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOT_BETTER",
+    "EXIT_RELEASED",
+    "JobOutcome",
+    "run_job",
+]
 
 logger = logging.getLogger(__name__)
 
 #: ``vcdask train`` exit codes: released (or trained, without a release rule); the job failed; the job file is
 #: wrong (or names something that is not there); trained, but not better than the last release.
 EXIT_RELEASED, EXIT_FAILED, EXIT_BAD_JOB, EXIT_NOT_BETTER = 0, 1, 2, 3
+#: Interrupted (Ctrl-C, or SIGTERM from cron, systemd or Kubernetes): the run was stopped, its merged work
+#: committed, nothing released; the shell's code for a process ended by SIGINT.
+EXIT_INTERRUPTED = 130
 
 
 @dataclass
@@ -49,13 +60,15 @@ def run_job(path: str | os.PathLike) -> JobOutcome:
     Returns
     -------
     JobOutcome
-        ``exit_code``: :data:`EXIT_RELEASED` (0), :data:`EXIT_NOT_BETTER` (3), :data:`EXIT_BAD_JOB` (2) or
-        :data:`EXIT_FAILED` (1).  Nothing is raised: the error, if any, is in ``outcome.error``.
+        ``exit_code``: :data:`EXIT_RELEASED` (0), :data:`EXIT_NOT_BETTER` (3), :data:`EXIT_BAD_JOB` (2),
+        :data:`EXIT_FAILED` (1) or :data:`EXIT_INTERRUPTED` (130: Ctrl-C or SIGTERM, which the job, in the
+        main thread, takes as Ctrl-C).  Nothing is raised: the error, if any, is in ``outcome.error``.
     """
     t0 = time.perf_counter()
     report: dict[str, Any] = {"job": str(Path(path).absolute()), "started_at": _now(), "timings": {}}
     job = None
     error: BaseException | None = None
+    previous = _sigterm_as_interrupt()
     try:
         job = load_job(path)
         prepared = preflight(job)
@@ -66,7 +79,13 @@ def run_job(path: str | os.PathLike) -> JobOutcome:
         code, error = EXIT_BAD_JOB, e
     except Exception as e:  # noqa: BLE001  the job failed: the report and the exit code say so, the CLI prints one line
         code, error = EXIT_FAILED, e
-    if error is not None:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: fit stopped the run (its merged work is committed)
+        code, error = EXIT_INTERRUPTED, e
+    finally:
+        _restore_sigterm(previous)
+    if isinstance(error, KeyboardInterrupt):
+        report.update(released=False, error="interrupted (Ctrl-C or SIGTERM): the run was stopped, nothing released")
+    elif error is not None:
         report.update(released=False, error=str(error) if code == EXIT_BAD_JOB else f"{type(error).__name__}: {error}")
     report.update(exit_code=code, finished_at=_now())
     report["timings"]["total_s"] = round(time.perf_counter() - t0, 3)
@@ -216,6 +235,24 @@ def _compare(
             logger.exception("could not correct the record of run %s", run_id)
         raise
     return EXIT_RELEASED
+
+
+def _sigterm_as_interrupt() -> Any:
+    """SIGTERM raises KeyboardInterrupt in the main thread while a job runs (so a scheduler's stop ends
+    the run as Ctrl-C does); the handler it replaced (None off the main thread: nothing changed)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def _restore_sigterm(previous: Any) -> None:
+    if previous is not None:
+        import signal
+
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _fit(prepared: Prepared) -> Any:

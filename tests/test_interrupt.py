@@ -1,0 +1,74 @@
+"""Ctrl-C in a script stops the run as the docs say: merged work committed, the run listed as stopped, the
+embedded cluster closed without a warning (issue 40); SIGTERM does the same to a ``vcdask train`` job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import vcdask
+from vcdask.cli._listing import run_ids, run_info
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import numpy as np
+    import torch
+
+    import vcdask
+
+    if __name__ == "__main__":
+        rng = np.random.default_rng(0)
+        X = rng.random((4000, 8), dtype=np.float32)
+        y = (X.sum(axis=1) > 4).astype(np.int64)
+        torch.manual_seed(0)
+        vcdask.fit(torch.nn.Linear(8, 2), (X, y), max_epochs=1000, n_shards=4, store=sys.argv[1], progress=False)
+    """
+)
+
+
+def _wait_for_merges(store_path, proc, at_least: int = 3, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if store_path.exists():
+            store = vcdask.open_store(store_path)
+            ids = run_ids(store)
+            if ids and (run_info(store, ids[0])["step"] or 0) >= at_least:
+                return ids[0]
+        time.sleep(0.5)
+    raise TimeoutError("the script's run never merged")
+
+
+def test_ctrl_c_in_a_script_stops_the_run_and_commits_what_it_merged(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    store_path = tmp_path / "store"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(store_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        run_id = _wait_for_merges(store_path, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in err and f"stopping run {run_id}" in err, err[-3000:]
+    assert "close_embedded()" not in err and "still going" not in err, err[-3000:]
+    store = vcdask.open_store(store_path)
+    info = run_info(store, run_id)
+    assert info["status"].startswith("stopped"), info
+    assert 3 <= info["step"] and info["epochs"] < 1000
+    model = vcdask.load(store, version=info["version"])  # the merged work loads
+    assert sum(p.numel() for p in model.state_dict().values()) == 18
