@@ -13,6 +13,7 @@ is removed at the end.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -22,6 +23,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _read_zarr(path: Path) -> np.ndarray:
+    import xarray as xr
+
+    return xr.open_zarr(path, consolidated=False)["x"].values
 
 
 def timed(fn, repeat: int) -> float:
@@ -55,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             ds = xr.Dataset({"x": (("sample", "f"), X), "label": (("sample",), y)})
             ds.to_zarr(path, encoding={"x": {"chunks": (2**26 // 400, 100)}}, consolidated=False)
             cases = {
-                "numpy": ((X, y), lambda: X.sum()),
-                "dask": ((lazy, da.from_array(y)), lambda: lazy.sum().compute()),
-                "Zarr (local)": (str(path), lambda: xr.open_zarr(path, consolidated=False)["x"].values),
+                "numpy": ((X, y), X.sum),
+                "dask": ((lazy, da.from_array(y)), lazy.sum().compute),
+                "Zarr (local)": (str(path), functools.partial(_read_zarr, path)),
             }
             for kind, (data, floor) in cases.items():
                 prepared = prepare_data(data, label="label" if kind.startswith("Zarr") else None)
