@@ -118,7 +118,10 @@ def fit(
         Stop once the validation metrics of an epoch's last version reach it, e.g. ``{"accuracy": 0.95}``.
     validation : float, (X, y) or same kinds as ``data``, optional
         Validation data, or the fraction of ``data`` to hold out.  With a ``target`` and
-        no validation data, 10% is held out.
+        no validation data, 10% is held out.  Otherwise nothing is held out by default, as Keras's
+        ``validation_split=0.0`` and scikit-learn's estimators do (a hold-out costs training samples
+        and worker time): the result then says it was not validated (``FitResult.notes``, the panel's
+        title), and warns when the training loss diverged (:mod:`vcdask.diagnose`).
     metrics : list of names/callables or dict, optional
         Default: ``["accuracy"]`` for classification, ``["mae"]`` otherwise.
     client : distributed.Client or cluster, optional

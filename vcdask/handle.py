@@ -326,7 +326,7 @@ class RunHandle:
             "store": store.location,
         }
         epochs = pd.DataFrame(res["epochs"])
-        return FitResult(
+        result = FitResult(
             model=model,
             history=pd.DataFrame(res["history"], columns=HISTORY_COLUMNS),
             epochs=epochs.set_index("epoch") if len(epochs) else epochs,
@@ -342,6 +342,29 @@ class RunHandle:
             best_version=best_version(store, res),
             start=res.get("start"),
         )
+        _diagnose(result)
+        return result
+
+
+#: The columns every epoch row has; any other is a validation metric.
+_EPOCH_COLUMNS = {"epoch", "version", "wall_time", "train_loss", "skipped"}
+
+
+def _diagnose(result: FitResult) -> None:
+    """A result's notes: nothing validated, and a diverged training (also warned: there is no
+    validation metric to show it)."""
+    import warnings
+
+    from .diagnose import NOT_VALIDATED, divergence
+
+    validated = bool(result.metrics) or bool(set(result.epochs.columns) - _EPOCH_COLUMNS)
+    if validated:
+        return
+    result.notes.append(NOT_VALIDATED)
+    diverged = divergence(result.history, result.epochs)
+    if diverged is not None:
+        result.notes.append(f"diverged: {diverged}")
+        warnings.warn(f"run {result.run_id}: {diverged}", RuntimeWarning, stacklevel=4)
 
 
 def attach(run_id: str, client: Any = None) -> RunHandle:

@@ -117,7 +117,11 @@ class RunPanel:
             width=460,
             x_axis_label="wall time (s)",
             y_axis_label=metric,
-            title=f"validation {metric} by epoch (band: min/max in the epoch)",
+            title=(
+                "training loss by epoch (no validation data: nothing is validated)"
+                if metric == "train_loss"
+                else f"validation {metric} by epoch (band: min/max in the epoch)"
+            ),
             toolbar_location=None,
         )
         fig.varea(x="time", y1="lo", y2="hi", source=self.source, fill_alpha=0.25, fill_color="#4c9be8")

@@ -27,6 +27,7 @@ HISTORY_COLUMNS = [
     "alpha",
     "staleness",
     "train_loss",
+    "first_loss",
     "seconds",
     "read_seconds",
     "wait_seconds",
@@ -53,7 +54,8 @@ class FitResult:
         The model, holding the final server parameters.
     history : pandas.DataFrame
         One row per update: epoch, shard, attempt, worker, device (where it trained), base_version, new_version,
-        version_id, alpha, staleness, train_loss, seconds (of the task: read_seconds for the
+        version_id, alpha, staleness, train_loss, first_loss (of the task's first local step, before it had
+        trained: at its base), seconds (of the task: read_seconds for the
         version and rows, of which wait_seconds waiting for the merges before its base (or, for a base the
         answer to its worker's last hand-over brought, that hand-over's wait, before this task began), train_seconds,
         upload_seconds), nbytes (the update as sent), fraction (the share of its
@@ -90,6 +92,9 @@ class FitResult:
     start : dict or None
         Where the run's initial parameters came from: ``{"version", "tag", "store"}`` for a model
         from :func:`vcdask.load`, None for a fresh model.
+    notes : list of str
+        What the run's numbers say beyond its metrics: that nothing was validated (no validation data),
+        that the training diverged (:func:`vcdask.diagnose.divergence`, also warned).
     """
 
     model: torch.nn.Module
@@ -106,6 +111,7 @@ class FitResult:
     panel: Any = field(default=None, repr=False)
     best_version: str | None = None
     start: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
 
     def predict(self, X: Any, *, batch_size: int = 1024, device: Any = None) -> np.ndarray:
         """Predictions of the trained model for the rows of ``X``.
@@ -216,9 +222,10 @@ class FitResult:
 
     def __repr__(self) -> str:
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
+        notes = "".join(f"; {note.split(':')[0]}" for note in self.notes)
         return (
             f"<FitResult {self.run_id}: {len(self.epochs)} epochs, {int(self.history['accepted'].sum())} "
-            f"merges, version {self.version}{', ' + metrics if metrics else ''}>"
+            f"merges, version {self.version}{', ' + metrics if metrics else ''}{notes}>"
         )
 
 
@@ -273,6 +280,7 @@ def _html(result: FitResult) -> str:
         ("workers", f"{0 if result.workers is None else len(result.workers)}"),
         ("wall time", f"{_fmt(result.wall_time)} s"),
         ("store", f"<code>{html.escape(str(result.store.location))}</code>"),
+        *(("note", f"<span style='color:#a94442'>{html.escape(note)}</span>") for note in result.notes),
     ]
     body = "".join(
         f"<tr><th style='text-align:left;padding:1px 8px'>{k}</th>"

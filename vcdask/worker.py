@@ -249,6 +249,7 @@ def train_shard(
             return _abandoned(run_id, epoch, shard, attempt)
         (base_version, base_step), wait, ahead = base, time.perf_counter() - t_wait, len(losses)
     train_loss = float(torch.stack(losses).float().mean()) if losses else float("nan")
+    first_loss = float(losses[0]) if losses else float("nan")  # at the task's base (vcdask.diagnose)
     inner.done(finite=math.isfinite(train_loss))
 
     t_train = time.perf_counter()
@@ -264,6 +265,7 @@ def train_shard(
         "update": path,
         "n_samples": stop - start,
         "train_loss": train_loss,
+        "first_loss": first_loss,
         "read_seconds": t_read - t0,
         "wait_seconds": wait,
         "train_seconds": t_train - t_read,

@@ -31,6 +31,7 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
     )
     fields = {k: rec[k] for k in ("train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds")}
     fields["wait_seconds"] = rec.get("wait_seconds", float("nan"))  # (absent from older uploads a resumed run merges)
+    fields["first_loss"] = rec.get("first_loss", float("nan"))
     fields.update(worker=worker, device=rec.get("device"), update=rec["update"], base_version=rec["base_step"])
     fields.update(time=arrived, nbytes=rec.get("nbytes", float("nan")), fraction=rec.get("fraction", 1.0))
     fields["steps_ahead"] = rec.get("steps_ahead", 0)

@@ -34,6 +34,7 @@ def history_row(epoch: int, shard: int, attempt: int, outcome: Outcome | None = 
         "alpha": None,
         "staleness": None,
         "train_loss": float("nan"),
+        "first_loss": float("nan"),
         "seconds": float("nan"),
         "read_seconds": float("nan"),
         "wait_seconds": float("nan"),

@@ -1,0 +1,49 @@
+"""A run without validation says so, and warns when its training loss diverged (vcdask.diagnose; issue 40)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pandas as pd
+import pytest
+
+import vcdask
+from vcdask.demo import digits_cnn
+from vcdask.diagnose import NOT_VALIDATED, divergence
+
+
+def _history(rows):
+    cols = ["base_version", "first_loss", "accepted", "reason"]
+    return pd.DataFrame([dict(zip(cols, r, strict=True)) for r in rows])
+
+
+def _epochs(losses):
+    return pd.DataFrame({"epoch": range(1, len(losses) + 1), "train_loss": losses}).set_index("epoch")
+
+
+def test_divergence_from_the_initial_loss_and_from_non_finite_updates():
+    start = [(0, 2.3, True, None), (0, 2.31, True, None), (1, 40.0, True, None)]  # 2 tasks from the start
+    assert divergence(_history(start), _epochs([1.2, 0.8])) is None  # learned
+    assert divergence(_history(start), _epochs([2.5, 6.0])) is None  # within 3x of 2.3
+    message = divergence(_history(start), _epochs([504.0, 310.0]))
+    assert "rose from 2.305" in message and "to 310 (epoch 2's mean)" in message and "learning rate" in message
+    nan = [(0, 2.3, False, "non-finite values (NaN/inf) in ['w']")] * 3 + [(0, 2.3, True, None)]
+    assert "3 updates came back non-finite" in divergence(_history(nan), _epochs([2.0]))
+    assert divergence(_history([]), _epochs([])) is None
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_run_without_validation_says_so_and_warns_when_it_diverged(client, digits_data, tmp_path):
+    (X, y), _ = digits_data
+    kw = {"max_epochs": 2, "n_shards": 4, "client": client, "progress": False}
+    fine = vcdask.fit(digits_cnn(0), (X, y), store=tmp_path / "a", **kw)  # no warning (an error here)
+    assert fine.metrics == {} and fine.notes == [NOT_VALIDATED]
+    assert "not validated>" in repr(fine) and "nothing checked the model" in fine._repr_html_()
+    with pytest.warns(RuntimeWarning, match=r"the training loss rose from .* the training diverged; lower"):
+        wild = vcdask.fit(digits_cnn(0), (X, y), lr=10, store=tmp_path / "b", **kw)
+    assert wild.notes[0] == NOT_VALIDATED and wild.notes[1].startswith("diverged: ")
+    assert repr(wild).endswith("; not validated; diverged>")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checked = vcdask.fit(digits_cnn(0), (X, y), lr=10, validation=0.1, store=tmp_path / "c", **kw)
+    assert checked.notes == [] and "accuracy" in checked.metrics  # validated: the metric shows it

@@ -1,0 +1,72 @@
+"""What a finished run's own numbers say when nothing validated it: did the training diverge?
+
+A run without validation data ends with ``metrics == {}``; a run whose learning rate is far too high
+ends "normally" too (``fit(model, (X, y), lr=10)`` on digits: epoch 1's training loss 504, one class
+predicted for everything).  As Keras's ``TerminateOnNaN`` and Lightning's NaN checks do, vcdask looks
+at the training loss it has anyway: :func:`divergence` names a run whose loss rose far above where it
+started, or whose updates came back non-finite, and :class:`~vcdask.FitResult` warns with it
+(``RuntimeWarning``) and keeps it in ``FitResult.notes``.
+
+Where it started: the loss of the first local step of the tasks that trained from the run's initial
+version (each task records its first step's loss, ``first_loss`` in ``FitResult.history``), measured
+at the initial weights on training batches, at no extra cost.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["DIVERGED_FACTOR", "NOT_VALIDATED", "divergence"]
+
+#: A last epoch's mean training loss this many times the loss at the initial weights is divergence.
+DIVERGED_FACTOR = 3.0
+
+#: What a result without validation says about its metrics.
+NOT_VALIDATED = (
+    "not validated: no validation data, so metrics is empty and nothing checked the model on held-out "
+    "samples; pass validation=0.1 to hold out 10% of the training data, or validation=(X_val, y_val)"
+)
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def divergence(history: Any, epochs: Any) -> str | None:
+    """Why the training looks diverged, in words, or None.
+
+    Parameters
+    ----------
+    history, epochs : pandas.DataFrame
+        ``FitResult.history`` and ``FitResult.epochs``.
+    """
+    if not len(history):
+        return None
+    reasons = history["reason"].astype(str)
+    non_finite = int(reasons.str.contains("non-finite", regex=False).sum())
+    merged = history[history["accepted"].astype(bool)]
+    if non_finite and non_finite >= len(merged):
+        return (
+            f"{non_finite} updates came back non-finite (NaN/inf) and were rejected, against {len(merged)} "
+            "merged: the training diverges (a learning rate too high?) or the loss is undefined on some samples"
+        )
+    if not len(merged) or not len(epochs) or "first_loss" not in merged:
+        return None
+    first = merged[merged["base_version"] == merged["base_version"].min()]["first_loss"]
+    first = first[first.map(_finite)]
+    last = epochs["train_loss"].iloc[-1]
+    if not len(first) or not _finite(last):
+        return None
+    start = float(first.median())
+    if start > 0 and float(last) > DIVERGED_FACTOR * start:
+        epoch = epochs.index[-1] if epochs.index.name == "epoch" else len(epochs)
+        return (
+            f"the training loss rose from {start:.4g} (the first local steps, at the initial weights) to "
+            f"{float(last):.4g} (epoch {epoch}'s mean): the training diverged; lower the learning rate "
+            "(lr=, or the optimizer's) and validate (validation=0.1) to see it per epoch"
+        )
+    return None
