@@ -1,4 +1,4 @@
-"""A nightly retraining job with a quality gate: release the new model only if it is at least as good.
+"""A nightly retraining job with a quality gate: release the new model only if it is better.
 
 The same job needs no Python: ``vcdask train job.yaml`` (docs/user-guide/scheduled-jobs.md) reads the model
 factory, data, store, start, fit options and release rule from a YAML file, checks it all before any cluster
@@ -12,11 +12,12 @@ usage: python examples/nightly_retrain.py --store STORE [--tag-prefix nightly-] 
 2. load that release with vcdask.load and score it on a fixed holdout set: the baseline to beat;
 3. train it further with vcdask.fit on today's batch of data (here: the digits, resampled with --seed);
 4. score the candidate on the same holdout set;
-5. candidate >= baseline + min-gain: tag it <prefix>N+1 and exit 0; otherwise tag nothing (the old
-   release stays the newest), log where the candidate is, and exit 3.
+5. candidate > baseline + min-gain (strictly better, as ``vcdask train``'s release rule): tag it <prefix>N+1
+   and exit 0; otherwise tag nothing (the old release stays the newest), log where the candidate is, and
+   exit 3.
 
-Exit codes: 0 released; 3 candidate not good enough, nothing released; 4 store not found;
-2 bad arguments; 1 anything else (with a traceback in the log).
+Exit codes, as ``vcdask train``'s: 0 released; 3 candidate not better, nothing released; 2 bad arguments or
+the store not found; 1 anything else (with a traceback in the log).
 
 Run it from cron, a CI schedule or an Airflow task; point --store at s3://... to share releases
 (credentials from the usual AWS chain, --endpoint-url for an S3-compatible service).
@@ -37,7 +38,7 @@ from vcdask.errors import StoreNotFoundError
 
 logger = logging.getLogger("nightly_retrain")
 
-RELEASED, NOT_BETTER, NOT_FOUND = 0, 3, 4
+RELEASED, NOT_BETTER, NOT_FOUND = 0, 3, 2
 
 
 def latest_release(store, prefix: str) -> tuple[int, str | None]:
@@ -127,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         candidate,
     )
 
-    if baseline is not None and candidate < baseline + args.min_gain:
+    if baseline is not None and candidate <= baseline + args.min_gain:
         logger.warning(
-            "not released: candidate %.4f < release %s %.4f + min gain %.4f; %s stays the newest "
+            "not released: candidate %.4f is not above release %s %.4f + min gain %.4f; %s stays the newest "
             "release (the candidate remains on branch %s)",
             candidate,
             tag,

@@ -38,3 +38,8 @@ def test_demo_console_command(tmp_path):
     assert history.accepted.sum() == 20 * 10
     assert (folder / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"store: {store}" in proc.stdout
+    # the "load it again" line runs as printed, in a fresh process that has no model of its own
+    line = re.search(r"load it again: (model = vcdask\.load\(.+?\))", proc.stdout).group(1)
+    check = f"import vcdask\n{line}\nprint(sum(p.numel() for p in model.parameters()))"
+    loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert loaded.returncode == 0 and int(loaded.stdout) > 1000, loaded.stderr

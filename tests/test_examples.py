@@ -62,7 +62,7 @@ def released(tmp_path_factory):
     return store, v1
 
 
-def test_nightly_retrain_releases_only_when_not_worse(released, tmp_path):
+def test_nightly_retrain_releases_only_when_better(released, tmp_path):
     store, v1 = released
     # a gate that any candidate passes: the job starts from nightly-1 and releases nightly-2
     out = _job(

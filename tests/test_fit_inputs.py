@@ -66,13 +66,13 @@ def test_bad_n_shards(n_shards, match, xy, tmp_path):
     _bad(_linear(), xy, tmp_path, ValueError, match, n_shards=n_shards)
 
 
-@pytest.mark.parametrize("value", [0, "often", 2.5])
-def test_bad_validate_every_names_the_choices(value, xy, tmp_path):
+@pytest.mark.parametrize(("value", "exc"), [(0, ValueError), ("often", ValueError), (2.5, TypeError)])
+def test_bad_validate_every_names_the_choices(value, exc, xy, tmp_path):
     _bad(
         _linear(),
         xy,
         tmp_path,
-        ValueError,
+        exc,
         r"validate_every must be an integer >= 1 or 'auto', got",
         validate_every=value,
     )
@@ -318,3 +318,27 @@ def test_in_memory_data_is_staged_while_the_embedded_cluster_starts_and_dask_dat
     assert _in_memory(plan_run(_linear(), (X, y), **{**defaults, "store": tmp_path / "a", "validation": 0.2}))
     lazy = (da.from_array(X, chunks=50), da.from_array(y, chunks=50))
     assert not _in_memory(plan_run(_linear(), lazy, **{**defaults, "store": tmp_path / "b"}))
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "exc", "match"),
+    [
+        ((), {"max_epochs": "3"}, TypeError, r"max_epochs must be an integer >= 1, got '3'"),
+        (("y",), {}, TypeError, r"fit\(\) takes the training data as one argument.*fit\(model, \(X, y\)\)"),
+        ((), {"strings": True}, TypeError, r"data X holds strings \(<U\d+, e\.g\. .*X\.astype\('float32'\)"),
+        ((), {"no_params": True}, ValueError, r"the model has no parameters to train \(ReLU holds no"),
+    ],
+    ids=["max_epochs-str", "sklearn-order", "string-X", "no-parameters"],
+)
+def test_a_new_users_mistakes_get_the_matching_builtin_and_the_fix(args, kwargs, exc, match, xy, tmp_path):
+    """As a scikit-learn user tries it (issue 40): each fails before any cluster work, naming the fix."""
+    X, y = xy
+    model = torch.nn.ReLU() if kwargs.pop("no_params", False) else _linear()
+    if kwargs.pop("strings", False):
+        X = X.astype(str)
+    data = (X, y) if not args else X
+    extra = (y,) if args else ()
+    store = tmp_path / "store"
+    with pytest.raises(exc, match=match):
+        vcdask.fit(model, data, *extra, client=NoCluster(), store=store, progress=False, **kwargs)
+    assert not store.exists()

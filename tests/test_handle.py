@@ -50,7 +50,9 @@ def test_wait_false_returns_before_the_first_merge_and_result_matches_a_blocking
     assert isinstance(handle, vcdask.RunHandle)
     status = handle.status()
     assert status["step"] == 0 and status["epochs_done"] == 0
-    assert [v.metadata["step"] for v in vcdask.open_store(str(store)).versions(handle.run_id)] == [0]
+    initial = vcdask.open_store(str(store)).versions(handle.run_id)
+    assert [v.metadata["step"] for v in initial] == [0]
+    assert status["version"] == initial[0].id  # shown as the run's version from the start (it was None)
     assert not handle.done() and not handle.cancelled()
     with pytest.raises(TimeoutError, match="still"):
         handle.result(timeout=0.05)

@@ -141,6 +141,14 @@ def test_a_bad_job_file_names_the_field(job_dir, old, new, message):
         load_job(path)
 
 
+def test_a_wrong_feature_name_is_blamed_on_data_features(job_dir):
+    """The data's mistakes name the data's field, not ``fit:`` (which only passed them on)."""
+    with pytest.raises(JobFileError, match=r"job\.yaml: data\.features: .*feature variable\(s\) \['z'\] not in"):
+        preflight(load_job(_edit(job_dir, "features: x", "features: z")))
+    with pytest.raises(JobFileError, match=r"job\.yaml: data\.label: "):
+        preflight(load_job(_edit(job_dir, "label: y}", "label: nope}")))
+
+
 def test_not_yaml_and_not_there(job_dir):
     with pytest.raises(JobFileError, match=r"job\.yaml: not valid YAML at line 2"):
         load_job(_write(job_dir, "model: [a\nfit: {"))

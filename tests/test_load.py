@@ -79,6 +79,22 @@ def test_fit_result_html_and_plot(run):
     assert sources and all(isinstance(s, ColumnDataSource) and len(s.data["epoch"]) == 2 for s in sources.values())
 
 
+def test_plot_in_a_script_opens_a_page(run, monkeypatch, capsys):
+    """Outside a kernel ``plot()`` shows the plot as bokeh.io.show does (it returned it without a word)."""
+    import webbrowser
+    from pathlib import Path
+
+    result, _ = run
+    opened = []
+    monkeypatch.setattr(webbrowser, "open", opened.append)  # (no browser here: record what would open)
+    assert result.plot() is None
+    path = Path(opened[0].removeprefix("file://"))
+    assert str(path) in capsys.readouterr().err
+    page = path.read_text()
+    assert f"vcdask run {result.run_id}" in page and "Bokeh" in page
+    path.unlink()
+
+
 def test_a_spec_written_before_the_modules_moved_still_loads(tmp_path):
     """Specs pickle vcdask's classes and functions by reference: one written when they lived in vcdask.task,
     vcdask.rules and vcdask.api loads into today's classes, and vcdask.load finds its model."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import icechunk
 import numpy as np
+import pytest
 import torch
 import zarr
 
@@ -79,3 +80,21 @@ def test_a_chunk_a_version_does_not_hold_reads_as_the_fill_value(tmp_path):
 async def _keys(repo: icechunk.Repository, version: str) -> list[str]:
     store = repo.readonly_session(snapshot_id=version).store
     return [k async for k in store.list_prefix("params/float32/")]
+
+
+def test_versions_of_an_empty_main_beside_run_branches_warns_with_the_newest_run(tmp_path):
+    """Runs write their own branches: ``store.versions()`` on a store they wrote used to return [] without a
+    word (the CLI lists the newest run instead)."""
+    import warnings
+
+    import vcdask
+
+    store = vcdask.open_store(tmp_path / "s")
+    assert store.versions() == []  # an empty store: nothing to point at
+    store.create_branch("run-20260101-000000-aaaaaa")
+    store.create_branch("run-20260102-000000-bbbbbb")
+    with pytest.warns(UserWarning, match=r"newest 'run-20260102-000000-bbbbbb': store.versions\('run-2026"):
+        assert store.versions() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert store.versions("main") == []  # asked for main by name: no warning

@@ -28,7 +28,7 @@ __all__ = ["fit", "resume"]
 def fit(
     model: torch.nn.Module,
     data: Any,
-    *,
+    *extra: Any,
     loss: str | Callable | None = None,
     optimizer: Any = None,
     lr: float = 1e-3,
@@ -88,6 +88,9 @@ def fit(
         mirrors the data: ``(x, y)`` for ``(X, y)``; a dict of tensors for a dict of arrays, and for
         xarray / Zarr data when a ``train_step`` is given (one entry per variable); a map-style
         ``torch.utils.data.Dataset`` is sharded by index ranges and its items put together by ``collate_fn``.
+    *extra
+        Nothing: the data is one argument, ``fit(model, (X, y))``.  scikit-learn's ``fit(model, X, y)``
+        gets a ``TypeError`` that says so.
     loss : str or callable, optional
         For the default step: cross-entropy for integer labels, MSE otherwise.
     optimizer : torch.optim.Optimizer subclass or callable, optional
@@ -254,6 +257,12 @@ def fit(
     >>> handle.status()["epochs_done"]                                          # doctest: +SKIP
     >>> result = handle.result()                                                # doctest: +SKIP
     """
+    if extra:
+        raise TypeError(
+            f"fit() takes the training data as one argument, got {1 + len(extra)} after the model: pass "
+            "fit(model, (X, y)) with X and y as one tuple (not scikit-learn's fit(X, y)), or a DataFrame "
+            "with label='column'; every other option by keyword"
+        )
     if patience is not None or monitor is not None:
         check_early_stopping(patience, monitor, None, [monitor or "loss"], validated=False)  # types, before the data
         if validation is None and patience is None:

@@ -85,7 +85,10 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
     print(f"final test accuracy: {acc:.4f}")
     print(f"store: {result.store.location} (branch {result.run_id}, version {result.version})")
     print(f"history, epochs and plot: {folder}/")
-    print(f"load it again: vcdask.open_store({str(result.store.location)!r}).read({result.version!r}).load_into(model)")
+    print(
+        f"load it again: model = vcdask.load({str(result.store.location)!r}, version={result.version!r})"
+        " (the run's model, its final parameters)"
+    )
     return {"test_accuracy": acc, "wall_time": wall, "result": result}
 
 

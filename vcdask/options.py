@@ -77,9 +77,21 @@ METRICS: dict[str, Callable] = {"accuracy": accuracy, "mae": mae, "mse": mse}
 
 
 def positive_int(name: str, value: Any, minimum: int = 1, *, also: str = "") -> int:
-    """``value`` as an int >= ``minimum``; the error names the value (and ``also``, another choice)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}{f' or {also}' if also else ''}, got {value!r}")
+    """``value`` as an int >= ``minimum``; the error names the value (and ``also``, another choice).
+
+    Raises
+    ------
+    TypeError
+        Not an integer (``max_epochs='3'``, ``2.5``, ``True``); a string where ``also`` names a string
+        choice is a ValueError.
+    ValueError
+        An integer below ``minimum``, or an unknown string choice.
+    """
+    message = f"{name} must be an integer >= {minimum}{f' or {also}' if also else ''}, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise (ValueError if also and isinstance(value, str) else TypeError)(message)
+    if value < minimum:
+        raise ValueError(message)
     return int(value)
 
 

@@ -64,6 +64,12 @@ def check_run(model: torch.nn.Module, prepared: PreparedData, *, loss: Any, trai
         / ``"nll"``; outputs and labels whose shapes ``loss="mse"`` / ``"l1"`` would broadcast.
     """
     check_model_precision(model)
+    if not any(True for _ in model.parameters()):
+        raise ValueError(
+            f"the model has no parameters to train ({type(model).__name__} holds no torch.nn.Parameter): vcdask "
+            "trains and merges a model's parameters; give it the layers to learn (torch.nn.Linear, ...)"
+        )
+    _check_input_dtypes(prepared)
     if train_step is not None or prepared.form != "xy" or prepared.sample_y is None:
         return
     y = np.asarray(prepared.sample_y)
@@ -138,6 +144,26 @@ def check_model_precision(model: torch.nn.Module) -> None:
             "(model.float()) and pass precision='16-mixed' (float16 autocast with a gradient scaler) or "
             "precision='bf16' (bfloat16 autocast): the parameters stay float32 and the arithmetic runs in half"
         )
+
+
+def _check_input_dtypes(prepared: PreparedData) -> None:
+    """Inputs that cannot become tensors (strings, Python objects) refused by name, before torch's own
+    ``can't convert np.ndarray of type numpy.str_``."""
+    if prepared.form == "xy" and prepared.sample_X is not None:
+        inputs = {"X": np.asarray(prepared.sample_X)}
+    elif prepared.form == "dict" and isinstance(prepared.sample, Mapping):
+        inputs = {f"[{k!r}]": np.asarray(v) for k, v in prepared.sample.items()}
+    else:
+        return
+    for name, a in inputs.items():
+        if a.dtype.kind in "USO":
+            example = ", ".join(repr(v) for v in a.ravel()[:2].tolist())
+            raise TypeError(
+                f"data {name} holds {'strings' if a.dtype.kind in 'US' else 'Python objects'} ({a.dtype}, e.g. "
+                f"{example}); a model takes numbers: convert numeric text with X.astype('float32'), encode "
+                "categories as numbers (pandas.factorize, sklearn.preprocessing.OrdinalEncoder), or pass a "
+                "DataFrame with label= (it checks each column)"
+            )
 
 
 def string_labels_error(y: np.ndarray, name: str = "the labels") -> DataError:

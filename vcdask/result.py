@@ -191,13 +191,15 @@ class FitResult:
     def _repr_html_(self) -> str:
         return _html(self)
 
-    def plot(self, show: bool | None = None):
+    def plot(self, show: bool = True):
         """Validation metrics and loss against wall time and against epoch (bokeh).
 
         Parameters
         ----------
-        show : bool, optional
-            Display the plot now (default: when running in a Jupyter kernel).
+        show : bool, default True
+            Show the plot now: in a Jupyter kernel, below the cell; in a script, as an HTML page in a
+            temporary file, opened in the web browser (its path is printed), as ``bokeh.io.show`` does.
+            False: return it.
 
         Returns
         -------
@@ -205,12 +207,13 @@ class FitResult:
             The plot, when it is not shown (save it with ``bokeh.io.save``); None once shown.
         """
         layout = _plot(self)
-        if show is None:
-            from .panel import in_kernel
-
-            show = in_kernel()
         if not show:
             return layout
+        from .panel import in_kernel
+
+        if not in_kernel():
+            _show_in_browser(layout, f"vcdask run {self.run_id}")
+            return None
         from IPython.display import display
         from jupyter_bokeh import BokehModel
 
@@ -227,6 +230,23 @@ class FitResult:
             f"<FitResult {self.run_id}: {len(self.epochs)} epochs, {int(self.history['accepted'].sum())} "
             f"merges, version {self.version}{', ' + metrics if metrics else ''}{notes}>"
         )
+
+
+def _show_in_browser(layout: Any, title: str) -> None:
+    """Write ``layout`` to a self-contained HTML file (bokeh's scripts inline: no network) and open it."""
+    import sys
+    import tempfile
+    import webbrowser
+    from pathlib import Path
+
+    from bokeh.embed import file_html
+    from bokeh.resources import INLINE
+
+    with tempfile.NamedTemporaryFile("w", suffix=".html", prefix="vcdask-plot-", delete=False) as f:
+        f.write(file_html(layout, INLINE, title))
+    path = Path(f.name)
+    print(f"vcdask: the plot is in {path}", file=sys.stderr)
+    webbrowser.open(path.as_uri())
 
 
 def _fmt(value) -> str:

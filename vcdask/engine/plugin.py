@@ -102,7 +102,12 @@ class VcdaskPlugin(SchedulerPlugin):
         spec = await loop.run_in_executor(None, load_spec, store_obj, run_id)
         if max_epochs is not None:
             spec = dataclasses.replace(spec, max_epochs=max_epochs)
+        try:  # (a metadata read; an outage is the run's to ride out, not the start's)
+            head = await loop.run_in_executor(None, store_obj.head, spec.branch)
+        except Exception:  # noqa: BLE001
+            head = None
         run = self.runs[run_id] = Run(self.scheduler, spec, resume=resume)
+        run.head_at_start = head
         task = self.tasks[run_id] = asyncio.ensure_future(run.drive())
         task.add_done_callback(self._forget_task)
         return run_id

@@ -46,6 +46,9 @@ class Run:
         self.scheduler, self.spec, self.resume = scheduler, spec, resume
         self.res, self.store, self.id = spec.resilience, spec.store, spec.run_id
         self.status: str = "starting"
+        #: the branch's head when the run was started (its initial version, or where a resumed run goes on):
+        #: what ``status`` shows until the run's server has loaded it
+        self.head_at_start: str | None = None
         self.error: str | None = None
         self.done = asyncio.Event()
         self.started = time.time()

@@ -27,7 +27,7 @@ def status_dict(run: Run) -> dict[str, Any]:
         "status": run.status,
         "error": run.error,
         "step": server.step,
-        "version": server.version,
+        "version": server.version or run.head_at_start,
         "epochs_done": len(ledger.epochs),
         "max_epochs": run.spec.max_epochs,
         "n_shards": run.spec.shards.n_shards,

@@ -81,6 +81,30 @@ def fit_kwargs(prepared: Prepared) -> dict[str, Any]:
     return {**options, "validation": prepared.validation, "store": prepared.store}
 
 
+def _blamed(prepared: Prepared, kwargs: dict[str, Any], error: Exception) -> str:
+    """The job file's field a refusal of ``fit`` is about: the data's (``data.features``, ``data.label``,
+    ``data``) when the training data alone is refused so, ``validation`` when its data is, else ``fit``."""
+    from ..data import DataError, prepare_data
+
+    if not isinstance(error, DataError):
+        return "fit"
+    try:
+        prepare_data(
+            prepared.data,
+            features=kwargs.get("features"),
+            label=kwargs.get("label"),
+            sample_dim=kwargs.get("sample_dim"),
+            storage_options=kwargs.get("storage_options"),
+        )
+    except DataError as again:
+        message = str(again)
+        words = {"features": ("feature",), "label": ("label",), "sample_dim": ("sample_dim", "sample dimension")}
+        return next((f"data.{f}" for f, said in words.items() if any(w in message for w in said)), "data")
+    except Exception:  # noqa: BLE001 - only the blame is decided here; fit's message stands
+        return "data"
+    return "validation" if prepared.validation is not None else "fit"
+
+
 def _plan(prepared: Prepared) -> None:
     """Run fit's own checks (:func:`vcdask.options.plan_run`) on the job's options, and check the release
     metric against the metrics the run will compute: every mistake of the job file fails here, before training.
@@ -111,7 +135,7 @@ def _plan(prepared: Prepared) -> None:
         names = list(dict.fromkeys(["loss", *(plan.options.get("metric_names") or plan.metrics)]))
         check_early_stopping(patience, monitor, plan.target, names, validated=plan.validation is not None)
     except (ValueError, TypeError) as e:  # fit's own checks: the job's options are wrong
-        raise JobFileError(job.path, "fit", f"rejected by vcdask.fit: {e}") from None
+        raise JobFileError(job.path, _blamed(prepared, kwargs, e), f"rejected by vcdask.fit: {e}") from None
     rule = job.release
     if rule is not None and rule.metric not in names:
         remedy = "; name it under fit.metrics (e.g. metrics: [mae]), or choose one of those"

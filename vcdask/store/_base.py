@@ -161,8 +161,8 @@ class ParamStore(ABC):
         """Read one version (default: the newest on ``branch``)."""
 
     @abstractmethod
-    def versions(self, branch: str = "main") -> list[VersionInfo]:
-        """The branch's history, newest first."""
+    def versions(self, branch: str | None = None) -> list[VersionInfo]:
+        """The branch's history, newest first (None: ``"main"``)."""
 
     @abstractmethod
     def head(self, branch: str = "main") -> str | None:

@@ -235,11 +235,13 @@ class IcechunkParamStore(ParamStore):
         except icechunk.IcechunkError as e:
             raise self._ref_error(e, version=version) from None
 
-    def versions(self, branch="main") -> list[VersionInfo]:
+    def versions(self, branch: str | None = None) -> list[VersionInfo]:
         """The versions of ``branch``, newest first: its history (a branch made from another includes
         that history), and the older versions a retention policy keeps for it (see :meth:`gc`).
 
-        Read afresh from the store each time: another process may have expired history since.
+        Read afresh from the store each time: another process may have expired history since.  Every
+        run writes its own branch (its run id): asked for no branch (``"main"``), an empty main beside
+        run branches warns, naming the newest (``vcdask versions STORE`` lists that one by default).
 
         Raises
         ------
@@ -248,10 +250,23 @@ class IcechunkParamStore(ParamStore):
         """
         import icechunk
 
+        named, branch = branch is not None, branch or "main"
         try:
-            return history(self, branch)
+            listed = history(self, branch)
         except icechunk.IcechunkError as e:
             raise self._ref_error(e, branch=branch) from None
+        if not listed and not named:
+            runs = sorted(b for b in self.branches() if b.startswith("run-"))
+            if runs:
+                import warnings
+
+                warnings.warn(
+                    f"branch 'main' of {self.location!r} has no versions: every run writes its own branch "
+                    f"(its run id), newest {runs[-1]!r}: store.versions({runs[-1]!r})",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        return listed
 
     def head(self, branch="main") -> str | None:
         """The newest version id on ``branch``, or None when the branch has no versions yet."""
