@@ -1,7 +1,7 @@
 """Latency of one server merge for a 5M-parameter model: read W_c + merge + commit.
 
 usage: python benchmarks/merge_path.py [--params 5000000] [--updates 30] [--rules vc-asgd,nesterov]
-                                       [--stores local,s3] [--every 1,5] [--queued no,yes]
+                                       [--stores local,s3] [--every 1,5] [--queued no,yes] [--checksums on,off]
 
 Runs the real merge path (vcdask.engine.params_server.ParamsServer, the code the scheduler plugin's
 merge thread runs) over a stream of client updates written by vcdask.updates, against a
@@ -21,12 +21,14 @@ commit.  The paper's Redis parameter server took 870 ms per update.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import tempfile
 import time
 from dataclasses import replace
 
+import dask
 import torch
 
 from vcdask import open_store
@@ -108,6 +110,11 @@ def main() -> None:
         default="no,yes",
         help="whether the next update is queued behind each merge (the server reads it ahead), a comma list",
     )
+    ap.add_argument(
+        "--checksums",
+        default="on",
+        help="record (and verify) each version's checksums (vcdask.store.checksums), a comma list of on/off",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     ws, wc = torch.randn(args.params), torch.randn(args.params)
@@ -129,9 +136,11 @@ def main() -> None:
         for name, store in stores:
             for rule in args.rules.split(","):
                 for every in map(int, args.every.split(",")):
-                    for queued in args.queued.split(","):
+                    for queued, sums in itertools.product(args.queued.split(","), args.checksums.split(",")):
                         label = f"{name}, next queued" if queued == "yes" else name
-                        lat, rate, split = run(store, args.params, args.updates, every, rule, queued == "yes")
+                        label += ", no checksums" if sums == "off" else ""
+                        with dask.config.set({"vcdask.store.checksums": sums == "on"}):
+                            lat, rate, split = run(store, args.params, args.updates, every, rule, queued == "yes")
                         rows.append((label, rule, every, lat, rate))
                         stages.append((label, rule, every, split))
     print(

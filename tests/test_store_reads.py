@@ -68,7 +68,8 @@ def test_a_chunk_a_version_does_not_hold_reads_as_the_fill_value(tmp_path):
     session = repo.writable_session("main")
     arr = zarr.open_array(session.store, path="params/float32", mode="r+")
     arr[:1024] = 0  # with zarr's default write_empty_chunks=False: chunk 0 is removed
-    v2 = session.commit("first chunk zeroed", metadata=repo.lookup_snapshot(v1).metadata)
+    earlier = {k: v for k, v in repo.lookup_snapshot(v1).metadata.items() if k != "vcdask:checksum"}  # (none then)
+    v2 = session.commit("first chunk zeroed", metadata=earlier)
     assert not any(k == "params/float32/c/0" for k in zarr.core.sync.sync(_keys(repo, v2)))
     reader = open_store(tmp_path / "s")
     _equal(reader.read(v1).state_dict(), want)  # the first read: what the next one asks for
@@ -98,3 +99,40 @@ def test_versions_of_an_empty_main_beside_run_branches_warns_with_the_newest_run
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert store.versions("main") == []  # asked for main by name: no warning
+
+
+def test_a_chunk_overwritten_at_the_same_length_fails_to_load_naming_the_version(tmp_path):
+    """Each version records its checksums when it is committed; a read compares them (issue 40): a chunk
+    overwritten in storage with other bytes of the same length used to load, with changed parameters."""
+    from vcdask.errors import StoreIntegrityError
+
+    store = open_store(tmp_path / "s", chunk_bytes=4096)
+    v1 = store.commit(_state(1), {"step": 1})
+    chunks = tmp_path / "s" / "chunks"
+    before = set(chunks.iterdir())
+    v2 = store.commit(_state(2), {"step": 2})
+    new = sorted(set(chunks.iterdir()) - before)
+    assert new, "the second version wrote chunks of its own"
+    victim = new[0]
+    size = victim.stat().st_size
+    victim.write_bytes(np.random.default_rng(0).bytes(size))  # same length, other bytes
+    with pytest.raises(StoreIntegrityError, match=rf"version '{v2}' of local directory .*do not hold the bytes"):
+        open_store(tmp_path / "s").read(v2)
+    _equal(open_store(tmp_path / "s").read(v1).state_dict(), _state(1))  # the older version loads
+    assert isinstance(StoreIntegrityError("x"), OSError)
+
+
+def test_a_rule_state_object_changed_after_its_commit_fails_to_load(tmp_path):
+    from vcdask.errors import StoreIntegrityError
+    from vcdask.params import flatten
+
+    store = open_store(tmp_path / "s")
+    momentum = flatten({"w": torch.arange(4096, dtype=torch.float32)})
+    v = store.commit(_state(1), state={"momentum": momentum})
+    assert torch.equal(store.read_state(v)["momentum"].arrays["float32"], momentum.arrays["float32"])
+    [path] = [p for p in (tmp_path / "s").rglob("*") if p.is_file() and "state" in str(p.relative_to(tmp_path / "s"))]
+    data = bytearray(path.read_bytes())
+    data[-8:] = b"\x00\x00\x80\x7f\x00\x00\x80\x7f"  # the last two floats become inf: same length
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreIntegrityError, match=rf"the merge rule's state 'momentum' of version '{v}'"):
+        open_store(tmp_path / "s").read_state(v)

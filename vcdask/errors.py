@@ -33,6 +33,7 @@ __all__ = [
     "StoreCredentialsError",
     "StoreError",
     "StoreExistsError",
+    "StoreIntegrityError",
     "StoreNotFoundError",
     "StoreOutageError",
     "StoreUnreachableError",
@@ -155,6 +156,11 @@ class StoreOutageError(StoreError, RuntimeError):
 
     The store is readable at its last commit.
     """
+
+
+class StoreIntegrityError(StoreError):
+    """A version's stored bytes are not those it was committed with (its recorded checksums differ):
+    a chunk was changed or damaged after the commit.  Older versions may still load."""
 
 
 class StoreConflict(StoreError):

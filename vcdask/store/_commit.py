@@ -20,7 +20,9 @@ import numpy as np
 
 from ..errors import StoreConflict
 from ..params import FlatParams
+from . import _checksum
 from ._base import check_metadata
+from ._checksum import CHECKSUM_KEY, STATE_CHECKSUM_KEY
 from ._collect import KEEP_FROM_KEY
 from ._errors import translate
 from ._layout import FORMAT, FORMAT_KEY, plain_chunk, write_flat, write_state
@@ -64,6 +66,8 @@ def commit_version(
         meta[KEEP_FROM_KEY] = int(keep_from)
     what = f"committing to branch {branch!r} of {store.describe()}"
     layout = flat.layout.to_dict()
+    checksum = _checksum.start(flat)  # on threads, while the chunks are written (recorded with the version)
+    state_checksums = {name: _checksum.start(value) for name, value in (state or {}).items()} if checksum else {}
     for attempt in range(store.commit_retries + 1):
         with store._backend.commit_lock():
             try:
@@ -98,6 +102,10 @@ def commit_version(
                     write_flat(session.store, flat, store.chunk_bytes)
                     write_state(session.store, None, store.chunk_bytes)  # (earlier vcdask kept it inside)
                     replaced = store._repo.lookup_snapshot(session.snapshot_id).metadata or {}
+                if checksum is not None:
+                    meta[CHECKSUM_KEY] = checksum.result()
+                if state_checksums:
+                    meta[STATE_CHECKSUM_KEY] = {name: c.result() for name, c in state_checksums.items() if c}
                 sent = True
                 version = session.commit(message or "vcdask version", metadata=meta)
             except BaseException as e:  # nothing of this store's last commit is known to hold any more

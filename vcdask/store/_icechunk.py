@@ -16,6 +16,7 @@ from .. import config
 from ..errors import ReadOnlyStoreError, VersionNotFoundError
 from ..params import FlatParams, flatten
 from ._base import Checkpoint, ParamStore, VersionInfo
+from ._checksum import CHECKSUM_KEY, verify
 from ._collect import gc, hold
 from ._commit import LastCommit, commit_version
 from ._credentials import lookup_credentials, register_credentials
@@ -215,6 +216,7 @@ class IcechunkParamStore(ParamStore):
             params = read_flat(session.store, self._seen)
         except icechunk.IcechunkError as e:
             raise translate(e, f"reading version {snap.id!r} from {self._backend.describe()}") from None
+        verify(params, (snap.metadata or {}).get(CHECKSUM_KEY), f"version {snap.id!r} of {self._backend.describe()}")
         return Checkpoint(version_info(snap, self._parent_or_none(snap)), params)
 
     def read_state(self, version: str) -> dict[str, FlatParams]:

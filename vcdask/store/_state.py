@@ -31,6 +31,7 @@ import torch
 from .. import _npz
 from .. import _safetensors as st
 from ..params import FlatParams, Layout, torch_dtype
+from ._checksum import STATE_CHECKSUM_KEY, verify
 
 __all__ = [
     "STATE_KEY",
@@ -232,15 +233,21 @@ def read_state(store: Any, version: str) -> dict[str, FlatParams]:
     from ._layout import read_flat_at
 
     session = store._repo.readonly_session(snapshot_id=version)
-    value = (store._repo.lookup_snapshot(version).metadata or {}).get(STATE_KEY)
+    meta = store._repo.lookup_snapshot(version).metadata or {}
+    value = meta.get(STATE_KEY)
     if value is not None:
         try:
-            return read_state_objects(store.files, value)
+            state = read_state_objects(store.files, value)
         except (FileNotFoundError, KeyError):
             raise VersionNotFoundError(
                 f"the rule state of version {version!r} is no longer kept: only a branch's newest version "
                 "keeps it (resuming needs nothing else), and a newer version replaced this one"
             ) from None
+        recorded = meta.get(STATE_CHECKSUM_KEY) or {}
+        for name, flat in state.items():
+            where = f"the merge rule's state {name!r} of version {version!r} of {store.describe()}"
+            verify(flat, recorded.get(name), where)
+        return state
     root = zarr.open_group(session.store, mode="r")
     if "rule" not in root:
         return {}

@@ -1,0 +1,173 @@
+"""Content checksums of a version: recorded when it is committed, verified on every read.
+
+A version's metadata is part of its Icechunk snapshot (immutable, as the version is); its parameters
+are chunks in object storage that anything with write access could change.  A chunk overwritten with
+other bytes of the same length loaded without a word, with changed parameters (issue 40).  Each
+version now records, under ``vcdask:checksum``, a checksum of each piece of its flat arrays' bytes as
+stored (pieces of :data:`PIECE_BYTES`), and of its merge rule's state (``vcdask:state_checksum``);
+:func:`verify` compares them on every read and raises :class:`~vcdask.errors.StoreIntegrityError`
+naming the version, the array and the bytes that differ.
+
+The checksum of a piece is the sum (modulo 2**64) and the XOR of its little-endian 64-bit words (the
+last one padded with zeros), ``"sum64xor64"``: two reductions that run at memory speed (4 ms for
+100 MB on this machine, against 27 ms for ``zlib.crc32`` and 52 ms for SHA-1).  Any change to one
+word changes both; random damage to a piece goes unseen with a probability of about 2**-128.  It is
+a checksum against damage, not a signature against tampering: a writer who means to can recompute
+it, as with Zarr's ``crc32c`` codec.  A commit with CRC-32 cost 60% of the merge path of a 100M
+model (``benchmarks/merge_path.py --checksums on,off``); this one costs a few percent.
+
+A commit computes its checksums on threads while the chunks are written.  Versions written before
+checksums (no ``vcdask:checksum``) are read as before, unverified.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from typing import Any
+
+import numpy as np
+
+from ..errors import StoreIntegrityError
+from ..params import FlatParams
+
+__all__ = [
+    "ALGORITHM",
+    "CHECKSUM_KEY",
+    "PIECE_BYTES",
+    "STATE_CHECKSUM_KEY",
+    "Pending",
+    "checksums",
+    "enabled",
+    "start",
+    "verify",
+]
+
+#: The version metadata key of its checksums.
+CHECKSUM_KEY = "vcdask:checksum"
+#: ... and of its merge rule's state: state name -> checksums as :data:`CHECKSUM_KEY`'s.
+STATE_CHECKSUM_KEY = "vcdask:state_checksum"
+#: Bytes of one checksummed piece of a flat array (the last piece of each array is shorter).
+PIECE_BYTES = 16 * 2**20
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        workers = max(2, min(4, os.cpu_count() or 2))
+        _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="vcdask-checksum")
+    return _pool
+
+
+def _stored_bytes(values: Any, dtype: str) -> memoryview:
+    """An array's bytes as the store holds them (little-endian; bfloat16 as its 16 bits)."""
+    import torch
+
+    if isinstance(values, torch.Tensor):
+        values = values.detach()
+        if values.device.type != "cpu":
+            values = values.cpu()
+        values = values.view(torch.uint16) if dtype == "bfloat16" else values
+        values = values.contiguous().numpy()
+    data = np.ascontiguousarray(values)
+    if data.dtype.byteorder == ">":
+        data = data.astype(data.dtype.newbyteorder("<"))
+    return memoryview(data).cast("B")  # type: ignore[arg-type]  # (a numpy array is a buffer)
+
+
+def _pieces(arrays: dict[str, Any]) -> list[tuple[str, int, memoryview]]:
+    out = []
+    for dtype, values in arrays.items():
+        data = _stored_bytes(values, dtype)
+        for i, start in enumerate(range(0, max(len(data), 1), PIECE_BYTES)):
+            out.append((dtype, i, data[start : start + PIECE_BYTES]))
+    return out
+
+
+#: The checksum of :func:`_sum_xor`, as recorded.
+ALGORITHM = "sum64xor64"
+
+
+def _sum_xor(piece: memoryview) -> str:
+    """``"<sum>:<xor>"`` (16 hex digits each) of the piece's little-endian 64-bit words."""
+    whole = len(piece) // 8 * 8
+    words = np.frombuffer(piece[:whole], dtype="<u8")
+    total = int(np.add.reduce(words, dtype=np.uint64)) if whole else 0
+    xor = int(np.bitwise_xor.reduce(words)) if whole else 0
+    if whole < len(piece):  # the tail, padded with zeros to a word
+        last = int.from_bytes(bytes(piece[whole:]).ljust(8, b"\0"), "little")
+        total, xor = (total + last) % 2**64, xor ^ last
+    return f"{total:016x}:{xor:016x}"
+
+
+def checksums(flat: FlatParams) -> dict[str, Any]:
+    """``{"sum64xor64": {dtype: [checksum of each piece]}, "piece": PIECE_BYTES}`` of ``flat``'s arrays."""
+    return Pending(flat).result()
+
+
+class Pending:
+    """Checksums being computed on the pool's threads; :meth:`result` waits for them."""
+
+    def __init__(self, flat: FlatParams):
+        pieces = _pieces(flat.arrays)
+        self._keys = [(dtype, i) for dtype, i, _ in pieces]
+        self._dtypes = list(flat.arrays)
+        self._futures = [_executor().submit(_sum_xor, piece) for _, _, piece in pieces]
+
+    def result(self) -> dict[str, Any]:
+        sums: dict[str, list[str]] = {d: [] for d in self._dtypes}
+        for (dtype, _), future in zip(self._keys, self._futures, strict=True):
+            sums[dtype].append(future.result())
+        return {ALGORITHM: sums, "piece": PIECE_BYTES}
+
+
+def enabled() -> bool:
+    """``vcdask.store.checksums`` (default true): record checksums at commits, verify them on reads."""
+    from .. import config
+
+    return bool(config.get("store.checksums"))
+
+
+def start(flat: FlatParams) -> Pending | None:
+    """Start computing ``flat``'s checksums on threads (the caller writes the chunks meanwhile; the
+    arrays must not change until :meth:`Pending.result` returns); None when checksums are off."""
+    return Pending(flat) if enabled() else None
+
+
+def verify(flat: FlatParams, recorded: Any, what: str) -> None:
+    """Compare ``flat`` with the checksums ``recorded`` at its commit.
+
+    Raises
+    ------
+    StoreIntegrityError
+        An OSError: ``what`` (the version, and where) does not hold the bytes it was committed with.
+    """
+    if not isinstance(recorded, dict) or ALGORITHM not in recorded or not enabled():
+        return
+    piece = int(recorded.get("piece", PIECE_BYTES))
+    expected: dict[str, list[str]] = recorded[ALGORITHM]
+    if set(expected) != set(flat.arrays):
+        raise StoreIntegrityError(
+            f"{what}: its arrays {sorted(flat.arrays)} are not the ones it was committed with {sorted(expected)}"
+        )
+    got = Pending(flat).result()[ALGORITHM] if piece == PIECE_BYTES else _by_piece(flat, piece)
+    for dtype, sums in expected.items():
+        if list(got[dtype]) != list(sums):
+            bad = next((i for i, (a, b) in enumerate(zip(got[dtype], sums, strict=False)) if a != b), len(sums))
+            raise StoreIntegrityError(
+                f"{what}: its {dtype} parameters do not hold the bytes it was committed with (the checksum of "
+                f"bytes {bad * piece}-{(bad + 1) * piece - 1} differs): a stored chunk was changed or damaged "
+                "after the commit. Load an older version (store.versions(branch) lists them), or restore the "
+                "store's objects from a copy"
+            )
+
+
+def _by_piece(flat: FlatParams, piece: int) -> dict[str, list[str]]:
+    """The checksums of ``flat`` in pieces of ``piece`` bytes (a version written with another size)."""
+    out = {}
+    for dtype, values in flat.arrays.items():
+        data = _stored_bytes(values, dtype)
+        out[dtype] = [_sum_xor(data[s : s + piece]) for s in range(0, max(len(data), 1), piece)]
+    return out
