@@ -78,7 +78,31 @@ class Constant(RunSchedule):
 
 
 @dataclass(frozen=True)
-class Cosine(RunSchedule):
+class _Decay(RunSchedule):
+    """A linear warm-up over ``warmup`` of the run, then a decay from 1 to ``final`` (:meth:`shape`)."""
+
+    warmup: float = 0.0
+    final: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_fraction("warmup", self.warmup)
+        _check_fraction("final", self.final, high=1.0 + 1e-12)
+
+    def shape(self, progress: float) -> float:
+        """The decay from 1 (``progress`` 0) to 0 (``progress`` 1)."""
+        raise NotImplementedError
+
+    def factor(self, step: int, total: int) -> float:
+        warm = _warm(step, total, self.warmup)
+        if warm is not None:
+            return warm
+        n = math.ceil(self.warmup * total)
+        progress = min(1.0, (step - n) / max(1, total - n))
+        return self.final + (1.0 - self.final) * self.shape(progress)
+
+
+@dataclass(frozen=True)
+class Cosine(_Decay):
     """Cosine decay from the optimizer's learning rate to ``final`` times it, after a linear warm-up.
 
     Parameters
@@ -89,24 +113,12 @@ class Cosine(RunSchedule):
         The factor the rate decays to at the run's last local step.
     """
 
-    warmup: float = 0.0
-    final: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check_fraction("warmup", self.warmup)
-        _check_fraction("final", self.final, high=1.0 + 1e-12)
-
-    def factor(self, step: int, total: int) -> float:
-        warm = _warm(step, total, self.warmup)
-        if warm is not None:
-            return warm
-        n = math.ceil(self.warmup * total)
-        progress = min(1.0, (step - n) / max(1, total - n))
-        return self.final + (1.0 - self.final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    def shape(self, progress: float) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True)
-class Linear(RunSchedule):
+class Linear(_Decay):
     """Linear decay from the optimizer's learning rate to ``final`` times it, after a linear warm-up.
 
     Parameters
@@ -115,20 +127,8 @@ class Linear(RunSchedule):
     final : float, default 0
     """
 
-    warmup: float = 0.0
-    final: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check_fraction("warmup", self.warmup)
-        _check_fraction("final", self.final, high=1.0 + 1e-12)
-
-    def factor(self, step: int, total: int) -> float:
-        warm = _warm(step, total, self.warmup)
-        if warm is not None:
-            return warm
-        n = math.ceil(self.warmup * total)
-        progress = min(1.0, (step - n) / max(1, total - n))
-        return 1.0 + (self.final - 1.0) * progress
+    def shape(self, progress: float) -> float:
+        return 1.0 - progress
 
 
 @dataclass(frozen=True)
