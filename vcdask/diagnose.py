@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["DIVERGED_FACTOR", "NOT_VALIDATED", "divergence"]
+__all__ = ["DIVERGED_FACTOR", "NOT_VALIDATED", "annotate", "divergence"]
 
 #: A last epoch's mean training loss this many times the loss at the initial weights is divergence.
 DIVERGED_FACTOR = 3.0
@@ -70,3 +70,21 @@ def divergence(history: Any, epochs: Any) -> str | None:
             "(lr=, or the optimizer's) and validate (validation=0.1) to see it per epoch"
         )
     return None
+
+
+#: The columns every epoch row has; any other is a validation metric.
+_EPOCH_COLUMNS = {"epoch", "version", "wall_time", "train_loss", "skipped"}
+
+
+def annotate(result: Any) -> None:
+    """A :class:`~vcdask.FitResult`'s notes: nothing validated, and a diverged training (also warned:
+    there is no validation metric to show it)."""
+    import warnings
+
+    if result.metrics or set(result.epochs.columns) - _EPOCH_COLUMNS:
+        return
+    result.notes.append(NOT_VALIDATED)
+    diverged = divergence(result.history, result.epochs)
+    if diverged is not None:
+        result.notes.append(f"diverged: {diverged}")
+        warnings.warn(f"run {result.run_id}: {diverged}", RuntimeWarning, stacklevel=4)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .diagnose import annotate
 from .engine.end import best_version
 from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
 from .errors import RunCancelledError, RunFailedError, RunNotFoundError
@@ -342,29 +343,8 @@ class RunHandle:
             best_version=best_version(store, res),
             start=res.get("start"),
         )
-        _diagnose(result)
+        annotate(result)
         return result
-
-
-#: The columns every epoch row has; any other is a validation metric.
-_EPOCH_COLUMNS = {"epoch", "version", "wall_time", "train_loss", "skipped"}
-
-
-def _diagnose(result: FitResult) -> None:
-    """A result's notes: nothing validated, and a diverged training (also warned: there is no
-    validation metric to show it)."""
-    import warnings
-
-    from .diagnose import NOT_VALIDATED, divergence
-
-    validated = bool(result.metrics) or bool(set(result.epochs.columns) - _EPOCH_COLUMNS)
-    if validated:
-        return
-    result.notes.append(NOT_VALIDATED)
-    diverged = divergence(result.history, result.epochs)
-    if diverged is not None:
-        result.notes.append(f"diverged: {diverged}")
-        warnings.warn(f"run {result.run_id}: {diverged}", RuntimeWarning, stacklevel=4)
 
 
 def attach(run_id: str, client: Any = None) -> RunHandle:

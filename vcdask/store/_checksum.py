@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import StoreIntegrityError
 from ..params import FlatParams
+from ._layout import _to_numpy
 
 __all__ = [
     "ALGORITHM",
@@ -61,28 +62,14 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     return _pool
 
 
-def _stored_bytes(values: Any, dtype: str) -> memoryview:
-    """An array's bytes as the store holds them (little-endian; bfloat16 as its 16 bits)."""
-    import torch
-
-    if isinstance(values, torch.Tensor):
-        values = values.detach()
-        if values.device.type != "cpu":
-            values = values.cpu()
-        values = values.view(torch.uint16) if dtype == "bfloat16" else values
-        values = values.contiguous().numpy()
-    data = np.ascontiguousarray(values)
-    if data.dtype.byteorder == ">":
-        data = data.astype(data.dtype.newbyteorder("<"))
-    return memoryview(data).cast("B")  # type: ignore[arg-type]  # (a numpy array is a buffer)
-
-
-def _pieces(arrays: dict[str, Any]) -> list[tuple[str, int, memoryview]]:
-    out = []
+def _pieces(arrays: dict[str, Any], piece: int) -> list[tuple[str, memoryview]]:
+    """(dtype, bytes) of each ``piece``-byte piece of each array, as the store holds them
+    (:func:`~._layout._to_numpy`: little-endian, bfloat16 as its 16 bits)."""
+    out: list[tuple[str, memoryview]] = []
     for dtype, values in arrays.items():
-        data = _stored_bytes(values, dtype)
-        for i, start in enumerate(range(0, max(len(data), 1), PIECE_BYTES)):
-            out.append((dtype, i, data[start : start + PIECE_BYTES]))
+        data, _ = _to_numpy(values.detach().cpu(), dtype)
+        raw = memoryview(np.ascontiguousarray(data)).cast("B")  # type: ignore[arg-type]  # (a numpy buffer)
+        out.extend((dtype, raw[start : start + piece]) for start in range(0, max(len(raw), 1), piece))
     return out
 
 
@@ -110,17 +97,16 @@ def checksums(flat: FlatParams) -> dict[str, Any]:
 class Pending:
     """Checksums being computed on the pool's threads; :meth:`result` waits for them."""
 
-    def __init__(self, flat: FlatParams):
-        pieces = _pieces(flat.arrays)
-        self._keys = [(dtype, i) for dtype, i, _ in pieces]
+    def __init__(self, flat: FlatParams, piece: int = PIECE_BYTES):
+        self.piece = piece
         self._dtypes = list(flat.arrays)
-        self._futures = [_executor().submit(_sum_xor, piece) for _, _, piece in pieces]
+        self._futures = [(dtype, _executor().submit(_sum_xor, b)) for dtype, b in _pieces(flat.arrays, piece)]
 
     def result(self) -> dict[str, Any]:
         sums: dict[str, list[str]] = {d: [] for d in self._dtypes}
-        for (dtype, _), future in zip(self._keys, self._futures, strict=True):
+        for dtype, future in self._futures:
             sums[dtype].append(future.result())
-        return {ALGORITHM: sums, "piece": PIECE_BYTES}
+        return {ALGORITHM: sums, "piece": self.piece}
 
 
 def enabled() -> bool:
@@ -152,7 +138,7 @@ def verify(flat: FlatParams, recorded: Any, what: str) -> None:
         raise StoreIntegrityError(
             f"{what}: its arrays {sorted(flat.arrays)} are not the ones it was committed with {sorted(expected)}"
         )
-    got = Pending(flat).result()[ALGORITHM] if piece == PIECE_BYTES else _by_piece(flat, piece)
+    got = Pending(flat, piece).result()[ALGORITHM]
     for dtype, sums in expected.items():
         if list(got[dtype]) != list(sums):
             bad = next((i for i, (a, b) in enumerate(zip(got[dtype], sums, strict=False)) if a != b), len(sums))
@@ -162,12 +148,3 @@ def verify(flat: FlatParams, recorded: Any, what: str) -> None:
                 "after the commit. Load an older version (store.versions(branch) lists them), or restore the "
                 "store's objects from a copy"
             )
-
-
-def _by_piece(flat: FlatParams, piece: int) -> dict[str, list[str]]:
-    """The checksums of ``flat`` in pieces of ``piece`` bytes (a version written with another size)."""
-    out = {}
-    for dtype, values in flat.arrays.items():
-        data = _stored_bytes(values, dtype)
-        out[dtype] = [_sum_xor(data[s : s + piece]) for s in range(0, max(len(data), 1), piece)]
-    return out

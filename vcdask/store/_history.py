@@ -26,6 +26,7 @@ __all__ = [
     "parse_pin",
     "pin_name",
     "pins",
+    "point_to_runs",
     "reachable",
     "store_nbytes",
     "version_nbytes",
@@ -125,3 +126,18 @@ def empty_branch_message(store: IcechunkParamStore, branch: str) -> str:
         f"{where}; every run writes its own branch (its run_id), newest first: {shown}. Read one with "
         f"branch={newest[0]!r} (vcdask.load(store, branch=...)), or list them with `vcdask runs STORE`"
     )
+
+
+def point_to_runs(store: IcechunkParamStore) -> None:
+    """Warn that an empty ``"main"`` is not where a run's versions are: every run writes its own branch
+    (its run id); the newest is named (``vcdask versions STORE`` lists that one by default)."""
+    runs = sorted(b for b in store.branches() if b.startswith("run-"))
+    if runs:
+        import warnings
+
+        warnings.warn(
+            f"branch 'main' of {store.location!r} has no versions: every run writes its own branch "
+            f"(its run id), newest {runs[-1]!r}: store.versions({runs[-1]!r})",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -23,7 +23,7 @@ from ._credentials import lookup_credentials, register_credentials
 from ._errors import quiet_logs, ref_error, translate
 from ._files import SideFiles
 from ._flatread import Seen, read_flat
-from ._history import empty_branch_message, history, is_reserved, store_nbytes, version_nbytes
+from ._history import empty_branch_message, history, is_reserved, point_to_runs, store_nbytes, version_nbytes
 from ._layout import is_version, version_info
 from ._repository import open_repository
 from ._retention import GCReport
@@ -258,16 +258,7 @@ class IcechunkParamStore(ParamStore):
         except icechunk.IcechunkError as e:
             raise self._ref_error(e, branch=branch) from None
         if not listed and not named:
-            runs = sorted(b for b in self.branches() if b.startswith("run-"))
-            if runs:
-                import warnings
-
-                warnings.warn(
-                    f"branch 'main' of {self.location!r} has no versions: every run writes its own branch "
-                    f"(its run id), newest {runs[-1]!r}: store.versions({runs[-1]!r})",
-                    UserWarning,
-                    stacklevel=2,
-                )
+            point_to_runs(self)
         return listed
 
     def head(self, branch="main") -> str | None:
