@@ -133,3 +133,24 @@ def test_a_fault_forgiven_lifts_the_exclusion_it_caused():
     assert pool.record("a").rejected == 0 and pool.record("a").excluded is None and sorted(pool.usable()) == ["a", "b"]
     pool.forgive("b", "rejected")  # nothing to take back: never below 0
     assert pool.record("b").rejected == 0
+
+
+def test_merged_updates_repay_rejections_so_sporadic_ones_never_exclude_an_honest_worker():
+    """Robust merging rejects an honest update now and then; over a long run those rejections must not add up
+    to an exclusion while the worker's other updates merge.  A worker whose every update is rejected is
+    excluded as before, and a failure or a timeout is never repaid."""
+    pool = WorkerPool(Resilience(max_worker_failures=3), tasks_per_slot=1, connected={"honest": 1, "hostile": 1})
+    for _ in range(10):  # ten rejections, each followed by merged updates
+        assert pool.fault("honest", "rejected") is None
+        pool.credit("honest")
+        pool.credit("honest")  # a second merge finds nothing left to repay
+    assert pool.record("honest").rejected == 10 and pool.record("honest").excluded is None  # the total stays
+    for _ in range(2):
+        assert pool.fault("hostile", "rejected") is None
+    assert pool.fault("hostile", "rejected") == "0 failed, 0 timed out, 3 rejected (max_worker_failures=3)"
+    pool.credit("hostile")  # a copy already out merges after the exclusion: it stays excluded
+    assert pool.usable() == ["honest"]
+    pool.fault("honest", "timed_out")
+    pool.fault("honest", "failed")
+    pool.credit("honest")
+    assert pool.fault("honest", "failed") is not None  # failures and timeouts are not repaid

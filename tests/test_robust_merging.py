@@ -144,29 +144,83 @@ def _warm_guard(**options):
 def test_the_screen_rejects_a_scaled_update_and_says_by_how_much():
     guard = _warm_guard(max_norm_ratio=3.0)
     base = _flat(0, 0, 0)
-    ok, problem = guard.screen("v0", base, _flat(2.5, 1, 0), steps=10)
+    ok, problem = guard.screen("v0", base, _flat(2.5, 1, 0), steps=10, shard=0)
     assert problem is None
-    _, problem = guard.screen("v0", base, _flat(30, 0, 0), steps=10)
+    _, problem = guard.screen("v0", base, _flat(30, 0, 0), steps=10, shard=0)
     assert problem[0] == "norm"
     assert problem[1].startswith(
         "update norm ||W_c - W_base|| = 30 is 30x that of the merged updates (1; max_norm_ratio=3)"
     )
 
 
-def test_the_screen_rejects_an_update_that_points_the_other_way():
-    guard = _warm_guard(min_cosine=0.0)
-    base = _flat(1, 1, 1)
-    assert guard.screen("v0", base, _flat(1.5, 1.4, 1), steps=10)[1] is None  # cosine 0.78
-    _, problem = guard.screen("v0", base, _flat(0.5, 1.1, 1), steps=10)  # cosine -0.966
-    assert problem[0] == "direction" and "cosine -0.966 with the merged updates < min_cosine=0" in problem[1]
+def _linear(*weights):
+    return flatten({"weight": torch.tensor([weights], dtype=torch.float32)})
+
+
+def _two_shard_spec(tmp_path, **options):
+    """A real run's worth of spec for the guard: y = x @ (1, 2, -1) on the 64 rows of shard 0 and
+    y = -x @ (1, 2, -1) on those of shard 1 (data that differs by shard as much as it can), in a Zarr
+    group read as the workers read it; a linear model from zero, SGD."""
+    import numpy as np
+    import xarray as xr
+
+    from vcdask.data import DataSource, Shards
+
+    x = np.random.default_rng(0).normal(size=(128, 3)).astype("float32")
+    y = x @ np.array([1.0, 2.0, -1.0], dtype="float32")
+    y[64:] *= -1
+    xr.Dataset({"X": (("sample", "feature"), x), "y": (("sample",), y)}).to_zarr(tmp_path / "d.zarr")
+    model = torch.nn.Linear(3, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    return SimpleNamespace(
+        resilience=vcdask.Resilience(**options),
+        model=model,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+        loss=lambda out, target: torch.nn.functional.mse_loss(out.reshape(target.shape), target),
+        train_step=None,
+        seed=0,
+        batch_size=16,
+        train=DataSource(str(tmp_path / "d.zarr"), ("X",), "y", "sample", 128),
+        shards=Shards(128, 2),
+        validation=None,
+        batch_form="xy",
+        classification=False,
+        x_dtype=torch.float32,
+        cast_x=True,
+    )
+
+
+def test_the_screen_compares_an_update_with_the_servers_own_step_on_its_shard(tmp_path):
+    """The reference is what the update's own shard says, not what the other shards' updates did: on
+    data that differs by shard, honest updates of the two shards point opposite ways and both merge,
+    while either, claimed for the other shard (as a sign-flipped update looks), is rejected."""
+    guard = Guard(_two_shard_spec(tmp_path, min_cosine=0.0))
+    base = _linear(0, 0, 0)
+    toward = {0: _linear(0.5, 1.0, -0.5), 1: _linear(-0.5, -1.0, 0.5)}  # each shard's honest step from zero
+    for shard in (0, 1, 0, 1):
+        assert guard.screen("v0", base, toward[shard], steps=4, shard=shard)[1] is None
+    _, problem = guard.screen("v0", base, toward[0], steps=4, shard=1)
+    assert problem[0] == "direction"
+    assert problem[1].startswith("update direction: cosine -")
+    assert problem[1].endswith("with the server's own step on shard 1 < min_cosine=0")
+
+
+def test_before_warm_up_the_norm_is_judged_against_the_servers_own_step(tmp_path):
+    guard = Guard(_two_shard_spec(tmp_path, max_norm_ratio=3.0))
+    base = _linear(0, 0, 0)
+    own = float(guard._own(guard._base_facts("v0", base), base, 0).norm())
+    honest = _linear(0.5, 1.0, -0.5)  # norm 1.22: within 3x of the server's 8 steps (scaled to the task's 8)
+    assert 1.22 < 3 * own and guard.screen("v0", base, honest, steps=8, shard=0)[1] is None
+    _, problem = guard.screen("v0", base, _linear(50, 100, -50), steps=8, shard=0)
+    assert problem[0] == "norm" and "that of the server's own step on shard 0" in problem[1]
 
 
 def test_clipping_scales_a_long_pseudo_gradient_down_and_merges_it():
     guard = Guard(SimpleNamespace(resilience=vcdask.Resilience(clip_update_norm=1.0)))
     base = _flat(1, 1, 1)
-    clipped, problem = guard.screen("v0", base, _flat(4, 5, 1), steps=10)  # d = (3, 4, 0), norm 5
+    clipped, problem = guard.screen("v0", base, _flat(4, 5, 1), steps=10, shard=0)  # d = (3, 4, 0), norm 5
     assert problem is None and clipped.state_dict()["w"].tolist() == pytest.approx([1.6, 1.8, 1.0])
-    short, _ = guard.screen("v0", base, _flat(1.3, 1.4, 1), steps=10)  # norm 0.5: as it is
+    short, _ = guard.screen("v0", base, _flat(1.3, 1.4, 1), steps=10, shard=0)  # norm 0.5: as it is
     assert short.state_dict()["w"].tolist() == pytest.approx([1.3, 1.4, 1.0])
     assert list(guard.norms) == pytest.approx([1.0, 0.5])  # the clipped norm counts
 
@@ -178,6 +232,6 @@ def test_bad_robust_options_raise_clear_errors_before_cluster_work(digits_data, 
     with pytest.raises(ValueError, match=r"min_cosine must be a number in \[-1, 1\), got 1.5"):
         vcdask.Resilience(min_cosine=1.5)
     (X, y), _ = digits_data
-    with pytest.raises(ValueError, match=r"Resilience\(min_cosine=...\) screens updates on a probe of the validation"):
-        vcdask.fit(digits_cnn(0), (X, y), resilience=vcdask.Resilience(min_cosine=0.0), store=tmp_path / "s")
+    with pytest.raises(ValueError, match=r"Resilience\(probe_tolerance=...\) screens updates on a probe of the valid"):
+        vcdask.fit(digits_cnn(0), (X, y), resilience=vcdask.Resilience(probe_tolerance=1.0), store=tmp_path / "s")
     assert not (tmp_path / "s").exists()

@@ -15,7 +15,7 @@ __all__ = ["FAILURE_POLICIES", "Resilience", "UnknownPolicyError"]
 #: Options that may be None (off).
 OPTIONAL = ("deadline", "max_update_norm", "clip_update_norm", "max_norm_ratio", "probe_tolerance")
 #: Options that screen updates against a probe of the validation set (they need ``validation=``).
-NEEDS_VALIDATION = ("max_norm_ratio", "min_cosine", "probe_tolerance")
+NEEDS_VALIDATION = ("probe_tolerance",)
 
 #: What to do with a shard that failed ``max_attempts`` times (killed its workers, or was rejected).
 FAILURE_POLICIES = ("stop", "skip")
@@ -45,17 +45,17 @@ class Resilience:
         longer than this down to this length before it is merged.
     max_norm_ratio : float, optional
         Robust merging: reject a pseudo-gradient longer than this multiple of the reference (the
-        median of recent merged ones; at first, the server's own step on a probe of the validation
-        set).  3 rejects scaled-up updates and leaves honest ones alone (measured on digits).
+        median of recent merged ones; at first, the server's own step on the update's shard).  3
+        rejects scaled-up updates and leaves honest ones alone (measured on digits, SGD and Adam).
     min_cosine : float, optional
-        Robust merging: reject a pseudo-gradient whose cosine with the reference direction (the
-        average direction of recent merged ones; at first, the server's own step) is below this.
-        0 rejects sign-flipped updates.
+        Robust merging: reject a pseudo-gradient whose cosine with the server's own step on the
+        update's shard (a few steps of the run's optimizer on its first rows, from the update's
+        base) is below this.  0 rejects sign-flipped updates.
     probe_tolerance : float, optional
         Robust merging: reject an update whose loss on a probe of the validation set (its first 256
         rows) exceeds its base version's by more than this fraction (2.0: three times the loss; a net
         for gross damage, as honest updates can raise it by most of their base's loss).
-        ``max_norm_ratio``, ``min_cosine`` and ``probe_tolerance`` need ``fit(validation=...)``.
+        ``probe_tolerance`` needs ``fit(validation=...)``.
     max_attempts : int, default 4
         Attempts per (epoch, shard) — lost with a worker, rejected, timed out — before ``on_shard_failure``.
     on_shard_failure : {"stop", "skip"}, default "stop"

@@ -76,6 +76,7 @@ async def update(run: Run, rec: dict[str, Any], task: TaskRecord) -> None:
         if row["accepted"]:
             completes = run.ledger.merge(epoch, shard, rec["seconds"], run.server.step)
             run.dispatch.home[shard] = worker
+            run.pool.credit(worker)
             await faults.cancel_other_copies(run, epoch, shard)
         else:
             await faults.rejected(run, epoch, shard, worker, row["reason"], fault)

@@ -238,7 +238,8 @@ class ParamsServer(Committing):
         )
         if problem is None and self.guard is not None:
             base = record["base_version"]
-            client, problem = self.guard.screen(base, self._base(base), client, int(record.get("steps") or 1))
+            steps, shard = int(record.get("steps") or 1), int(record["shard"])
+            client, problem = self.guard.screen(base, self._base(base), client, steps, shard)
         if problem is not None:
             return self._reject(record, staleness, *problem)
         t2 = time.perf_counter()

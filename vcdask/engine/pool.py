@@ -36,6 +36,7 @@ class WorkerRecord:
     failed: int = 0
     timed_out: int = 0
     rejected: int = 0
+    repaid: int = 0  # rejections taken back by later merged updates (see WorkerPool.credit)
     seconds: float = 0.0
     preempted: bool = False
     excluded: str | None = None
@@ -57,6 +58,10 @@ class WorkerRecord:
     @property
     def faults(self) -> int:
         return self.failed + self.timed_out + self.rejected
+
+    def exclusion(self, res) -> str | None:
+        """Why this worker gets no more shards (None while it may), the rejections it repaid not counted."""
+        return policy.exclusion(self.failed, self.timed_out, self.rejected - self.repaid, res)
 
     @property
     def mean_seconds(self) -> float:
@@ -186,7 +191,7 @@ class WorkerPool:
         setattr(rec, kind, getattr(rec, kind) + 1)
         if rec.excluded is not None:
             return None
-        rec.excluded = policy.exclusion(rec.failed, rec.timed_out, rec.rejected, self.res)
+        rec.excluded = rec.exclusion(self.res)
         return rec.excluded
 
     def forgive(self, address: str, kind: Fault) -> None:
@@ -194,7 +199,19 @@ class WorkerPool:
         caused is lifted."""
         rec = self.record(address)
         setattr(rec, kind, max(0, getattr(rec, kind) - 1))
-        rec.excluded = policy.exclusion(rec.failed, rec.timed_out, rec.rejected, self.res)
+        rec.repaid = min(rec.repaid, rec.rejected)
+        rec.excluded = rec.exclusion(self.res)
+
+    def credit(self, address: str) -> None:
+        """An update of ``address`` was merged: it repays one rejection counted against it, if any.
+
+        Robust merging's screens reject an honest update now and then (0.5-2% on digits with SGD, late in
+        training, where an honest pseudo-gradient's direction is mostly noise); over a long run those
+        would add up to ``max_worker_failures`` and exclude an honest worker.  A worker whose updates are
+        all rejected repays nothing and is excluded as before.  (Its ``rejected`` count stays the total.)"""
+        rec = self.record(address)
+        if rec.repaid < rec.rejected and rec.excluded is None:
+            rec.repaid += 1
 
     def drain(self, address: str) -> None:
         """A preemption notice: ``address`` gets no new shards."""
