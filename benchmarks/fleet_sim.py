@@ -1,11 +1,14 @@
 """Merge rules on a simulated fleet, in one process: loss at equal tokens, deterministic, no cluster.
 
-usage: python benchmarks/fleet_sim.py [--workers 1,2,4,8] [--rules default,staleness:0/1,...] [--seeds 0,2]
-                                      [--train-kb 256] [--shards 8] [--epochs 2]
+usage: python benchmarks/fleet_sim.py [--task charlm|digits] [--workers 1,2,4,8] [--rules default,...]
+                                      [--seeds 0,2] [--train-kb 256] [--shards 8] [--epochs 2]
 
-The small CPU char-LM of issue 38 (``examples/char_lm.py``'s CharGPT, d_model 96, 3 layers, 4 heads, context
-64, AdamW 5e-3, batch 32) trained three ways from the same initial weights, for the same passes over the
-same sequences:
+``--task charlm`` (the default): the small CPU char-LM of issue 38 (``examples/char_lm.py``'s CharGPT, d_model
+96, 3 layers, 4 heads, context 64, AdamW 5e-3, batch 32, ``--shards`` shards, ``--epochs`` epochs; validation
+loss, the table in loss / torch's).  ``--task digits``: ``equal_tokens.py``'s digits (the demo CNN, Adam 1e-3,
+batch 32, 8 epochs, the 90% of the demo's training split that ``fit`` trains on, ``fit``'s default of 2 shards
+per worker; test accuracy, the table in points against torch).  Each is trained three ways from the same
+initial weights, for the same passes over the same samples:
 
 * ``torch``: ``char_lm.train_baseline`` (one process, one optimizer);
 * ``ddp``: the same loop with a batch W times larger: what synchronous data parallelism over W workers with
@@ -19,11 +22,15 @@ same sequences:
   references that vcdask does not ship: ``sum`` adds each task's own progress ``W_c - W_base`` to ``W_s``
   (asynchronous SGD over local runs) and ``dn:LR/MOMENTUM`` is delayed Nesterov as Liu et al. (2024) define
   it, on the pseudo-gradient ``W_base - W_c``: ``lr/W`` of each at once, one momentum step on the mean every
-  W arrivals.
+  W arrivals.  Two more references set the asynchrony apart: ``sync[:ETA]`` runs the W tasks of each round
+  from the same version and moves ``W_s`` by ``ETA`` (default 1) times their mean progress (synchronous
+  local SGD, FedAvg; DiLoCo's outer step without momentum), and ``seq`` runs one task at a time, round robin
+  over the W workers' optimizers (no staleness: what the W optimizers alone cost).
 
 Rules (``--rules``, a comma list): ``default`` (``vcdask.merge.DEFAULT_RULE`` as ``fit`` sets it for W tasks
 in flight), ``nesterov:LR/MOMENTUM`` (delayed over W, the default's bias correction), ``staleness:ALPHA/A``
-(weight ``(1 - ALPHA) / (staleness + 1) ** A``), ``vc-asgd:ALPHA``, ``sum``, ``dn:LR/MOMENTUM``, ``ddp``.
+(weight ``(1 - ALPHA) / (staleness + 1) ** A``), ``vc-asgd:ALPHA``, ``sum``, ``dn:LR/MOMENTUM``, ``ddp``,
+``sync[:ETA]``, ``seq``.
 
 Nothing here waits on a clock, so a row is the same on every run and machine (up to the float rounding of
 the torch build); rounding alone moves this task's loss by 1-2% (see the docs' benchmarks page), so compare
@@ -34,11 +41,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
@@ -50,6 +60,50 @@ from vcdask.params import flatten  # noqa: E402
 
 LR, BATCH = 5e-3, 32
 CONFIG = char_lm.GPTConfig(d_model=96, n_layers=3, n_heads=4, context=64)
+
+
+@dataclasses.dataclass
+class Task:
+    """One task of the simulation: its training rows, how to build, train and score its model."""
+
+    name: str
+    X: torch.Tensor
+    Y: torch.Tensor
+    make: Callable[[], torch.nn.Module]
+    optimizer: Callable
+    step: Callable
+    epochs: int
+    shards: int
+    score: Callable[[torch.nn.Module], float]
+    batch: int = BATCH
+
+    def relative(self, value: float, torch_value: float) -> float:
+        """The table's entry: loss / torch's (char-LM), accuracy points against torch's (digits)."""
+        return value / torch_value if self.name == "charlm" else 100 * (value - torch_value)
+
+
+def make_task(args, data, seed: int, workers: int) -> Task:
+    if args.task == "charlm":
+        (X, Y), (Xv, Yv) = data
+        return Task("charlm", torch.from_numpy(X), torch.from_numpy(Y), lambda: char_lm.CharGPT(CONFIG, seed=seed),
+                    char_lm.make_optimizer(LR), char_lm.train_step, args.epochs, args.shards,
+                    lambda m: char_lm.validation_loss(m, Xv, Yv, device=torch.device("cpu")))  # fmt: skip
+    from vcdask.data import SHARDS_PER_THREAD
+    from vcdask.demo import accuracy_on, digits_cnn
+
+    (X, y), (Xt, yt) = data
+    n = len(X) - len(X) // 10  # fit holds out 10% of the rows for validation
+    return Task("digits", torch.from_numpy(X[:n]), torch.from_numpy(y[:n]), lambda: digits_cnn(seed),
+                functools.partial(torch.optim.Adam, lr=1e-3), lambda m, b: F.cross_entropy(m(b[0]), b[1]), 8,
+                max(2, SHARDS_PER_THREAD * workers), lambda m: accuracy_on(m, Xt, yt))  # fmt: skip
+
+
+def load_task_data(args):
+    if args.task == "charlm":
+        return char_lm.load_data(args.train_kb * 1024, 32 * 1024, CONFIG.context)
+    from vcdask.demo import digits
+
+    return digits()
 
 
 def vcdask_rule(text: str, workers: int):
@@ -77,12 +131,24 @@ def load(model: torch.nn.Module, v: torch.Tensor) -> None:
         torch.nn.utils.vector_to_parameters(v.clone(), model.parameters())
 
 
-def torch_loss(args, data, seed: int, batch: int = BATCH) -> float:
-    (X, Y), (Xv, Yv) = data
-    model = char_lm.CharGPT(CONFIG, seed=seed)
-    common = {"local_epochs": 1, "batch_size": batch, "lr": LR, "device": torch.device("cpu"), "seed": seed}
-    char_lm.train_baseline(model, X, Y, epochs=args.epochs, **common)
-    return char_lm.validation_loss(model, Xv, Yv, device=torch.device("cpu"))
+def train_rows(task: Task, model: torch.nn.Module, optimizer, rows: torch.Tensor, batch: int = BATCH) -> None:
+    """One pass over ``rows`` (in this order), ``batch`` rows a step."""
+    model.train()
+    for i in range(0, len(rows), batch):
+        idx = rows[i : i + batch]
+        optimizer.zero_grad(set_to_none=True)
+        task.step(model, (task.X[idx], task.Y[idx])).backward()
+        optimizer.step()
+
+
+def torch_score(task: Task, seed: int, batch: int = BATCH) -> float:
+    """One process, one optimizer (``batch = W x 32``: DDP over W workers)."""
+    g = torch.Generator().manual_seed(seed)
+    model = task.make()
+    optimizer = task.optimizer(model.parameters())
+    for _ in range(task.epochs):
+        train_rows(task, model, optimizer, torch.randperm(len(task.X), generator=g), batch)
+    return task.score(model)
 
 
 @dataclasses.dataclass
@@ -109,7 +175,7 @@ class Outer:
             self.flat.arrays["float32"].copy_(self.ws)
             self.rule.apply(self.flat, flatten({"w": w_c}), self.state, Arrival(epoch, staleness, 1))
             self.ws = self.flat.arrays["float32"].clone()
-        elif self.rule_text == "sum":
+        elif self.rule_text in ("sum", "seq"):
             self.ws = self.ws + (w_c - base)
         elif self.rule_text.startswith("dn:"):
             lr, mu = map(float, self.rule_text[3:].split("/"))
@@ -126,39 +192,42 @@ class Outer:
             raise ValueError(f"unknown rule {self.rule_text!r}")
 
 
-def fleet_loss(args, data, seed: int, workers: int, rule: str) -> float:
-    (X, Y), (Xv, Yv) = data
+def fleet_score(task: Task, seed: int, workers: int, rule: str) -> float:
     g = torch.Generator().manual_seed(seed)
-    Xt, Yt = torch.from_numpy(X), torch.from_numpy(Y)
-    shards = torch.randperm(len(Xt), generator=g).chunk(args.shards)
-    tasks = [(e, s) for e in range(1, args.epochs + 1) for s in torch.randperm(len(shards), generator=g).tolist()]
-    server = Outer(rule, workers, vector(char_lm.CharGPT(CONFIG, seed=seed)))
-    models = [char_lm.CharGPT(CONFIG, seed=seed) for _ in range(workers)]
-    optimizers = [char_lm.make_optimizer(LR)(m.parameters()) for m in models]
-    queue = [(w, tasks[w], server.ws.clone(), 0) for w in range(min(workers, len(tasks)))]
-    issued = len(queue)
-    while queue:
-        w, (epoch, shard), base, base_step = queue.pop(0)
-        model, optimizer = models[w], optimizers[w]
-        load(model, base)
-        model.train()
-        rows = shards[shard][torch.randperm(len(shards[shard]), generator=g)]
-        for i in range(0, len(rows), BATCH):
-            idx = rows[i : i + BATCH]
-            optimizer.zero_grad(set_to_none=True)
-            char_lm.train_step(model, (Xt[idx], Yt[idx])).backward()
-            optimizer.step()
-        server.merge(vector(model), base, base_step, epoch)
-        if issued < len(tasks):
-            queue.append((w, tasks[issued], server.ws.clone(), server.step))
-            issued += 1
-    final = char_lm.CharGPT(CONFIG, seed=seed)
+    shards = torch.randperm(len(task.X), generator=g).chunk(task.shards)
+    tasks = [(e, s) for e in range(1, task.epochs + 1) for s in torch.randperm(len(shards), generator=g).tolist()]
+    server = Outer(rule.partition(":")[0] if rule.startswith("sync") else rule, workers, vector(task.make()))
+    models = [task.make() for _ in range(workers)]
+    optimizers = [task.optimizer(m.parameters()) for m in models]
+
+    def run(w: int, shard: int, base: torch.Tensor) -> torch.Tensor:
+        load(models[w], base)
+        train_rows(task, models[w], optimizers[w], shards[shard][torch.randperm(len(shards[shard]), generator=g)])
+        return vector(models[w])
+
+    if rule.startswith("sync"):  # rounds of W tasks from one version, FedAvg with an outer step
+        eta = float(rule.partition(":")[2] or 1)
+        for r in range(0, len(tasks), workers):
+            mean = torch.stack([run(w, s, server.ws) for w, (_, s) in enumerate(tasks[r : r + workers])]).mean(0)
+            server.ws = server.ws + eta * (mean - server.ws)
+    else:  # one at a time in dispatch order; ``seq`` keeps one task in flight, round robin over the workers
+        in_flight = 1 if rule == "seq" else workers
+        queue = [(w, tasks[w], server.ws.clone(), 0) for w in range(min(in_flight, len(tasks)))]
+        issued = len(queue)
+        while queue:
+            w, (epoch, shard), base, base_step = queue.pop(0)
+            server.merge(run(w, shard, base), base, base_step, epoch)
+            if issued < len(tasks):
+                queue.append(((w + 1) % workers if rule == "seq" else w, tasks[issued], server.ws.clone(), server.step))
+                issued += 1
+    final = task.make()
     load(final, server.ws)
-    return char_lm.validation_loss(final, Xv, Yv, device=torch.device("cpu"))
+    return task.score(final)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=("charlm", "digits"), default="charlm")
     ap.add_argument("--workers", default="1,2,4,8")
     ap.add_argument("--rules", default="ddp,default,staleness:0/1")
     ap.add_argument("--seeds", default="0,2")
@@ -167,22 +236,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    data = char_lm.load_data(args.train_kb * 1024, 32 * 1024, CONFIG.context)
+    data = load_task_data(args)
     ratios: dict[tuple[int, str], list[float]] = {}
+    unit = "loss / torch's" if args.task == "charlm" else "accuracy points against torch's"
     for seed in map(int, args.seeds.split(",")):
-        base = torch_loss(args, data, seed)
+        base = torch_score(make_task(args, data, seed, 1), seed)
         print(f"seed {seed}: torch {base:.4f}", flush=True)
         for workers in map(int, args.workers.split(",")):
+            task = make_task(args, data, seed, workers)
             for rule in args.rules.split(","):
                 if rule == "ddp" and workers == 1:
                     continue
                 if rule == "ddp":
-                    loss = torch_loss(args, data, seed, batch=BATCH * workers)
+                    value = torch_score(task, seed, batch=BATCH * workers)
                 else:
-                    loss = fleet_loss(args, data, seed, workers, rule)
-                ratios.setdefault((workers, rule), []).append(loss / base)
-                print(f"seed {seed} W={workers} {rule}: {loss:.4f} ({loss / base:.3f}x torch)", flush=True)
-    print(f"\nloss / torch's at equal tokens, median over seeds {args.seeds}\n")
+                    value = fleet_score(task, seed, workers, rule)
+                ratios.setdefault((workers, rule), []).append(task.relative(value, base))
+                print(f"seed {seed} W={workers} {rule}: {value:.4f} ({task.relative(value, base):.3f})", flush=True)
+    print(f"\n{args.task}: {unit} at equal tokens, median over seeds {args.seeds}\n")
     print("| W | rule | median | by seed |\n|---|---|---|---|")
     for (workers, rule), values in ratios.items():
         print(f"| {workers} | {rule} | {statistics.median(values):.3f} | {' '.join(f'{v:.3f}' for v in values)} |")
