@@ -108,6 +108,8 @@ def test_a_chunk_overwritten_at_the_same_length_fails_to_load_naming_the_version
 
     store = open_store(tmp_path / "s", chunk_bytes=4096)
     v1 = store.commit(_state(1), {"step": 1})
+    run_reader = open_store(tmp_path / "s")
+    run_reader.read(v1)  # it knows the layout now: its next reads copy and hash the chunks as they come
     chunks = tmp_path / "s" / "chunks"
     before = set(chunks.iterdir())
     v2 = store.commit(_state(2), {"step": 2})
@@ -116,9 +118,10 @@ def test_a_chunk_overwritten_at_the_same_length_fails_to_load_naming_the_version
     victim = new[0]
     size = victim.stat().st_size
     victim.write_bytes(np.random.default_rng(0).bytes(size))  # same length, other bytes
-    with pytest.raises(StoreIntegrityError, match=rf"version '{v2}' of local directory .*do not hold the bytes"):
-        open_store(tmp_path / "s").read(v2)
-    _equal(open_store(tmp_path / "s").read(v1).state_dict(), _state(1))  # the older version loads
+    for reader in (open_store(tmp_path / "s"), run_reader):  # a first read (through Zarr), and a run's
+        with pytest.raises(StoreIntegrityError, match=rf"version '{v2}' of local directory .*do not hold the bytes"):
+            reader.read(v2)
+        _equal(reader.read(v1).state_dict(), _state(1))  # the older version loads
     assert isinstance(StoreIntegrityError("x"), OSError)
 
 
@@ -136,3 +139,30 @@ def test_a_rule_state_object_changed_after_its_commit_fails_to_load(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(StoreIntegrityError, match=rf"the merge rule's state 'momentum' of version '{v}'"):
         open_store(tmp_path / "s").read_state(v)
+
+
+def test_checksums_fed_chunk_by_chunk_as_they_arrive_equal_those_of_the_whole():
+    """A run's reads hash each chunk as it arrives (``_checksum.Hasher``), in whatever order the chunks
+    come; the pieces' sums must be the ones a commit records for the whole arrays, odd tails included."""
+    import random
+
+    from vcdask.params import flatten
+    from vcdask.store._checksum import Hasher, Pending
+    from vcdask.store._layout import _to_numpy
+
+    flat = flatten({"a": torch.randn(1001), "b": torch.randn(77).to(torch.bfloat16), "c": torch.arange(5)})
+    piece = 1024
+    hasher = Hasher(piece)
+    for dtype, values in flat.arrays.items():
+        data = _to_numpy(values, dtype)[0].view(np.uint8)
+        spans = [(start, data[start : start + 904]) for start in range(0, len(data), 904)]  # 904: not a piece
+        random.Random(0).shuffle(spans)
+        for start, part in spans:
+            hasher.add(dtype, start, part)
+        hasher.finish(dtype)
+    nbytes = {d: a.numel() * a.element_size() for d, a in flat.arrays.items()}
+    assert hasher.result(flat.arrays, nbytes) == Pending(flat, piece).result()
+    unaligned = Hasher(piece)
+    unaligned.add("float32", 4, np.zeros(8, np.uint8))  # not on a word: verify hashes the read itself
+    unaligned.finish("float32")
+    assert unaligned.result(["float32"], {"float32": 12}) is None

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..params import FlatParams, Layout
+from ._checksum import Hasher
 from ._layout import _from_numpy, plain_chunk, read_flat_async
 
 __all__ = ["Seen", "read_flat"]
@@ -48,14 +49,16 @@ class Seen:
     arrays: tuple[_Array, ...]
 
 
-def read_flat(zstore: Any, seen: dict[str, Seen], path: str = "params") -> FlatParams:
+def read_flat(zstore: Any, seen: dict[str, Seen], path: str = "params", hasher: Hasher | None = None) -> FlatParams:
     """The flat parameters in the group at ``path`` of ``zstore``; ``seen`` (path -> :class:`Seen`,
-    owned by the caller and updated here) remembers what the last read at ``path`` found."""
+    owned by the caller and updated here) remembers what the last read at ``path`` found.  ``hasher``
+    is fed each array's bytes as they are filled in (the checksums then overlap the read; a read through
+    Zarr feeds it nothing, and :func:`~._checksum.verify` hashes afterwards)."""
     from zarr.core.sync import sync
 
     last = seen.get(path)
     if last is not None:
-        flat = sync(_read_as(zstore, last, path))
+        flat = sync(_read_as(zstore, last, path, hasher))
         if flat is not None:
             return flat
     flat, now = sync(_read_and_see(zstore, path))
@@ -72,31 +75,42 @@ async def _get(zstore: Any, key: str) -> Any:
     return await zstore.get(key, default_buffer_prototype())
 
 
-async def _read_as(zstore: Any, last: Seen, path: str) -> FlatParams | None:
-    """The group's parameters if its metadata is still ``last``'s, in one round of requests; else None."""
+async def _read_as(zstore: Any, last: Seen, path: str, hasher: Hasher | None = None) -> FlatParams | None:
+    """The group's parameters if its metadata is still ``last``'s, in one round of requests; else None.
+
+    Each chunk is copied into place (and handed to ``hasher``) as it arrives, while the others are on
+    their way: waiting for all of them first made a 400 MB read 1.5x as long as Zarr's own."""
     docs = [f"{path}/zarr.json", *(f"{path}/{a.dtype}/zarr.json" for a in last.arrays)]
-    chunks = [key for a in last.arrays for key in a.keys]
-    got = await asyncio.gather(*(_get(zstore, key) for key in docs + chunks), return_exceptions=True)
-    for buf, want in zip(got, (last.doc, *(a.doc for a in last.arrays)), strict=False):
+    outs = {a.dtype: np.empty(a.size, dtype=a.numpy_dtype) for a in last.arrays}
+    fed = Hasher(hasher.piece) if hasher is not None else None  # (handed over only if the version is the one)
+
+    async def chunk(a: _Array, i: int, key: str) -> None:
+        buf = await _get(zstore, key)
+        out = outs[a.dtype]
+        part = out[i * a.chunk : (i + 1) * a.chunk]
+        if buf is None:  # a chunk never written holds the fill value
+            part[:] = a.fill
+            data = part.view(np.uint8)
+        else:
+            data = buf.as_numpy_array().view(np.uint8)[: part.nbytes]
+        if fed is not None:  # hashed on the pool's threads while the chunks are copied here
+            fed.add(a.dtype, i * a.chunk * out.itemsize, data)
+        if buf is not None:
+            part[:] = np.frombuffer(data, dtype=a.numpy_dtype, count=len(part))
+
+    got_docs, got_chunks = await asyncio.gather(
+        asyncio.gather(*(_get(zstore, key) for key in docs), return_exceptions=True),
+        asyncio.gather(*(chunk(a, i, k) for a in last.arrays for i, k in enumerate(a.keys)), return_exceptions=True),
+    )
+    for buf, want in zip(got_docs, (last.doc, *(a.doc for a in last.arrays)), strict=True):
         if buf is None or isinstance(buf, BaseException) or buf.to_bytes() != want:
             return None  # (Icechunk raises for the metadata of an array this version does not have)
-    pieces: list[Any] = list(got[len(docs) :])
-    for buf in pieces:
-        if isinstance(buf, BaseException):  # the version is the one we know: a chunk that did not come fails
-            raise buf
-    arrays = {}
-    chunks_in = iter(pieces)
-    for a in last.arrays:
-        out = np.empty(a.size, dtype=a.numpy_dtype)
-        for i in range(len(a.keys)):
-            buf = next(chunks_in)
-            part = out[i * a.chunk : (i + 1) * a.chunk]
-            if buf is None:  # a chunk never written holds the fill value
-                part[:] = a.fill
-            else:
-                part[:] = np.frombuffer(buf.as_numpy_array(), dtype=a.numpy_dtype, count=len(part))
-        arrays[a.dtype] = _from_numpy(out, a.dtype)
-    return FlatParams(last.layout, arrays)
+    for problem in got_chunks:
+        if isinstance(problem, BaseException):  # the version is the one we know: a chunk that did not come fails
+            raise problem
+    if hasher is not None and fed is not None:
+        hasher.take(fed, [a.dtype for a in last.arrays])
+    return FlatParams(last.layout, {d: _from_numpy(out, d) for d, out in outs.items()})
 
 
 async def _read_and_see(zstore: Any, path: str) -> tuple[FlatParams, Seen | None]:

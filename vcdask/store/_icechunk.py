@@ -16,7 +16,7 @@ from .. import config
 from ..errors import ReadOnlyStoreError, VersionNotFoundError
 from ..params import FlatParams, flatten
 from ._base import Checkpoint, ParamStore, VersionInfo
-from ._checksum import CHECKSUM_KEY, verify
+from ._checksum import CHECKSUM_KEY, Hasher, recorded_piece, verify
 from ._collect import gc, hold
 from ._commit import LastCommit, commit_version
 from ._credentials import lookup_credentials, register_credentials
@@ -212,11 +212,14 @@ class IcechunkParamStore(ParamStore):
             if tag is None and version is None:
                 raise VersionNotFoundError(empty_branch_message(self, branch))
             raise VersionNotFoundError(f"{tag or version!r} in {self._backend.describe()} has no vcdask version yet")
+        recorded = (snap.metadata or {}).get(CHECKSUM_KEY)
+        piece = recorded_piece(recorded)
+        hasher = None if piece is None else Hasher(piece)
         try:
-            params = read_flat(session.store, self._seen)
+            params = read_flat(session.store, self._seen, hasher=hasher)
         except icechunk.IcechunkError as e:
             raise translate(e, f"reading version {snap.id!r} from {self._backend.describe()}") from None
-        verify(params, (snap.metadata or {}).get(CHECKSUM_KEY), f"version {snap.id!r} of {self._backend.describe()}")
+        verify(params, recorded, f"version {snap.id!r} of {self._backend.describe()}", hasher)
         return Checkpoint(version_info(snap, self._parent_or_none(snap)), params)
 
     def read_state(self, version: str) -> dict[str, FlatParams]:
