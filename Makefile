@@ -35,12 +35,14 @@ $(VENV)/.lint-installed: pyproject.toml constraints.txt $(VENV)/.installed
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[lint]"
 	touch $@
 
-# ruff and mypy as configured in pyproject.toml; runs all three and fails if any fails. CI runs it first.
+# ruff and mypy as configured in pyproject.toml, and no import cycles (.ci/import_cycles.py); runs all four
+# and fails if any fails. CI runs it first.
 lint: $(VENV)/.lint-installed
 	status=0; \
 	$(BIN)/ruff check . || status=1; \
 	$(BIN)/ruff format --check . || status=1; \
 	$(BIN)/mypy || status=1; \
+	$(BIN)/python .ci/import_cycles.py vcdask || status=1; \
 	exit $$status
 
 # The documentation, built with warnings as errors into docs/_build/html.

@@ -20,7 +20,6 @@ def test_deadline_explicit_derived_cold_and_first():
     assert policy.deadline(res, [0.1], 2) == 5.0  # the floor
     assert policy.deadline(res, [0.1], 2, cold=True) == policy.COLD_START_SECONDS
     assert policy.deadline(res, [10.0], 2, cold=True) == 80.0  # a long derived deadline stays
-    assert res.deadline_for([1.0, 3.0, 2.0], 2) == 16.0  # the option group's shortcut says the same
 
 
 def test_base_wait_is_one_recent_shard_time_bounded():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pickle
+import pickletools
 import uuid
 
+import cloudpickle
 import pytest
 
 from vcdask import open_store
@@ -59,3 +62,15 @@ def test_every_backend_follows_the_protocol(scheme, tmp_path):
     assert isinstance(backend, StoreBackend)
     assert backend.secret_options == SECRET_OPTIONS[scheme]  # what a pickled store leaves out
     assert backend.secret_options <= getattr(backend, "valid_options", set())  # each a real option
+
+
+@pytest.mark.parametrize("dumps", [pickle.dumps, cloudpickle.dumps])
+def test_a_pickled_store_names_what_reopens_it_by_the_paths_it_always_had(dumps, tmp_path):
+    """Run specs written to a store hold pickled stores: whichever module defines ``open_store``, a store
+    pickles as a call of ``vcdask.store._icechunk._reopen`` with ``vcdask.store.open_store``, so that specs
+    written by earlier vcdask versions load in this one, and the other way round."""
+    store = open_store(tmp_path / "store")
+    data = dumps(store)
+    names = [arg for op, arg, _ in pickletools.genops(data) if op.name == "SHORT_BINUNICODE"]
+    assert names[:4] == ["vcdask.store._icechunk", "_reopen", "vcdask.store", "open_store"]
+    assert pickle.loads(data).location == store.location

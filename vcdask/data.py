@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .errors import DataError
+from .prepared import PreparedData
 from .store import FSSPEC_SECRET_OPTIONS
 from .variables import dict_vars, infer_sample_dim, infer_vars
 
@@ -184,38 +185,6 @@ def _as_numpy(a: Any, what: str) -> np.ndarray:
 
 def _is_dask(a: Any) -> bool:
     return type(a).__module__.startswith("dask.array") or hasattr(a, "__dask_graph__")
-
-
-@dataclass
-class PreparedData:
-    """Data checked on the client: what to stage (if anything) and how workers will read it."""
-
-    source: DataSource | None  # set for data read where it lives
-    X: Any = None  # in-memory / dask arrays to stage
-    y: Any = None
-    n: int = 0
-    x_shape: tuple[int, ...] = ()
-    x_dtype: Any = None
-    y_dtype: Any = None
-    sample_X: np.ndarray | None = None  # a few rows, for checks against the model
-    sample_y: np.ndarray | None = None
-    y_min: float | None = None
-    y_max: float | None = None
-    form: str = "xy"  # "xy", "dict" or "dataset": the shape of a batch
-    columns: dict[str, Any] | None = None  # dict data to stage (form "dict")
-    sample: Any = None  # dict data: a few rows of each column; a Dataset: a collated probe batch
-    feature_names: tuple = ()  # pandas data: the feature columns, in X's order (what predict selects)
-
-    @property
-    def classification(self) -> bool:
-        return self.y_dtype is not None and np.issubdtype(np.dtype(self.y_dtype), np.integer)
-
-    @property
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Each input's per-sample shape (what validation data must match)."""
-        if self.form == "dict":
-            return {k: tuple(v.shape[1:]) for k, v in self.sample.items()}
-        return {"X": tuple(self.x_shape)}
 
 
 def prepare_data(

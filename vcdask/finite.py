@@ -22,7 +22,7 @@ import numpy as np
 from .errors import DataError
 
 if TYPE_CHECKING:
-    from .data import PreparedData
+    from .prepared import PreparedData
 
 __all__ = ["BLOCK_BYTES", "check_finite", "first_non_finite"]
 

@@ -3,7 +3,7 @@
 The scheduler plugin pushes small event records on the run's Dask topic
 (:func:`vcdask.engine.events.topic`: shard states, merges, epochs, worker changes, pauses).  A panel
 subscribes to that topic, takes one snapshot of the run (so it can start, or re-attach, mid-run)
-and folds every event into :class:`~vcdask.progress.PanelState`; the widgets render that state.  Nothing
+and folds every event into :class:`~vcdask.panel_state.PanelState`; the widgets render that state.  Nothing
 here polls the store.
 ipywidgets, bokeh and jupyter_bokeh are imported only when a panel is made.
 """
@@ -15,7 +15,7 @@ import threading
 import time
 
 from .engine.events import ShardState, topic
-from .progress import PanelState
+from .panel_state import PanelState
 
 __all__ = ["PanelState", "RunPanel", "in_kernel", "load_bokehjs"]
 

@@ -20,7 +20,7 @@ import torch
 from .errors import DataError
 
 if TYPE_CHECKING:
-    from .data import PreparedData
+    from .prepared import PreparedData
 
 __all__ = [
     "HALF_DTYPES",

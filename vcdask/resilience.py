@@ -125,9 +125,3 @@ class Resilience:
             raise UnknownPolicyError(
                 f"unknown on_shard_failure policy {self.on_shard_failure!r}; valid policies: {list(FAILURE_POLICIES)}"
             )
-
-    def deadline_for(self, shard_seconds: list[float], tasks_per_slot: int, cold: bool = False) -> float:
-        """The deadline in force, given the shard times seen so far (see :func:`vcdask.engine.policy.deadline`)."""
-        from .engine.policy import deadline
-
-        return deadline(self, shard_seconds, tasks_per_slot, cold)

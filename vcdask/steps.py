@@ -21,7 +21,7 @@ import torch
 from .errors import DataError
 
 if TYPE_CHECKING:
-    from .data import PreparedData
+    from .prepared import PreparedData
 
 __all__ = ["SupervisedStep", "check_steps", "evaluate", "probe_batch"]
 

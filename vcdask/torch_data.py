@@ -67,7 +67,7 @@ def prepare_dataset(data: Any, *, collate_fn=None, what: str = "data"):
     DataError
         An empty dataset, or items that ``collate_fn`` cannot put together.
     """
-    from .data import PreparedData
+    from .prepared import PreparedData
 
     if isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__len__"):
         raise TypeError(

@@ -1,4 +1,5 @@
-"""The parameter-store interface shared by every backend."""
+"""The parameter-store interface shared by every backend (its values, :class:`VersionInfo` and
+:class:`Checkpoint`, are in :mod:`._version`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
+
+from ._version import Checkpoint, VersionInfo
 
 if TYPE_CHECKING:
     import torch
@@ -18,59 +19,6 @@ if TYPE_CHECKING:
     from ._retention import GCReport, Retention
 
 __all__ = ["Checkpoint", "ParamStore", "VersionInfo"]
-
-
-@dataclass(frozen=True)
-class VersionInfo:
-    """One committed version, without its parameters.
-
-    Attributes
-    ----------
-    id : str
-        The version id (an Icechunk snapshot id).
-    parent : str or None
-        The version this one was committed on top of.
-    written_at : datetime
-        Commit time (UTC).
-    message : str
-        Commit message.
-    metadata : dict
-        The metadata given to :meth:`ParamStore.commit`.
-    """
-
-    id: str
-    parent: str | None
-    written_at: datetime
-    message: str
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A version's parameters and metadata, as returned by :meth:`ParamStore.read`."""
-
-    info: VersionInfo
-    params: FlatParams
-
-    @property
-    def version(self) -> str:
-        """The version id."""
-        return self.info.id
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        """The metadata stored with the version."""
-        return self.info.metadata
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters as a ``state_dict`` (views into the flat arrays)."""
-        return self.params.state_dict()
-
-    def load_into(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Copy the parameters into ``module`` (exact name/shape/dtype match required)."""
-        from ..params import load_into
-
-        return load_into(module, self.params)
 
 
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -32,20 +32,22 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import config
 from ..errors import VersionNotFoundError
 from ._errors import translate
-from ._history import HOLD_PREFIX, is_reserved, parse_pin, pin_name, reachable
+from ._history import HOLD_PREFIX, HistoryStore, is_reserved, parse_pin, pin_name, reachable
 from ._layout import is_version
 from ._retention import GCReport, Retention, select
 from ._state import STATE_KEY, sweep_states
 
 if TYPE_CHECKING:
-    from ._icechunk import IcechunkParamStore
+    from ._files import SideFiles
+    from ._state import StateWriter
+    from ._version import VersionInfo
 
-__all__ = ["KEEP_FROM_KEY", "collect", "gc", "hold"]
+__all__ = ["KEEP_FROM_KEY", "CollectedStore", "collect", "gc", "hold"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,35 @@ KEEP_FROM_KEY = "vcdask:keep_from_step"
 HOLDS = "_holds"
 
 
+class CollectedStore(HistoryStore, Protocol):
+    """What a collection uses of an Icechunk-backed store (:class:`~vcdask.store.IcechunkParamStore`),
+    besides what :class:`~._history.HistoryStore` reads.
+
+    Attributes
+    ----------
+    _histories : dict
+        (branch, head) -> that branch's (version, written at) history, newest first, for branches
+        without a policy (read once per head).
+    _state_writer : StateWriter
+        The store's writer of rule state objects (told of the objects a sweep deletes).
+    """
+
+    _histories: dict[tuple[str, str], list]
+    _state_writer: StateWriter
+
+    @property
+    def files(self) -> SideFiles:
+        """The store's side files (holds and rule state objects live there)."""
+
+    def describe(self) -> str:
+        """The store's location in words, for messages."""
+
+    def versions(self, branch: str | None = None) -> list[VersionInfo]:
+        """The branch's versions, newest first."""
+
+
 # -- holds: readers that need a version for a while ------------------------------------------------
-def _live_holds(store: IcechunkParamStore, *, tidy: bool = True) -> set[str]:
+def _live_holds(store: CollectedStore, *, tidy: bool = True) -> set[str]:
     """Versions held by readers now (``tidy``: holds past their time are deleted)."""
     files, now, held = store.files, time.time(), set()
     for path in files.list(HOLDS):
@@ -72,7 +101,7 @@ def _live_holds(store: IcechunkParamStore, *, tidy: bool = True) -> set[str]:
 
 
 @contextlib.contextmanager
-def hold(store: IcechunkParamStore, version: str, ttl: float) -> Iterator[str]:
+def hold(store: CollectedStore, version: str, ttl: float) -> Iterator[str]:
     """Keep ``version`` from being collected while the block runs (see :meth:`ParamStore.hold`)."""
     path = f"{HOLDS}/{uuid.uuid4().hex}.json"
     store.files.put(path, json.dumps({"version": version, "until": time.time() + ttl}).encode())
@@ -89,7 +118,7 @@ def hold(store: IcechunkParamStore, version: str, ttl: float) -> Iterator[str]:
 
 # -- one collection -----------------------------------------------------------------------------
 def gc(
-    store: IcechunkParamStore,
+    store: CollectedStore,
     retention: Retention | None,
     *,
     branches: str | list[str] | None,
@@ -116,7 +145,7 @@ def gc(
 
 
 def collect(
-    store: IcechunkParamStore,
+    store: CollectedStore,
     retention: Retention,
     *,
     branches: list[str] | None,
@@ -179,7 +208,7 @@ def collect(
     return report
 
 
-def _still_idle(store: IcechunkParamStore, repo: Any, branch: str, head: str, now: datetime) -> bool:
+def _still_idle(store: CollectedStore, repo: Any, branch: str, head: str, now: datetime) -> bool:
     """Whether ``branch``, whose head was ``head`` when the collection listed it, is idle.  A writer may
     have committed on it since, and this collection expired and removed ``head`` (an old version now):
     then it is not idle."""
@@ -193,7 +222,7 @@ def _still_idle(store: IcechunkParamStore, repo: Any, branch: str, head: str, no
         raise
 
 
-def _sweep(store: IcechunkParamStore, branch: str, written_before: datetime | None) -> None:
+def _sweep(store: CollectedStore, branch: str, written_before: datetime | None) -> None:
     """Delete the rule state objects of ``branch`` that its newest version does not name (only the
     newest version keeps its rule state).
 
@@ -253,7 +282,7 @@ def _marker(repo: Any, branch: str, now: datetime, *, active_only: bool) -> int 
 
 
 def _bound(
-    store: IcechunkParamStore, repo: Any, branch: str, refs: set[str], now: datetime, report: GCReport
+    store: CollectedStore, repo: Any, branch: str, refs: set[str], now: datetime, report: GCReport
 ) -> list[datetime]:
     """The oldest time a branch this collection does not manage still needs (empty: it needs nothing).
 
@@ -312,5 +341,5 @@ def _idle(now: datetime, written_at: datetime) -> bool:
     return (now - written_at).total_seconds() > float(config.get("store.idle-after"))
 
 
-def _default_grace(store: IcechunkParamStore) -> float:
+def _default_grace(store: CollectedStore) -> float:
     return 0.0 if getattr(store._backend, "locked_commits", False) else float(config.get("store.gc-grace"))

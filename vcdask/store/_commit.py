@@ -14,7 +14,7 @@ import asyncio
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -26,14 +26,16 @@ from ._checksum import CHECKSUM_KEY, STATE_CHECKSUM_KEY
 from ._collect import KEEP_FROM_KEY
 from ._errors import translate
 from ._layout import FORMAT, FORMAT_KEY, plain_chunk, write_flat, write_state
+from ._names import NamedStore
 from ._state import STATE_KEY, delete_state
 
 if TYPE_CHECKING:
-    from ._icechunk import IcechunkParamStore
+    from ._files import SideFiles
+    from ._state import StateWriter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LastCommit", "commit_version", "rewrite_flat"]
+__all__ = ["CommitStore", "LastCommit", "commit_version", "rewrite_flat"]
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,37 @@ class LastCommit:
     arrays: dict[str, Any] = field(default_factory=dict)
 
 
+class CommitStore(NamedStore, Protocol):
+    """What a commit uses of an Icechunk-backed store (:class:`~vcdask.store.IcechunkParamStore`),
+    besides its repository and backend (:class:`~._names.NamedStore`).
+
+    Attributes
+    ----------
+    chunk_bytes : int
+        Chunk size of the stored flat arrays.
+    commit_retries : int
+        Retries of a commit that lost a race with another writer.
+    _state_writer : StateWriter
+        The writer of the rule state objects.
+    _last_commit : dict of str to LastCommit
+        Branch -> what this store object committed there last.
+    """
+
+    chunk_bytes: int
+    commit_retries: int
+    _state_writer: StateWriter
+    _last_commit: dict[str, LastCommit]
+
+    @property
+    def files(self) -> SideFiles:
+        """The store's side files (the rule state objects live there)."""
+
+    def describe(self) -> str:
+        """The store's location in words, for messages."""
+
+
 def commit_version(
-    store: IcechunkParamStore,
+    store: CommitStore,
     flat: FlatParams,
     metadata: Any,
     branch: str,

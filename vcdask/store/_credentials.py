@@ -12,6 +12,8 @@ worker, the scheduler) the secrets come from, in order:
 Secrets given on the client reach the cluster only if you ask for it with
 :func:`share_credentials`; :func:`check_cluster_access` tells, before any work starts, which
 processes of a cluster cannot read a store.
+
+The registry itself, and the redaction of its secrets from messages, are in :mod:`._secrets`.
 """
 
 from __future__ import annotations
@@ -19,18 +21,19 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
-import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from distributed import WorkerPlugin
 
 from ..errors import InvalidLocationError, StoreAccessDeniedError, StoreCredentialsError, StoreError
+from ._base import ParamStore
+from ._object import _ALIASES
+from ._schemes import BACKENDS, scheme_of
+from ._secrets import _EnvVar, _key, forget_credentials, lookup_credentials, redact, remember, remembered
 
 if TYPE_CHECKING:
     from distributed import Client
-
-    from ._base import ParamStore
 
 __all__ = [
     "FSSPEC_SECRET_OPTIONS",
@@ -43,10 +46,6 @@ __all__ = [
     "share_credentials",
     "store_holds_secrets",
 ]
-
-_registry: dict[str, dict[str, str | _EnvVar]] = {}
-_lock = threading.Lock()
-_MASK = "***"
 
 #: fsspec storage-option names that carry a secret (s3fs, gcsfs, adlfs and HTTP spellings).
 FSSPEC_SECRET_OPTIONS = frozenset(
@@ -72,19 +71,7 @@ FSSPEC_SECRET_OPTIONS = frozenset(
 )
 
 
-class _EnvVar(str):
-    """The name of an environment variable that holds a secret, read where the secret is used."""
-
-    __slots__ = ()
-
-
-def _key(location: str) -> str:
-    return location.rstrip("/") or location
-
-
 def _location(store_or_location: ParamStore | str | os.PathLike) -> str:
-    from ._base import ParamStore
-
     if isinstance(store_or_location, ParamStore):
         return store_or_location.location
     return os.fspath(store_or_location)
@@ -92,10 +79,7 @@ def _location(store_or_location: ParamStore | str | os.PathLike) -> str:
 
 def _canonical(location: str, secrets: Mapping[str, Any]) -> dict[str, Any]:
     """``secrets`` under their canonical names; a name that is not a secret option of the backend raises."""
-    from . import BACKENDS
-    from ._object import _ALIASES
-
-    scheme = location.split("://", 1)[0].lower() if "://" in location else "file"
+    scheme = scheme_of(location)
     names: frozenset[str] = getattr(BACKENDS.get(scheme), "secret_options", frozenset())
     out = {_ALIASES.get(k, k): v for k, v in secrets.items()}
     unknown = sorted(set(out) - names)
@@ -124,52 +108,7 @@ def register_credentials(location: str, **secrets: str) -> None:
     InvalidLocationError
         A name that is not a secret option of the location's backend (the message lists them).
     """
-    canonical = _canonical(location, secrets)
-    with _lock:
-        _registry[_key(location)] = canonical
-
-
-def forget_credentials(location: str) -> None:
-    """Drop the secrets registered for ``location`` in this process (if any)."""
-    with _lock:
-        _registry.pop(_key(location), None)
-
-
-def lookup_credentials(location: str) -> dict[str, str]:
-    """The secrets registered for ``location`` in this process (empty when there are none).
-
-    Raises
-    ------
-    StoreCredentialsError
-        A secret was registered as an environment variable that this process does not have.
-    """
-    with _lock:
-        found = dict(_registry.get(_key(location), {}))
-    out = {}
-    for name, value in found.items():
-        if isinstance(value, _EnvVar):
-            if str(value) not in os.environ:
-                raise StoreCredentialsError(
-                    f"the credentials for {location!r} name the environment variable {str(value)!r} for "
-                    f"{name!r}, and this process (pid {os.getpid()}) has no such variable"
-                )
-            value = os.environ[str(value)]
-        out[name] = str(value)
-    return out
-
-
-def redact(text: str) -> str:
-    """``text`` with every secret registered in this process replaced by ``***``."""
-    with _lock:
-        values = {
-            os.environ.get(v, "") if isinstance(v, _EnvVar) else v
-            for secrets in _registry.values()
-            for v in secrets.values()
-        }
-    for value in sorted(values, key=len, reverse=True):
-        if isinstance(value, str) and len(value) >= 4:
-            text = text.replace(value, _MASK)
-    return text
+    remember(location, _canonical(location, secrets))
 
 
 def store_holds_secrets(store: ParamStore | str) -> bool:
@@ -178,8 +117,6 @@ def store_holds_secrets(store: ParamStore | str) -> bool:
     Such a store cannot give those secrets to other processes: unpickled there, it uses their
     own credentials.  Check them with :func:`check_cluster_access` before a run.
     """
-    from ._base import ParamStore
-
     return isinstance(store, ParamStore) and store.holds_secrets
 
 
@@ -221,8 +158,7 @@ class StoreCredentials(WorkerPlugin):
 
     def setup(self, worker: Any = None) -> None:
         """Register the credentials in this process."""
-        with _lock:
-            _registry[_key(self.location)] = dict(self.secrets)
+        remember(self.location, self.secrets)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.location!r} {' '.join(sorted(self.secrets))}>"
@@ -267,8 +203,7 @@ def share_credentials(
     """
     location = _location(store_or_location)
     if not secrets and not env:
-        with _lock:
-            secrets = dict(_registry.get(_key(location), {}))
+        secrets = remembered(location)
         if not secrets:
             raise ValueError(
                 f"no credentials to share for {location!r}: none were given and this process has none registered "
@@ -302,7 +237,7 @@ def _remedy(location: str) -> str:
         "gcs": "GOOGLE_APPLICATION_CREDENTIALS",
         "az": "AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_TOKEN)",
     }
-    scheme = location.split("://", 1)[0].lower() if "://" in location else "file"
+    scheme = scheme_of(location)
     return (
         "A store never sends its secrets to other processes.  Give them credentials in one of these ways: "
         f"set {env.get(scheme, 'the provider credentials')} in the workers' and scheduler's environment; "

@@ -16,7 +16,7 @@ from ..errors import (
     TagExistsError,
     VersionNotFoundError,
 )
-from ._credentials import redact
+from ._secrets import redact
 
 _ACCESS = (
     "InvalidAccessKeyId",
@@ -102,7 +102,7 @@ def root_cause(exc: BaseException) -> str:
 def translate(exc: BaseException, what: str) -> Exception:
     """A vcdask error for ``exc``; ``what`` says what was being done ("opening 's3://b/p'").
 
-    The message never shows a secret registered in this process (see :func:`._credentials.redact`).
+    The message never shows a secret registered in this process (see :func:`._secrets.redact`).
     """
     err = _translate(exc, what)
     err.args = (redact(str(err.args[0])),)

@@ -10,19 +10,28 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 from zarr.storage import FsspecStore
 
 from ..errors import ReadOnlyStoreError, StoreAccessDeniedError, StoreError
-from ._credentials import redact
+from ._secrets import redact
 
-if TYPE_CHECKING:
-    from ._base import ParamStore
+__all__ = ["FilesOwner", "SideFiles"]
 
-__all__ = ["SideFiles"]
+
+class FilesOwner(Protocol):
+    """What :class:`SideFiles` needs of its store (a :class:`~vcdask.store.ParamStore`): its side files.
+
+    A Zarr store of the side files pickles as its owner and a path, and reopens through the owner's
+    :attr:`files` where it is unpickled.
+    """
+
+    @property
+    def files(self) -> SideFiles:
+        """The owner's side files."""
 
 
 def _modified(info: Mapping[str, Any]) -> float | None:
@@ -64,8 +73,8 @@ class SideFiles:
     where : str
         The store in words, for messages.
     writable : bool, default True
-    store : ParamStore, optional
-        The store these files belong to; :meth:`zarr_store` needs it.
+    store : FilesOwner, optional
+        The store these files belong to (a :class:`~vcdask.store.ParamStore`); :meth:`zarr_store` needs it.
     async_fs : callable, optional
         Makes an asynchronous filesystem like ``fs`` (for :meth:`zarr_store`).
     """
@@ -77,7 +86,7 @@ class SideFiles:
         where: str,
         *,
         writable: bool = True,
-        store: ParamStore | None = None,
+        store: FilesOwner | None = None,
         async_fs: Callable[[], Any] | None = None,
     ):
         self.fs = fs
@@ -212,7 +221,7 @@ class SideFiles:
 class _SideZarrStore(FsspecStore):
     """An fsspec Zarr store that pickles as (parameter store, path): never its filesystem's credentials."""
 
-    side: tuple[ParamStore, str]
+    side: tuple[FilesOwner, str]
 
     def __reduce__(self):
         return (_side_zarr_store, (*self.side, self.read_only))
@@ -221,5 +230,5 @@ class _SideZarrStore(FsspecStore):
         return _side_zarr_store(*self.side, read_only)
 
 
-def _side_zarr_store(store: ParamStore, path: str, read_only: bool) -> FsspecStore:
+def _side_zarr_store(store: FilesOwner, path: str, read_only: bool) -> FsspecStore:
     return store.files.zarr_store(path, read_only=read_only)

@@ -9,17 +9,20 @@ through a fresh :meth:`icechunk.Repository.reopen` (no I/O; an empty cache).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from ._base import VersionInfo
 from ._layout import is_version, version_info
+from ._version import VersionInfo
 
 if TYPE_CHECKING:
-    from ._icechunk import IcechunkParamStore
+    import icechunk
+
+    from ._backend import StoreBackend
 
 __all__ = [
     "HOLD_PREFIX",
     "PIN_PREFIX",
+    "HistoryStore",
     "empty_branch_message",
     "history",
     "is_reserved",
@@ -35,6 +38,33 @@ __all__ = [
 #: Hidden branches that keep a version for a branch's retention policy, and for a reader's hold.
 PIN_PREFIX = "vcdask.keep."
 HOLD_PREFIX = "vcdask.hold."
+
+
+class HistoryStore(Protocol):
+    """What this module reads of an Icechunk-backed store (:class:`~vcdask.store.IcechunkParamStore`).
+
+    Attributes
+    ----------
+    location : str
+        The store's location.
+    max_tries : int
+        Attempts per storage request.
+    _repo : icechunk.Repository
+        The store's repository.
+    _backend : StoreBackend
+        Its storage backend.
+    _pinned : dict of str to VersionInfo
+        Pinned versions read so far (a pinned version never changes).
+    """
+
+    location: str
+    max_tries: int
+    _repo: icechunk.Repository
+    _backend: StoreBackend
+    _pinned: dict[str, VersionInfo]
+
+    def branches(self) -> dict[str, str | None]:
+        """Branch name -> newest version id (None for an empty branch)."""
 
 
 def is_reserved(branch: str) -> bool:
@@ -61,7 +91,7 @@ def pins(names: set[str], branch: str) -> dict[str, str]:
     return {p[0]: name for name in names if (p := parse_pin(name)) is not None and p[1] == branch}
 
 
-def history(store: IcechunkParamStore, branch: str) -> list[VersionInfo]:
+def history(store: HistoryStore, branch: str) -> list[VersionInfo]:
     """The versions of ``branch``, newest first: its history, and the older versions pinned for it."""
     repo = store._repo.reopen()
     snaps = [s for s in repo.ancestry(branch=branch) if is_version(s)]
@@ -75,7 +105,7 @@ def history(store: IcechunkParamStore, branch: str) -> list[VersionInfo]:
     return sorted(out, key=lambda v: v.written_at, reverse=True)
 
 
-def reachable(store: IcechunkParamStore, version: str) -> bool:
+def reachable(store: HistoryStore, version: str) -> bool:
     """Whether a branch or tag still reaches ``version`` (so no collection can delete it unseen)."""
     import icechunk
 
@@ -96,7 +126,7 @@ def reachable(store: IcechunkParamStore, version: str) -> bool:
     return False
 
 
-def version_nbytes(store: IcechunkParamStore, version: str) -> int:
+def version_nbytes(store: HistoryStore, version: str) -> int:
     """Bytes of one version's parameter arrays as stored (uncompressed chunks; metadata only is read)."""
     import zarr
 
@@ -105,7 +135,7 @@ def version_nbytes(store: IcechunkParamStore, version: str) -> int:
     return sum(int(a.nbytes) for _, a in group.arrays())
 
 
-def store_nbytes(store: IcechunkParamStore) -> int:
+def store_nbytes(store: HistoryStore) -> int:
     """Bytes of every object of the store: versions, Icechunk's metadata and the side files."""
     fs, root = store._backend.filesystem(max_tries=store.max_tries)
     total = int(fs.du(root, total=True)) if fs.exists(root) else 0
@@ -114,7 +144,7 @@ def store_nbytes(store: IcechunkParamStore) -> int:
     return total
 
 
-def empty_branch_message(store: IcechunkParamStore, branch: str) -> str:
+def empty_branch_message(store: HistoryStore, branch: str) -> str:
     """Why ``branch`` has nothing to read, and which branches do (runs write their own, never ``main``)."""
     heads = {b: v for b, v in store.branches().items() if v is not None and b != branch}
     where = f"branch {branch!r} of {store._backend.describe()} has no vcdask version yet"
@@ -128,7 +158,7 @@ def empty_branch_message(store: IcechunkParamStore, branch: str) -> str:
     )
 
 
-def point_to_runs(store: IcechunkParamStore) -> None:
+def point_to_runs(store: HistoryStore) -> None:
     """Warn that an empty ``"main"`` is not where a run's versions are: every run writes its own branch
     (its run id); the newest is named (``vcdask versions STORE`` lists that one by default)."""
     runs = sorted(b for b in store.branches() if b.startswith("run-"))

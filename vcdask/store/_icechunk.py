@@ -1,32 +1,39 @@
-"""The Icechunk-backed parameter store (every backend: local, memory, S3, GCS, Azure).
+"""The Icechunk-backed parameter store (every backend: local, memory, S3, GCS, Azure), and
+:func:`open_store`, which makes one (it lives beside the class: a store pickles as a call of it).
 
 One version is one Icechunk snapshot holding the model's flat parameters in one or two
 Zarr arrays (see :mod:`._layout`).  Opening or creating the repository is in
-:mod:`._repository`; where the credentials come from is in :mod:`._credentials`.
+:mod:`._repository`; where the credentials come from is in :mod:`._credentials`.  The class's
+methods are thin: committing is in :mod:`._commit`, reading in :mod:`._read`, branches and
+tags in :mod:`._names`, history and sizes in :mod:`._history`, retention in :mod:`._collect`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import config
-from ..errors import ReadOnlyStoreError, VersionNotFoundError
+from ..errors import ReadOnlyStoreError
 from ..params import FlatParams, flatten
 from ._base import Checkpoint, ParamStore, VersionInfo
-from ._checksum import CHECKSUM_KEY, Hasher, recorded_piece, verify
 from ._collect import gc, hold
 from ._commit import LastCommit, commit_version
-from ._credentials import lookup_credentials, register_credentials
-from ._errors import quiet_logs, ref_error, translate
+from ._credentials import register_credentials
+from ._errors import quiet_logs, ref_error
 from ._files import SideFiles
-from ._flatread import Seen, read_flat
-from ._history import empty_branch_message, history, is_reserved, point_to_runs, store_nbytes, version_nbytes
-from ._layout import is_version, version_info
+from ._flatread import Seen
+from ._history import history, is_reserved, point_to_runs, store_nbytes, version_nbytes
+from ._layout import is_version
+from ._names import create_branch, create_tag, head
+from ._read import read_version
 from ._repository import open_repository
 from ._retention import GCReport
+from ._schemes import backend_for
+from ._secrets import lookup_credentials
 from ._state import StateWriter, read_state
 
 if TYPE_CHECKING:
@@ -114,8 +121,6 @@ class IcechunkParamStore(ParamStore):
 
     # -- pickling: reopen the same location elsewhere, without the secrets --------------
     def __reduce__(self):
-        from . import open_store
-
         return (_reopen, (open_store, self.location, self._open_args))
 
     # -- writing ----------------------------------------------------------------------
@@ -163,8 +168,7 @@ class IcechunkParamStore(ParamStore):
         ReadOnlyStoreError
             The store was opened with ``mode="r"``.
         """
-        if not self.writable:
-            raise ReadOnlyStoreError(f"cannot commit to {self.location!r}: it was opened with mode='r'")
+        self._check_writable("commit to")
         return commit_version(self, flatten(params), metadata, branch, message, parent, state, keep_from)
 
     # -- reading ----------------------------------------------------------------------
@@ -189,38 +193,7 @@ class IcechunkParamStore(ParamStore):
         VersionNotFoundError
             Unknown version, tag or branch, or a branch with no versions yet.
         """
-        import icechunk
-
-        if version is not None and tag is not None:
-            raise ValueError(f"give version or tag, not both (got version={version!r}, tag={tag!r})")
-        for attempt in (1, 2):
-            try:
-                if tag is not None:
-                    session = self._repo.readonly_session(tag=tag)
-                elif version is not None:
-                    session = self._repo.readonly_session(snapshot_id=version)
-                else:
-                    session = self._repo.readonly_session(branch=branch)
-                snap = self._repo.lookup_snapshot(session.snapshot_id)
-                break
-            except icechunk.IcechunkError as e:
-                err = self._ref_error(e, version=version, tag=tag, branch=branch)
-                if attempt == 1 and isinstance(err, VersionNotFoundError):
-                    continue  # ask once more: Icechunk says "not found" for a fetch that failed, too
-                raise err from None
-        if not is_version(snap):
-            if tag is None and version is None:
-                raise VersionNotFoundError(empty_branch_message(self, branch))
-            raise VersionNotFoundError(f"{tag or version!r} in {self._backend.describe()} has no vcdask version yet")
-        recorded = (snap.metadata or {}).get(CHECKSUM_KEY)
-        piece = recorded_piece(recorded)
-        hasher = None if piece is None else Hasher(piece)
-        try:
-            params = read_flat(session.store, self._seen, hasher=hasher)
-        except icechunk.IcechunkError as e:
-            raise translate(e, f"reading version {snap.id!r} from {self._backend.describe()}") from None
-        verify(params, recorded, f"version {snap.id!r} of {self._backend.describe()}", hasher)
-        return Checkpoint(version_info(snap, self._parent_or_none(snap)), params)
+        return read_version(self, version, branch, tag)
 
     def read_state(self, version: str) -> dict[str, FlatParams]:
         """The merge rule's state committed with ``version`` (empty when the rule keeps none).
@@ -266,12 +239,7 @@ class IcechunkParamStore(ParamStore):
 
     def head(self, branch="main") -> str | None:
         """The newest version id on ``branch``, or None when the branch has no versions yet."""
-        import icechunk
-
-        try:
-            return self._version_or_none(self._repo.lookup_branch(branch))
-        except icechunk.IcechunkError as e:
-            raise self._ref_error(e, branch=branch) from None
+        return head(self, branch)
 
     # -- names ------------------------------------------------------------------------
     def tag(self, name: str, version: str) -> None:
@@ -284,14 +252,8 @@ class IcechunkParamStore(ParamStore):
         VersionNotFoundError
             ``version`` is not a version of this store.
         """
-        import icechunk
-
         self._check_writable("tag")
-        self._require_version(version)
-        try:
-            self._repo.create_tag(name, version)
-        except icechunk.IcechunkError as e:
-            raise translate(e, f"tagging version {version!r} as {name!r}") from None
+        create_tag(self, name, version)
 
     def tags(self) -> dict[str, str]:
         """Tag name -> version id."""
@@ -307,20 +269,8 @@ class IcechunkParamStore(ParamStore):
         VersionNotFoundError
             ``version`` is not a version of this store.
         """
-        import icechunk
-
         self._check_writable("create a branch in")
-        if is_reserved(name):
-            raise ValueError(f"branch names starting with 'vcdask.keep.' or 'vcdask.hold.' belong to vcdask: {name!r}")
-        if name in self._repo.list_branches():
-            from ..errors import BranchExistsError
-
-            raise BranchExistsError(f"branch {name!r} already exists in {self._backend.describe()}")
-        start = self._root_snapshot() if version is None else self._require_version(version)
-        try:
-            self._repo.create_branch(name, start)
-        except icechunk.IcechunkError as e:
-            raise translate(e, f"creating branch {name!r}") from None
+        create_branch(self, name, version)
 
     def branches(self) -> dict[str, str | None]:
         """Branch name -> newest version id (None for a branch with no versions)."""
@@ -361,36 +311,85 @@ class IcechunkParamStore(ParamStore):
             return None
         return snapshot_id if is_version(self._repo.lookup_snapshot(snapshot_id)) else None
 
-    def _parent_or_none(self, snap) -> str | None:
-        """The version before ``snap``; None for the first, or for one collected since ``snap`` was
-        looked up (a collection also rewrites the parent of the versions it keeps)."""
-        import icechunk
-
-        try:
-            return self._version_or_none(snap.parent_id)
-        except icechunk.IcechunkError as e:
-            err = self._ref_error(e, version=snap.parent_id)
-            if isinstance(err, VersionNotFoundError):
-                return None
-            raise err from None
-
-    def _require_version(self, version: str) -> str:
-        import icechunk
-
-        try:
-            snap = self._repo.lookup_snapshot(version)
-        except icechunk.IcechunkError as e:
-            raise self._ref_error(e, version=version) from None
-        if not is_version(snap):
-            raise VersionNotFoundError(f"{version!r} is not a vcdask version of {self._backend.describe()}")
-        return version
-
-    def _root_snapshot(self) -> str:
-        *_, root = self._repo.ancestry(branch="main")
-        return root.id
-
     def _ref_error(self, e: Exception, *, version=None, tag=None, branch=None) -> Exception:
         return ref_error(self._repo, self._backend.describe(), e, version=version, tag=tag, branch=branch)
+
+
+def open_store(
+    location: str | os.PathLike | ParamStore,
+    *,
+    mode: str = "a",
+    chunk_bytes: int | None = None,
+    commit_retries: int | None = None,
+    max_tries: int | None = None,
+    **storage_options: Any,
+) -> ParamStore:
+    """Open (or create) a versioned parameter store.
+
+    Parameters
+    ----------
+    location : str, path-like or ParamStore
+        A local directory (``"runs/store"`` or ``"file:///..."``), ``"memory://name"``
+        (this process only), ``"s3://bucket/prefix"``, ``"gs://bucket/prefix"`` or
+        ``"az://container/prefix"``.  A ParamStore is returned unchanged.
+    mode : {"a", "r", "r+", "w-"}, default "a"
+        ``"a"`` opens or creates; ``"r"`` opens an existing store read-only; ``"r+"``
+        opens an existing store for writing; ``"w-"`` creates and fails if one exists.
+    chunk_bytes : int, optional
+        Chunk size of the stored flat arrays (default ``vcdask.store.chunk-bytes``).
+    commit_retries : int, optional
+        Retries of a commit that lost a race with another writer (default ``vcdask.store.commit-retries``).
+    max_tries : int, optional
+        Attempts per storage request on transient faults (default ``vcdask.store.max-tries``).  On S3,
+        Icechunk 1.1.21 makes 10 tries of its own requests whatever this says (the stores guide).
+    **storage_options
+        Backend options.  S3: ``endpoint_url``, ``region``, ``allow_http``, ``force_path_style``,
+        ``access_key_id``/``key``, ``secret_access_key``/``secret``, ``session_token``/``token``,
+        ``anonymous``, ``client_kwargs`` (s3fs spelling).  Without credentials the standard
+        AWS chain is used (environment, config files, instance metadata).
+        GCS: ``service_account_file``, ``service_account_key``, ``application_credentials``,
+        ``bearer_token``, ``anonymous``.  Azure: ``account`` (required), ``access_key``,
+        ``sas_token``, ``bearer_token``.
+        Secret options (S3 ``access_key_id``, ``secret_access_key``, ``session_token``; GCS
+        ``service_account_key``, ``bearer_token``; Azure ``access_key``, ``sas_token``,
+        ``bearer_token``) are used in this process only: a pickled copy of the store (a task
+        argument, a run's spec) leaves them out and uses the credentials of the process that
+        unpickles it; see :func:`share_credentials` and :func:`check_cluster_access`.
+
+    Returns
+    -------
+    ParamStore
+
+    Raises
+    ------
+    InvalidLocationError
+        Unknown scheme or storage option (the message lists the valid ones), or a bad mode.
+    StoreNotFoundError
+        No store there (``mode="r"``/``"r+"``), a missing bucket, or a directory that holds something else.
+    StoreAccessDeniedError
+        Credentials refused.
+    StoreUnreachableError
+        The endpoint cannot be reached.
+
+    Examples
+    --------
+    >>> store = open_store("memory://doctest")
+    >>> import torch
+    >>> v = store.commit(torch.nn.Linear(2, 1), {"epoch": 0})
+    >>> store.read(v).metadata
+    {'epoch': 0}
+    """
+    if isinstance(location, ParamStore):
+        return location
+    backend = backend_for(location, mode, storage_options)
+    return IcechunkParamStore(
+        backend, mode, chunk_bytes=chunk_bytes, commit_retries=commit_retries, max_tries=max_tries
+    )
+
+
+# A store pickles as a call of ``_reopen(open_store, ...)`` (``__reduce__``), and the run specs written to
+# stores hold such pickles: they name it by its public path, as ever, whichever module defines it.
+open_store.__module__ = "vcdask.store"
 
 
 _reopened: dict[tuple, IcechunkParamStore] = {}

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..params import FlatParams, Layout, torch_dtype
-from ._base import VersionInfo
+from ._version import VersionInfo
 
 if TYPE_CHECKING:
     import icechunk

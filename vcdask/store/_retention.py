@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._base import VersionInfo
+from ._version import VersionInfo
 
 __all__ = ["GCReport", "Retention", "check_retention", "select"]
 
