@@ -147,3 +147,18 @@ def test_patience_counts_from_a_resume():
     epoch, stop = _run_epochs(ledger, [1.0, 0.5, 0.6, 0.7, 0.8, 0.9], "loss")
     assert epoch == 6 and ledger.best["epoch"] == 2  # not at epoch 4: two epochs after the resume
     assert stop.endswith("(best 0.5 at epoch 2)")
+
+
+def test_one_place_decides_the_hold_out_for_fit_and_jobs():
+    """``vcdask.holdout.hold_out`` (called by ``plan_run``, which ``fit`` and ``vcdask train`` both use):
+    validation as given, else 10% for a target or for early stopping, and a monitor alone is refused."""
+    from vcdask.holdout import HOLD_OUT, hold_out
+
+    assert hold_out(None, target=None, patience=None, monitor=None) is None  # as Keras and scikit-learn
+    assert hold_out(0.3, target={"accuracy": 0.9}, patience=2, monitor=None) == 0.3
+    assert hold_out(None, target={"accuracy": 0.9}, patience=None, monitor=None) == HOLD_OUT == 0.1
+    assert hold_out(None, target=None, patience=2, monitor="accuracy") == HOLD_OUT
+    with pytest.raises(ValueError, match=r"monitor='accuracy' follows a validation metric, but this fit has no"):
+        hold_out(None, target=None, patience=None, monitor="accuracy")
+    with pytest.raises(TypeError, match="patience must be an integer >= 1"):
+        hold_out(0.2, target=None, patience="2", monitor=None)

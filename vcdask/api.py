@@ -17,7 +17,7 @@ from .handle import FitResult, RunHandle
 from .lr_schedules import RunSchedule
 from .options import plan_run
 from .resilience import Resilience
-from .runs import check_early_stopping, launch, resume
+from .runs import launch, resume
 from .store import ParamStore, Retention
 
 logger = logging.getLogger(__name__)
@@ -263,17 +263,6 @@ def fit(
             "fit(model, (X, y)) with X and y as one tuple (not scikit-learn's fit(X, y)), or a DataFrame "
             "with label='column'; every other option by keyword"
         )
-    if patience is not None or monitor is not None:
-        check_early_stopping(patience, monitor, None, [monitor or "loss"], validated=False)  # types, before the data
-        if validation is None and patience is None:
-            raise ValueError(
-                f"monitor={monitor!r} follows a validation metric, but this fit has no validation data: "
-                "pass validation= (a fraction such as 0.2, or held-out data), or patience= for early "
-                "stopping (which holds out 10% of the data by itself)"
-            )
-        if validation is None:
-            logger.info("early stopping without validation data: holding out 10%% of the training data")
-            validation = 0.1
     plan = plan_run(
         model,
         data,
@@ -313,12 +302,7 @@ def fit(
         clip_grad_norm=clip_grad_norm,
         compression=compression,
         speed_adaptive=speed_adaptive,
+        patience=patience,
+        monitor=monitor,
     )
-    patience, monitor = check_early_stopping(
-        patience,
-        monitor,
-        plan.target,
-        plan.options["metric_names"] or ("loss", *plan.metrics),
-        validated=plan.validation is not None,
-    )
-    return launch(plan, client, model, wait=wait, progress=progress, patience=patience, monitor=monitor)
+    return launch(plan, client, model, wait=wait, progress=progress, patience=plan.patience, monitor=plan.monitor)

@@ -10,16 +10,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import config
+from ._ints import positive_int
 from .cluster import check_client
 from .compress import check_compression
 from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
 from .device import check_device, check_precision
 from .finite import check_finite
+from .holdout import check_early_stopping, hold_out
 from .inner import check_optimizer_state, check_schedule
 from .merge import MergeRule, get_rule
 from .overlap import check_overlap
@@ -74,25 +75,6 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> float:
 
 
 METRICS: dict[str, Callable] = {"accuracy": accuracy, "mae": mae, "mse": mse}
-
-
-def positive_int(name: str, value: Any, minimum: int = 1, *, also: str = "") -> int:
-    """``value`` as an int >= ``minimum``; the error names the value (and ``also``, another choice).
-
-    Raises
-    ------
-    TypeError
-        Not an integer (``max_epochs='3'``, ``2.5``, ``True``); a string where ``also`` names a string
-        choice is a ValueError.
-    ValueError
-        An integer below ``minimum``, or an unknown string choice.
-    """
-    message = f"{name} must be an integer >= {minimum}{f' or {also}' if also else ''}, got {value!r}"
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise (ValueError if also and isinstance(value, str) else TypeError)(message)
-    if value < minimum:
-        raise ValueError(message)
-    return int(value)
 
 
 def resolve_loss(loss, classification: bool) -> Callable:
@@ -163,6 +145,9 @@ class RunPlan:
     x_dtype: torch.dtype
     n_shards: int | None  # None: Shards.default, from the cluster's threads when the run starts
     options: dict[str, Any]  # the remaining RunSpec fields
+    metric_names: tuple[str, ...] = ("loss",)  # what validation reports: "loss" first, then the metrics
+    patience: int | None = None  # early stopping, checked (vcdask.holdout.check_early_stopping)
+    monitor: str | None = None  # the metric it (and FitResult.best_version) follows; None: not validated
 
 
 def plan_run(
@@ -205,8 +190,14 @@ def plan_run(
     retention=None,
     compression=None,
     speed_adaptive=False,
+    patience=None,
+    monitor=None,
 ) -> RunPlan:
-    """Check every argument of :func:`fit` and prepare the data; raise before any cluster work."""
+    """Check every argument of :func:`fit` and prepare the data; raise before any cluster work.
+
+    The one place that decides the validation a run gets (:func:`vcdask.holdout.hold_out`), the metrics
+    it reports (:attr:`RunPlan.metric_names`) and its early stopping (``patience``, ``monitor``), for
+    ``fit`` and ``vcdask train`` alike."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_client(client)
@@ -241,6 +232,7 @@ def plan_run(
     training = _check_training(
         train_step, eval_step, loss, metrics, device, precision, optimizer_state, lr_schedule, clip_grad_norm
     )
+    validation = hold_out(validation, target=target, patience=patience, monitor=monitor)
     if validation is not None and isinstance(validation, (int, float)) and not isinstance(validation, bool):
         if not 0.0 < float(validation) < 1.0:
             raise ValueError(f"validation as a fraction must be in (0, 1), got {validation!r}")
@@ -266,9 +258,6 @@ def plan_run(
         loss_fn, metric_fns, cast_x = resolve_loss(loss, prepared.classification), {}, False
         metric_names = tuple(check_steps(model, probe_batch(prepared, x_dtype), train_step, eval_step))
     target = check_target(target, [m for m in metric_names if m != "loss"])
-    if target is not None and validation is None:
-        logger.info("target given without validation data: holding out 10%% of the training data")
-        validation = 0.1
     screens = [n for n in NEEDS_VALIDATION if getattr(resilience, n) is not None]
     if screens and validation is None:
         raise ValueError(
@@ -300,10 +289,13 @@ def plan_run(
             "runs worker processes; use a directory or object-store location, or pass a client "
             "whose workers run in this process (LocalCluster(processes=False))"
         )
+    reported = tuple(dict.fromkeys(("loss", *metric_names)))
+    validated = val_prepared or split_val
+    patience, monitor = check_early_stopping(patience, monitor, target, reported, validated is not None)
     return RunPlan(
         model=model,
         train=prepared,
-        validation=val_prepared or split_val,
+        validation=validated,
         store=param_store,
         rule=rule,
         loss=loss_fn,
@@ -328,6 +320,9 @@ def plan_run(
             "feature_names": prepared.feature_names,
             "cast_x": cast_x,
         },
+        metric_names=reported,
+        patience=patience,
+        monitor=monitor,
     )
 
 

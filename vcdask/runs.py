@@ -16,7 +16,6 @@ import os
 import pickle
 import secrets
 import time
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal, overload
 
@@ -26,6 +25,7 @@ from .cluster import check_client, owns_client, resolve_client
 from .data import Shards
 from .errors import VersionNotFoundError
 from .handle import FitResult, RunHandle, ensure_plugin
+from .holdout import check_early_stopping
 from .inner import memory_steps, resolve_optimizer_state
 from .merge import for_run
 from .options import DEFAULT_STORE, RunPlan, positive_int
@@ -41,33 +41,6 @@ __all__ = ["check_early_stopping", "epochs_done", "launch", "new_run_id", "resum
 def new_run_id() -> str:
     """A fresh run id: ``run-<UTC time>-<6 hex digits>`` (also the run's branch in its store)."""
     return f"run-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
-
-
-def check_early_stopping(
-    patience: Any, monitor: Any, target: dict[str, float] | None, metric_names: Sequence[str], validated: bool
-) -> tuple[int | None, str | None]:
-    """``patience`` and the metric it (and ``FitResult.best_version``) follows, checked.
-
-    The default ``monitor``: the ``target``'s (first) metric, else the first metric that is not the
-    loss, else the loss.  None without validation data (nothing to monitor).
-
-    Raises
-    ------
-    ValueError, TypeError
-        ``patience`` not a positive integer, or ``monitor`` not a computed metric (the valid ones listed).
-    """
-    if patience is not None:
-        patience = positive_int("patience", patience)
-    if monitor is not None and not isinstance(monitor, str):
-        raise TypeError(f"monitor must be the name of a validation metric, got {type(monitor).__name__}")
-    names = list(dict.fromkeys(["loss", *metric_names]))
-    if monitor is not None and monitor not in names:
-        raise ValueError(f"monitor={monitor!r} is not a validation metric of this run; available: {names}")
-    if not validated:
-        return patience, None
-    if monitor is None:
-        monitor = next(iter(target)) if target else next((n for n in names if n != "loss"), "loss")
-    return patience, monitor
 
 
 def start_record(model: torch.nn.Module, store: ParamStore) -> dict[str, Any] | None:

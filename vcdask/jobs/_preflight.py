@@ -113,7 +113,6 @@ def _plan(prepared: Prepared) -> None:
 
     from .. import api
     from ..options import plan_run
-    from ..runs import check_early_stopping
 
     job = prepared.job
     kwargs = {
@@ -122,18 +121,10 @@ def _plan(prepared: Prepared) -> None:
         if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
     }
     kwargs.update(fit_kwargs(prepared), client=None)
-    patience, monitor = kwargs.get("patience"), kwargs.get("monitor")
     try:
-        if patience is not None or monitor is not None:
-            check_early_stopping(patience, monitor, None, [monitor or "loss"], validated=False)
-            if kwargs["validation"] is None and patience is None:
-                raise ValueError("monitor= follows a validation metric: add validation: (a path or a fraction)")
-            if kwargs["validation"] is None:  # fit holds out 10% for early stopping
-                kwargs["validation"] = 0.1
         takes = inspect.signature(plan_run).parameters
         plan = plan_run(prepared.model, prepared.data, **{k: v for k, v in kwargs.items() if k in takes})
-        names = list(dict.fromkeys(["loss", *(plan.options.get("metric_names") or plan.metrics)]))
-        check_early_stopping(patience, monitor, plan.target, names, validated=plan.validation is not None)
+        names = list(plan.metric_names)
     except (ValueError, TypeError) as e:  # fit's own checks: the job's options are wrong
         raise JobFileError(job.path, _blamed(prepared, kwargs, e), f"rejected by vcdask.fit: {e}") from None
     rule = job.release
