@@ -72,7 +72,7 @@ def test_commit_whose_answer_was_lost_is_adopted_not_repeated(tmp_path):
     its own commit at the head, and adopts it — one version, not two."""
     store, state = _state(tmp_path, commit_every=2)
     state.merge(_upload(store, 0, 2.0))
-    state.merge(_upload(store, 1, 4.0), force_commit=False)  # commit_every=2: this one commits
+    state.merge(_upload(store, 1, 4.0))  # commit_every=2: this one commits
     before = store.versions("run-x")
     assert len(before) == 2
     state.merge(_upload(store, 2, 6.0))  # merged, not yet committed

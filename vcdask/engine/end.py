@@ -25,9 +25,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["best_version", "finish", "read_record", "release", "stop_kind", "write_record"]
 
-#: A record's ``status`` -> what ``vcdask runs`` shows (``stopped`` is spelled with its ``stop_kind``).
-STATUSES = ("running", "finished", "stopped", "cancelled", "failed")
-
 
 async def finish(run: Run) -> None:
     """Cancel the copies still out (and the results handed over but not merged), commit what is

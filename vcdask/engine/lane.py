@@ -78,7 +78,7 @@ class MergeLane:
         ahead: str | None,
     ) -> dict[str, Any]:
         self.server.in_use_step = in_use_step  # (in the merge thread: it is the only reader)
-        return self.server.merge(record, completes, max_staleness, completes, more, ahead)
+        return self.server.merge(record, max_staleness=max_staleness, completes=completes, more=more, ahead=ahead)
 
     async def commit(self) -> None:
         """Commit the merges not yet in a version (a no-op when there are none)."""

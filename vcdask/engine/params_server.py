@@ -55,7 +55,7 @@ class ParamsServer(Committing):
         The merge rule (a callable ``epoch -> alpha`` means :class:`~vcdask.merge.VCASGD` with it).
     run_id : str
     commit_every : int or "auto"
-        Commit after this many merges (``merge(..., force_commit=True)`` commits at once).
+        Commit after this many merges (a merge that ``completes`` its epoch commits at once).
     keep_updates : bool
         Keep update objects after their merge is committed.
     max_update_norm : float, optional
@@ -199,7 +199,6 @@ class ParamsServer(Committing):
     def merge(
         self,
         record: dict[str, Any],
-        force_commit: bool = False,
         max_staleness: int | None = None,
         completes: bool = False,
         more: bool = False,
@@ -252,8 +251,8 @@ class ParamsServer(Committing):
         self.uncommitted.append(record)
         self._progress(record, completes)
         due = len(self.uncommitted) >= self.commit_every
-        if force_commit or completes or (due and not (self.fold and more and len(self.uncommitted) < FOLD_MAX)):
-            draft = self.packed() if self.drafts and not (force_commit or completes) else None
+        if completes or (due and not (self.fold and more and len(self.uncommitted) < FOLD_MAX)):
+            draft = self.packed() if self.drafts and not completes else None
             if draft is None:
                 self.commit()
             else:  # the caller gives it as a base, then commits it (``version_id`` is None till then)
