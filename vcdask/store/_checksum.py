@@ -80,14 +80,8 @@ ALGORITHM = "sum64xor64"
 
 
 def _sum_xor(piece: memoryview) -> str:
-    """``"<sum>:<xor>"`` (16 hex digits each) of the piece's little-endian 64-bit words."""
-    whole = len(piece) // 8 * 8
-    words = np.frombuffer(piece[:whole], dtype="<u8")
-    total = int(np.add.reduce(words, dtype=np.uint64)) if whole else 0
-    xor = int(np.bitwise_xor.reduce(words)) if whole else 0
-    if whole < len(piece):  # the tail, padded with zeros to a word
-        last = int.from_bytes(bytes(piece[whole:]).ljust(8, b"\0"), "little")
-        total, xor = (total + last) % 2**64, xor ^ last
+    """``"<sum>:<xor>"`` (16 hex digits each) of the piece's little-endian 64-bit words (:func:`_segment`)."""
+    total, xor = _segment(np.frombuffer(piece, dtype=np.uint8))
     return f"{total:016x}:{xor:016x}"
 
 
@@ -129,7 +123,8 @@ class Hasher:
     copy.  The sums and XORs of a piece's segments add up to the piece's (both are sums, modulo 2**64 and
     bitwise).
 
-    :func:`verify` takes the result when every array was fed whole, and hashes the read's arrays itself
+    :func:`verify` takes the result when every array was fed whole and marked so (:meth:`finish`: a reader
+    marks them only once it knows the bytes are the version's), and hashes the read's arrays itself
     otherwise (a read through Zarr, or chunks that do not start on a 64-bit word).
     """
 
@@ -156,11 +151,6 @@ class Hasher:
         """Every byte of ``dtype``'s array went through :meth:`add`."""
         if dtype not in self._broken:
             self._done.add(dtype)
-
-    def take(self, other: Hasher, dtypes) -> None:
-        """What ``other`` was fed, every byte of the arrays of ``dtypes`` among it."""
-        self._parts, self._broken = other._parts, set(other._broken)
-        self._done = {d for d in dtypes if d not in self._broken}
 
     def result(self, dtypes, nbytes: dict[str, int]) -> dict[str, Any] | None:
         """Checksums as :func:`checksums` gives them (arrays of ``nbytes[dtype]`` bytes), if every array of
