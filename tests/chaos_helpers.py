@@ -53,8 +53,7 @@ def _executing_training(dask_worker=None) -> list[str]:
 def _started_keys(dask_scheduler=None) -> list[str]:
     """Training copies the live runs have seen start (their deadlines are running)."""
     plugin = dask_scheduler.plugins.get("vcdask")
-    runs = plugin.runs.values() if plugin is not None else ()
-    return [str(k) for run in runs if not run.done.is_set() for k, t in run.tasks.updates() if t.started is not None]
+    return [row["key"] for row in (plugin.copies() if plugin is not None else ()) if row["started"]]
 
 
 def wait_for_executing_worker(client, timeout: float = 60) -> str:
@@ -75,14 +74,8 @@ def _running_started_on(address: str, based: bool = False, dask_scheduler=None) 
     """Training copies the live runs have seen start (and, with ``based``, got their base version) that
     the scheduler still has processing on ``address``."""
     plugin = dask_scheduler.plugins.get("vcdask")
-    runs = plugin.runs.values() if plugin is not None else ()
-    keys = [
-        k
-        for run in runs
-        if not run.done.is_set()
-        for k, t in run.tasks.updates()
-        if t.started is not None and (t.based or not based)
-    ]
+    copies = plugin.copies() if plugin is not None else ()
+    keys = [row["key"] for row in copies if row["started"] and (row["based"] or not based)]
     # A copy that finished there just before the stop, its result not yet read by the run: the run
     # gives up on the stopped worker after results.PATIENCE and reads that result from the store
     # (test_a_result_its_worker_cannot_hand_over_is_read_from_the_store).  A different fault from the
@@ -496,10 +489,8 @@ def copies_in_flight(dask_scheduler=None) -> list[dict]:
     state (what a test that waited in vain reports)."""
     plugin = dask_scheduler.plugins.get("vcdask")
     return [
-        {"key": k, "worker": t.worker, "based": t.based, "overdue": t.overdue, "started": t.started is not None}
-        for run in (plugin.runs.values() if plugin else ())
-        if not run.done.is_set()
-        for k, t in run.tasks.updates()
+        {"key": row["key"], "worker": row["started_on"], **{k: row[k] for k in ("based", "overdue", "started")}}
+        for row in (plugin.copies() if plugin else ())
     ]
 
 
@@ -508,10 +499,7 @@ def superseded_on(address, dask_scheduler=None) -> bool:
     copy has since merged (its own result, once back, can only be late)."""
     plugin = dask_scheduler.plugins.get("vcdask")
     return any(
-        t.worker == address and t.overdue and run.ledger.is_merged(t.epoch, t.shard)
-        for run in (plugin.runs.values() if plugin else ())
-        if not run.done.is_set()
-        for _, t in run.tasks.updates()
+        row["started_on"] == address and row["overdue"] and row["merged"] for row in (plugin.copies() if plugin else ())
     )
 
 
@@ -520,9 +508,7 @@ def copies_started_on(address, dask_scheduler=None) -> list[str]:
     their base, not overdue) in the live runs."""
     plugin = dask_scheduler.plugins.get("vcdask")
     return [
-        k
-        for run in (plugin.runs.values() if plugin else ())
-        if not run.done.is_set()
-        for k, t in run.tasks.updates()
-        if t.based and t.worker == address and not t.overdue
+        row["key"]
+        for row in (plugin.copies() if plugin else ())
+        if row["based"] and row["started_on"] == address and not row["overdue"]
     ]

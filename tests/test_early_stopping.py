@@ -21,7 +21,7 @@ def _run_epochs(ledger, values, name):
     """Merge one shard per epoch and validate its version with ``{name: value}``; the stop reason."""
     for epoch, value in enumerate(values, start=1):
         ledger.record(epoch, 0, 0, "merged", accepted=True, train_loss=1.0, new_version=epoch)
-        ledger.merge(epoch, 0, seconds=1.0, step=epoch)
+        ledger.note_merged(epoch, 0, seconds=1.0, step=epoch)
         ledger.validate(epoch, {name: value})
         stop = ledger.close_epochs()
         if stop is not None:

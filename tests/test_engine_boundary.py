@@ -14,6 +14,7 @@ from vcdask.engine.committing import Head
 from vcdask.engine.handshake import Handshake
 from vcdask.engine.lane import MergeLane
 from vcdask.engine.params_server import ParamsServer
+from vcdask.merge import VCASGD
 from vcdask.params import flatten
 from vcdask.schedules import Constant
 from vcdask.updates import update_path, write_update
@@ -23,7 +24,7 @@ def _server(tmp_path, **kw) -> ParamsServer:
     store = open_store(tmp_path / "s")
     store.create_branch("run-x")
     store.commit(flatten({"w": torch.zeros(4)}), {"run_id": "run-x", "step": 0, "merged": []}, branch="run-x")
-    return ParamsServer(store, "run-x", Constant(0.5), "run-x", **kw)
+    return ParamsServer(store, "run-x", VCASGD(alpha=Constant(0.5)), "run-x", **kw)
 
 
 def _upload(server: ParamsServer, shard: int, value: float) -> dict:

@@ -68,7 +68,7 @@ def test_held_counts_a_copy_where_it_was_placed_until_dask_assigns_it():
     (the second then queued behind the first there: behind a frozen worker, for its whole deadline)."""
     scheduler = _Scheduler({})
     tasks = InFlight(scheduler=scheduler)
-    tasks.tasks = {
+    tasks.records = {
         "running": TaskRecord("update", 1, 0, placed="a"),
         "moved": TaskRecord("update", 1, 1, placed="a"),
         "sent": TaskRecord("update", 1, 2, placed="b"),

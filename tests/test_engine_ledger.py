@@ -33,9 +33,9 @@ def test_epoch_closes_when_its_shards_are_merged_or_skipped():
     led, sched = _ledger()
     assert led.remaining(1) == 3 and not led.completes(1, 0)
     led.record(1, 0, 0, "merged", accepted=True, train_loss=1.0, new_version=1)
-    assert led.merge(1, 0, seconds=2.0, step=1) is False
+    assert led.note_merged(1, 0, seconds=2.0, step=1) is False
     led.record(1, 1, 0, "merged", accepted=True, train_loss=3.0, new_version=2)
-    led.merge(1, 1, seconds=4.0, step=2)
+    led.note_merged(1, 1, seconds=4.0, step=2)
     assert led.done(1, 1) and not led.done(1, 2) and led.completes(1, 2) and not led.completes(1, 1)
     assert led.close_epochs() is None and led.epochs == []
     assert led.skip(1, 2, step=2) is True  # the last shard skipped: the epoch is complete
@@ -51,12 +51,12 @@ def test_epoch_closes_when_its_shards_are_merged_or_skipped():
 def test_validated_epochs_wait_for_their_numbers_and_stop_at_the_target():
     led, _ = _ledger(n_shards=1, validated=True, target={"accuracy": 0.9})
     led.record(1, 0, 0, "merged", accepted=True, train_loss=0.5, new_version=1)
-    assert led.merge(1, 0, 1.0, step=1) is True  # the only shard: it completes the epoch
+    assert led.note_merged(1, 0, 1.0, step=1) is True  # the only shard: it completes the epoch
     assert led.close_epochs() is None and not led.epochs  # waits for the validation of step 1
     led.validate(1, {"accuracy": 0.8, "loss": 0.6})
     assert led.close_epochs() is None and led.epochs[0]["accuracy"] == 0.8
     led.record(2, 0, 0, "merged", accepted=True, train_loss=0.4, new_version=2)
-    led.merge(2, 0, 1.0, step=2)
+    led.note_merged(2, 0, 1.0, step=2)
     led.validate(2, {"accuracy": 0.95, "loss": 0.3})
     assert led.close_epochs() == "target {'accuracy': 0.9} reached at epoch 2"
     assert led.epochs[1]["accuracy_min"] == led.epochs[1]["accuracy_max"] == 0.95

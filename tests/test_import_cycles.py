@@ -70,5 +70,26 @@ def test_only_the_plugin_imports_the_runs_shell(tmp_path):
     ]
 
 
+def test_the_runs_core_imports_no_shell_and_no_io_boundary(tmp_path):
+    check = _checker()
+    package = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/run.py": "",
+            "engine/lane.py": "",
+            "engine/policy.py": "",
+            "engine/core/__init__.py": "from .. import policy\n",
+            "engine/core/arrivals.py": "def f():\n    from ..lane import MergeLane\n",
+        },
+    )
+    package = package.rename(tmp_path / "vcdask")
+    assert check.problems(package, known={}) == [
+        "vcdask.engine.core.arrivals (the run's core) imports vcdask.engine.lane: "
+        "the core does no I/O and knows no shell"
+    ]
+
+
 def test_vcdask_has_no_import_cycle_but_the_known_ones():
     assert _checker().problems(ROOT / "vcdask") == []

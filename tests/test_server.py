@@ -8,6 +8,7 @@ import torch
 from vcdask import open_store
 from vcdask.engine.params_server import ParamsServer as ServerState
 from vcdask.errors import StoreConflict
+from vcdask.merge import VCASGD
 from vcdask.params import flatten
 from vcdask.schedules import Constant
 from vcdask.updates import update_path, write_update
@@ -17,7 +18,7 @@ def _state(tmp_path, **kw):
     store = open_store(tmp_path / "s")
     store.create_branch("run-x")
     store.commit(flatten({"w": torch.zeros(4)}), {"run_id": "run-x", "step": 0, "merged": []}, branch="run-x")
-    state = ServerState(store, "run-x", Constant(0.5), "run-x", **kw)
+    state = ServerState(store, "run-x", VCASGD(alpha=Constant(0.5)), "run-x", **kw)
     state.load()
     return store, state
 

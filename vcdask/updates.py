@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Literal
 
 import torch
 
@@ -26,9 +27,11 @@ from .params import FlatParams, Layout, state_tensors, torch_dtype
 __all__ = [
     "delete_run_updates",
     "delete_update",
+    "Fate",
     "list_updates",
     "read_update",
     "read_update_meta",
+    "update_gone",
     "update_path",
     "write_update",
 ]
@@ -137,6 +140,22 @@ def read_update_meta(files, path: str) -> dict:
 def list_updates(files, run_id: str) -> list[str]:
     """Paths of the run's updates still in the store."""
     return files.list(_folder(run_id))
+
+
+#: What became of an update object: merged and committed in a version, turned down by the server, a
+#: second copy of a shard merged already (or a late one), left over when the run ended, merged before
+#: the scheduler that drove its run died (found by the resumed run), or not an update of this format.
+Fate = Literal["committed", "rejected", "duplicate", "late", "run ended", "merged before a crash", "foreign"]
+
+
+def update_gone(fate: Fate, keep_updates: bool) -> bool:
+    """Whether an update whose ``fate`` is decided is deleted from the store: the one place that decides it.
+
+    Every update has done its job once its fate is known, and goes, unless the run keeps its updates
+    (``fit(keep_updates=True)``: to inspect them); an object in the run's folder that is no update of
+    this format is no update to keep.
+    """
+    return fate == "foreign" or not keep_updates
 
 
 def delete_update(files, path: str, *, strict: bool = False) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError, VersionNotFoundError
+from ..updates import update_gone
 from .outage import retry_through
 from .side import SideThread
 
@@ -144,7 +145,7 @@ class Committing:
             self._bases[version] = self.params.clone()
             while len(self._bases) > BASES_KEPT:
                 self._bases.popitem(last=False)
-        if not self.keep_updates:
+        if update_gone("committed", self.keep_updates):
             for r in self.uncommitted:  # merged and committed: the update has done its job
                 self.side.delete(r["update"])
         self.uncommitted = []

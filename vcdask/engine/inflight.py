@@ -1,17 +1,18 @@
 """The run's tasks on the cluster: one record per copy it handed out, and their Dask futures.
 
-This is the run's only handle on Dask's task state: it submits and cancels, and it is the one
-place that asks the scheduler where a task is processing (no plugin hook reports that).
+:class:`TaskTable` is the run core's record of them (no I/O: it reads Dask's task table in memory to
+know where a task is processing, which no plugin hook reports); :class:`InFlight`, the shell's, adds
+the client that submits and cancels them and their futures.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["InFlight", "TaskRecord", "run_client_security"]
+__all__ = ["InFlight", "TaskRecord", "TaskTable", "run_client_security"]
 
 
 @dataclass
@@ -30,6 +31,7 @@ class TaskRecord:
     placed: str | None = None  # the one worker a shard copy was placed on (loosely: Dask may move it)
     based: bool = False  # the task asked for its base version (``step`` is the version it trains from)
     overdue: bool = False  # a copy was re-issued because this one missed its deadline (or was stuck)
+    arrived: float | None = None  # (the run's clock) when its result came in: its history row's time
 
     def copy_of(self, epoch: int, shard: int) -> bool:
         return self.kind == "update" and (self.epoch, self.shard) == (epoch, shard)
@@ -49,65 +51,34 @@ def run_client_security(scheduler: Any) -> Any:
     return Security(extra_conn_args=security.extra_conn_args, **fields)
 
 
-class InFlight:
-    """Tasks submitted and not yet handled, with their futures.
+class TaskTable:
+    """The run's records of its tasks in flight, and of the results handed over but not merged yet.
 
     Parameters
     ----------
     scheduler : distributed.Scheduler
+        Only its task table is read (``scheduler.tasks``: each task's state and the worker processing it).
     """
 
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
-        self.client: Any = None
-        self.completed: Any = None  # distributed.as_completed over every future submitted
-        self.tasks: dict[str, TaskRecord] = {}
-        self.futures: dict[str, Any] = {}
-        #: Records the tasks handed over as they finished (``Run.hand_over``), not yet merged (or, for a
-        #: validation, recorded): their tasks are out of :attr:`tasks`, their results in hand.
+        self.records: dict[str, TaskRecord] = {}
+        #: Records the tasks handed over as they finished (:class:`~.core.messages.HandOver`), not yet
+        #: merged (or, for a validation, recorded): their tasks are out of :attr:`records`, their results in hand.
         self.handed: deque[tuple[TaskRecord, dict[str, Any]]] = deque()
-        #: Keys taken by a hand-over whose futures ``completed`` has not yielded yet (Dask's late reports)
+        #: Keys taken by a hand-over whose futures Dask has not reported done yet (Dask's late reports)
         self.stale: set[str] = set()
 
-    async def open(self, name: str) -> None:
-        """Connect an asynchronous client to this scheduler, with the scheduler's own security (TLS
-        certificates), so a run works on a cluster that requires encryption."""
-        from distributed import Client, as_completed
-
-        self.client = await Client(
-            self.scheduler.address,
-            asynchronous=True,
-            set_as_default=False,
-            name=name,
-            security=run_client_security(self.scheduler),
-        )
-        self.completed = as_completed([], loop=self.client.loop, with_results=False)
-
-    def submit(self, fn: Callable[..., Any], *args: Any, key: str, task: TaskRecord, **kwargs: Any) -> str:
-        future = self.client.submit(fn, *args, key=key, **kwargs)
-        self.tasks[key] = task
-        self.futures[key] = future
-        self.completed.add(future)
-        return key
+    def add(self, key: str, task: TaskRecord) -> None:
+        self.records[key] = task
 
     def pop(self, key: str) -> TaskRecord | None:
-        self.futures.pop(key, None)
-        return self.tasks.pop(key, None)
-
-    async def cancel(self, keys: list[str]) -> None:
-        futures = [self.futures[k] for k in keys if k in self.futures]
-        if futures:
-            await self.client.cancel(futures)
-
-    async def close(self) -> None:
-        if self.client is not None:
-            await self.client.cancel(list(self.futures.values()))
-            await self.client.close()
+        return self.records.pop(key, None)
 
     # -- views ----------------------------------------------------------------------------------
     def updates(self) -> Iterator[tuple[str, TaskRecord]]:
         """(key, record) of the shard copies in flight."""
-        return ((k, t) for k, t in list(self.tasks.items()) if t.kind == "update")
+        return ((k, t) for k, t in list(self.records.items()) if t.kind == "update")
 
     def training(self) -> int:
         """Shard copies that hold a slot (in flight and not overdue)."""
@@ -116,21 +87,13 @@ class InFlight:
     def copy_running(self, epoch: int, shard: int) -> bool:
         """Whether a copy of (epoch, shard) that is not overdue is in flight, or any copy's result was
         handed over and waits to be merged."""
-        return any(t.copy_of(epoch, shard) and not t.overdue for t in self.tasks.values()) or any(
+        return any(t.copy_of(epoch, shard) and not t.overdue for t in self.records.values()) or any(
             t.copy_of(epoch, shard) for t, _ in self.handed
         )
 
     def validating(self, step: int) -> bool:
         """Whether a validation of the version at ``step`` was handed over and waits to be recorded."""
         return any(t.kind == "validation" and t.step == step for t, _ in self.handed)
-
-    def results_waiting(self) -> bool:
-        """Whether results wait to be read: handed over, or finished futures that are not only Dask's late
-        reports of handed-over ones (a ready future may still be one, costing the reader a turn)."""
-        if self.handed:
-            return True
-        completed = self.completed
-        return completed is not None and completed.count() > len(self.stale) and completed.has_ready()
 
     def processing_on(self, key: str) -> str | None:
         """The worker the scheduler has ``key`` processing on (None while queued, or gone)."""
@@ -161,13 +124,76 @@ class InFlight:
         """Shard copies in flight: where they run and what state Dask has them in."""
         return [
             {
+                "key": k,
                 "epoch": t.epoch,
                 "shard": t.shard,
                 "attempt": t.attempt,
                 "overdue": t.overdue,
                 "started": t.started is not None,
+                "based": t.based,
+                "started_on": t.worker,
                 "worker": self.processing_on(k),
                 "state": self.state(k),
             }
             for k, t in self.updates()
         ]
+
+
+class InFlight(TaskTable):
+    """The task table with the run's client and the futures of the tasks submitted (the shell's).
+
+    Parameters
+    ----------
+    scheduler : distributed.Scheduler
+    """
+
+    def __init__(self, scheduler: Any):
+        super().__init__(scheduler)
+        self.client: Any = None
+        self.completed: Any = None  # distributed.as_completed over every future submitted
+        #: The futures of the tasks submitted, until Dask reports them done (a task out of the table,
+        #: handed over or given up, keeps its future until then: it may still be cancelled)
+        self.futures: dict[str, Any] = {}
+
+    async def open(self, name: str) -> None:
+        """Connect an asynchronous client to this scheduler, with the scheduler's own security (TLS
+        certificates), so a run works on a cluster that requires encryption."""
+        from distributed import Client, as_completed
+
+        self.client = await Client(
+            self.scheduler.address,
+            asynchronous=True,
+            set_as_default=False,
+            name=name,
+            security=run_client_security(self.scheduler),
+        )
+        self.completed = as_completed([], loop=self.client.loop, with_results=False)
+
+    def send(self, fn: Callable[..., Any], *args: Any, key: str, **kwargs: Any) -> str:
+        """Submit ``fn(*args)`` as task ``key`` (its record is in the table already)."""
+        future = self.client.submit(fn, *args, key=key, **kwargs)
+        self.futures[key] = future
+        self.completed.add(future)
+        return key
+
+    def forget(self, key: str) -> Any:
+        """Let go of the future of ``key`` (Dask reported it done, cancelled or erred); it, or None."""
+        return self.futures.pop(key, None)
+
+    async def cancel(self, keys: Iterable[str]) -> None:
+        futures = [self.futures[k] for k in keys if k in self.futures]
+        if futures:
+            await self.client.cancel(futures)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.cancel(list(self.futures.values()))
+            await self.client.close()
+
+    def results_waiting(self) -> bool:
+        """Whether results wait to be read: handed over, or finished futures that are not only Dask's late
+        reports of handed-over ones (a ready future may still be one, costing the reader a turn)."""
+        if self.handed:
+            return True
+        completed = self.completed
+        return completed is not None and completed.count() > len(self.stale) and completed.has_ready()

@@ -125,7 +125,7 @@ class Ledger:
         self.shard_state[(epoch, shard)] = state
         self.events.emit("shard", epoch=epoch, shard=shard, state=state)
 
-    def merge(self, epoch: int, shard: int, seconds: float, step: int) -> bool:
+    def note_merged(self, epoch: int, shard: int, seconds: float, step: int) -> bool:
         """(epoch, shard) was merged at ``step``; return whether that completed its epoch (which ends there)."""
         self.merged.setdefault(epoch, set()).add(shard)
         self.set_shard(epoch, shard, "merged")

@@ -81,10 +81,13 @@ class StoreOutage:
     ----------
     timeout : float
         Seconds the store may stay out before :meth:`fault` raises.
+    clock : callable, optional
+        Monotonic seconds (default :func:`time.monotonic`).
     """
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic):
         self.timeout = timeout
+        self.clock = clock
         self.since: float | None = None  # monotonic time of the first fault of the current outage
         self.why: str | None = None  # what status()["paused"] says while it lasts
         self.hold_until = 0.0
@@ -98,7 +101,7 @@ class StoreOutage:
         StoreOutageError
             When the store has been out for longer than the timeout (naming ``store_outage_timeout``).
         """
-        now = time.monotonic()
+        now = self.clock()
         started = self.since is None
         if self.since is None:
             self.since = now
@@ -115,14 +118,14 @@ class StoreOutage:
 
     def back(self) -> float | None:
         """The store answered: end the outage; return how long it lasted (None if there was none)."""
-        lasted = None if self.since is None else time.monotonic() - self.since
+        lasted = None if self.since is None else self.clock() - self.since
         self.since, self.why, self.faults = None, None, 0
         return lasted
 
     def holding(self) -> bool:
         """Whether dispatch still holds off (backoff after the latest fault)."""
-        return time.monotonic() < self.hold_until
+        return self.clock() < self.hold_until
 
     def wait_seconds(self) -> float:
         """Seconds left of the current backoff."""
-        return max(0.0, self.hold_until - time.monotonic())
+        return max(0.0, self.hold_until - self.clock())

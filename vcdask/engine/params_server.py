@@ -18,15 +18,14 @@ import logging
 import time
 import zipfile
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from ..compress import EncodedUpdate
-from ..merge import VCASGD, Arrival, MergeRule, RuleState
+from ..merge import Arrival, MergeRule, RuleState
 from ..params import FlatParams
 from ..store import Retention
-from ..updates import delete_update, read_update
+from ..updates import delete_update, read_update, update_gone
 from .committing import BASES_KEPT, Committing, Head
 from .guard import Guard
 from .policy import check_update
@@ -51,8 +50,8 @@ class ParamsServer(Committing):
     branch : str
         The run's branch; commits are compare-and-swap on its head, so a second
         writer on the branch is detected, never silently interleaved.
-    rule : MergeRule or callable
-        The merge rule (a callable ``epoch -> alpha`` means :class:`~vcdask.merge.VCASGD` with it).
+    rule : MergeRule
+        The merge rule.
     run_id : str
     commit_every : int or "auto"
         Commit after this many merges (a merge that ``completes`` its epoch commits at once).
@@ -80,7 +79,7 @@ class ParamsServer(Committing):
         self,
         store: Any,
         branch: str,
-        rule: MergeRule | Callable[[int], float],
+        rule: MergeRule,
         run_id: str,
         *,
         commit_every: int | str = 1,
@@ -94,7 +93,9 @@ class ParamsServer(Committing):
     ):
         self.store = store
         self.branch = branch
-        self.rule = rule if isinstance(rule, MergeRule) else VCASGD(alpha=rule)
+        if not isinstance(rule, MergeRule):
+            raise TypeError(f"rule must be a vcdask.merge.MergeRule, got {rule!r}")
+        self.rule = rule
         self.rule_state = RuleState()
         self.run_id = run_id
         #: ``commit_every="auto"``: commit every merge, or with the last of the results queued behind it
@@ -290,6 +291,6 @@ class ParamsServer(Committing):
             self.progress["open"].append([epoch, int(record["shard"]), int(record["attempt"])])
 
     def _reject(self, record: dict[str, Any], staleness: int, fault: str, reason: str) -> dict[str, Any]:
-        if not self.keep_updates:
+        if update_gone("rejected", self.keep_updates):
             delete_update(self.store.files, record["update"])
         return {"accepted": False, "staleness": staleness, "reason": reason, "fault": fault}

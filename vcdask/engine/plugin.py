@@ -1,10 +1,10 @@
-"""The scheduler plugin: owns every run's state and applies VC-ASGD merges in arrival order.
+"""The scheduler plugin: hosts every run on the scheduler and routes clients' and tasks' messages to them.
 
-Runs live on the scheduler, not in the process that called ``fit``: each run drives its
-shard tasks through an asynchronous Dask client opened inside the scheduler, keeps the
-server parameters ``W_s`` in memory, and merges each arriving update in a dedicated
-thread (read ``W_c`` from the store, apply the merge rule, commit), so the scheduler's event loop
-only ever handles small records.  Clients talk to it through the handlers below
+Runs live on the scheduler, not in the process that called ``fit``: each run (:class:`~.run.Run`, the
+run's shell around its core) drives its shard tasks through an asynchronous Dask client opened inside
+the scheduler, keeps the server parameters ``W_s`` in memory, and merges each arriving update in a
+dedicated thread (read ``W_c`` from the store, apply the merge rule, commit), so the scheduler's event
+loop only ever handles small records.  Clients talk to it through the handlers below
 (``client.scheduler.vcdask_status(run_id=...)``), as distributed's shuffle plugin does.
 """
 
@@ -20,7 +20,7 @@ from distributed import SchedulerPlugin
 
 from ..errors import RunNotFoundError
 from ..spec import load_spec
-from . import notice, policy
+from . import policy
 from .run import Run
 
 logger = logging.getLogger(__name__)
@@ -66,11 +66,17 @@ class VcdaskPlugin(SchedulerPlugin):
     def add_worker(self, scheduler=None, worker: str = "") -> None:
         ws = self.scheduler.workers.get(worker)
         for run in self._live():
-            run.pool.joined(worker, ws.nthreads if ws is not None else 1)
+            run.joined(worker, ws.nthreads if ws is not None else 1)
 
     def remove_worker(self, scheduler=None, worker: str = "", **kwargs) -> None:
         for run in self._live():
-            run.pool.left(worker)
+            run.left(worker)
+
+    def copies(self) -> list[dict]:
+        """The shard copies in flight in the live runs, one row each (``status()["tasks"]``, with ``run_id``):
+        key, epoch, shard, attempt, whether it started (``started_on`` the worker it said), got its base
+        (``based``), is overdue, where Dask has it (``worker``, ``state``), and whether its shard is merged."""
+        return [{"run_id": run.id, **row} for run in self._live() for row in run.status_dict()["tasks"]]
 
     def _live(self) -> list[Run]:
         return [run for run in self.runs.values() if not run.done.is_set()]
@@ -107,7 +113,7 @@ class VcdaskPlugin(SchedulerPlugin):
         except Exception:  # noqa: BLE001
             head = None
         run = self.runs[run_id] = Run(self.scheduler, spec, resume=resume)
-        run.head_at_start = head
+        run.state.head_at_start = head
         task = self.tasks[run_id] = asyncio.ensure_future(run.drive())
         task.add_done_callback(self._forget_task)
         return run_id
@@ -161,7 +167,7 @@ class VcdaskPlugin(SchedulerPlugin):
     ) -> dict:
         """A worker will be reclaimed (in ``window`` seconds, if known): every run stops giving it shards
         and moves its queued ones; a running copy that fits the window is let finish (see
-        :mod:`vcdask.engine.notice`); then the worker is retired gracefully.  Nothing is counted as a
+        :mod:`vcdask.engine.core.watching`); then the worker is retired gracefully.  Nothing is counted as a
         failure.  Returns run id -> keys of the copies re-issued."""
         if window is not None and not (isinstance(window, (int, float)) and window >= 0):
             raise ValueError(f"window must be a number of seconds >= 0 or None, got {window!r}")
@@ -176,7 +182,7 @@ class VcdaskPlugin(SchedulerPlugin):
         """Retire ``worker`` once the copies let finish there are done (or the notice's margin is reached)."""
         if kept and window is not None:
             deadline = time.monotonic() + max(0.0, window - policy.NOTICE_MARGIN)
-            await asyncio.gather(*(notice.settle(run, worker, keys, deadline) for run, keys in kept))
+            await asyncio.gather(*(run.settle(worker, keys, deadline) for run, keys in kept))
         if worker in self.scheduler.workers:
             await self.scheduler.retire_workers(
                 workers=[worker], close_workers=True, stimulus_id=f"vcdask-preempt-{worker}"
@@ -190,10 +196,7 @@ class VcdaskPlugin(SchedulerPlugin):
         from the first: with ``overlap="delta"`` the answer that brings a copy's base may come first)."""
         run = self.runs.get(run_id)
         if run is not None:
-            task = run.tasks.tasks.get(key)
-            if task is None or task.started is None or task.worker != worker:
-                run.task_started(key, worker)
-            run.pool.identify(worker, instance, market)
+            run.task_started(key, worker, instance, market)
 
     async def handle_finished(
         self, comm=None, run_id: str = "", key: str = "", worker: str = "", record=None, next_base: bool = False

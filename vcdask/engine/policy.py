@@ -145,7 +145,7 @@ def overdue(
         How long a copy may wait to start.
     draining : bool
         Whether ``worker`` is draining under a preemption notice.  A copy running there was let finish
-        inside the notice's window (:mod:`vcdask.engine.notice` re-issues it, without blame, when only
+        inside the notice's window (:mod:`vcdask.engine.core.watching` re-issues it, without blame, when only
         the margin is left), so the deadline does not apply to it: a reclaimed instance is often
         throttled, and its last shard is not the worker's failure.
 

@@ -1,5 +1,5 @@
 """Resuming a run whose scheduler died: what the store says (merged shards, finished epochs, pending
-uploads), and the run rebuilt from it.
+uploads), for the run's core to rebuild the run from (:class:`~vcdask.engine.core.messages.Resumed`).
 
 :func:`read_back` is store I/O and runs in the run's merge thread, never on the event loop.
 """
@@ -8,16 +8,10 @@ from __future__ import annotations
 
 import logging
 import zipfile
-from typing import TYPE_CHECKING
 
-from ..updates import delete_update, list_updates, read_update_meta
-from . import arrivals
-from .inflight import TaskRecord
+from ..updates import delete_update, list_updates, read_update_meta, update_gone
 
-if TYPE_CHECKING:
-    from .run import Run
-
-__all__ = ["read_back", "recover"]
+__all__ = ["read_back"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,42 +62,15 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
             logger.warning("run %s: leftover update %s unreadable (%s); its shard is trained again", run_id, path, e)
             meta = {}
         if not meta:  # not an update of this run's format: nothing to merge
-            delete_update(store.files, path, strict=True)
+            if update_gone("foreign", server.keep_updates):
+                delete_update(store.files, path, strict=True)
             continue
         key = (int(meta["epoch"]), int(meta["shard"]))
         attempts[key] = max(attempts.get(key, 0), meta.get("attempt", 0) + 1)
-        if meta["shard"] in merged.get(meta["epoch"], ()):
-            delete_update(store.files, path, strict=True)  # merged and committed before the crash
+        if meta["shard"] in merged.get(meta["epoch"], ()):  # merged and committed before the crash
+            if update_gone("merged before a crash", server.keep_updates):
+                delete_update(store.files, path, strict=True)
         else:
             pending.append(meta)
     pending.sort(key=lambda m: (m["epoch"], m["base_step"], m["shard"]))
     return merged, ends, attempts, pending
-
-
-async def recover(run: Run) -> None:
-    """Rebuild the run from its branch and its folder (after the scheduler that drove it died):
-    ``W_s`` and the merged (epoch, shard) from the versions' metadata, then merge the uploads
-    that no committed version contains."""
-    n = run.spec.shards.n_shards
-    merged, ends, attempts, pending = await run.lane.call(read_back, run.server, run.store, run.spec.branch, run.id, n)
-    run.ledger.merged = merged
-    run.ledger.resumed_at = max(ends, default=0)  # early stopping's patience counts from here
-    run.dispatch.restore(merged, attempts, max([*merged, *(m["epoch"] for m in pending), 0]))
-    for epoch, (step, version) in ends.items():  # epochs finished before the restart
-        run.ledger.epoch_end[epoch] = (step, float("nan"))
-        if run.spec.validation is not None:
-            run.submit_validation(version, step)
-    logger.info(
-        "run %s resumed at step %d: %d updates merged before, %d uploaded but unmerged",
-        run.id,
-        run.server.step,
-        sum(map(len, merged.values())),
-        len(pending),
-    )
-    for meta in pending:
-        run.dispatch.take(meta["epoch"], meta["shard"])
-        rec = {"seconds": float("nan"), "upload_seconds": float("nan"), **meta}
-        await arrivals.update(
-            run, rec, TaskRecord("update", meta["epoch"], meta["shard"], meta["attempt"], meta["base_step"])
-        )
-    run.close_epochs()

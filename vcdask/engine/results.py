@@ -14,16 +14,20 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from ..errors import StoreError
 from ..updates import read_update_meta, update_path
-from . import faults
+from ..worker import validate_version
+from .events import final_validate_key
+from .inflight import TaskRecord
 
 if TYPE_CHECKING:
-    from .inflight import TaskRecord
-    from .run import Run
+    from .inflight import InFlight
+    from .lane import MergeLane
 
-__all__ = ["PATIENCE", "fetch", "read"]
+__all__ = ["PATIENCE", "fetch", "read", "validate_final"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,43 +38,44 @@ PATIENCE = 5.0
 POLL = 0.25
 
 
-async def read(run: Run, future: Any, task: TaskRecord) -> dict[str, Any] | None:
-    """The record of the finished task ``future`` (``task`` is the run's record of it).
-
-    Returns None when the record cannot be had (its worker is gone or does not answer, and the
-    store has no copy of it): the copy is then recorded as lost and its shard re-issued, or the
-    validation submitted again.  A task's own error is raised, for the failure policy.
+async def read(
+    tasks: InFlight,
+    lane: MergeLane,
+    store: Any,
+    run_id: str,
+    future: Any,
+    task: TaskRecord,
+    watch: Callable[[], Awaitable[None]],
+) -> dict[str, Any] | str:
+    """The record of the finished task ``future`` (``task`` is the run's record of it), or why it
+    cannot be had (its worker is gone or does not answer, and the store has no copy of it): the
+    run's core then records the copy as lost and re-issues its shard, or validates again.  A task's
+    own error is raised, for the failure policy; ``watch`` is awaited now and then while the run waits.
     """
-    got = await fetch(run, future)
+    got = await fetch(tasks, future, watch)
     if not isinstance(got, str) and got.get("kind") != "abandoned":
         return got
     why = got if isinstance(got, str) else "the copy gave up: the run no longer waited for it"
-    record = await run.lane.call(_stored_record, run, task) if task.kind == "update" else None
+    record = await lane.call(stored_record, store, run_id, task) if task.kind == "update" else None
     if record is not None:
         logger.warning(
             "run %s: read the result of epoch %d shard %d attempt %d from the store (%s)",
-            run.id,
+            run_id,
             task.epoch,
             task.shard,
             task.attempt,
             why,
         )
         return record
-    logger.warning("run %s: the result of %s task %s is lost (%s)", run.id, task.kind, future.key, why)
-    if task.kind == "update":
-        run.ledger.record_copy(task, "lost", f"lost: the result was not read back ({why})", worker=task.worker)
-        if not run.ledger.is_merged(task.epoch, task.shard) and not run.tasks.copy_running(task.epoch, task.shard):
-            await faults.retry_or_give_up(run, task.epoch, task.shard, why, count=False)
-    else:
-        run.submit_validation(task.version, task.step, retry=task.attempt + 1)
-    return None
+    logger.warning("run %s: the result of %s task %s is lost (%s)", run_id, task.kind, future.key, why)
+    return why
 
 
-async def fetch(run: Run, future: Any) -> dict[str, Any] | str:
+async def fetch(tasks: InFlight, future: Any, watch: Callable[[], Awaitable[None]]) -> dict[str, Any] | str:
     """The result of the finished task ``future`` from the worker holding it; or, when that worker
     left or did not hand it over within :data:`PATIENCE`, why not (the task is then cancelled: no
     rerun of a finished task; its work is in the store, or the run runs it afresh).  A task's own
-    error is raised."""
+    error is raised; ``watch`` is awaited between looks (a run waiting here still watches its pool)."""
     task = asyncio.ensure_future(_await(future))
     since = time.monotonic()
     gone = False
@@ -79,26 +84,26 @@ async def fetch(run: Run, future: Any) -> dict[str, Any] | str:
             done, _ = await asyncio.wait({task}, timeout=POLL)
             if done:
                 return task.result()
-            run.check_workers()  # a run waiting here still watches its pool (no_worker_timeout)
+            await watch()
             # the key leaves "memory" when the only worker holding the result leaves: Dask would run it again
-            gone = run.tasks.state(future.key) not in ("memory", "erred")
+            gone = tasks.state(future.key) not in ("memory", "erred")
             if gone or time.monotonic() - since > PATIENCE:
                 break
     finally:
         task.cancel()
-    await run.tasks.client.cancel([future])
+    await tasks.client.cancel([future])
     return "its worker left" if gone else f"its worker did not hand it over in {PATIENCE:g} s"
 
 
-def _stored_record(run: Run, task: TaskRecord) -> dict[str, Any] | None:
+def stored_record(store: Any, run_id: str, task: TaskRecord) -> dict[str, Any] | None:
     """The record a shard task stored with its update (the run's merge thread), or None."""
-    path = update_path(run.id, task.epoch, task.shard, task.attempt)
+    path = update_path(run_id, task.epoch, task.shard, task.attempt)
     try:
-        meta = read_update_meta(run.store.files, path)
+        meta = read_update_meta(store.files, path)
     except FileNotFoundError:
         return None
     except Exception:  # a store that does not answer now: the copy is re-issued instead
-        logger.warning("run %s: reading %s back failed", run.id, path, exc_info=True)
+        logger.warning("run %s: reading %s back failed", run_id, path, exc_info=True)
         return None
     if not meta:
         return None
@@ -109,3 +114,55 @@ def _stored_record(run: Run, task: TaskRecord) -> dict[str, Any] | None:
 
 async def _await(future: Any) -> Any:
     return await future
+
+
+async def validate_final(
+    tasks: InFlight,
+    store: Any,
+    run_id: str,
+    version: str | None,
+    step: int,
+    *,
+    placement: Callable[[set[str]], dict[str, Any] | None],
+    deadline: Callable[[], float],
+    watch: Callable[[], Awaitable[None]],
+    store_fault: Callable[[TaskRecord, BaseException], Awaitable[float]],
+) -> dict[str, Any]:
+    """The final version's validation record, waiting through store outages (``store_fault`` tells the
+    run's core and says how long to hold off; past ``store_outage_timeout`` the core fails the run), and
+    validating it again elsewhere when an attempt is late (``deadline()``, twice over: the attempt may
+    wait for a worker to start it) or lost with its worker.  ``placement(avoid)``: where it may run."""
+    avoid: set[str] = set()
+    for attempt in range(1000):
+        future = tasks.client.submit(
+            validate_version,
+            store,
+            run_id,
+            version,
+            step,
+            key=final_validate_key(run_id, attempt),
+            priority=10,
+            **(placement(avoid) or {}),
+        )
+        limit = 2 * deadline()
+        try:
+            rec = await asyncio.wait_for(fetch(tasks, future, watch), limit)
+        except TimeoutError:
+            on = tasks.processing_on(future.key)
+            logger.warning(
+                "run %s: the final validation did not come back from %s within %.1f s; validating it elsewhere",
+                run_id,
+                on or "the scheduler's queue",
+                limit,
+            )
+            avoid |= {on} if on else set()
+            continue
+        except StoreError as exc:
+            task = TaskRecord("validation", step=step, version=version, attempt=attempt)
+            await asyncio.sleep(await store_fault(task, exc))
+            continue
+        if isinstance(rec, str):  # lost with its worker: run it again
+            logger.warning("run %s: the final validation's result is lost (%s); running it again", run_id, rec)
+            continue
+        return rec
+    raise RuntimeError(f"run {run_id}: the final validation of version {version} failed 1000 times")

@@ -1,42 +1,51 @@
-"""One training run, driven from inside the scheduler: the loop that wires the engine's parts.
+"""One training run on a scheduler: the run's shell, the only part of a run that awaits.
 
-The loop runs on the scheduler's event loop and only handles small records.  Its parts:
-:mod:`~.dispatch` (what goes out next), :mod:`~.pool` (who may run it), :mod:`~.inflight` (what is
-out), :mod:`~.ledger` (what came back), :mod:`~.policy` (decisions), :mod:`~.faults` and
-:mod:`~.watch` (what went wrong), :mod:`~.params_server` (``W_s``, touched only by the run's merge
-thread) and :mod:`~.events` (what followers see).
+The run's decisions are its core's (:mod:`vcdask.engine.core`: one :class:`~.core.RunState`, events in,
+effects out, no I/O).  The shell feeds it events (what Dask, the tasks, the merge thread, the clock and
+the plugin's handlers report) and carries out the effects it returns, in order: it submits and cancels
+tasks through :class:`~.inflight.InFlight`, reads their records back (:mod:`.results`), and calls into
+the merge thread through :class:`~.lane.MergeLane` (merges, commits, deletes), whose outcomes go back to
+the core as events.  It answers the tasks that ask for their base (:class:`~.handshake.Bases`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import time
 import traceback
-from collections.abc import Collection
+from collections.abc import Callable
 from typing import Any
 
 from .. import config
-from ..errors import NoWorkersError
-from ..spec import RunSpec
+from ..spec import RunSpec, record_path
+from ..updates import delete_run_updates, delete_update, update_gone
 from ..worker import train_shard, validate_version
-from . import arrivals, end, faults, handshake, notice, results, validations, views, watch
-from .dispatch import Dispatcher
-from .events import EventLog, train_key, validate_key
+from . import end, results, views
+from .core import Phase, RunFailed, RunState, handle
+from .core import messages as m
+from .core.dispatching import validation_deadline, validation_placement
+from .core.watching import still_running
+from .events import EventLog
 from .guard import Guard
-from .handshake import Handshake
+from .handshake import Bases, Handshake
 from .inflight import InFlight, TaskRecord
 from .lane import MergeLane
-from .ledger import Ledger
-from .outage import StoreOutage
 from .params_server import ParamsServer
-from .policy import staleness_limit
-from .pool import WorkerPool
-from .recovery import recover
+from .recovery import read_back
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Run"]
+
+#: Seconds between the deadline watchdog's looks, and the idle driver's.
+INTERVAL = 0.2
+#: How often a preempted worker's kept copies are looked at (seconds).
+SETTLE_POLL = 0.05
+#: What each kind of task runs on its worker.
+_TASKS: dict[str, Callable[..., Any]] = {"update": train_shard, "validation": validate_version}
 
 
 class Run:
@@ -44,15 +53,10 @@ class Run:
 
     def __init__(self, scheduler: Any, spec: RunSpec, resume: bool = False):
         self.scheduler, self.spec, self.resume = scheduler, spec, resume
-        self.res, self.store, self.id = spec.resilience, spec.store, spec.run_id
-        self.status: str = "starting"
-        #: the branch's head when the run was started (its initial version, or where a resumed run goes on):
-        #: what ``status`` shows until the run's server has loaded it
-        self.head_at_start: str | None = None
-        self.error: str | None = None
+        self.store, self.id = spec.store, spec.run_id
         self.done = asyncio.Event()
-        self.started = time.time()
         self.events = EventLog(scheduler, self.id)
+        res = spec.resilience
         self.server = ParamsServer(
             spec.store,
             spec.branch,
@@ -60,80 +64,160 @@ class Run:
             spec.run_id,
             commit_every=spec.commit_every,
             keep_updates=spec.keep_updates,
-            max_update_norm=self.res.max_update_norm,
+            max_update_norm=res.max_update_norm,
             guard=Guard(spec) if Guard.wanted(spec) else None,
-            outage_timeout=self.res.store_outage_timeout,
+            outage_timeout=res.store_outage_timeout,
             retention=spec.retention,
             inline_bytes=config.get("worker.inline-base-bytes"),
             # (a compressed update is decoded on its base version: its id must be known to the worker)
             drafts=bool(config.get("worker.base-before-commit")) and spec.compression is None,
         )
         self.lane = MergeLane(self.server, f"vcdask-merge-{self.id[-6:]}")  # the merge thread and its calls
-        self.pool = WorkerPool(
-            self.res, spec.tasks_per_slot, {a: ws.nthreads for a, ws in scheduler.workers.items()}, clock=self.now
-        )
-        self.dispatch = Dispatcher(spec.shards.n_shards, spec.max_epochs, spec.seed)
-        self.ledger = Ledger(
-            spec.shards.n_shards,
-            spec.max_epochs,
-            validated=spec.validation is not None,
-            target=spec.target,
-            events=self.events,
-            clock=self.now,
-            patience=spec.patience,
-            monitor=spec.monitor,
-        )
         self.tasks = InFlight(scheduler)
-        self.outage = StoreOutage(self.res.store_outage_timeout)  # store faults seen by tasks
-        self.stopping: str | None = None
-        self.cancelled = False  # stopped by RunHandle.cancel(): it ends "cancelled", without a result
-        self.ended: float | None = None  # time.time() when the driver returned
-        self.final: dict[str, Any] | None = None  # the result dict, kept once the run has ended
-        self.idle_since: float | None = None  # since when no usable worker is connected
-        self.no_workers: str | None = None  # why the run waits for workers (status()["paused"])
-        self.handshake = Handshake()  # the results taken and settled, and the tasks waiting for them
+        self.state = RunState(spec, {a: ws.nthreads for a, ws in scheduler.workers.items()}, tasks=self.tasks)
+        self.handshake = Handshake(self.state)  # the results taken and settled, and the tasks waiting for them
+        self.bases = Bases(self.state, self.handshake, lambda: self.lane.head, self.server.commit_every, self.done)
         self._handed_any = asyncio.Event()  # set when a record is handed over (self.tasks.handed)
-        self.handed_over = 0  # records taken that way
-        self._taking = True  # False once the driver's loop is over: hand-overs are left to Dask then
 
-    def now(self) -> float:
-        return time.time() - self.started
+    # -- what the plugin reads --------------------------------------------------------------------
+    @property
+    def status(self) -> str:
+        return self.state.phase.value
 
-    def staleness_limit(self) -> int | None:
-        return staleness_limit(self.res.max_staleness, self.spec.shards.n_shards, self.pool.slots())
+    @property
+    def ledger(self) -> Any:
+        return self.state.ledger
 
-    def finished(self) -> bool:
-        return self.stopping is not None or self.ledger.finished()
+    def status_dict(self) -> dict[str, Any]:
+        return views.status_dict(self._fresh(), self.server.stalled())
+
+    def panel_state(self) -> dict[str, Any]:
+        return views.panel_state(self._fresh(), self.server.stalled())
+
+    def result_dict(self) -> dict[str, Any]:
+        return self.state.final or views.result_dict(self._fresh(), self.server.stalled())
+
+    def _fresh(self) -> RunState:
+        self.state.head = self.lane.head
+        return self.state
+
+    # -- the core's events and effects --------------------------------------------------------------
+    async def step(self, event: m.Event) -> Any:
+        """Hand ``event`` to the core and carry out its effects, in order; the core's reply, if any."""
+        return await self._apply(handle(self._fresh(), event))
+
+    def step_now(self, event: m.Event) -> Any:
+        """:meth:`step` for a caller that cannot wait: effects that await are carried out in the background."""
+        reply, later = None, list[m.Effect]()
+        for fx in handle(self._fresh(), event):
+            if isinstance(fx, m.Reply):
+                reply = fx.value
+            elif not self._at_once(fx):
+                later.append(fx)
+        if later:
+            asyncio.ensure_future(self._apply(later))
+        self.handshake.note_settled()
+        return reply
+
+    async def _apply(self, effects: list[m.Effect]) -> Any:
+        reply = None
+        for fx in effects:
+            if isinstance(fx, m.Reply):
+                reply = fx.value
+            elif self._at_once(fx):
+                pass
+            elif isinstance(fx, m.Cancel):
+                await self.tasks.cancel(fx.keys)
+            elif isinstance(fx, m.Read):
+                await self._read(fx)
+            elif isinstance(fx, m.Merge):
+                await self._merge(fx)
+            elif isinstance(fx, m.Commit):
+                await self.lane.commit()
+                await self.step(m.Committed(self.lane.head))
+            elif isinstance(fx, m.DropUpdate):
+                await self.lane.call(delete_update, self.store.files, fx.path)
+            elif isinstance(fx, m.Fail):
+                raise RunFailed(fx.failure)
+            else:  # pragma: no cover - a new effect the shell does not know yet
+                raise TypeError(f"not an effect of a run's core: {fx!r}")
+        self.handshake.note_settled()
+        return reply
+
+    def _at_once(self, fx: m.Effect) -> bool:
+        """Carry out ``fx`` if it needs no waiting (a submit, an event published); whether it did."""
+        if isinstance(fx, m.Submit):
+            self._submit(fx)
+        elif isinstance(fx, m.Emit):
+            self.events.emit(fx.kind, **fx.fields)
+        else:
+            return False
+        return True
+
+    def _submit(self, fx: m.Submit) -> None:
+        self.tasks.send(_TASKS[fx.kind], self.store, self.id, *fx.args, key=fx.key, priority=fx.priority, **fx.where)
+
+    async def _read(self, fx: m.Read) -> None:
+        future = self.tasks.futures.get(fx.key)
+        if future is None:
+            return
+        try:
+            got = await results.read(self.tasks, self.lane, self.store, self.id, future, fx.task, self._watch_pool)
+        except RunFailed:
+            raise  # the run's own verdict while it waited, not the task's failure
+        except Exception as exc:  # noqa: BLE001 - a task's error is data for the failure policy
+            await self.step(m.TaskFailed(fx.task, exc))
+            return
+        await self.step(m.Lost(fx.task, got) if isinstance(got, str) else m.Result(fx.task, got))
+
+    async def _watch_pool(self) -> None:
+        await self.step(m.Poll(fill=False))
+
+    async def _merge(self, fx: m.Merge) -> None:
+        outcome = await self.lane.merge(
+            fx.record,
+            completes=fx.completes,
+            max_staleness=fx.max_staleness,
+            more=self.tasks.results_waiting(),  # fold their commits
+            in_use_step=fx.in_use_step,
+            ahead=fx.ahead,
+        )
+        if outcome.pop("drafted", False):  # the tasks waiting for this merge start from its draft while it
+            self.handshake.note_settled()  # is committed, before any other result is merged (a commit queued
+            await self.lane.commit()  # meanwhile, by a skipped shard, may have done it already)
+            outcome["version_id"] = self.lane.head.version
+        await self.step(m.Merged(fx.task, fx.record, outcome, self.lane.head))
 
     # -- the driver -----------------------------------------------------------------------------
     async def drive(self) -> None:
+        state = self.state
         watchdog = None
         try:
             await self.tasks.open(f"vcdask-{self.id}")
-            await (recover(self) if self.resume else self.lane.load())
-            self.status = "running"
-            await self.lane.call(end.write_record, self.store, self.id, end.running_record(self))
-            self.events.emit("started", version=self.server.version, step=self.server.step)
-            watchdog = asyncio.ensure_future(watch.deadlines(self))
+            await (self._recover() if self.resume else self.lane.load())
+            state.phase = Phase.RUNNING
+            await self.lane.call(end.write_record, self.store, self.id, end.running_record(self._fresh()))
+            self.events.emit("started", version=self.lane.head.version, step=self.lane.head.step)
+            watchdog = asyncio.ensure_future(self._deadlines())
             nxt = handed = None
-            while not self.finished():
-                self.check_workers()
-                self.fill()
-                if not self.tasks.tasks and not self.tasks.handed:
-                    if self.server.folded:  # nothing more will come soon: commit the merges folded so far
-                        await self._settle_folded()
-                    await watch.idle(self)
+            while not state.finished():
+                await self.step(m.Poll())
+                if not self.tasks.records and not self.tasks.handed:
+                    await self._settle_folded()  # nothing more will come soon: commit the merges folded so far
+                    await self.step(m.Idle())
+                    await asyncio.sleep(INTERVAL)
                     continue
-                if nxt is None and self.tasks.tasks:  # (each has its future in there until it is read)
+                if nxt is None and self.tasks.records:  # (each has its future in there until it is read)
                     nxt = asyncio.ensure_future(self.tasks.completed.__anext__())
                 handed = handed or asyncio.ensure_future(self._handed_any.wait())
                 # wake up now and then even if nothing completes: workers may have joined
                 waits = {w for w in (nxt, handed, watchdog) if w is not None}
                 await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 if watchdog.done():
-                    watchdog.result()  # the deadline watchdog failed (e.g. on_shard_failure="stop"): raise it
+                    watchdog.result()  # the deadline watchdog failed the run (e.g. on_shard_failure="stop"): raise it
                 if self.tasks.handed:
-                    await self._on_record(*self.tasks.handed.popleft())
+                    task, record = self.tasks.handed.popleft()
+                    await self.step(m.Result(task, record, taken=True))
                     await self._settle_folded()
                 elif handed.done():
                     self._handed_any.clear()
@@ -145,207 +229,185 @@ class Run:
             for waiting in (nxt, handed):
                 if waiting is not None:
                     waiting.cancel()
-            self._taking = False  # what is still out is the end's to cancel
-            await end.finish(self)
+            await self._finish()
         except asyncio.CancelledError:
-            self.status = "cancelled"
+            state.phase = Phase.CANCELLED
             raise
+        except RunFailed as failed:
+            self._failed(str(failed.failure))
         except Exception:  # noqa: BLE001 - the run's error is recorded and published, not swallowed
-            self.status, self.error = "error", traceback.format_exc()
-            logger.error("vcdask run %s failed:\n%s", self.id, self.error)
-            self.events.emit("failed", error=self.error)
+            self._failed(traceback.format_exc())
         finally:
             if watchdog is not None:
                 watchdog.cancel()
-            await end.release(self)  # its record written; W_s and the model dropped
+            await self._release()  # its record written; W_s and the model dropped
             self.done.set()
 
+    def _failed(self, error: str) -> None:
+        self.state.phase, self.state.error = Phase.ERROR, error
+        logger.error("vcdask run %s failed:\n%s", self.id, error)
+        self.events.emit("failed", error=error)
+
+    async def _deadlines(self) -> None:
+        while True:
+            await asyncio.sleep(INTERVAL)
+            await self.step(m.Tick())
+
+    async def _settle_folded(self) -> None:
+        if self.lane.head.folded and not self.tasks.results_waiting():  # the queue ran dry: commit the folded merges
+            await self.lane.commit()
+        self.handshake.note_settled()
+
+    async def _on_done(self, future: Any) -> None:
+        try:
+            await self.step(m.Completed(future.key, cancelled=future.status == "cancelled"))
+        finally:
+            self.tasks.forget(future.key)
+            future.release()
+
+    async def _recover(self) -> None:
+        """Rebuild the run from its branch and its folder (after the scheduler that drove it died):
+        ``W_s`` and the merged (epoch, shard) from the versions' metadata, then merge the uploads
+        that no committed version contains."""
+        n = self.spec.shards.n_shards
+        merged, ends, attempts, pending = await self.lane.call(
+            read_back, self.server, self.store, self.spec.branch, self.id, n
+        )
+        await self.step(m.Resumed(merged, ends, attempts, tuple(pending)))
+        logger.info(
+            "run %s resumed at step %d: %d updates merged before, %d uploaded but unmerged",
+            self.id,
+            self.lane.head.step,
+            sum(map(len, merged.values())),
+            len(pending),
+        )
+        for meta in pending:
+            rec = {"seconds": math.nan, "upload_seconds": math.nan, **meta}
+            task = TaskRecord("update", meta["epoch"], meta["shard"], meta["attempt"], meta["base_step"])
+            await self.step(m.Result(task, rec, taken=True))
+        await self.step(m.CloseEpochs())
+
+    # -- the end ----------------------------------------------------------------------------------
+    async def _finish(self) -> None:
+        """Cancel the copies still out (and the results handed over but not merged), commit what is
+        merged, validate the head, drop the run's updates (unless kept) and apply its retention once more."""
+        await self.step(m.Finish())
+        await self.lane.commit()
+        head = self.lane.head
+        if self.spec.validation is not None and head.step not in self.state.ledger.validations:
+            await self._final_validation(head.version, head.step)
+        await self.lane.drain()  # (the merged updates' deletes: before the rest is dropped)
+        if update_gone("run ended", self.spec.keep_updates):
+            await self.lane.call(delete_run_updates, self.store.files, self.id)
+        await self.lane.collect(final=True, in_use_step=self._fresh().in_use_step())  # the retention, once more
+        state = self.state
+        state.phase = Phase.CANCELLED if state.cancelled else Phase.FINISHED
+        self.events.emit("finished", version=head.version, step=head.step, reason=state.stopping or "max_epochs")
+
+    async def _final_validation(self, version: str | None, step: int) -> None:
+        """Validate the final version (:func:`.results.validate_final`) and record its numbers."""
+
+        async def store_fault(task: TaskRecord, exc: BaseException) -> float:
+            await self.step(m.StoreFault(task, exc))
+            self.state.dispatch.parked_validations.clear()
+            return self.state.outage.wait_seconds()
+
+        rec = await results.validate_final(
+            self.tasks,
+            self.store,
+            self.id,
+            version,
+            step,
+            placement=lambda avoid: validation_placement(self.state, avoid),
+            deadline=lambda: validation_deadline(self.state),
+            watch=self._watch_pool,
+            store_fault=store_fault,
+        )
+        await self.step(m.StoreBack())
+        await self.step(m.Validated(rec["step"], rec["metrics"]))
+
+    async def _release(self) -> None:
+        """After the run ended: close its client, write its record, keep its small result dict and drop
+        ``W_s``, the rule's state, the bases and the spec's model."""
+        try:
+            await self.tasks.close()
+        except Exception:
+            logger.debug("closing the client of run %s", self.id, exc_info=True)
+        state = self._fresh()
+        state.ended = time.time()
+        state.final = views.result_dict(state, self.server.stalled())
+        try:  # (best_version lists versions: not on the loop)
+            await self.lane.call(lambda: end.write_record(self.store, self.id, end.record(state, state.final or {})))
+        except Exception:
+            logger.warning("run %s: could not write its record %s", self.id, record_path(self.id), exc_info=True)
+        self.lane.shutdown()
+        self.server.release()
+        self.spec = state.spec = dataclasses.replace(self.spec, model=None)  # type: ignore[arg-type]
+
+    # -- what the plugin's handlers and hooks call -------------------------------------------------
     def hand_over(self, key: str, record: dict[str, Any]) -> str | None:
         """A task's record, sent by the task as it finishes (see :func:`vcdask.worker.train_shard`).
 
         The run takes it now, a round trip sooner than from Dask (which reports the task done, then
         the run fetches its result), and even while the driver is busy merging the results before
         it: the worker gets its next shard at once (it queues there behind the finishing task), and
-        the record waits in :attr:`InFlight.handed` for its merge.  Whichever of the two ways comes second
-        finds the task taken and is dropped.
+        the record waits in the task table's ``handed`` queue for its merge.  Whichever of the two ways
+        comes second finds the task taken and is dropped.
 
         Returns the key of the shard copy sent to the task's worker to run next (placed there), if
-        any: its base can travel back with the hand-over's answer (:func:`~.handshake.next_base`).
+        any: its base can travel back with the hand-over's answer (:meth:`next_base`).
         """
-        if not self._taking:  # the run is ending: its end reads (or cancels) what is still out
-            return None
-        task = self.tasks.pop(key)
-        if task is None:  # Dask's report came first, or the copy was given up
-            return None
-        self.tasks.stale.add(key)
-        self.handed_over += 1
-        self.tasks.handed.append((task, record))  # first: the record is the run's now, whatever happens below
-        self._handed_any.set()
+        before = len(self.tasks.handed)
         try:
-            sent = self._taken(task, record)
+            sent = self.step_now(m.HandOver(key, record)) or []
         except Exception:  # the driver fills the free slot on its next pass
             logger.warning("run %s: sending a worker its next shard failed", self.id, exc_info=True)
-            return None
+            sent = []
+        if len(self.tasks.handed) > before:
+            self._handed_any.set()
         worker = record.get("worker")
-        return next((k for k in sent if getattr(self.tasks.tasks.get(k), "placed", None) == worker), None)
+        return next((k for k in sent if getattr(self.tasks.records.get(k), "placed", None) == worker), None)
 
-    def _taken(self, task: TaskRecord, record: dict[str, Any]) -> list[str]:
-        """A shard result is in: its worker is free.  Give it its next shard before this result is
-        merged, so the new task reads its spec and rows meanwhile; it then waits (briefly) for this
-        merge before it trains (:func:`~.handshake.base_for`).  The keys of the shard copies sent."""
-        if task.kind != "update":
-            return []
-        self.handshake.arrived += 1
-        return [] if self.finished() else self.fill(record["worker"])
+    async def base_for(self, key: str, worker: str | None = None) -> dict[str, Any] | None:
+        return await self.bases.base_for(key, worker)
 
-    async def _settle_folded(self) -> None:
-        if self.server.folded and not self.tasks.results_waiting():  # the queue ran dry: commit the folded merges
-            await self.lane.commit()
-        self.handshake.note_settled()
+    async def next_base(self, key: str, worker: str) -> dict[str, Any] | None:
+        return await self.bases.next_base(key, worker)
 
-    async def _on_done(self, future: Any) -> None:
-        self.tasks.stale.discard(future.key)
-        task = self.tasks.pop(future.key)
-        if task is None:  # handed over by the task already, or given up
-            future.release()
-            return
-        if future.status == "cancelled":
-            if task.kind == "update":
-                superseded = self.ledger.is_merged(task.epoch, task.shard)
-                why = "superseded: another copy of this shard was merged" if superseded else self.stopping
-                self.ledger.record_copy(task, "cancelled", f"cancelled: {why}")
-            return
-        try:
-            record = await results.read(self, future, task)
-        except NoWorkersError:
-            raise  # the run's own verdict while it waited, not the task's failure
-        except Exception as exc:  # noqa: BLE001 - a task's error is data for the failure policy
-            await faults.task_failed(self, task, exc)
-            return
-        finally:
-            future.release()
-        if record is None:
-            return  # lost with its worker (recorded, and re-issued)
-        self._taken(task, record)
-        await self._on_record(task, record)
+    def task_started(self, key: str, worker: str, instance: str | None = None, market: str | None = None) -> None:
+        self.step_now(m.Started(key, worker, instance, market))
 
-    async def _on_record(self, task: TaskRecord, record: dict[str, Any]) -> None:
-        """Record a validation, or merge a shard result (taken already: :meth:`_taken`)."""
-        faults.store_back(self)
-        if task.kind == "validation":
-            arrivals.validation(self, record)
-            return
-        try:
-            await arrivals.update(self, record, task)
-        finally:
-            self.handshake.settled += 1
+    def joined(self, worker: str, nthreads: int) -> None:
+        self.step_now(m.Joined(worker, nthreads))
 
-    # -- dispatch -------------------------------------------------------------------------------
-    def fill(self, freed_worker: str | None = None) -> list[str]:
-        """Hand out shards until every slot is busy (parked work first); the keys of the shard copies sent."""
-        sent: list[str | None] = []
-        if not self.pool.usable() or self.outage.holding():
-            return []  # nobody to run on (wait for workers to (re)join), or the store is out
-        parked, self.dispatch.parked_validations = self.dispatch.parked_validations, []
-        for version, step, retry in parked:
-            self.submit_validation(version, step, retry)
-        while self.stopping is None and self.tasks.training() < self.pool.slots():
-            if self.dispatch.returned:
-                epoch, shard = self.dispatch.returned.pop(0)
-                if not self.ledger.is_merged(epoch, shard) and not self.tasks.copy_running(epoch, shard):
-                    sent.append(self.submit_shard(epoch, shard))
-                continue
-            nxt = self.dispatch.next_shard(freed_worker)
-            if nxt is None:
+    def left(self, worker: str) -> None:
+        self.step_now(m.Left(worker))
+
+    async def stop(self, reason: str, cancel: bool = False) -> None:
+        """Stop dispatching and cancel the shards in flight; the driver then commits and finishes (with
+        ``cancel``: as "cancelled", a run without a result)."""
+        if not self.done.is_set():
+            await self.step(m.Stop(reason, cancel))
+
+    def reissue(self, epoch: int, shard: int) -> str | None:
+        """Train (epoch, shard) once more from the current version; the first valid result wins.  The new
+        copy's key, or None when no worker is usable now (the copy is sent once one is)."""
+        if self.tasks.completed is None or self.done.is_set():
+            raise RuntimeError(f"run {self.id} is not running")
+        return self.step_now(m.Reissue(epoch, shard))
+
+    def preempt(self, worker: str, window: float | None = None) -> tuple[list[str], list[str]]:
+        """A notice that ``worker`` will be reclaimed in ``window`` seconds: ``(re-issued keys, kept keys)``
+        (see :mod:`vcdask.engine.core.watching`)."""
+        return self.step_now(m.Preempt(worker, window))
+
+    async def settle(self, worker: str, kept: list[str], deadline: float) -> list[str]:
+        """Wait until none of the ``kept`` copies runs on ``worker`` any more, or until ``deadline``
+        (``time.monotonic()``); then re-issue the ones still running there.  Returns their new keys."""
+        left = list(kept)
+        while left and not self.done.is_set():
+            left = still_running(self.state, worker, tuple(left))
+            if not left or time.monotonic() >= deadline:
                 break
-            sent.append(self.submit_shard(*nxt))
-            freed_worker = None
-        return [key for key in sent if key is not None]
-
-    def submit_shard(self, epoch: int, shard: int, avoid: str | Collection[str] | None = None) -> str | None:
-        """Send a copy of (epoch, shard) to train from the newest version; its key.  None when no worker
-        is usable: the shard is parked and sent first once one is (:meth:`fill`)."""
-        avoided = faults.stuck_workers(self) | ({avoid} if isinstance(avoid, str) else set(avoid or ()))
-        where = self.dispatch.placement(
-            self.dispatch.home.get(shard), self.pool.usable(), len(self.pool.connected), avoided, self.busy_workers()
-        )
-        if where is None:
-            self.dispatch.park(epoch, shard)
-            return None
-        attempt = self.dispatch.next_attempt(epoch, shard)
-        head = self.server.head
-        placed = where.get("workers", ())
-        key = self.tasks.submit(
-            train_shard,
-            self.store,
-            self.id,
-            epoch,
-            shard,
-            attempt,
-            head.version,
-            head.version_step,
-            self.dispatch.position(epoch, shard),
-            key=train_key(self.id, epoch, shard, attempt),
-            task=TaskRecord(
-                "update",
-                epoch,
-                shard,
-                attempt,
-                head.version_step,
-                submitted=time.monotonic(),
-                placed=placed[0] if len(placed) == 1 else None,
-            ),
-            **where,
-        )
-        self.ledger.set_shard(epoch, shard, "queued" if attempt == 0 else "re-issued")
-        return key
-
-    def busy_workers(self) -> set[str]:
-        """Workers that hold their share of shard copies (``WorkerPool.share``), running or queued
-        there: a copy sent to one would wait while another worker is free."""
-        return {a for a, n in self.tasks.held().items() if n >= self.pool.share(a)}
-
-    def submit_validation(
-        self, version: str | None = None, step: int | None = None, retry: int = 0, avoid: set[str] | None = None
-    ) -> None:
-        """Validate ``version`` (default: the newest committed one), once; on a usable worker, away from
-        stuck ones and ``avoid`` (:func:`.validations.placement`), or parked until one is usable."""
-        if version is None or step is None:
-            head = self.server.head  # one read: the merge thread replaces it as a whole
-            version, step = head.version, head.version_step
-        key = validate_key(self.id, step, retry)
-        if key in self.tasks.futures or step in self.ledger.validations or self.tasks.validating(step):
-            return
-        where = validations.placement(self, avoid or set())
-        if where is None:
-            self.dispatch.parked_validations.append((version, step, retry))
-            return
-        self.tasks.submit(
-            validate_version,
-            self.store,
-            self.id,
-            version,
-            step,
-            key=key,
-            priority=10,
-            task=TaskRecord("validation", attempt=retry, step=step, version=version, submitted=time.monotonic()),
-            **where,
-        )
-
-    # -- results --------------------------------------------------------------------------------
-    def close_epochs(self) -> None:
-        stop = self.ledger.close_epochs()
-        if stop is not None:
-            self.stopping = stop
-
-    # -- what the plugin's handlers and hooks call -------------------------------------------------
-    stop = faults.stop
-    reissue = faults.reissue
-    preempt = notice.preempt
-    check_workers = watch.check_workers
-    task_started = watch.task_started
-    base_for = handshake.base_for
-    next_base = handshake.next_base
-    status_dict = views.status_dict
-    panel_state = views.panel_state
-    result_dict = views.result_dict
+            await asyncio.sleep(SETTLE_POLL)
+        return self.step_now(m.Settle(worker, tuple(left))) if left else []

@@ -1,33 +1,34 @@
 """What clients see of a run: its status, the panel's snapshot, the final result (small dicts).
 
-Functions of the :class:`~vcdask.engine.run.Run`, called by the plugin's handlers on the event loop.
+Functions of the run's core state (:class:`~vcdask.engine.core.RunState`), called by the plugin's handlers
+on the event loop through the run's shell, which refreshes the state's server head first.
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from ..cost import summarize
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .core import RunState
 
 __all__ = ["panel_state", "result_dict", "status_dict"]
 
 
-def status_dict(run: Run) -> dict[str, Any]:
+def status_dict(run: RunState, stalled: str | None = None) -> dict[str, Any]:
     """Progress counters: status, step, epochs done, merged in the current epoch, last epoch's row,
-    why the run is paused (``paused``, with ``paused_cause`` "workers" or "store") ..."""
-    ledger, server = run.ledger, run.server
-    store_paused = server.stalled() or run.outage.why
+    why the run is paused (``paused``, with ``paused_cause`` "workers" or "store"; ``stalled``: why the
+    merge thread waits for the store, if it does) ..."""
+    ledger, head = run.ledger, run.head
+    store_paused = stalled or run.outage.why
     paused = store_paused or run.no_workers
     return {
         "run_id": run.id,
-        "status": run.status,
+        "status": run.phase.value,
         "error": run.error,
-        "step": server.step,
-        "version": server.version or run.head_at_start,
+        "step": head.step,
+        "version": head.version or run.head_at_start,
         "epochs_done": len(ledger.epochs),
         "max_epochs": run.spec.max_epochs,
         "n_shards": run.spec.shards.n_shards,
@@ -37,26 +38,27 @@ def status_dict(run: Run) -> dict[str, Any]:
         "stopping": run.stopping,
         "paused": paused,
         "paused_cause": None if paused is None else ("store" if store_paused else "workers"),
-        "tasks": run.tasks.table(),
-        "elapsed": (run.ended or time.time()) - run.started,
+        "tasks": [{**row, "merged": ledger.is_merged(row["epoch"], row["shard"])} for row in run.tasks.table()],
+        "elapsed": (run.ended or run.wall()) - run.started,
+        "handed_over": run.handed_over,
         "alpha": _alpha_now(run),
         "staleness": ledger.last_staleness(),
-        "store": run.store.location,
+        "store": run.spec.store.location,
         "branch": run.spec.branch,
         "merge": getattr(run.spec.merge, "name", None),
         "cost": _cost_so_far(run),
     }
 
 
-def _cost_so_far(run: Run) -> dict[str, float] | None:
+def _cost_so_far(run: RunState) -> dict[str, float] | None:
     """What the workers cost so far, and the saving against on-demand (None without a price table)."""
     if not run.spec.prices:
         return None
-    cost = summarize(run.pool.rows(), run.spec.prices, run.server.step)
+    cost = summarize(run.pool.rows(), run.spec.prices, run.head.step)
     return {"total": cost["total"], "on_demand": cost["on_demand"], "saving": cost["saving"]}
 
 
-def _alpha_now(run: Run) -> float | None:
+def _alpha_now(run: RunState) -> float | None:
     try:
         schedule = getattr(run.spec.merge, "schedule", None)
         return None if schedule is None else float(schedule(max(1, run.dispatch.epoch)))
@@ -64,13 +66,13 @@ def _alpha_now(run: Run) -> float | None:
         return None
 
 
-def panel_state(run: Run, recent_epochs: int = 50) -> dict[str, Any]:
+def panel_state(run: RunState, stalled: str | None = None, recent_epochs: int = 50) -> dict[str, Any]:
     """Everything the progress panel shows, for a panel that starts (or re-attaches) mid-run;
     events keep it current from there."""
     first = max(1, run.dispatch.epoch - recent_epochs + 1)
     metrics = list(run.spec.metric_names or run.spec.metrics) or ["loss"]
     return {
-        "status": status_dict(run),
+        "status": status_dict(run, stalled),
         "epochs": list(run.ledger.epochs),
         "workers": run.pool.rows(),
         "shards": [[e, s, st] for (e, s), st in run.ledger.shard_state.items() if e >= first],
@@ -78,7 +80,7 @@ def panel_state(run: Run, recent_epochs: int = 50) -> dict[str, Any]:
     }
 
 
-def result_dict(run: Run) -> dict[str, Any]:
+def result_dict(run: RunState, stalled: str | None = None) -> dict[str, Any]:
     """The status plus everything a :class:`~vcdask.FitResult` is made of (kept as it was when the run
     ended: :attr:`Run.final`)."""
     if run.final is not None:
@@ -86,12 +88,12 @@ def result_dict(run: Run) -> dict[str, Any]:
     ledger = run.ledger
     workers = run.pool.rows()
     return {
-        **status_dict(run),
+        **status_dict(run, stalled),
         "history": ledger.history,
         "epochs": ledger.epochs,
         "workers": workers,
-        "cost": summarize(workers, run.spec.prices or {}, run.server.step),
-        "final_metrics": ledger.validations.get(run.server.version_step),
+        "cost": summarize(workers, run.spec.prices or {}, run.head.step),
+        "final_metrics": ledger.validations.get(run.head.version_step),
         "branch": run.spec.branch,
         "best": ledger.best,  # {"epoch", "step", "value"} of the monitored metric's best epoch, or None
         "monitor": run.spec.monitor,

@@ -1,0 +1,431 @@
+"""The run's core (vcdask.engine.core) driven by scripted event sequences: no cluster, no processes,
+no store, no event loop.  Each fault path the cluster tests reach through ``fit`` (loss, re-issue,
+duplicate, deadline, preemption window, outage pause, stop, cancel, give-up) is played here event by
+event, and what the core decides is read off the effects it returns and the state it keeps.
+
+What stands in for Dask is its task table (the only part of Dask the core reads: each task's state and
+the worker processing it), moved by the script as Dask would move it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from vcdask import Resilience
+from vcdask.data import Shards
+from vcdask.engine.committing import Head
+from vcdask.engine.core import Phase, RunState, handle
+from vcdask.engine.core import messages as m
+from vcdask.errors import StoreUnreachableError
+from vcdask.spec import RunSpec
+
+RUN = "run-core"
+
+
+class Clock:
+    """Monotonic and wall seconds, moved by the script."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@dataclass
+class _Worker:
+    address: str
+
+
+@dataclass
+class _Task:
+    state: str = "queued"
+    processing_on: _Worker | None = None
+
+
+class Dask:
+    """Dask's task table as the core reads it (``scheduler.tasks``), moved by the script."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, _Task] = {}
+
+    def sent(self, effects: list[m.Effect]) -> list[m.Submit]:
+        subs = [fx for fx in effects if isinstance(fx, m.Submit)]
+        for fx in subs:
+            self.tasks[fx.key] = _Task()
+        return subs
+
+    def run(self, key: str, worker: str) -> None:
+        self.tasks[key] = _Task("processing", _Worker(worker))
+
+    def finish(self, key: str) -> None:
+        self.tasks[key] = _Task("memory")
+
+
+class Script:
+    """A run's core with a scripted Dask, clock and merge thread."""
+
+    def __init__(self, *, n_shards: int = 4, max_epochs: int = 1, workers=("a", "b"), keep_updates=False, **res):
+        self.clock, self.dask = Clock(), Dask()
+        spec = RunSpec(
+            run_id=RUN,
+            store=None,
+            branch=RUN,
+            model=torch.nn.Linear(1, 1),
+            loss=None,
+            optimizer=None,
+            local_epochs=1,
+            batch_size=8,
+            seed=0,
+            train=None,
+            shards=Shards(10 * n_shards, n_shards),
+            validation=res.pop("validation", None),
+            metrics={},
+            classification=True,
+            x_dtype=torch.float32,
+            max_epochs=max_epochs,
+            merge=None,
+            target=None,
+            commit_every=1,
+            validate_every=res.pop("validate_every", "auto"),
+            keep_updates=keep_updates,
+            resilience=Resilience(**res),
+        )
+        self.state = RunState(spec, {w: 1 for w in workers}, self.dask, clock=self.clock, wall=self.clock)
+        self.state.head = Head(step=0, version="v0", version_step=0)
+        self.state.phase = Phase.RUNNING
+
+    def __call__(self, event: m.Event) -> list[m.Effect]:
+        effects = handle(self.state, event)
+        self.dask.sent(effects)
+        return effects
+
+    # -- what a task and the merge thread do --------------------------------------------------------
+    def start(self, key: str, worker: str) -> None:
+        self.dask.run(key, worker)
+        self(m.Started(key, worker))
+
+    def record(self, key: str, worker: str, seconds: float = 2.0) -> dict[str, Any]:
+        task = self.state.tasks.records[key]
+        return {
+            "kind": "update",
+            "epoch": task.epoch,
+            "shard": task.shard,
+            "attempt": task.attempt,
+            "worker": worker,
+            "seconds": seconds,
+            "train_loss": 1.0,
+            "read_seconds": 0.1,
+            "train_seconds": seconds - 0.2,
+            "upload_seconds": 0.1,
+            "update": f"{RUN}/updates/{task.epoch}-{task.shard}-{task.attempt}",
+            "base_step": task.step,
+        }
+
+    def merge(self, effects: list[m.Effect], accept: bool = True, fault: str | None = None) -> list[m.Effect]:
+        """The merge thread merges (or turns down) the result a :class:`Merge` effect names, and commits."""
+        [fx] = [fx for fx in effects if isinstance(fx, m.Merge)]
+        head = self.state.head
+        if accept:
+            step = head.step + 1
+            head = Head(step=step, version=f"v{step}", version_step=step)
+            outcome = {"accepted": True, "staleness": 0, "alpha": 0.5, "new_version": step, "version_id": head.version}
+        else:
+            outcome = {"accepted": False, "staleness": 0, "reason": f"rejected: {fault}", "fault": fault}
+        return self(m.Merged(fx.task, fx.record, outcome, head))
+
+    def finish_task(self, key: str, worker: str, **kw: Any) -> list[m.Effect]:
+        """Task ``key`` hands its record over as it finishes, and the driver merges it."""
+        rec = self.record(key, worker, **kw)
+        self.dask.finish(key)
+        self(m.HandOver(key, rec))
+        task, record = self.state.tasks.handed.popleft()
+        return self(m.Result(task, record, taken=True))
+
+
+def keys(effects: list[m.Effect], kind: type = m.Submit) -> list[str]:
+    return [fx.key for fx in effects if isinstance(fx, kind)]
+
+
+def emitted(effects: list[m.Effect], kind: str) -> list[dict[str, Any]]:
+    return [fx.fields for fx in effects if isinstance(fx, m.Emit) and fx.kind == kind]
+
+
+def rows(state: RunState, outcome: str) -> list[dict[str, Any]]:
+    return [h for h in state.ledger.history if h["outcome"] == outcome]
+
+
+def test_an_epoch_runs_each_shard_once_with_a_workers_next_shard_sent_as_it_hands_over():
+    s = Script()
+    first = keys(s(m.Poll()))
+    assert len(first) == 2 and s.state.tasks.training() == 2  # one per slot
+    done = set()
+    while not s.state.finished():
+        key = next(k for k, t in s.state.tasks.updates() if t.started is None)
+        worker = "a" if len(done) % 2 == 0 else "b"
+        s.start(key, worker)
+        rec = s.record(key, worker)
+        s.dask.finish(key)
+        nxt = s(m.HandOver(key, rec))
+        [reply] = [fx.value for fx in nxt if isinstance(fx, m.Reply)]
+        assert reply == keys(nxt)  # the freed worker's next shard went out with the hand-over
+        task, record = s.state.tasks.handed.popleft()
+        effects = s.merge(s(m.Result(task, record, taken=True)))
+        assert emitted(effects, "update")[0]["accepted"]
+        done.add((task.epoch, task.shard))
+    assert done == {(1, shard) for shard in range(4)} and len(rows(s.state, "merged")) == 4
+    assert s.state.arrived == s.state.settled == 4 and s.state.handed_over == 4
+    assert s.state.ledger.epochs[0]["epoch"] == 1
+
+
+def test_a_copy_lost_with_its_worker_is_re_issued_and_its_worker_blamed():
+    from distributed.scheduler import KilledWorker
+
+    s = Script()
+    key = keys(s(m.Poll()))[0]
+    s.start(key, "a")
+    task = s.state.tasks.records[key]
+    s(m.Completed(key))  # Dask reports it done (erred): the shell reads it back
+    effects = s(m.TaskFailed(task, KilledWorker(key, _Worker("a"), 3)))
+    [again] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    assert again.args[:3] == (task.epoch, task.shard, 1)  # the same shard, attempt 1
+    assert emitted(effects, "lost")[0]["worker"] == "a" and s.state.pool.record("a").failed == 1
+    assert rows(s.state, "lost")[0]["shard"] == task.shard and s.state.dispatch.failures[(1, task.shard)] == 1
+
+
+def test_a_record_that_cannot_be_read_back_is_a_lost_copy_re_issued_without_blame():
+    s = Script()
+    key = keys(s(m.Poll()))[0]
+    s.start(key, "a")
+    [read] = [fx for fx in s(m.Completed(key)) if isinstance(fx, m.Read)]
+    effects = s(m.Lost(read.task, "its worker left"))
+    assert len(keys(effects)) == 1 and s.state.dispatch.failures[(1, read.task.shard)] == 0
+    assert "its worker left" in rows(s.state, "lost")[0]["reason"] and s.state.pool.record("a").failed == 0
+
+
+def test_a_second_copy_of_a_merged_shard_is_recorded_a_duplicate_and_its_update_deleted_once():
+    for keep in (False, True):
+        s = Script(keep_updates=keep)
+        key = keys(s(m.Poll()))[0]
+        copy = keys(s(m.Reissue(*(lambda t: (t.epoch, t.shard))(s.state.tasks.records[key]))))[0]
+        s.start(key, "a")
+        s.start(copy, "b")
+        s.merge(s.finish_task(key, "a"))
+        path = s.record(copy, "b")["update"]
+        effects = s.finish_task(copy, "b")
+        assert not any(isinstance(fx, m.Merge) for fx in effects)  # never merged twice
+        assert [r["reason"] for r in rows(s.state, "duplicate")] == ["duplicate: (epoch, shard) already merged"]
+        assert [fx.path for fx in effects if isinstance(fx, m.DropUpdate)] == ([] if keep else [path])
+        assert s.state.arrived == s.state.settled == 2
+
+
+def test_a_copy_past_its_deadline_is_re_issued_elsewhere_and_a_late_result_recorded_late():
+    s = Script(deadline_floor=5.0)
+    key = keys(s(m.Poll()))[0]
+    s.start(key, "a")
+    s.clock.advance(30.0)
+    assert s(m.Tick()) == []  # the first shards' deadline: nothing measured yet
+    s.clock.advance(60.0)
+    effects = s(m.Tick())
+    [again] = [fx for fx in effects if isinstance(fx, m.Submit) and fx.args[1] == s.state.tasks.records[key].shard]
+    assert again.where["workers"] == ["b"]  # away from the late worker
+    assert emitted(effects, "reissue")[0]["why"].startswith("ran past its")
+    assert s.state.tasks.records[key].overdue and s.state.pool.record("a").timed_out == 1
+    s.start(again.key, "b")
+    s.merge(s.finish_task(again.key, "b"))
+    effects = s.finish_task(key, "a")  # the late copy comes back after all
+    assert rows(s.state, "late")[0]["reason"].startswith("late: (epoch, shard) already merged")
+
+
+def test_a_notice_re_issues_what_would_not_finish_in_its_window_and_lets_the_rest_finish():
+    s = Script(workers=("a", "b"))
+    first = keys(s(m.Poll()))
+    s.start(first[0], "a")
+    s.merge(s.finish_task(first[0], "a", seconds=10.0))  # a: 10 s a shard
+    running = next(k for k, t in s.state.tasks.updates() if t.placed == "a" or t.started is None)
+    s.start(running, "a")
+    s.clock.advance(2.0)
+    effects = s(m.Preempt("a", window=60.0))
+    [(reissued, kept)] = [fx.value for fx in effects if isinstance(fx, m.Reply)]
+    assert reissued == [] and kept == [running]  # 8 s left fits the window
+    assert "a" in s.state.pool.draining and emitted(effects, "preempted")[0]["kept"] == 1
+    effects = s(m.Settle("a", tuple(kept)))  # the margin is reached and it still runs there
+    [moved] = [fx.value for fx in effects if isinstance(fx, m.Reply)]
+    assert len(moved) == 1 and s.state.tasks.records[running].overdue
+    assert [fx.where for fx in effects if isinstance(fx, m.Submit)] == [{"workers": ["b"]}]
+    assert s.state.pool.record("a").faults == 0  # a notice is nobody's fault
+
+
+def test_a_notice_too_short_for_the_running_copy_re_issues_it_at_once():
+    s = Script()
+    key = keys(s(m.Poll()))[0]
+    s.start(key, "a")
+    [(reissued, kept)] = [fx.value for fx in s(m.Preempt("a", window=1.0)) if isinstance(fx, m.Reply)]
+    assert len(reissued) == 1 and kept == [] and s.state.tasks.records[key].overdue
+
+
+def test_a_store_outage_pauses_dispatch_with_backoff_and_fails_the_run_past_its_timeout():
+    s = Script(store_outage_timeout=100.0)
+    key = keys(s(m.Poll()))[0]
+    s.start(key, "a")
+    task = s.state.tasks.records[key]
+    s(m.Completed(key))
+    effects = s(m.TaskFailed(task, StoreUnreachableError("the store is down")))
+    assert emitted(effects, "paused")[0]["cause"] == "store" and s.state.pool.record("a").faults == 0
+    assert (task.epoch, task.shard) in s.state.dispatch.returned
+    assert keys(s(m.Poll())) == []  # holding off (backoff)
+    s.clock.advance(60.0)
+    [again] = [fx for fx in s(m.Poll()) if isinstance(fx, m.Submit)]
+    assert again.args[1] == task.shard  # sent first once the backoff is over
+    s.start(again.key, "b")
+    s(m.Completed(again.key))
+    s.clock.advance(60.0)  # the store has been out 120 s now
+    effects = s(m.TaskFailed(s.state.tasks.records.get(again.key) or task, StoreUnreachableError("still down")))
+    [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]
+    assert fail.failure.kind == "store" and "store_outage_timeout=100" in fail.failure.message
+    assert str(fail.failure).startswith("StoreOutageError: ")
+
+
+def test_the_store_answering_again_ends_the_pause():
+    s = Script()
+    key = keys(s(m.Poll()))[0]
+    s.start(key, "a")
+    task = s.state.tasks.records[key]
+    s(m.Completed(key))
+    s(m.TaskFailed(task, StoreUnreachableError("blip")))
+    s.clock.advance(60.0)
+    again = keys(s(m.Poll()))[0]
+    s.start(again, "a")
+    effects = s.finish_task(again, "a")
+    assert emitted(effects, "resumed")[0]["cause"] == "store" and s.state.outage.why is None
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_stop_cancels_every_copy_out_once_and_the_end_turns_down_what_is_left(cancel):
+    s = Script()
+    out = keys(s(m.Poll()))
+    [fx] = s(m.Stop("stopped by the user", cancel=cancel))
+    assert isinstance(fx, m.Cancel) and sorted(fx.keys) == sorted(out)
+    assert s.state.finished() and s.state.cancelled is cancel and s.state.stopping == "stopped by the user"
+    assert s(m.Stop("again")) == [] and keys(s(m.Poll())) == []  # stopped once; nothing more goes out
+    s(m.Completed(out[0], cancelled=True))
+    assert rows(s.state, "cancelled")[0]["reason"] == "cancelled: stopped by the user"
+    [fx] = [fx for fx in s(m.Finish()) if isinstance(fx, m.Cancel)]
+    assert fx.keys == (out[1],) and len(rows(s.state, "cancelled")) == 2 and not s.state.tasks.records
+
+
+def test_a_cancelled_copy_of_a_merged_shard_is_recorded_superseded():
+    s = Script()
+    key = keys(s(m.Poll()))[0]
+    task = s.state.tasks.records[key]
+    copy = keys(s(m.Reissue(task.epoch, task.shard)))[0]
+    s.start(key, "a")
+    effects = s.merge(s.finish_task(key, "a"))
+    assert [fx.keys for fx in effects if isinstance(fx, m.Cancel)] == [(copy,)]  # not started: cancelled
+    s(m.Completed(copy, cancelled=True))
+    assert rows(s.state, "cancelled")[0]["reason"] == "cancelled: superseded: another copy of this shard was merged"
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_shard_that_fails_every_attempt_stops_the_run_or_is_skipped(policy):
+    s = Script(n_shards=2, max_attempts=2, on_shard_failure=policy)
+    key = keys(s(m.Poll()))[0]
+    shard = s.state.tasks.records[key].shard
+    effects: list[m.Effect] = []
+    for attempt in range(2):
+        s.start(key, "a" if attempt == 0 else "b")
+        effects = s.merge(s.finish_task(key, "a" if attempt == 0 else "b"), accept=False, fault="norm")
+        key = next((k for k in keys(effects)), key)
+    if policy == "stop":
+        [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]
+        assert fail.failure.kind == "shard"
+        assert fail.failure.message.startswith(f"shard {shard} of epoch 1 failed 2 times")
+        assert fail.failure.message.endswith("on_shard_failure='stop'")
+    else:
+        assert not any(isinstance(fx, m.Fail) for fx in effects)
+        assert s.state.ledger.skipped == {1: {shard}} and rows(s.state, "skipped")
+
+
+def test_non_finite_updates_of_one_shard_from_two_workers_give_it_up_naming_its_samples():
+    s = Script(n_shards=2)
+    key = keys(s(m.Poll()))[0]
+    shard = s.state.tasks.records[key].shard
+    s.start(key, "a")
+    again = keys(s.merge(s.finish_task(key, "a"), accept=False, fault="non-finite"))
+    assert s.state.pool.record("a").rejected == 1
+    s.start(again[0], "b")
+    effects = s.merge(s.finish_task(again[0], "b"), accept=False, fault="non-finite")
+    [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]
+    start = shard * 10
+    assert f"non-finite (NaN/inf) on 2 workers (a, b): the data of samples {start}-{start + 9}" in fail.failure.message
+    assert s.state.pool.record("a").rejected == 0  # forgiven: the data's doing
+
+
+def test_no_usable_worker_pauses_the_run_and_fails_it_past_no_worker_timeout():
+    s = Script(workers=("a",), no_worker_timeout=30.0)
+    s(m.Left("a"))
+    effects = s(m.Poll())
+    assert emitted(effects, "paused")[0]["cause"] == "workers" and keys(effects) == []
+    s.clock.advance(20.0)
+    assert (
+        not [fx for fx in s(m.Poll()) if isinstance(fx, m.Fail)] and "no usable worker for 20 s" in s.state.no_workers
+    )
+    s(m.Joined("b", 1))
+    effects = s(m.Poll())
+    assert emitted(effects, "resumed")[0]["cause"] == "workers" and len(keys(effects)) == 1
+    s(m.Left("b"))
+    s(m.Poll())
+    s.clock.advance(31.0)
+    [fail] = [fx for fx in s(m.Poll()) if isinstance(fx, m.Fail)]
+    assert str(fail.failure).startswith(f"NoWorkersError: run {RUN} had no usable worker for 30 s")
+
+
+def test_an_epochs_last_merge_is_committed_then_validated_and_the_epoch_closes_on_its_numbers():
+    s = Script(n_shards=2, validation=object())
+    out = keys(s(m.Poll()))
+    for key, worker in zip(out, "ab", strict=True):
+        s.start(key, worker)
+    s.merge(s.finish_task(out[0], "a"))
+    [merge] = [fx for fx in s.finish_task(out[1], "b") if isinstance(fx, m.Merge)]
+    assert merge.completes  # the epoch's last shard
+    # the merge thread merged it; the commit of its version is still to come
+    head = Head(step=2, version="v1", version_step=1)
+    outcome = {"accepted": True, "staleness": 0, "alpha": 0.5, "new_version": 2}
+    effects = s(m.Merged(merge.task, merge.record, outcome, head))
+    assert [type(fx) for fx in effects if not isinstance(fx, m.Emit)] == [m.Commit]
+    effects = s(m.Committed(Head(step=2, version="v2", version_step=2)))
+    [validate] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    assert validate.kind == "validation" and validate.args == ("v2", 2) and validate.priority == 10
+    assert s.state.ledger.epochs == []  # the epoch waits for its numbers
+    task = s.state.tasks.pop(validate.key)
+    s(m.Result(task, {"kind": "validation", "step": 2, "metrics": {"loss": 0.5}, "seconds": 1.0}))
+    assert s.state.ledger.epochs[0]["loss"] == 0.5 and s.state.finished()
+
+
+def test_a_late_validation_is_run_again_elsewhere():
+    s = Script(n_shards=2, validation=object(), deadline_floor=1.0)
+    effects = s(m.Resumed({1: {0, 1}}, {1: (2, "v2")}, {(1, 0): 1, (1, 1): 1}))
+    [validate] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    s.start(validate.key, "a")
+    s.clock.advance(200.0)
+    [again] = [fx for fx in s(m.Tick()) if isinstance(fx, m.Submit)]
+    assert again.kind == "validation" and again.args == ("v2", 2) and again.where == {"workers": ["b"]}
+
+
+def test_a_resumed_run_takes_the_uploads_it_found_out_of_the_queues_and_counts_them_to_settle():
+    s = Script(n_shards=3)
+    pending = ({"epoch": 1, "shard": 2, "attempt": 0, "base_step": 1},)
+    s(m.Resumed({1: {0}}, {}, {(1, 0): 1}, pending))
+    assert s.state.dispatch.queue[1] == [1] and s.state.arrived == 1 and s.state.ledger.merged == {1: {0}}
+    assert [fx.args[:3] for fx in s(m.Poll()) if isinstance(fx, m.Submit)] == [(1, 1, 0)]
+
+
+def test_the_core_refuses_what_is_not_an_event():
+    with pytest.raises(TypeError, match="not an event of a run's core"):
+        handle(Script().state, "tick")  # type: ignore[arg-type]

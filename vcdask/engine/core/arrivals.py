@@ -1,0 +1,184 @@
+"""What comes back to a run: a task's record (handed over by the task, or read through Dask), a shard's
+update merged or turned down, a validation's numbers.
+
+Functions of the :class:`~.state.RunState`.  The merge itself is an effect (:class:`~.messages.Merge`),
+carried out in the run's merge thread; its outcome comes back as :class:`~.messages.Merged`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...updates import update_gone
+from .. import policy
+from ..inflight import TaskRecord
+from .dispatching import fill, submit_validation
+from .failures import close_epochs, rejected, store_back, validate_head
+from .messages import Cancel, DropUpdate, Merge, Read
+from .state import RunState
+
+__all__ = ["arrived", "completed", "hand_over", "merged", "taken"]
+
+#: The fields of a merge's history row that its ``update`` event carries.
+_EVENT_FIELDS = (
+    "epoch",
+    "shard",
+    "worker",
+    "accepted",
+    "new_version",
+    "staleness",
+    "alpha",
+    "train_loss",
+    "reason",
+    "outcome",
+)
+
+
+def hand_over(state: RunState, key: str, record: dict[str, Any]) -> list[str]:
+    """A task's record, sent by the task as it finishes: its worker gets its next shard now; the record
+    waits in the task table's ``handed`` queue for its merge.  The keys of the shard copies sent."""
+    if not state.taking:  # the run is ending: its end reads (or cancels) what is still out
+        return []
+    task = state.tasks.pop(key)
+    if task is None:  # Dask's report came first, or the copy was given up
+        return []
+    state.tasks.stale.add(key)
+    state.handed_over += 1
+    state.tasks.handed.append((task, record))  # first: the record is the run's now, whatever happens below
+    return taken(state, task, record)
+
+
+def taken(state: RunState, task: TaskRecord, record: dict[str, Any]) -> list[str]:
+    """A shard result is in: its worker is free.  Give it its next shard before this result is
+    merged, so the new task reads its spec and rows meanwhile; it then waits (briefly) for this
+    merge before it trains (the base handshake).  The keys of the shard copies sent."""
+    if task.kind != "update":
+        return []
+    state.arrived += 1
+    return [] if state.finished() else fill(state, record["worker"])
+
+
+def completed(state: RunState, key: str, cancelled: bool) -> None:
+    """Dask reports task ``key`` done: read its record back (a :class:`~.messages.Read`), unless it was
+    handed over already, given up, or cancelled."""
+    state.tasks.stale.discard(key)
+    task = state.tasks.pop(key)
+    if task is None:  # handed over by the task already, or given up
+        return
+    if cancelled:
+        if task.kind == "update":
+            superseded = state.ledger.is_merged(task.epoch, task.shard)
+            why = "superseded: another copy of this shard was merged" if superseded else state.stopping
+            state.ledger.record_copy(task, "cancelled", f"cancelled: {why}")
+        return
+    state.out.append(Read(key, task))
+
+
+def arrived(state: RunState, task: TaskRecord, rec: dict[str, Any]) -> None:
+    """Record a validation, or merge (or turn down) a shard's result: a late or duplicate copy is
+    recorded as such and its update deleted (unless kept); any other goes to the merge thread."""
+    store_back(state)
+    if task.kind == "validation":
+        state.ledger.validate(rec["step"], rec["metrics"], rec.get("seconds"))
+        close_epochs(state)
+        return
+    epoch, shard = rec["epoch"], rec["shard"]
+    task.arrived = state.now()  # the history's time: when the result arrived, not when its merge finished
+    state.pool.finished(
+        rec["worker"],
+        rec["seconds"],
+        device=rec.get("device"),
+        step_seconds=rec.get("step_seconds"),
+        instance=rec.get("instance"),
+        market=rec.get("market"),
+    )
+    if not state.ledger.done(epoch, shard):
+        ahead = next((r.get("update") for t, r in state.tasks.handed if t.kind == "update"), None)
+        state.out.append(
+            Merge(
+                task,
+                rec,
+                # the epoch's last shard is committed at once (its version is validated and closes the epoch)
+                completes=state.ledger.completes(epoch, shard),  # (recorded in the version's progress, for a resume)
+                max_staleness=state.staleness_limit(),
+                in_use_step=state.in_use_step(),
+                ahead=ahead,  # the next handed-over update: read while this one is merged
+            )
+        )
+        return
+    fields = _row_fields(task, rec)
+    if task.overdue:
+        row = state.ledger.record(
+            epoch,
+            shard,
+            rec["attempt"],
+            "late",
+            **fields,
+            reason="late: (epoch, shard) already merged from a re-issued copy",
+        )
+    else:
+        row = state.ledger.record(
+            epoch, shard, rec["attempt"], "duplicate", **fields, reason="duplicate: (epoch, shard) already merged"
+        )
+    if update_gone("duplicate", state.spec.keep_updates):
+        state.out.append(DropUpdate(rec["update"]))
+    _settled(state, rec, row)
+
+
+def merged(state: RunState, task: TaskRecord, rec: dict[str, Any], outcome: dict[str, Any]) -> None:
+    """The merge thread merged (or turned down) a shard's result: record it; the shard's other copies
+    are cancelled, or it is re-issued; a validation may be due."""
+    epoch, shard, worker = rec["epoch"], rec["shard"], rec["worker"]
+    outcome = dict(outcome)
+    fault = outcome.pop("fault", None)
+    fields = _row_fields(task, rec)
+    row = state.ledger.record(
+        epoch, shard, rec["attempt"], "merged" if outcome["accepted"] else "rejected", **fields, **outcome
+    )
+    completes = False
+    if row["accepted"]:
+        completes = state.ledger.note_merged(epoch, shard, rec["seconds"], state.head.step)
+        state.dispatch.home[shard] = worker
+        state.pool.credit(worker)
+        # the first valid result won: cancel the copies that have not started; one already running is
+        # left to finish (cancelling cannot stop a running task): its result is recorded as late
+        others = tuple(k for k, t in state.tasks.updates() if t.copy_of(epoch, shard) and t.started is None)
+        if others:
+            state.out.append(Cancel(others))
+    else:
+        rejected(state, epoch, shard, worker, row["reason"], fault)
+    _settled(state, rec, row)
+    if not row["accepted"] or state.failure is not None:
+        return
+    if state.spec.validation is None:
+        close_epochs(state)
+        return
+    if completes:  # (another shard of the epoch may have been skipped during the merge: commit first)
+        validate_head(state)
+        return
+    ledger = state.ledger
+    due = policy.validation_due(
+        state.spec.validate_every, state.head.step, ledger.validation_seconds, ledger.shard_seconds
+    )
+    if due and state.head.committed:
+        submit_validation(state)
+
+
+def _settled(state: RunState, rec: dict[str, Any], row: dict[str, Any]) -> None:
+    """A shard result is done with (merged, turned down, or recorded late): publish it, and count it
+    settled for the tasks waiting for their base."""
+    worker_row = state.pool.record(rec["worker"]).as_row()
+    state.emit("update", worker_row=worker_row, version=state.head.version, **{k: row[k] for k in _EVENT_FIELDS})
+    state.settled += 1
+
+
+def _row_fields(task: TaskRecord, rec: dict[str, Any]) -> dict[str, Any]:
+    """A shard result's history fields (``time``: when it arrived, not when its merge finished)."""
+    fields = {k: rec[k] for k in ("train_loss", "seconds", "read_seconds", "train_seconds", "upload_seconds")}
+    fields["wait_seconds"] = rec.get("wait_seconds", float("nan"))  # (absent from older uploads a resumed run merges)
+    fields["first_loss"] = rec.get("first_loss", float("nan"))
+    fields.update(worker=rec["worker"], device=rec.get("device"), update=rec["update"], base_version=rec["base_step"])
+    fields.update(time=task.arrived, nbytes=rec.get("nbytes", float("nan")))
+    fields["fraction"] = rec.get("fraction", 1.0)
+    fields["steps_ahead"] = rec.get("steps_ahead", 0)
+    return fields

@@ -1,0 +1,245 @@
+"""What a run does when something goes wrong: lost and failed tasks, rejected updates, store faults,
+copies overdue, re-issues, shards given up, the run failing.
+
+Functions of the :class:`~.state.RunState`; the decisions themselves are :mod:`~vcdask.engine.policy`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ...errors import StoreAccessDeniedError, StoreError, StoreNotFoundError, StoreOutageError
+from .. import policy
+from ..inflight import TaskRecord
+from .dispatching import submit_shard, submit_validation
+from .messages import Commit, Fail, Failure, FailureKind
+from .state import RunState
+
+if TYPE_CHECKING:
+    from ..pool import Fault
+
+__all__ = [
+    "blame",
+    "fail",
+    "give_up",
+    "lost",
+    "move_queued_off",
+    "overdue",
+    "rejected",
+    "retry_or_give_up",
+    "store_back",
+    "store_fault",
+    "task_failed",
+    "validate_head",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def fail(state: RunState, kind: FailureKind, message: str, error: BaseException | None = None) -> None:
+    """The run fails: a :class:`~.messages.Fail` effect (the shell ends the run on it; no effect after it
+    is carried out)."""
+    if state.failure is None:
+        state.failure = Failure(kind, message, error)
+        state.out.append(Fail(state.failure))
+
+
+def blame(state: RunState, worker: str, kind: Fault) -> None:
+    """Count a fault against ``worker``; exclude it once it has had too many."""
+    excluded = state.pool.fault(worker, kind)
+    if excluded is not None:
+        logger.warning("run %s: excluding worker %s: %s", state.id, worker, excluded)
+        state.emit("excluded", worker=worker, reason=excluded, worker_row=state.pool.record(worker).as_row())
+
+
+def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
+    """A task raised: a store fault, a lost worker (Dask gave up re-running it), or a real error."""
+    from distributed.scheduler import KilledWorker
+
+    if isinstance(exc, StoreError) and not isinstance(exc, (StoreNotFoundError, StoreAccessDeniedError)):
+        store_fault(state, task, exc)
+        return
+    was_lost = isinstance(exc, (KilledWorker, OSError))
+    if task.kind == "update" and was_lost:
+        # Dask already retried it on other workers (allowed-failures); each loss is a worker failure,
+        # but only a task that was running counts against its worker: queued ones were collateral
+        for address in _suspects(exc) if task.started is not None else ():
+            blame(state, address, "failed")
+            state.pool.wasted(address, state.clock() - (task.started or state.clock()))
+            state.emit(
+                "lost",
+                epoch=task.epoch,
+                shard=task.shard,
+                worker=address,
+                worker_row=state.pool.record(address).as_row(),
+                why=f"{type(exc).__name__}",
+            )
+        state.ledger.record_copy(task, "lost", f"lost: {type(exc).__name__}: {exc}")
+        if not state.ledger.is_merged(task.epoch, task.shard):
+            # A task that never started was only queued on the dead worker: not its fault.
+            retry_or_give_up(state, task.epoch, task.shard, f"{type(exc).__name__}", count=task.started is not None)
+        return
+    # an epoch may be waiting for these numbers; a validation dies mostly as collateral of a shard
+    # that killed its worker, so it gets more attempts than a shard does
+    if task.kind == "validation" and was_lost and task.attempt + 1 < max(10, state.res.max_attempts):
+        submit_validation(state, task.version, task.step, retry=task.attempt + 1)
+        return
+    fail(state, "task", f"{task.kind} task (epoch {task.epoch}, shard {task.shard}) failed: {exc!r}", exc)
+
+
+def lost(state: RunState, task: TaskRecord, why: str) -> None:
+    """A finished task's record could not be read back: re-issue its shard, or validate again."""
+    if task.kind != "update":
+        submit_validation(state, task.version, task.step, retry=task.attempt + 1)
+        return
+    state.ledger.record_copy(task, "lost", f"lost: the result was not read back ({why})", worker=task.worker)
+    if not state.ledger.is_merged(task.epoch, task.shard) and not state.tasks.copy_running(task.epoch, task.shard):
+        retry_or_give_up(state, task.epoch, task.shard, why, count=False)
+
+
+def store_fault(state: RunState, task: TaskRecord, exc: BaseException) -> None:
+    """A task failed because the store (parameters or data) did not answer: not the worker's fault,
+    not the shard's.  Its work goes back to wait; dispatch holds off with backoff, and the run
+    fails only once the store has been out longer than ``store_outage_timeout``."""
+    try:
+        starts = state.outage.fault(exc)
+    except StoreOutageError as out:
+        fail(state, "store", str(out), None)
+        return
+    if starts:
+        state.emit("paused", cause="store", why=str(exc))
+        logger.warning("run %s paused: a task could not reach the store: %s", state.id, exc)
+    if task.kind == "update":
+        state.ledger.record_copy(task, "store fault", f"store fault: {exc}", worker=task.worker)
+        if not state.ledger.is_merged(task.epoch, task.shard) and not state.tasks.copy_running(task.epoch, task.shard):
+            state.dispatch.returned.append((task.epoch, task.shard))
+    else:
+        state.dispatch.parked_validations.append((task.version, task.step, task.attempt + 1))
+
+
+def store_back(state: RunState) -> None:
+    """A task got through to the store: the outage (if any) is over."""
+    lasted = state.outage.back()
+    if lasted is not None:
+        logger.warning("run %s: the store answers again after %.0f s; continuing", state.id, lasted)
+        state.emit("resumed", cause="store", after=lasted)
+
+
+def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, fault: str | None) -> None:
+    """The update of (epoch, shard) from ``worker`` failed its checks.
+
+    A shard whose updates came back non-finite from two workers is the data's doing (or the loss's on
+    it, or a learning rate the training diverges at), not theirs: the workers are not blamed (the
+    first is forgiven), and the shard is given up at once, naming its samples."""
+    state.ledger.set_shard(epoch, shard, "rejected")
+    logger.warning(
+        "run %s: rejected the update of shard %d, epoch %d from %s: %s", state.id, shard, epoch, worker, reason
+    )
+    if fault == "non-finite":
+        seen = state.dispatch.non_finite.setdefault(shard, set())
+        seen.add(worker)
+        if len(seen) >= 2:
+            for other in seen - {worker}:
+                state.pool.forgive(other, "rejected")
+            start, stop = state.spec.shards.bounds(shard)
+            why = (
+                f"its updates were non-finite (NaN/inf) on {len(seen)} workers ({', '.join(sorted(seen))}): "
+                f"the data of samples {start}-{stop - 1} (training rows, after any hold-out), the loss on "
+                "them, or a learning rate the training diverges at"
+            )
+            if not state.tasks.copy_running(epoch, shard):  # (a copy still out comes back NaN too, or merges)
+                give_up(state, epoch, shard, f"shard {shard} of epoch {epoch} is given up: {why}")
+            return
+    if fault not in ("stale", "unreadable"):  # not the worker's fault: its base was old / the store
+        blame(state, worker, "rejected")
+    # an update that came back too stale is the pace's doing, not the shard's: re-issue, uncounted
+    retry_or_give_up(state, epoch, shard, reason, avoid=worker, count=fault != "stale")
+
+
+def retry_or_give_up(
+    state: RunState, epoch: int, shard: int, why: str, avoid: str | None = None, count: bool = True
+) -> None:
+    """Re-issue (epoch, shard) unless it has used up its attempts; then apply ``on_shard_failure``."""
+    failures = state.dispatch.failed(epoch, shard, count)
+    if state.tasks.copy_running(epoch, shard):
+        return  # another copy is still running
+    if policy.after_failure(failures, state.res) == "retry":
+        submit_shard(state, epoch, shard, avoid=avoid)
+        return
+    give_up(state, epoch, shard, f"shard {shard} of epoch {epoch} failed {failures} times (last: {why})")
+
+
+def give_up(state: RunState, epoch: int, shard: int, message: str) -> None:
+    """(epoch, shard) gets no more copies: apply ``on_shard_failure`` (stop the run, or skip it)."""
+    if state.res.on_shard_failure == "stop":
+        fail(state, "shard", message + "; on_shard_failure='stop'")
+        return
+    logger.warning("run %s: %s; skipping it for this epoch (on_shard_failure='skip')", state.id, message)
+    ledger = state.ledger
+    ledger.record(epoch, shard, state.dispatch.last_attempt(epoch, shard), "skipped", reason=f"skipped: {message}")
+    if not ledger.skip(epoch, shard, state.head.step):
+        return
+    if state.spec.validation is None or state.head.version_step in ledger.validations:
+        close_epochs(state)
+        return
+    validate_head(state)  # the epoch's end version must exist to be validated
+
+
+def validate_head(state: RunState) -> None:
+    """Validate the server's newest version: now if it is committed, else once it is (a :class:`~.messages.Commit`)."""
+    if state.head.committed:
+        submit_validation(state)
+        return
+    if not state.validate_committed:
+        state.validate_committed = True
+        state.out.append(Commit())
+
+
+def close_epochs(state: RunState) -> None:
+    """Record the epochs that are done; a target reached or patience run out stops the run."""
+    stop = state.ledger.close_epochs()
+    if stop is not None:
+        state.stopping = stop
+
+
+def overdue(state: RunState, task: TaskRecord, verdict: policy.Overdue, worker: str | None) -> None:
+    """Re-issue ``task`` elsewhere; a worker whose running task is late also loses its queue.
+
+    A verdict without blame (the task fell too far behind the run, however fast its worker)
+    charges neither the worker nor the shard."""
+    task.overdue = True
+    logger.warning(
+        "run %s: shard %d of epoch %d %s on %s; re-issuing", state.id, task.shard, task.epoch, verdict.why, worker
+    )
+    state.emit("reissue", epoch=task.epoch, shard=task.shard, worker=worker, why=verdict.why)
+    if not verdict.blame:
+        retry_or_give_up(state, task.epoch, task.shard, verdict.why, avoid=worker, count=False)
+        return
+    if worker is not None and task.started is not None:
+        blame(state, worker, "timed_out")
+        state.emit("worker", worker_row=state.pool.record(worker).as_row())
+        move_queued_off(state, {worker})  # stuck behind it: move, no blame
+    # a copy that never started (queued while workers died and restarted) is not the shard's failure
+    retry_or_give_up(state, task.epoch, task.shard, verdict.why, avoid=worker, count=task.started is not None)
+
+
+def move_queued_off(state: RunState, stuck: set[str]) -> None:
+    """Re-issue elsewhere, without blame, the copies waiting to start on a ``stuck`` worker.
+
+    A copy is sticky to its shard's last worker; one that worker had queued before it got stuck would
+    otherwise wait there, holding a slot, until the worker resumes (if ever): with one task in flight
+    per worker, a frozen worker once stalled a run this way."""
+    if not stuck:
+        return
+    for key, other in list(state.tasks.updates()):
+        if not other.overdue and other.started is None and state.tasks.processing_on(key) in stuck:
+            other.overdue = True
+            submit_shard(state, other.epoch, other.shard, avoid=stuck)
+
+
+def _suspects(exc: BaseException) -> list[str]:
+    """Worker addresses a KilledWorker names (the last one that died running the task)."""
+    worker = getattr(exc, "last_worker", None)
+    address = getattr(worker, "address", worker)
+    return [address] if isinstance(address, str) else []
