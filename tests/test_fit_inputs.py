@@ -305,7 +305,7 @@ def test_in_memory_data_is_staged_while_the_embedded_cluster_starts_and_dask_dat
     cluster starts; dask data is written by the workers, so it waits for them."""
     import inspect
 
-    from vcdask.options import plan_run
+    from vcdask.options import plan as plan_run
     from vcdask.runs import _in_memory
 
     accepted = inspect.signature(plan_run).parameters

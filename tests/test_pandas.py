@@ -161,7 +161,7 @@ def test_validation_dataframe_columns_are_matched_by_name_not_position(tmp_path)
     (a positional read would score the model on swapped features)."""
     import inspect
 
-    from vcdask.options import plan_run
+    from vcdask.options import plan as plan_run
 
     df = frame()[[*NUMERIC, "target"]]
     val = frame(seed=1)[["flag", "c", "target", "b", "a"]]

@@ -171,7 +171,7 @@ def test_a_run_decides_auto_from_its_own_shards_and_local_epochs(tmp_path, n_sha
     """1438 digits rows: 4 shards of 359 rows are 12 steps of 32; 40 shards are 2 (10 with 5 local epochs)."""
     from vcdask.data import Shards
     from vcdask.demo import digits_cnn
-    from vcdask.options import plan_run
+    from vcdask.options import plan as plan_run
     from vcdask.runs import _optimizer_state
 
     X = np.zeros((1438, 1, 8, 8), "f4")
@@ -181,9 +181,9 @@ def test_a_run_decides_auto_from_its_own_shards_and_local_epochs(tmp_path, n_sha
         for k, p in inspect.signature(vcdask.fit).parameters.items()
         if p.default is not inspect.Parameter.empty and k in inspect.signature(plan_run).parameters
     }
-    options = {**defaults, "store": tmp_path / "store", "local_epochs": local_epochs}
+    options = {**defaults, "store": tmp_path / "store", "training": vcdask.Training(local_epochs=local_epochs)}
     plan = plan_run(digits_cnn(), (X, y), **options)
-    assert plan.options["optimizer_state"] == "auto"
+    assert plan.training.optimizer_state == "auto"
     assert _optimizer_state(plan, Shards(1438, n_shards)) == expected
 
 

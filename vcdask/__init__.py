@@ -7,6 +7,7 @@ from . import config as _config  # noqa: F401  (loads vcdask.yaml into dask.conf
 from .api import fit, resume
 from .cluster import preempt
 from .errors import RunFailedError, VcdaskError
+from .groups import Merging, Stopping, Training
 from .handle import RunHandle, attach
 from .loading import load
 from .params import FlatParams, Layout, flatten, load_into
@@ -20,11 +21,14 @@ __all__ = [
     "FlatParams",
     "GCReport",
     "Layout",
+    "Merging",
     "ParamStore",
     "Resilience",
     "Retention",
     "RunFailedError",
     "RunHandle",
+    "Stopping",
+    "Training",
     "VcdaskError",
     "VersionInfo",
     "attach",

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
+from .groups import Merging, Stopping, Training, fold
 from .handle import FitResult, RunHandle
 from .lr_schedules import RunSchedule
-from .options import plan_run
+from .options import plan
 from .resilience import Resilience
 from .runs import launch, resume
 from .store import ParamStore, Retention
@@ -68,6 +69,9 @@ def fit(
     speed_adaptive: bool = False,
     patience: int | None = None,
     monitor: str | None = None,
+    merging: Merging | None = None,
+    training: Training | None = None,
+    stopping: Stopping | None = None,
     wait: bool = True,
 ) -> FitResult | RunHandle:
     """Train ``model`` on ``data`` with VC-ASGD on a Dask cluster.
@@ -235,6 +239,18 @@ def fit(
         that share of its shard's batches (at least a tenth), so its task takes about as long as a
         fast worker's and its update is no staler (``history.fraction``).  A slow worker then trains
         fewer samples in an epoch.
+    merging : Merging, optional
+        How updates merge, as one group: :class:`vcdask.Merging` (``rule``, ``alpha``, ``commit_every``,
+        ``compression``, ``tasks_per_slot``, ``speed_adaptive``), the options above of the same names
+        (``rule`` is ``merge``).  Every option can be given flat or in its group; a flat one at its
+        default leaves the group's value, and one set both ways is a ``TypeError`` naming both.
+    training : Training, optional
+        How each shard task trains, as one group: :class:`vcdask.Training` (``optimizer``, ``lr``,
+        ``lr_schedule``, ``clip_grad_norm``, ``precision``, ``optimizer_state``, ``local_epochs``,
+        ``batch_size``, ``device``).
+    stopping : Stopping, optional
+        When the run stops early and how often it validates, as one group: :class:`vcdask.Stopping`
+        (``target``, ``patience``, ``monitor``, ``validate_every``).
 
     Returns
     -------
@@ -243,7 +259,8 @@ def fit(
     Raises
     ------
     ValueError, TypeError
-        Bad arguments, before any cluster work; messages name the value and the valid choices.
+        Bad arguments, before any cluster work; messages name the value and the valid choices.  An
+        option given both flat and in its group (``lr=0.1, training=Training(lr=0.01)``): ``TypeError``.
     MainGuardError
         The embedded cluster would be started from a script's top level without
         ``if __name__ == "__main__":``.
@@ -256,6 +273,8 @@ def fit(
     >>> handle = vcdask.fit(model, (X, y), max_epochs=20, wait=False)           # doctest: +SKIP
     >>> handle.status()["epochs_done"]                                          # doctest: +SKIP
     >>> result = handle.result()                                                # doctest: +SKIP
+    >>> result = vcdask.fit(model, (X, y), merging=vcdask.Merging(rule="staleness", alpha=0.5),
+    ...                     stopping=vcdask.Stopping(target={"accuracy": 0.9}))  # doctest: +SKIP
     """
     if extra:
         raise TypeError(
@@ -263,46 +282,56 @@ def fit(
             "fit(model, (X, y)) with X and y as one tuple (not scikit-learn's fit(X, y)), or a DataFrame "
             "with label='column'; every other option by keyword"
         )
-    plan = plan_run(
-        model,
-        data,
-        loss=loss,
-        optimizer=optimizer,
-        lr=lr,
-        max_epochs=max_epochs,
-        n_shards=n_shards,
-        local_epochs=local_epochs,
-        batch_size=batch_size,
+    merging = fold(
+        Merging,
+        merging,
         merge=merge,
         alpha=alpha,
-        target=target,
-        validation=validation,
+        commit_every=commit_every,
+        compression=compression,
+        tasks_per_slot=tasks_per_slot,
+        speed_adaptive=speed_adaptive,
+    )
+    training = fold(
+        Training,
+        training,
+        optimizer=optimizer,
+        lr=lr,
+        lr_schedule=lr_schedule,
+        clip_grad_norm=clip_grad_norm,
+        precision=precision,
+        optimizer_state=optimizer_state,
+        local_epochs=local_epochs,
+        batch_size=batch_size,
+        device=device,
+    )
+    stopping = fold(
+        Stopping, stopping, target=target, patience=patience, monitor=monitor, validate_every=validate_every
+    )
+    checked = plan(
+        model,
+        data,
+        merging=merging,
+        training=training,
+        stopping=stopping,
+        resilience=resilience,
+        retention=retention,
+        loss=loss,
         metrics=metrics,
+        train_step=train_step,
+        eval_step=eval_step,
+        collate_fn=collate_fn,
+        validation=validation,
+        max_epochs=max_epochs,
+        n_shards=n_shards,
         client=client,
         store=store,
         seed=seed,
-        commit_every=commit_every,
-        validate_every=validate_every,
         features=features,
         label=label,
         sample_dim=sample_dim,
         storage_options=storage_options,
         shuffle=shuffle,
         keep_updates=keep_updates,
-        tasks_per_slot=tasks_per_slot,
-        resilience=resilience,
-        retention=retention,
-        train_step=train_step,
-        eval_step=eval_step,
-        collate_fn=collate_fn,
-        device=device,
-        precision=precision,
-        optimizer_state=optimizer_state,
-        lr_schedule=lr_schedule,
-        clip_grad_norm=clip_grad_norm,
-        compression=compression,
-        speed_adaptive=speed_adaptive,
-        patience=patience,
-        monitor=monitor,
     )
-    return launch(plan, client, model, wait=wait, progress=progress, patience=plan.patience, monitor=plan.monitor)
+    return launch(checked, client, model, wait=wait, progress=progress)

@@ -1,8 +1,8 @@
 """The validation a run gets: :func:`hold_out` decides when ``fit`` holds out part of the training data, and
 :func:`check_early_stopping` checks the early-stopping options against the metrics the run computes.
 
-The one place for both: :func:`vcdask.options.plan_run` calls them for ``fit``, :func:`vcdask.resume`'s
-plan and ``vcdask train`` alike (issue 39).
+The one place for both: :func:`vcdask.options.plan` calls them for ``fit`` and ``vcdask train`` alike
+(:class:`vcdask.Stopping` checks the types of the early-stopping options when it is made).
 """
 
 from __future__ import annotations

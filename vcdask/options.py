@@ -1,13 +1,19 @@
-"""Options of a run: the loss, metric and optimizer resolvers, and :func:`plan_run`, the checks ``fit`` runs
-on its arguments before any cluster work (each error names the bad value and the valid choices)."""
+"""Options of a run: the loss, metric and optimizer resolvers, and :func:`plan`, the one planning path of
+``fit`` and ``vcdask train``: it checks every argument before any cluster work (each error names the bad value
+and the valid choices) and gives a typed :class:`RunPlan`.
+
+The option groups themselves (:class:`~vcdask.Merging`, :class:`~vcdask.Training`, :class:`~vcdask.Stopping`)
+check their own values (:mod:`vcdask.groups`); :func:`plan` checks what needs the model and the data.
+:func:`vcdask.resume` plans nothing: it continues a run from its saved spec, and its one option,
+``max_epochs``, is checked as ``fit``'s is (:func:`~vcdask._ints.positive_int`).
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -15,20 +21,18 @@ import torch
 from . import config
 from ._ints import positive_int
 from .cluster import check_client
-from .compress import check_compression
 from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
-from .device import check_device, check_precision
 from .finite import check_finite
+from .groups import Merging, Stopping, Training, check_optimizer
 from .holdout import check_early_stopping, hold_out
-from .inner import check_optimizer_state, check_schedule
 from .merge import MergeRule, get_rule
 from .overlap import check_overlap
 from .preflight import check_model, check_run, check_target, model_dtype
 from .resilience import NEEDS_VALIDATION, Resilience
 from .staging import split
 from .steps import check_steps, probe_batch
-from .store import ParamStore, open_store
+from .store import ParamStore, Retention, open_store
 from .store._retention import check_retention
 
 logger = logging.getLogger(__name__)
@@ -37,15 +41,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_STORE = "vcdask-runs"
 
 __all__ = [
+    "DEFAULT_STORE",
     "LOSSES",
     "METRICS",
+    "RunPlan",
     "accuracy",
-    "check_model",
-    "check_target",
     "mae",
-    "model_dtype",
     "mse",
-    "positive_int",
+    "plan",
     "resolve_loss",
     "resolve_metrics",
     "resolve_optimizer",
@@ -121,118 +124,107 @@ def resolve_optimizer(optimizer, lr: float) -> Callable:
         return functools.partial(torch.optim.Adam, lr=lr)
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return functools.partial(optimizer, lr=lr)  # type: ignore[call-arg]  # every torch optimizer takes lr
-    if callable(optimizer):
-        return optimizer
-    raise TypeError(
-        f"optimizer must be a torch.optim.Optimizer class or a callable params -> optimizer, "
-        f"got {type(optimizer).__name__}"
-    )
+    check_optimizer(optimizer)
+    return optimizer
 
 
 @dataclass(frozen=True)
 class RunPlan:
-    """A run's inputs, checked and coerced (before any cluster work)."""
+    """A run's inputs, checked and coerced (before any cluster work): what :func:`vcdask.runs.launch` turns
+    into the run's :class:`~vcdask.spec.RunSpec`."""
 
     model: torch.nn.Module
     train: PreparedData
     validation: PreparedData | None
     store: ParamStore
-    rule: MergeRule
+    rule: MergeRule  # merging.rule for this data (MergeRule.for_run with the samples of an epoch)
     loss: Callable
-    optimizer: Callable
-    metrics: dict[str, Callable]
-    target: dict[str, float] | None
+    optimizer: Callable  # params -> torch.optim.Optimizer (training.optimizer and training.lr)
+    metrics: dict[str, Callable]  # the default step's metrics ({} with a train_step)
     x_dtype: torch.dtype
+    cast_x: bool  # (X, y) data: X takes the model's dtype
     n_shards: int | None  # None: Shards.default, from the cluster's threads when the run starts
-    options: dict[str, Any]  # the remaining RunSpec fields
-    metric_names: tuple[str, ...] = ("loss",)  # what validation reports: "loss" first, then the metrics
-    patience: int | None = None  # early stopping, checked (vcdask.holdout.check_early_stopping)
-    monitor: str | None = None  # the metric it (and FitResult.best_version) follows; None: not validated
+    max_epochs: int
+    seed: int
+    keep_updates: bool
+    merging: Merging
+    training: Training
+    stopping: Stopping  # target checked against the run's metrics; monitor decided (None: not validated)
+    resilience: Resilience
+    retention: Retention | None  # None: keep every version
+    train_step: Callable | None
+    eval_step: Callable | None
+    metric_names: tuple[str, ...]  # what validation reports: "loss" first, then the metrics
+    step_metrics: tuple[str, ...]  # eval_step's names (RunSpec.metric_names); () with the default step
+    prices: dict[str, dict[str, float]]  # vcdask.cost, from vcdask.cloud.prices
+    overlap: str  # vcdask.overlap, from vcdask.worker.overlap
 
 
-def plan_run(
-    model,
-    data,
+def plan(
+    model: Any,
+    data: Any,
     *,
-    loss,
-    optimizer,
-    lr,
-    max_epochs,
-    n_shards,
-    local_epochs,
-    batch_size,
-    merge,
-    alpha,
-    target,
-    validation,
-    metrics,
-    client,
-    store,
-    seed,
-    commit_every,
-    validate_every,
-    features,
-    label,
-    sample_dim,
-    storage_options,
-    shuffle,
-    keep_updates,
-    tasks_per_slot,
-    resilience,
-    train_step=None,
-    eval_step=None,
-    collate_fn=None,
-    device="auto",
-    precision="32",
-    optimizer_state="auto",
-    lr_schedule=None,
-    clip_grad_norm=None,
-    retention=None,
-    compression=None,
-    speed_adaptive=False,
-    patience=None,
-    monitor=None,
+    merging: Merging | None = None,
+    training: Training | None = None,
+    stopping: Stopping | None = None,
+    resilience: Resilience | None = None,
+    retention: Retention | bool | None = None,
+    loss: str | Callable | None = None,
+    metrics: Any = None,
+    train_step: Callable | None = None,
+    eval_step: Callable | None = None,
+    collate_fn: Callable | None = None,
+    validation: Any = None,
+    max_epochs: int = 10,
+    n_shards: int | None = None,
+    client: Any = None,
+    store: Any = None,
+    seed: int = 0,
+    features: Any = None,
+    label: str | None = None,
+    sample_dim: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    shuffle: bool = True,
+    keep_updates: bool = False,
 ) -> RunPlan:
-    """Check every argument of :func:`fit` and prepare the data; raise before any cluster work.
+    """Check every option of :func:`vcdask.fit` and prepare the data; raise before any cluster work.
 
-    The one place that decides the validation a run gets (:func:`vcdask.holdout.hold_out`), the metrics
-    it reports (:attr:`RunPlan.metric_names`) and its early stopping (``patience``, ``monitor``), for
-    ``fit`` and ``vcdask train`` alike."""
+    The groups come checked (:func:`vcdask.groups.fold` makes them from ``fit``'s flat arguments); here
+    the rest, and what needs the model and the data.  The one place that decides the validation a run gets
+    (:func:`vcdask.holdout.hold_out`), the metrics it reports (:attr:`RunPlan.metric_names`) and its early
+    stopping, for ``fit`` and ``vcdask train`` alike.  The keywords are ``fit``'s, with its defaults.
+
+    Returns
+    -------
+    RunPlan
+
+    Raises
+    ------
+    ValueError, TypeError
+        A bad option; the message names the value and the valid choices.
+    DataError
+        Data that cannot be trained on as given (the message says why and what to do).
+    """
+    merging = Merging() if merging is None else merging
+    training = Training() if training is None else training
+    stopping = Stopping() if stopping is None else stopping
+    resilience = Resilience() if resilience is None else resilience
+    for name, group, cls in (
+        ("merging", merging, Merging),
+        ("training", training, Training),
+        ("stopping", stopping, Stopping),
+        ("resilience", resilience, Resilience),
+    ):
+        if not isinstance(group, cls):
+            raise TypeError(f"{name} must be a vcdask.{cls.__name__}, got {type(group).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_client(client)
-    get_rule(merge, alpha)  # a bad rule name fails before the data is read
     overlap = check_overlap(config.get("worker.overlap"))
-    ints: dict[str, int | str] = {
-        name: positive_int(name, value)
-        for name, value in (
-            ("max_epochs", max_epochs),
-            ("local_epochs", local_epochs),
-            ("batch_size", batch_size),
-            ("tasks_per_slot", tasks_per_slot),
-        )
-    }
-    ints["validate_every"] = (
-        "auto" if validate_every == "auto" else positive_int("validate_every", validate_every, also="'auto'")
-    )
-    # "auto": every merge, except that results queued together share a commit
-    ints["commit_every"] = (
-        "auto" if commit_every == "auto" else positive_int("commit_every", commit_every, also="'auto'")
-    )
-    retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
-    compression = check_compression(compression)
-    if not isinstance(speed_adaptive, bool):  # (a truthy string would silently switch it on)
-        raise TypeError(f"speed_adaptive must be True or False, got {speed_adaptive!r}")
-    if resilience is None:
-        resilience = Resilience()
-    elif not isinstance(resilience, Resilience):
-        raise TypeError(f"resilience must be a vcdask.Resilience, got {type(resilience).__name__}")
-    if not isinstance(lr, (int, float)) or not lr > 0 or math.isinf(lr):
-        raise ValueError(f"lr must be a positive number, got {lr!r}")
-    training = _check_training(
-        train_step, eval_step, loss, metrics, device, precision, optimizer_state, lr_schedule, clip_grad_norm
-    )
-    validation = hold_out(validation, target=target, patience=patience, monitor=monitor)
+    max_epochs = positive_int("max_epochs", max_epochs)
+    checked_retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
+    _check_steps(train_step, eval_step, loss, metrics)
+    validation = hold_out(validation, target=stopping.target, patience=stopping.patience, monitor=stopping.monitor)
     if validation is not None and isinstance(validation, (int, float)) and not isinstance(validation, bool):
         if not 0.0 < float(validation) < 1.0:
             raise ValueError(f"validation as a fraction must be in (0, 1), got {validation!r}")
@@ -257,7 +249,7 @@ def plan_run(
     else:
         loss_fn, metric_fns, cast_x = resolve_loss(loss, prepared.classification), {}, False
         metric_names = tuple(check_steps(model, probe_batch(prepared, x_dtype), train_step, eval_step))
-    target = check_target(target, [m for m in metric_names if m != "loss"])
+    target = check_target(stopping.target, [m for m in metric_names if m != "loss"])
     screens = [n for n in NEEDS_VALIDATION if getattr(resilience, n) is not None]
     if screens and validation is None:
         raise ValueError(
@@ -280,8 +272,8 @@ def plan_run(
         raise ValueError(
             f"n_shards={n_shards} is more than the {prepared.n} training samples; choose 1 <= n_shards <= {prepared.n}"
         )
-    rule = get_rule(merge, alpha, samples_per_epoch=prepared.n)
-    optimizer_fn = resolve_optimizer(optimizer, lr)
+    rule = get_rule(merging.rule, merging.alpha, samples_per_epoch=prepared.n)
+    optimizer_fn = resolve_optimizer(training.optimizer, training.lr)
     param_store = open_store(DEFAULT_STORE if store is None else store)  # last: it may create a directory
     if not param_store.shared_across_processes and client is None:
         raise ValueError(
@@ -291,7 +283,9 @@ def plan_run(
         )
     reported = tuple(dict.fromkeys(("loss", *metric_names)))
     validated = val_prepared or split_val
-    patience, monitor = check_early_stopping(patience, monitor, target, reported, validated is not None)
+    patience, monitor = check_early_stopping(
+        stopping.patience, stopping.monitor, target, reported, validated is not None
+    )
     return RunPlan(
         model=model,
         train=prepared,
@@ -301,35 +295,28 @@ def plan_run(
         loss=loss_fn,
         optimizer=optimizer_fn,
         metrics=metric_fns,
-        target=target,
         x_dtype=x_dtype,
+        cast_x=cast_x,
         n_shards=n_shards,
-        options={
-            **ints,
-            "seed": seed,
-            "keep_updates": keep_updates,
-            "resilience": resilience,
-            "retention": retention,
-            "compression": compression,
-            "speed_adaptive": speed_adaptive,
-            "prices": check_prices(config.get("cloud.prices")),
-            "overlap": overlap,
-            **training,
-            "metric_names": metric_names if train_step is not None else (),
-            "batch_form": prepared.form,
-            "feature_names": prepared.feature_names,
-            "cast_x": cast_x,
-        },
+        max_epochs=max_epochs,
+        seed=seed,
+        keep_updates=keep_updates,
+        merging=merging,
+        training=training,
+        stopping=replace(stopping, target=target, patience=patience, monitor=monitor),
+        resilience=resilience,
+        retention=checked_retention,
+        train_step=train_step,
+        eval_step=eval_step,
         metric_names=reported,
-        patience=patience,
-        monitor=monitor,
+        step_metrics=metric_names if train_step is not None else (),
+        prices=check_prices(config.get("cloud.prices")),
+        overlap=overlap,
     )
 
 
-def _check_training(
-    train_step, eval_step, loss, metrics, device, precision, optimizer_state, lr_schedule, clip_grad_norm
-) -> dict[str, Any]:
-    """The options of local training, checked: the RunSpec fields they become."""
+def _check_steps(train_step: Any, eval_step: Any, loss: Any, metrics: Any) -> None:
+    """The custom steps, and the default step's options that they replace."""
     for name, fn in (("train_step", train_step), ("eval_step", eval_step)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be a callable (model, batch) -> ..., got {type(fn).__name__}")
@@ -340,16 +327,3 @@ def _check_training(
             "loss= and metrics= belong to the default step; with train_step, compute the loss there "
             "and return metrics from eval_step"
         )
-    if clip_grad_norm is not None and (
-        isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) or not clip_grad_norm > 0
-    ):
-        raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
-    return {
-        "train_step": train_step,
-        "eval_step": eval_step,
-        "device": check_device(device),
-        "precision": check_precision(precision),
-        "optimizer_state": check_optimizer_state(optimizer_state),
-        "lr_schedule": check_schedule(lr_schedule),
-        "clip_grad_norm": None if clip_grad_norm is None else float(clip_grad_norm),
-    }

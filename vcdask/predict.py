@@ -43,8 +43,8 @@ def model_outputs(
     DataError
         The model cannot take the rows (their shape and dtype are named), or a DataFrame lacks a column.
     """
+    from ._ints import positive_int
     from .batches import cast_like_training
-    from .options import positive_int
 
     batch_size = positive_int("batch_size", batch_size)
     if spec.batch_form == "dict":

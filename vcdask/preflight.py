@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -238,14 +238,24 @@ def check_model(model, prepared: PreparedData, loss, classification: bool, x_dty
     return cast
 
 
-def check_target(target, metric_names) -> dict[str, float] | None:
+def check_target(target: Any, metric_names: Sequence[str] | None = None) -> dict[str, float] | None:
+    """``target`` as ``{metric: float}``; its names checked against ``metric_names`` (None: not known yet,
+    the form alone is checked: :class:`vcdask.Stopping`).
+
+    Raises
+    ------
+    TypeError
+        Not a non-empty mapping.
+    ValueError
+        A metric the run does not compute (the valid ones named), or a goal that is not a number.
+    """
     if target is None:
         return None
     if not isinstance(target, Mapping) or not target:
         raise TypeError(f"target must be a mapping like {{'accuracy': 0.95}}, got {target!r}")
-    valid = ["loss", *metric_names]
+    valid = None if metric_names is None else ["loss", *metric_names]
     for name, goal in target.items():
-        if name not in valid:
+        if valid is not None and name not in valid:
             raise ValueError(f"target metric {name!r} is not computed; available: {valid}")
         if not isinstance(goal, (int, float)) or math.isnan(goal):
             raise ValueError(f"target value for {name!r} must be a number, got {goal!r}")

@@ -21,6 +21,7 @@ from typing import Any, Literal, overload
 
 import torch
 
+from ._ints import positive_int
 from .cluster import check_client, owns_client, resolve_client
 from .data import Shards
 from .errors import VersionNotFoundError
@@ -28,7 +29,7 @@ from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
 from .inner import memory_steps, resolve_optimizer_state
 from .merge import for_run
-from .options import DEFAULT_STORE, RunPlan, positive_int
+from .options import DEFAULT_STORE, RunPlan
 from .spec import RunSpec, loads, save_spec, spec_path
 from .staging import in_memory, stage
 from .store import ParamStore, check_cluster_access, open_store, share_credentials, store_holds_secrets
@@ -59,8 +60,6 @@ def launch(
     *,
     wait: bool,
     progress: bool,
-    patience: int | None,
-    monitor: str | None,
 ) -> FitResult | RunHandle:
     """Stage, commit the initial version, start the run; wait for it (``wait``) or return its handle.
 
@@ -80,7 +79,7 @@ def launch(
             _check_cluster(c, plan.store, embedded=client is None)
             staged = early.result() if early is not None else _stage_data(plan, run_id, c, start)
             spec = _stage(plan, run_id, c, *staged)
-            save_spec(dataclasses.replace(spec, patience=patience, monitor=monitor, start=start))
+            save_spec(dataclasses.replace(spec, start=start))
             handle = _start(
                 c, plan.store, run_id, model=model, setup_seconds=time.perf_counter() - t0, owns=owns_client(client)
             )
@@ -126,7 +125,6 @@ def _stage_data(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> 
     and its initial version committed; the sources of the training and validation data."""
     store = plan.store
     store.create_branch(run_id)
-    spec_max_epochs = plan.options.get("max_epochs")
     train = plan.train.source or stage(plan.train, store.files, f"{run_id}/train.zarr", client=c)
     val = None
     if plan.validation is not None:
@@ -134,7 +132,7 @@ def _stage_data(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> 
     store.commit(
         plan.model,
         # max_epochs: what `vcdask runs` shows for a run without a record (it never unpickles the spec)
-        {"run_id": run_id, "step": 0, "epoch": 0, "merged": [], "start": start, "max_epochs": spec_max_epochs},
+        {"run_id": run_id, "step": 0, "epoch": 0, "merged": [], "start": start, "max_epochs": plan.max_epochs},
         branch=run_id,
         message=f"{run_id} initial parameters" + (f" (from version {start['version']})" if start else ""),
     )
@@ -144,13 +142,13 @@ def _stage_data(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> 
 def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
     """Describe the run, its data staged (:func:`_stage_data`), for the cluster of ``c``."""
     store = plan.store
-    in_flight = plan.options["tasks_per_slot"] * (sum(c.nthreads().values()) or 1)
+    merging, training, stopping = plan.merging, plan.training, plan.stopping
+    in_flight = merging.tasks_per_slot * (sum(c.nthreads().values()) or 1)
     shards = (
         Shards(plan.train.n, plan.n_shards)
         if plan.n_shards is not None
         else Shards.default(plan.train.n, sum(c.nthreads().values()))
     )
-    options = {**plan.options, "optimizer_state": _optimizer_state(plan, shards)}
     return RunSpec(
         run_id=run_id,
         store=store,
@@ -158,24 +156,51 @@ def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
         model=copy.deepcopy(plan.model).cpu(),
         loss=plan.loss,
         optimizer=plan.optimizer,
+        local_epochs=training.local_epochs,
+        batch_size=training.batch_size,
+        seed=plan.seed,
         train=train,
         shards=shards,
         validation=val,
         metrics=plan.metrics,
         classification=plan.train.classification,
         x_dtype=plan.x_dtype,
+        max_epochs=plan.max_epochs,
         merge=for_run(plan.rule, in_flight=in_flight),  # (the default rule: one in flight, no outer step)
-        target=plan.target,
-        **options,
+        target=None if stopping.target is None else dict(stopping.target),
+        commit_every=merging.commit_every,  # type: ignore[arg-type]  # an int, or "auto" (engine.committing)
+        validate_every=stopping.validate_every,
+        keep_updates=plan.keep_updates,
+        tasks_per_slot=merging.tasks_per_slot,
+        resilience=plan.resilience,
+        device=training.device,  # type: ignore[arg-type]  # a string once checked (Training.__post_init__)
+        precision=training.precision,
+        train_step=plan.train_step,
+        eval_step=plan.eval_step,
+        metric_names=plan.step_metrics,
+        batch_form=plan.train.form,
+        cast_x=plan.cast_x,
+        optimizer_state=_optimizer_state(plan, shards),
+        lr_schedule=training.lr_schedule,
+        clip_grad_norm=training.clip_grad_norm,
+        retention=plan.retention,
+        compression=merging.compression,
+        speed_adaptive=merging.speed_adaptive,
+        prices=plan.prices,
+        feature_names=plan.train.feature_names,
+        patience=stopping.patience,
+        monitor=stopping.monitor,
+        overlap=plan.overlap,
     )
 
 
 def _optimizer_state(plan: RunPlan, shards: Shards) -> str:
     """``optimizer_state``, with ``"auto"`` decided from the run's shortest task (see :mod:`vcdask.inner`)."""
-    value = plan.options["optimizer_state"]
+    training = plan.training
+    value = training.optimizer_state
     if value != "auto":
         return value
-    steps = plan.options["local_epochs"] * -(-(shards.n // shards.n_shards) // plan.options["batch_size"])
+    steps = training.local_epochs * -(-(shards.n // shards.n_shards) // training.batch_size)
     optimizer = plan.optimizer(plan.model.parameters())
     state = resolve_optimizer_state(value, optimizer, steps)
     logger.info(

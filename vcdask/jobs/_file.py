@@ -34,7 +34,13 @@ JOB_FIELDS = {
     "sample_dim": "data.sample_dim",
 }
 #: fit options given as a mapping in YAML, and the option group they build.
-OPTION_GROUPS = {"resilience": "Resilience", "retention": "Retention"}
+OPTION_GROUPS = {
+    "merging": "Merging",
+    "training": "Training",
+    "stopping": "Stopping",
+    "resilience": "Resilience",
+    "retention": "Retention",
+}
 #: Fields that take several forms: a schema error there repeats the field's description.
 ONE_OF = frozenset({"data", "validation", "store", "start"})
 FORMATS = {".zarr": "zarr", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".icechunk": "zarr"}

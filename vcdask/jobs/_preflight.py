@@ -20,6 +20,9 @@ __all__ = ["Prepared", "fit_kwargs", "preflight"]
 
 logger = logging.getLogger(__name__)
 
+#: fit's options that say how ``fit`` waits for the run, not what the run is: nothing to plan.
+LAUNCH_OPTIONS = ("progress", "wait")
+
 
 @dataclass
 class Prepared:
@@ -36,7 +39,7 @@ class Prepared:
 def preflight(job: Job) -> Prepared:
     """Check what the job names: the store (reachable), the start (exists), the model (builds, loads), the data.
 
-    Then every check of :func:`vcdask.fit` runs on the job's options (:func:`vcdask.options.plan_run`: no
+    Then every check of :func:`vcdask.fit` runs on the job's options (:func:`vcdask.options.plan`: no
     cluster work), and the release metric is checked against the metrics the run will compute.
 
     Raises
@@ -106,25 +109,17 @@ def _blamed(prepared: Prepared, kwargs: dict[str, Any], error: Exception) -> str
 
 
 def _plan(prepared: Prepared) -> None:
-    """Run fit's own checks (:func:`vcdask.options.plan_run`) on the job's options, and check the release
+    """Run fit's own checks (:func:`vcdask.options.plan`) on the job's options, and check the release
     metric against the metrics the run will compute: every mistake of the job file fails here, before training.
     """
-    import inspect
-
-    from .. import api
-    from ..options import plan_run
+    from ..groups import fold_options
+    from ..options import plan
 
     job = prepared.job
-    kwargs = {
-        name: p.default
-        for name, p in inspect.signature(api.fit).parameters.items()
-        if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
-    }
-    kwargs.update(fit_kwargs(prepared), client=None)
+    kwargs = fit_kwargs(prepared)
+    options = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
     try:
-        takes = inspect.signature(plan_run).parameters
-        plan = plan_run(prepared.model, prepared.data, **{k: v for k, v in kwargs.items() if k in takes})
-        names = list(plan.metric_names)
+        names = list(plan(prepared.model, prepared.data, **fold_options(options)).metric_names)
     except (ValueError, TypeError) as e:  # fit's own checks: the job's options are wrong
         raise JobFileError(job.path, _blamed(prepared, kwargs, e), f"rejected by vcdask.fit: {e}") from None
     rule = job.release
