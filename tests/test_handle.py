@@ -83,11 +83,10 @@ def test_wait_false_returns_before_the_first_merge_and_result_matches_a_blocking
         handle.result(_model())  # the first argument is timeout
 
     def held(dask_scheduler=None, run_id=handle.run_id):
-        run = dask_scheduler.plugins["vcdask"].runs[run_id]
-        return run.server.params is None, run.server.rule_state.arrays, run.spec.model, len(run.server._bases)
+        return dask_scheduler.plugins["vcdask"].footprint(run_id)
 
     # a finished run keeps no parameter-sized arrays on the scheduler, only its small result
-    assert client.run_on_scheduler(held) == (True, {}, None, 0)
+    assert client.run_on_scheduler(held) == {"params": 0, "rule_state": 0, "bases": 0, "model": 0}
     res = client.sync(client.scheduler.vcdask_result, run_id=handle.run_id)
     assert res["version"] == result.version and res["status"] == "finished" and len(res["history"]) == 8
     assert client.sync(client.scheduler.vcdask_status, run_id=handle.run_id)["step"] == 8

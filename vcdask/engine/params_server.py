@@ -161,6 +161,17 @@ class ParamsServer(Committing):
             return f"waiting {time.monotonic() - waiting[1]:.0f} s for the store ({waiting[0]})"
         return None
 
+    def footprint(self) -> dict[str, int]:
+        """Bytes of the parameter-sized arrays the server holds: ``W_s``, the rule's state, the bases of
+        compressed updates (all 0 once :meth:`release` ran; while the run goes on, a glimpse of what the
+        merge thread holds, for a status view)."""
+        params, state = self.params, self.rule_state
+        return {
+            "params": params.nbytes if params is not None else 0,
+            "rule_state": sum(a.nbytes for a in list(state.arrays.values())),
+            "bases": sum(b.nbytes for b in list(self._bases.values())),
+        }
+
     def release(self) -> None:
         """Drop the parameter-sized arrays (``W_s``, the rule's state, the bases, the guard) once the
         run has ended: the scheduler keeps only the run's small records (:attr:`head`, progress)."""

@@ -78,6 +78,11 @@ class VcdaskPlugin(SchedulerPlugin):
         (``based``), is overdue, where Dask has it (``worker``, ``state``), and whether its shard is merged."""
         return [{"run_id": run.id, **row} for run in self._live() for row in run.status_dict()["tasks"]]
 
+    def footprint(self, run_id: str) -> dict[str, int]:
+        """Bytes a run holds on the scheduler, parameter-sized: ``params`` (``W_s``), ``rule_state``,
+        ``bases`` and ``model``; a run that ended keeps none (only its small result)."""
+        return self._run(run_id).footprint()
+
     def _live(self) -> list[Run]:
         return [run for run in self.runs.values() if not run.done.is_set()]
 

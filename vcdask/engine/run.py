@@ -97,6 +97,13 @@ class Run:
     def result_dict(self) -> dict[str, Any]:
         return self.state.final or views.result_dict(self._fresh(), self.server.stalled())
 
+    def footprint(self) -> dict[str, int]:
+        """Bytes of the parameter-sized things the run holds on the scheduler: the server's arrays
+        (:meth:`~.params_server.ParamsServer.footprint`) and its spec's model; all 0 once it ended."""
+        model = self.spec.model
+        held = sum(t.numel() * t.element_size() for t in model.state_dict().values()) if model is not None else 0
+        return {**self.server.footprint(), "model": held}
+
     def _fresh(self) -> RunState:
         self.state.head = self.lane.head
         return self.state
