@@ -284,9 +284,9 @@ def test_a_store_outage_pauses_dispatch_with_backoff_and_fails_the_run_past_its_
     [again] = [fx for fx in s(m.Poll()) if isinstance(fx, m.Submit)]
     assert again.args[1] == task.shard  # sent first once the backoff is over
     s.start(again.key, "b")
-    s(m.Completed(again.key))
+    [read] = [fx for fx in s(m.Completed(again.key)) if isinstance(fx, m.Read)]
     s.clock.advance(60.0)  # the store has been out 120 s now
-    effects = s(m.TaskFailed(s.state.tasks.records.get(again.key) or task, StoreUnreachableError("still down")))
+    effects = s(m.TaskFailed(read.task, StoreUnreachableError("still down")))
     [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]
     assert fail.failure.kind == "store" and "store_outage_timeout=100" in fail.failure.message
     assert str(fail.failure).startswith("StoreOutageError: ")
@@ -399,7 +399,9 @@ def test_an_epochs_last_merge_is_committed_then_validated_and_the_epoch_closes_o
     outcome = {"accepted": True, "staleness": 0, "alpha": 0.5, "new_version": 2}
     effects = s(m.Merged(merge.task, merge.record, outcome, head))
     assert [type(fx) for fx in effects if not isinstance(fx, m.Emit)] == [m.Commit]
+    assert s.state.settled == 1  # the tasks waiting for it get their base once the epoch's end is committed
     effects = s(m.Committed(Head(step=2, version="v2", version_step=2)))
+    assert s.state.settled == 2
     [validate] = [fx for fx in effects if isinstance(fx, m.Submit)]
     assert validate.kind == "validation" and validate.args == ("v2", 2) and validate.priority == 10
     assert s.state.ledger.epochs == []  # the epoch waits for its numbers
@@ -424,6 +426,100 @@ def test_a_resumed_run_takes_the_uploads_it_found_out_of_the_queues_and_counts_t
     s(m.Resumed({1: {0}}, {}, {(1, 0): 1}, pending))
     assert s.state.dispatch.queue[1] == [1] and s.state.arrived == 1 and s.state.ledger.merged == {1: {0}}
     assert [fx.args[:3] for fx in s(m.Poll()) if isinstance(fx, m.Submit)] == [(1, 1, 0)]
+
+
+def test_a_start_recorded_on_a_worker_stands_and_one_elsewhere_restarts_the_clock():
+    s = Script()
+    key = keys(s(m.Poll()))[0]
+    s.start(key, "a")
+    first = s.state.tasks.records[key].started
+    s.clock.advance(10.0)
+    s(m.Started(key, "a", instance="m5.large", market="spot"))  # the hand-over's answer said so first
+    assert s.state.tasks.records[key].started == first and s.state.pool.record("a").instance == "m5.large"
+    s(m.Started(key, "b"))  # Dask moved it
+    assert s.state.tasks.records[key].started == first + 10.0 and s.state.tasks.records[key].worker == "b"
+
+
+def test_a_copy_queued_behind_a_late_one_moves_elsewhere_without_blame():
+    s = Script(workers=("a", "b", "c"))
+    late, queued, _ = keys(s(m.Poll()))
+    s.start(late, "a")
+    s.dask.run(queued, "a")  # Dask queued it on a too; it has not started
+    s.dask.tasks[queued].state = "queued"
+    s.clock.advance(100.0)
+    effects = s(m.Tick())
+    moved = [fx for fx in effects if isinstance(fx, m.Submit) and fx.args[1] == s.state.tasks.records[queued].shard]
+    assert len(moved) == 1 and "a" not in moved[0].where.get("workers", ["b"])
+    assert s.state.tasks.records[queued].overdue and s.state.dispatch.failures.get((1, moved[0].args[1]), 0) == 0
+    assert s.state.pool.record("a").timed_out == 1  # the late copy's worker only
+
+
+def test_the_watchdog_cancels_copies_of_merged_shards_that_no_worker_runs():
+    s = Script()
+    key = keys(s(m.Poll()))[0]
+    task = s.state.tasks.records[key]
+    copy = keys(s(m.Reissue(task.epoch, task.shard)))[0]
+    s.start(key, "a")
+    s.dask.run(copy, "b")
+    s.merge(s.finish_task(key, "a"))
+    assert not [fx for fx in s(m.Tick()) if isinstance(fx, m.Cancel)]  # running on b: its result will be late
+    s.dask.tasks[copy] = type(s.dask.tasks[copy])("released")  # its worker died: nobody runs it
+    [cancel] = [fx for fx in s(m.Tick()) if isinstance(fx, m.Cancel)]
+    assert copy in cancel.keys
+
+
+def test_a_validation_lost_with_its_worker_is_tried_again_then_fails_the_run():
+    s = Script(n_shards=2, validation=object())
+    s(m.Resumed({1: {0, 1}}, {1: (2, "v2")}, {(1, 0): 1, (1, 1): 1}))
+    for attempt in range(10):
+        [(key, task)] = [(k, t) for k, t in s.state.tasks.records.items() if t.kind == "validation"]
+        assert task.attempt == attempt
+        [read] = [fx for fx in s(m.Completed(key)) if isinstance(fx, m.Read)]
+        effects = s(m.TaskFailed(read.task, ConnectionResetError("worker died")))
+    [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]  # the tenth loss
+    assert fail.failure.kind == "task" and "validation task" in fail.failure.message
+
+
+def test_with_nothing_left_to_run_or_wait_for_an_incomplete_run_fails_as_stuck():
+    s = Script(n_shards=2)
+    out = keys(s(m.Poll()))
+    assert s(m.Idle()) == []  # copies are out
+    for key in out:
+        s(m.Completed(key, cancelled=True))  # cancelled from outside the run
+    [fail] = [fx for fx in s(m.Idle()) if isinstance(fx, m.Fail)]
+    assert fail.failure.kind == "stuck" and "epoch 1 is not complete" in fail.failure.message
+
+
+def test_the_end_turns_down_what_was_handed_over_and_takes_no_more_hand_overs():
+    s = Script()
+    out = keys(s(m.Poll()))
+    s.start(out[0], "a")
+    s(m.HandOver(out[0], s.record(out[0], "a")))
+    assert s.state.arrived == 1 and s.state.settled == 0
+    left = sorted(k for k, _ in s.state.tasks.updates())
+    [cancel] = [fx for fx in s(m.Finish()) if isinstance(fx, m.Cancel)]
+    assert s.state.settled == 1 and not s.state.tasks.handed  # nobody waits for its base on it
+    assert sorted(cancel.keys) == left and out[1] in left and not s.state.tasks.records
+    assert [r["reason"] for r in rows(s.state, "cancelled")] == ["cancelled: run finished"] * (1 + len(left))
+    assert s(m.HandOver(out[1], {"worker": "b"})) == [m.Reply([])] and s.state.handed_over == 1
+
+
+def test_a_commit_that_a_merge_folded_into_is_made_again_before_the_validation_goes_out():
+    s = Script(n_shards=2, validation=object(), on_shard_failure="skip", max_attempts=1)
+    out = keys(s(m.Poll()))
+    s.start(out[0], "a")
+    s.merge(s.finish_task(out[0], "a"))
+    from distributed.scheduler import KilledWorker
+
+    s.state.head = Head(step=1, version="v0", version_step=0)  # merged, not committed yet (commit_every > 1)
+    s.start(out[1], "b")
+    [read] = [fx for fx in s(m.Completed(out[1])) if isinstance(fx, m.Read)]
+    effects = s(m.TaskFailed(read.task, KilledWorker(out[1], _Worker("b"), 3)))  # one attempt: skipped, epoch ends
+    assert [type(fx) for fx in effects if not isinstance(fx, m.Emit)] == [m.Commit]
+    # meanwhile the driver merged a result the commit did not include (folded): the head is not committed
+    assert s(m.Committed(Head(step=2, version="v1", version_step=1))) == [m.Commit()]
+    [validate] = [fx for fx in s(m.Committed(Head(step=2, version="v2", version_step=2))) if isinstance(fx, m.Submit)]
+    assert validate.kind == "validation" and validate.args == ("v2", 2) and not s.state.validate_committed
 
 
 def test_the_core_refuses_what_is_not_an_event():

@@ -78,6 +78,7 @@ class Run:
         self.handshake = Handshake(self.state)  # the results taken and settled, and the tasks waiting for them
         self.bases = Bases(self.state, self.handshake, lambda: self.lane.head, self.server.commit_every, self.done)
         self._handed_any = asyncio.Event()  # set when a record is handed over (self.tasks.handed)
+        self._background: set[asyncio.Future[Any]] = set()  # effects step_now carries out meanwhile
 
     # -- what the plugin reads --------------------------------------------------------------------
     @property
@@ -114,15 +115,18 @@ class Run:
         return await self._apply(handle(self._fresh(), event))
 
     def step_now(self, event: m.Event) -> Any:
-        """:meth:`step` for a caller that cannot wait: effects that await are carried out in the background."""
+        """:meth:`step` for a caller that cannot wait: effects that await are carried out in the background
+        (a failure among them ends the run through its driver, which checks :attr:`RunState.failure`)."""
         reply, later = None, list[m.Effect]()
         for fx in handle(self._fresh(), event):
             if isinstance(fx, m.Reply):
                 reply = fx.value
-            elif not self._at_once(fx):
+            elif not isinstance(fx, m.Fail) and not self._at_once(fx):
                 later.append(fx)
         if later:
-            asyncio.ensure_future(self._apply(later))
+            task = asyncio.ensure_future(self._apply(later))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         self.handshake.note_settled()
         return reply
 
@@ -162,7 +166,13 @@ class Run:
         return True
 
     def _submit(self, fx: m.Submit) -> None:
-        self.tasks.send(_TASKS[fx.kind], self.store, self.id, *fx.args, key=fx.key, priority=fx.priority, **fx.where)
+        try:
+            self.tasks.send(
+                _TASKS[fx.kind], self.store, self.id, *fx.args, key=fx.key, priority=fx.priority, **fx.where
+            )
+        except Exception:
+            self.tasks.pop(fx.key)  # no task behind the core's record: it holds no slot, blocks no copy
+            raise
 
     async def _read(self, fx: m.Read) -> None:
         future = self.tasks.futures.get(fx.key)
@@ -208,9 +218,13 @@ class Run:
             watchdog = asyncio.ensure_future(self._deadlines())
             nxt = handed = None
             while not state.finished():
+                if state.failure is not None:  # (failed by an event handled outside the driver)
+                    raise RunFailed(state.failure)
                 await self.step(m.Poll())
                 if not self.tasks.records and not self.tasks.handed:
                     await self._settle_folded()  # nothing more will come soon: commit the merges folded so far
+                    if watchdog.done():
+                        watchdog.result()  # the deadline watchdog failed the run: raise it
                     await self.step(m.Idle())
                     await asyncio.sleep(INTERVAL)
                     continue

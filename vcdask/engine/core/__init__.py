@@ -89,7 +89,13 @@ def _(event: m.Merged, state: RunState) -> None:
 @_on.register
 def _(event: m.Committed, state: RunState) -> None:
     state.head = event.head
-    if state.validate_committed and event.head.committed:
+    if not event.head.committed and (state.validate_committed or state.settle_on_commit):
+        # a merge folded in after the commit (the driver's, while a deadline's give-up committed): once more
+        state.out.append(m.Commit())
+        return
+    state.settled += state.settle_on_commit
+    state.settle_on_commit = 0
+    if state.validate_committed:
         state.validate_committed = False
         submit_validation(state)
 
@@ -97,8 +103,8 @@ def _(event: m.Committed, state: RunState) -> None:
 @_on.register
 def _(_event: m.Tick, state: RunState) -> None:
     redundant = deadlines(state)
-    if redundant and state.failure is None:
-        state.out.insert(0, m.Cancel(tuple(redundant)))
+    if redundant and state.failure is None:  # (after the copies sent instead: a stop meanwhile cancels them)
+        state.out.append(m.Cancel(tuple(redundant)))
 
 
 @_on.register
@@ -186,6 +192,8 @@ def _(_event: m.Finish, state: RunState) -> None:
     """The driver's loop is over: the results handed over after the last merge the run needed and the
     copies still out are turned down (cancelled)."""
     state.taking = False  # what is still out is the end's to cancel
+    state.settled += state.settle_on_commit  # (the end commits what is merged)
+    state.settle_on_commit = 0
     why = f"cancelled: {state.stopping or 'run finished'}"
     for task, _ in state.tasks.handed:
         if task.kind == "update":

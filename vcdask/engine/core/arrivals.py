@@ -147,13 +147,17 @@ def merged(state: RunState, task: TaskRecord, rec: dict[str, Any], outcome: dict
             state.out.append(Cancel(others))
     else:
         rejected(state, epoch, shard, worker, row["reason"], fault)
-    _settled(state, rec, row)
+    # the epoch's end version is committed before the tasks waiting for this result get their base
+    commit_first = row["accepted"] and completes and state.spec.validation is not None and not state.head.committed
+    _settled(state, rec, row, count=not commit_first)
     if not row["accepted"] or state.failure is not None:
         return
     if state.spec.validation is None:
         close_epochs(state)
         return
     if completes:  # (another shard of the epoch may have been skipped during the merge: commit first)
+        if commit_first:
+            state.settle_on_commit += 1
         validate_head(state)
         return
     ledger = state.ledger
@@ -164,12 +168,12 @@ def merged(state: RunState, task: TaskRecord, rec: dict[str, Any], outcome: dict
         submit_validation(state)
 
 
-def _settled(state: RunState, rec: dict[str, Any], row: dict[str, Any]) -> None:
-    """A shard result is done with (merged, turned down, or recorded late): publish it, and count it
-    settled for the tasks waiting for their base."""
+def _settled(state: RunState, rec: dict[str, Any], row: dict[str, Any], count: bool = True) -> None:
+    """A shard result is done with (merged, turned down, or recorded late): publish it, and (``count``)
+    count it settled for the tasks waiting for their base (else its commit will)."""
     worker_row = state.pool.record(rec["worker"]).as_row()
     state.emit("update", worker_row=worker_row, version=state.head.version, **{k: row[k] for k in _EVENT_FIELDS})
-    state.settled += 1
+    state.settled += int(count)
 
 
 def _row_fields(task: TaskRecord, rec: dict[str, Any]) -> dict[str, Any]:

@@ -115,6 +115,7 @@ class RunState:
         self.ended: float | None = None  # wall time when the driver returned
         self.final: dict[str, Any] | None = None  # the result dict, kept once the run has ended
         self.validate_committed = False  # a validation of the head is due once it is committed
+        self.settle_on_commit = 0  # results merged whose commit (their epoch's end) settles them
 
     # -- clocks -----------------------------------------------------------------------------------
     def now(self) -> float:

@@ -76,7 +76,8 @@ def nothing_left(state: RunState) -> None:
     """Nothing is in flight: fail if nothing is left to run or wait for while an epoch is incomplete."""
     dispatch = state.dispatch
     parked = state.outage.holding() or dispatch.returned or dispatch.parked_validations
-    if state.pool.usable() and not parked and dispatch.exhausted() and not state.finished():
+    out = state.tasks.records or state.tasks.handed
+    if state.pool.usable() and not parked and not out and dispatch.exhausted() and not state.finished():
         fail(
             state,
             "stuck",
