@@ -81,7 +81,10 @@ class VcdaskPlugin(SchedulerPlugin):
     def footprint(self, run_id: str) -> dict[str, int]:
         """Bytes a run holds on the scheduler, parameter-sized: ``params`` (``W_s``), ``rule_state``,
         ``bases`` and ``model``; a run that ended keeps none (only its small result)."""
-        return self._run(run_id).footprint()
+        run = self._run(run_id)
+        model = run.spec.model
+        held = sum(t.numel() * t.element_size() for t in model.state_dict().values()) if model is not None else 0
+        return {**run.server.footprint(), "model": held}
 
     def _live(self) -> list[Run]:
         return [run for run in self.runs.values() if not run.done.is_set()]
@@ -103,7 +106,7 @@ class VcdaskPlugin(SchedulerPlugin):
         if live is not None and not live.done.is_set():
             if max_epochs is not None and max_epochs != live.spec.max_epochs:
                 raise ValueError(
-                    f"run {run_id!r} is still going (epoch {len(live.ledger.epochs)} of {live.spec.max_epochs}): "
+                    f"run {run_id!r} is still going (epoch {len(live.state.ledger.epochs)} of {live.spec.max_epochs}): "
                     f"max_epochs={max_epochs} cannot change it now; wait for it to end (or cancel it), then "
                     "resume(run_id, max_epochs=...)"
                 )

@@ -1,17 +1,27 @@
 """Resuming a run whose scheduler died: what the store says (merged shards, finished epochs, pending
 uploads), for the run's core to rebuild the run from (:class:`~vcdask.engine.core.messages.Resumed`).
 
-:func:`read_back` is store I/O and runs in the run's merge thread, never on the event loop.
+:func:`read_back` is store I/O and runs in the run's merge thread, never on the event loop; :func:`recover`
+feeds what it found to the core, and merges the uploads found, through the shell's ``step``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import zipfile
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..updates import delete_update, list_updates, read_update_meta, update_gone
+from .core import messages as m
+from .inflight import TaskRecord
 
-__all__ = ["read_back"]
+if TYPE_CHECKING:
+    from ..spec import RunSpec
+    from .lane import MergeLane
+
+__all__ = ["read_back", "recover"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,3 +84,26 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
             pending.append(meta)
     pending.sort(key=lambda m: (m["epoch"], m["base_step"], m["shard"]))
     return merged, ends, attempts, pending
+
+
+async def recover(lane: MergeLane, store: Any, spec: RunSpec, step: Callable[[m.Event], Awaitable[Any]]) -> None:
+    """Rebuild a run from its branch and its folder (after the scheduler that drove it died): ``W_s`` and
+    the merged (epoch, shard) from the versions' metadata (:func:`read_back`, in the merge thread), then
+    merge the uploads that no committed version contains.  ``step`` hands an event to the run's core and
+    carries out its effects (:meth:`vcdask.engine.run.Run.step`)."""
+    merged, ends, attempts, pending = await lane.call(
+        read_back, lane.server, store, spec.branch, spec.run_id, spec.shards.n_shards
+    )
+    await step(m.Resumed(merged, ends, attempts, tuple(pending)))
+    logger.info(
+        "run %s resumed at step %d: %d updates merged before, %d uploaded but unmerged",
+        spec.run_id,
+        lane.head.step,
+        sum(map(len, merged.values())),
+        len(pending),
+    )
+    for meta in pending:
+        rec = {"seconds": math.nan, "upload_seconds": math.nan, **meta}
+        task = TaskRecord("update", meta["epoch"], meta["shard"], meta["attempt"], meta["base_step"])
+        await step(m.Result(task, rec, taken=True))
+    await step(m.CloseEpochs())

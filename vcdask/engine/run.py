@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 import traceback
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from .handshake import Bases, Handshake
 from .inflight import InFlight, TaskRecord
 from .lane import MergeLane
 from .params_server import ParamsServer
-from .recovery import read_back
+from .recovery import recover
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +84,6 @@ class Run:
     def status(self) -> str:
         return self.state.phase.value
 
-    @property
-    def ledger(self) -> Any:
-        return self.state.ledger
-
     def status_dict(self) -> dict[str, Any]:
         return views.status_dict(self._fresh(), self.server.stalled())
 
@@ -97,13 +92,6 @@ class Run:
 
     def result_dict(self) -> dict[str, Any]:
         return self.state.final or views.result_dict(self._fresh(), self.server.stalled())
-
-    def footprint(self) -> dict[str, int]:
-        """Bytes of the parameter-sized things the run holds on the scheduler: the server's arrays
-        (:meth:`~.params_server.ParamsServer.footprint`) and its spec's model; all 0 once it ended."""
-        model = self.spec.model
-        held = sum(t.numel() * t.element_size() for t in model.state_dict().values()) if model is not None else 0
-        return {**self.server.footprint(), "model": held}
 
     def _fresh(self) -> RunState:
         self.state.head = self.lane.head
@@ -211,7 +199,10 @@ class Run:
         watchdog = None
         try:
             await self.tasks.open(f"vcdask-{self.id}")
-            await (self._recover() if self.resume else self.lane.load())
+            if self.resume:  # rebuilt from its branch and folder, after the scheduler that drove it died
+                await recover(self.lane, self.store, self.spec, self.step)
+            else:
+                await self.lane.load()
             state.phase = Phase.RUNNING
             await self.lane.call(end.write_record, self.store, self.id, end.running_record(self._fresh()))
             self.events.emit("started", version=self.lane.head.version, step=self.lane.head.step)
@@ -286,28 +277,6 @@ class Run:
             self.tasks.forget(future.key)
             future.release()
 
-    async def _recover(self) -> None:
-        """Rebuild the run from its branch and its folder (after the scheduler that drove it died):
-        ``W_s`` and the merged (epoch, shard) from the versions' metadata, then merge the uploads
-        that no committed version contains."""
-        n = self.spec.shards.n_shards
-        merged, ends, attempts, pending = await self.lane.call(
-            read_back, self.server, self.store, self.spec.branch, self.id, n
-        )
-        await self.step(m.Resumed(merged, ends, attempts, tuple(pending)))
-        logger.info(
-            "run %s resumed at step %d: %d updates merged before, %d uploaded but unmerged",
-            self.id,
-            self.lane.head.step,
-            sum(map(len, merged.values())),
-            len(pending),
-        )
-        for meta in pending:
-            rec = {"seconds": math.nan, "upload_seconds": math.nan, **meta}
-            task = TaskRecord("update", meta["epoch"], meta["shard"], meta["attempt"], meta["base_step"])
-            await self.step(m.Result(task, rec, taken=True))
-        await self.step(m.CloseEpochs())
-
     # -- the end ----------------------------------------------------------------------------------
     async def _finish(self) -> None:
         """Cancel the copies still out (and the results handed over but not merged), commit what is
@@ -367,13 +336,8 @@ class Run:
 
     # -- what the plugin's handlers and hooks call -------------------------------------------------
     def hand_over(self, key: str, record: dict[str, Any]) -> str | None:
-        """A task's record, sent by the task as it finishes (see :func:`vcdask.worker.train_shard`).
-
-        The run takes it now, a round trip sooner than from Dask (which reports the task done, then
-        the run fetches its result), and even while the driver is busy merging the results before
-        it: the worker gets its next shard at once (it queues there behind the finishing task), and
-        the record waits in the task table's ``handed`` queue for its merge.  Whichever of the two ways
-        comes second finds the task taken and is dropped.
+        """A task's record, sent by the task as it finishes, a round trip sooner than Dask's report (see
+        :func:`.core.arrivals.hand_over`): its worker gets its next shard now, even while the driver merges.
 
         Returns the key of the shard copy sent to the task's worker to run next (placed there), if
         any: its base can travel back with the hand-over's answer (:meth:`next_base`).
