@@ -8,8 +8,10 @@ learning rate, the epochs and, where the task needs them, its steps and schedule
 plain single-process torch loop making the same passes over the same data with the same optimizer.
 ``--set`` changes one of ``fit``'s arguments for every vcdask run (repeatable), to measure a
 candidate default against the same torch numbers, e.g. ``--set optimizer_state=fresh``,
-``--set tasks_per_slot=1``, ``--set merge=nesterov:0.5/0.9`` (lr/momentum of the outer step) or
-``--set merge=staleness:0/1`` (FedAsync's rule: alpha, and the exponent ``a`` of the staleness decay).
+``--set tasks_per_slot=1``, ``--set merge=nesterov:0.5/0.9`` (lr/momentum of the outer step),
+``--set merge=staleness:0/1`` (FedAsync's rule: alpha, and the exponent ``a`` of the staleness decay), or
+``--set merge=probe:0.5_1_1.5_2_3/0_0.5_1[/0_0.5_0.9][#ROWS]`` (``vcdask.merge.Probe``'s candidate steps,
+pulls, momenta and its probe rows).
 
 * ``digits``:  the demo CNN (40k parameters) on 8x8 digits, Adam 1e-3, 8 epochs; test accuracy.
 * ``wide``:    the wide CNN of ``strategies.py`` (3.3M parameters), the same data, 4 epochs.
@@ -145,7 +147,7 @@ def charlm_vcdask(seed: int, data, client, overrides: dict) -> float:
 
 
 def _value(text: str):
-    from vcdask.merge import Nesterov, Staleness
+    from vcdask.merge import Nesterov, Probe, Staleness
 
     if text.startswith("staleness:"):  # staleness:ALPHA/A: FedAsync's weight (1 - ALPHA) / (staleness + 1) ** A
         alpha, a = text.split(":", 1)[1].split("/")
@@ -154,6 +156,10 @@ def _value(text: str):
         lr, momentum, *rest = text.split(":", 1)[1].split("/") + ["0.9"] * (text.count("/") == 0)
         correction = {"nobc": False, "adam": True, "agreement": "agreement", "trust": "trust"}[(rest or ["adam"])[0]]
         return Nesterov(lr=float(lr), momentum=float(momentum), bias_correction=correction)
+    if text.startswith("probe:"):  # probe:STEPS/PULLS[/MOMENTA][#ROWS]: vcdask.merge.Probe, _-lists
+        spec, _, rows = text.split(":", 1)[1].partition("#")
+        grids = [[float(v) for v in part.split("_")] for part in spec.split("/")]
+        return Probe(*grids, **({"rows": int(rows)} if rows else {}))
     for kind in (int, float):
         try:
             return kind(text)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from chaos_helpers import Saboteur, worker_info
 from distributed import Client
+from spec_helpers import two_shard_spec
 
 import vcdask
 from vcdask.cluster import embedded_cluster
@@ -158,36 +159,7 @@ def _linear(*weights):
 
 
 def _two_shard_spec(tmp_path, **options):
-    """A real run's worth of spec for the guard: y = x @ (1, 2, -1) on the 64 rows of shard 0 and
-    y = -x @ (1, 2, -1) on those of shard 1 (data that differs by shard as much as it can), in a Zarr
-    group read as the workers read it; a linear model from zero, SGD."""
-    import numpy as np
-    import xarray as xr
-
-    from vcdask.data import DataSource, Shards
-
-    x = np.random.default_rng(0).normal(size=(128, 3)).astype("float32")
-    y = x @ np.array([1.0, 2.0, -1.0], dtype="float32")
-    y[64:] *= -1
-    xr.Dataset({"X": (("sample", "feature"), x), "y": (("sample",), y)}).to_zarr(tmp_path / "d.zarr")
-    model = torch.nn.Linear(3, 1, bias=False)
-    torch.nn.init.zeros_(model.weight)
-    return SimpleNamespace(
-        resilience=vcdask.Resilience(**options),
-        model=model,
-        optimizer=functools.partial(torch.optim.SGD, lr=0.05),
-        loss=lambda out, target: torch.nn.functional.mse_loss(out.reshape(target.shape), target),
-        train_step=None,
-        seed=0,
-        batch_size=16,
-        train=DataSource(str(tmp_path / "d.zarr"), ("X",), "y", "sample", 128),
-        shards=Shards(128, 2),
-        validation=None,
-        batch_form="xy",
-        classification=False,
-        x_dtype=torch.float32,
-        cast_x=True,
-    )
+    return two_shard_spec(tmp_path, **options)[0]
 
 
 def test_the_screen_compares_an_update_with_the_servers_own_step_on_its_shard(tmp_path):

@@ -250,7 +250,7 @@ def test_fit_rejects_bad_merge_options_before_cluster_work(digits_data, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("merge", ["nesterov", "sync", Staleness(alpha=0.5)])
+@pytest.mark.parametrize("merge", ["nesterov", "sync", Staleness(alpha=0.5), "probe"])
 def test_fit_with_each_rule(merge, client, digits_data, tmp_path):
     from vcdask.demo import digits_cnn
 
@@ -276,6 +276,9 @@ def test_fit_with_each_rule(merge, client, digits_data, tmp_path):
         assert set(result.store.read_state(result.version)) == {"momentum", "pending"}
     if name == "sync":  # one merge per epoch's samples: W_s changes only at the end of each epoch
         assert head.metadata["rule_state"] == {"samples": 0, "updates": 0}
+    if name == "probe":  # the last merge's choice, by the server's probe of the training rows (5 or 7 passes)
+        chosen = head.metadata["rule_state"]
+        assert chosen["step"] in (0.5, 1.0, 1.5, 2.0, 3.0) and chosen["probes"] in (5, 7)
     assert result.metrics["accuracy"] > 0.15  # better than chance (0.1) after 3 short epochs
 
 

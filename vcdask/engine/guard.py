@@ -32,13 +32,14 @@ All of this runs in the merge thread (it touches parameters), never on the event
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .probing import PROBE_ROWS, ProbeModel
 
 if TYPE_CHECKING:
     from ..params import FlatParams
@@ -50,9 +51,7 @@ __all__ = ["NORM_WINDOW", "PROBE_ROWS", "REFERENCE_STEPS", "WARM", "Guard"]
 WARM = 4
 #: How many recent accepted norms the reference norm is the median of.
 NORM_WINDOW = 16
-#: Rows the server's own step trains on (the first ones of the update's shard) and the probe's loss is
-#: taken on (the first ones of the validation set), and the server's own steps on them.
-PROBE_ROWS = 256
+#: The server's own steps on the first :data:`~vcdask.engine.probing.PROBE_ROWS` rows of the update's shard.
 REFERENCE_STEPS = 8
 #: Base versions whose probe loss and own pseudo-gradients the guard keeps.
 KEPT = 8
@@ -81,7 +80,7 @@ class Guard:
         self.tolerance = res.probe_tolerance
         self.norms: deque[float] = deque(maxlen=NORM_WINDOW)
         self.accepted = 0
-        self._probe: _Probe | None = None
+        self._probe: ProbeModel | None = None
         self._by_base: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     @staticmethod
@@ -92,9 +91,9 @@ class Guard:
         )
 
     @property
-    def probe(self) -> _Probe:
+    def probe(self) -> ProbeModel:
         if self._probe is None:
-            self._probe = _Probe(self.spec)
+            self._probe = ProbeModel(self.spec)
         return self._probe
 
     def _base_facts(self, version: str, base: FlatParams) -> dict[Any, Any]:
@@ -112,7 +111,7 @@ class Guard:
         """The server's own pseudo-gradient from ``base`` on ``shard``'s first rows, kept per base and shard."""
         key = ("own", shard)
         if key not in facts:
-            facts[key] = self.probe.own_step(base, shard)
+            facts[key] = _floats(self.probe.own_step(base, shard, REFERENCE_STEPS)) - _floats(base)
         return facts[key]
 
     def screen(
@@ -176,61 +175,3 @@ def _with_floats(params: FlatParams, values: torch.Tensor) -> FlatParams:
         else:
             arrays[dtype] = a
     return FlatParams(params.layout, arrays)
-
-
-class _Probe:
-    """A private CPU copy of the model, with the first :data:`PROBE_ROWS` rows of the validation set (for
-    the probe's loss) and of each shard (for the server's own steps)."""
-
-    def __init__(self, spec: RunSpec):
-        from ..device import Precision
-        from ..steps import SupervisedStep
-
-        self.spec = spec
-        self.device = torch.device("cpu")
-        self.precision = Precision("32", self.device)
-        self.model = copy.deepcopy(spec.model).to(self.device)
-        self.step = spec.train_step or SupervisedStep(spec.loss)
-
-    def _batches(self, rows, batch_size: int, generator: torch.Generator | None = None):
-        from .. import batches as _batches
-
-        return _batches.batches(self.spec, rows, self.device, batch_size, generator=generator)
-
-    def loss(self, params: FlatParams) -> float:
-        from .. import batches as _batches
-        from ..params import load_into
-        from ..steps import evaluate
-
-        rows = _batches.rows(self.spec, self.spec.validation, 0, min(self.spec.validation.n, PROBE_ROWS))
-        load_into(self.model, params)
-        batches = self._batches(rows, max(self.spec.batch_size, 512))
-        return float(evaluate(self.spec, self.model, batches, self.precision)["loss"])
-
-    def _shard_rows(self, shard: int):
-        from .. import batches as _batches
-
-        start, stop = self.spec.shards.bounds(shard)
-        return _batches.rows(self.spec, self.spec.train, start, min(stop, start + PROBE_ROWS))
-
-    def own_step(self, base: FlatParams, shard: int) -> torch.Tensor:
-        """The server's own pseudo-gradient from ``base``: :data:`REFERENCE_STEPS` steps of the run's
-        optimizer on the first :data:`PROBE_ROWS` rows of ``shard`` (cycled, in a seeded order)."""
-        from ..params import flatten, load_into
-
-        rows = self._shard_rows(shard)
-        load_into(self.model, base)
-        self.model.train()
-        optimizer = self.spec.optimizer(self.model.parameters())
-        g = torch.Generator().manual_seed(self.spec.seed)
-        done = 0
-        while done < REFERENCE_STEPS:
-            for batch, _ in self._batches(rows, self.spec.batch_size, g):
-                loss = self.step(self.model, batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                done += 1
-                if done == REFERENCE_STEPS:
-                    break
-        return _floats(flatten(self.model)) - _floats(base)

@@ -18,6 +18,7 @@ import logging
 import time
 import zipfile
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +34,11 @@ from .side import SideThread
 
 #: At most this many merges wait for one commit while more results queue behind them.
 FOLD_MAX = 8
+#: For a rule that needs each update's base (:attr:`MergeRule.needs`): the parameters after each of the
+#: most recent merges are kept in memory, at most this many and at most :data:`RECENT_BYTES` together
+#: (never fewer than 2); an older base is read from the store by its version.
+RECENT_KEPT = 64
+RECENT_BYTES = 1 << 30
 #: The stages of the merge path timed in :attr:`ParamsServer.stage_seconds` (for the last 256 merges).
 STAGES = ("read", "check", "rule", "commit")
 
@@ -73,6 +79,9 @@ class ParamsServer(Committing):
         leaves its commit to the caller and packs the new parameters first (:attr:`Head.draft`; the
         merge's answer says ``drafted=True``), so the caller can give them as a base while it commits
         them (:meth:`commit`).
+    probe : callable, optional
+        ``probe(params) -> float``, the training loss of candidate parameters, for a rule that needs
+        ``"loss"`` (:class:`~vcdask.merge.Probe`; :meth:`~vcdask.engine.probing.ProbeModel.train_loss`).
     """
 
     def __init__(
@@ -90,12 +99,16 @@ class ParamsServer(Committing):
         retention: Retention | None = None,
         inline_bytes: int = 0,
         drafts: bool = False,
+        probe: Callable[[FlatParams], float] | None = None,
     ):
         self.store = store
         self.branch = branch
         if not isinstance(rule, MergeRule):
             raise TypeError(f"rule must be a vcdask.merge.MergeRule, got {rule!r}")
         self.rule = rule
+        if "loss" in rule.needs and probe is None:
+            raise ValueError(f"the {rule.name!r} merge rule needs a probe of the training loss (probe=...)")
+        self.probe = probe
         self.rule_state = RuleState()
         self.run_id = run_id
         #: ``commit_every="auto"``: commit every merge, or with the last of the results queued behind it
@@ -124,6 +137,7 @@ class ParamsServer(Committing):
         self.stage_seconds: dict[str, deque[float]] = {k: deque(maxlen=256) for k in STAGES}
         self._said_held_back = False
         self._bases: OrderedDict[str, FlatParams] = OrderedDict()  # base versions of compressed updates
+        self._recent: OrderedDict[int, FlatParams] = OrderedDict()  # W_s after recent merges, by step (see RECENT_KEPT)
         #: Reads the next queued update ahead and deletes merged ones, off the merge path
         self.side = SideThread(store.files)
 
@@ -169,7 +183,7 @@ class ParamsServer(Committing):
         return {
             "params": params.nbytes if params is not None else 0,
             "rule_state": sum(a.nbytes for a in list(state.arrays.values())),
-            "bases": sum(b.nbytes for b in list(self._bases.values())),
+            "bases": sum(b.nbytes for b in [*self._bases.values(), *self._recent.values()]),
         }
 
     def release(self) -> None:
@@ -179,7 +193,9 @@ class ParamsServer(Committing):
         self.head = replace(self.head, payload=None, draft=None)
         self.rule_state = RuleState()
         self._bases.clear()
+        self._recent.clear()
         self.guard = None
+        self.probe = None
         self.side.close()
 
     # -- the merge thread -----------------------------------------------------------------------
@@ -207,6 +223,8 @@ class ParamsServer(Committing):
                 )
         else:  # a new run (possibly from another run's version): a fresh outer optimizer
             self.rule_state = fresh
+        self._recent.clear()
+        self._keep_recent()
 
     def merge(
         self,
@@ -240,6 +258,7 @@ class ParamsServer(Committing):
             )
             if isinstance(client, EncodedUpdate):  # W_c - W_base, compressed: add it to its base
                 client = client.decode(self._base(client.base_version))
+            base = self._base_of(record) if "base" in self.rule.needs else None
         except (ValueError, KeyError, FileNotFoundError, EOFError, zipfile.BadZipFile) as e:
             # unreadable (missing, truncated, not an update, its base gone): rejected, not a crash
             return self._reject(record, staleness, "unreadable", f"unreadable update: {e}")
@@ -254,12 +273,13 @@ class ParamsServer(Committing):
         if problem is not None:
             return self._reject(record, staleness, *problem)
         t2 = time.perf_counter()
-        outcome = self.rule.apply(
-            self.params, client, self.rule_state, Arrival(record["epoch"], staleness, int(record.get("n_samples", 1)))
-        )
+        n = int(record.get("n_samples", 1))
+        arrival = Arrival(record["epoch"], staleness, n, base=base, loss=self.probe)
+        outcome = self.rule.apply(self.params, client, self.rule_state, arrival)
         for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, time.perf_counter() - t2), strict=False):
             self.stage_seconds[stage].append(seconds)  # (commit: in commit())
         self.head = replace(self.head, step=self.step + 1)
+        self._keep_recent()
         self.uncommitted.append(record)
         self._progress(record, completes)
         due = len(self.uncommitted) >= self.commit_every
@@ -292,6 +312,25 @@ class ParamsServer(Committing):
         while len(self._bases) > BASES_KEPT:
             self._bases.popitem(last=False)
         return params
+
+    def _keep_recent(self) -> None:
+        """Keep ``W_s`` at this step, for the rule's later updates based on it (:data:`RECENT_KEPT`)."""
+        if "base" not in self.rule.needs or self.params is None:
+            return
+        self._recent[self.step] = self.params.clone()
+        kept = max(2, min(RECENT_KEPT, RECENT_BYTES // max(1, self.params.nbytes)))
+        while len(self._recent) > kept:
+            self._recent.popitem(last=False)
+
+    def _base_of(self, record: dict[str, Any]) -> FlatParams:
+        """The parameters the update of ``record`` was trained from: kept by step, or read by version."""
+        params = self._recent.get(int(record["base_step"]))
+        if params is not None:
+            return params
+        version = record.get("base_version")
+        if version is None:  # a draft's base, no longer kept (the server restarted): nothing to read
+            raise KeyError(f"its base (step {record['base_step']}) was never committed and is no longer kept")
+        return self._base(version)
 
     def _progress(self, record: dict[str, Any], completes: bool) -> None:
         epoch = int(record["epoch"])

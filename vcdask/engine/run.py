@@ -33,6 +33,7 @@ from .handshake import Bases, Handshake
 from .inflight import InFlight, TaskRecord
 from .lane import MergeLane
 from .params_server import ParamsServer
+from .probing import training_probe
 from .recovery import recover
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Run:
             inline_bytes=config.get("worker.inline-base-bytes"),
             # (a compressed update is decoded on its base version: its id must be known to the worker)
             drafts=bool(config.get("worker.base-before-commit")) and spec.compression is None,
+            probe=training_probe(spec),
         )
         self.lane = MergeLane(self.server, f"vcdask-merge-{self.id[-6:]}")  # the merge thread and its calls
         self.tasks = InFlight(scheduler)

@@ -23,6 +23,9 @@ Rules by name (``fit(..., merge=...)``), one per module:
 ``"sync"``
     DeDLOC-style large batch: collect updates until ``target_samples`` samples, then replace
     ``W_s`` by their sample-weighted mean at once.
+``"probe"``
+    The step sized per merge: ``W_s += (a (W_c - W_base) + b (W_base - W_s)) / (staleness + 1)``,
+    ``(a, b)`` the candidates' lowest training loss on a fixed sample of rows (the server's probe).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ..errors import UnknownMergeRuleError
 from ..schedules import check_alpha
 from ._base import Arrival, MergeRule, RuleState, lerp
 from .nesterov import Nesterov
+from .probe import Probe
 from .staleness import Staleness
 from .sync import Sync
 from .vcasgd import VCASGD, vc_asgd
@@ -44,6 +48,7 @@ __all__ = [
     "Arrival",
     "MergeRule",
     "Nesterov",
+    "Probe",
     "RuleState",
     "Staleness",
     "Sync",
@@ -56,7 +61,7 @@ __all__ = [
 ]
 
 #: Registered rules by name.
-rules: dict[str, type[MergeRule]] = {r.name: r for r in (VCASGD, Staleness, Nesterov, Sync)}
+rules: dict[str, type[MergeRule]] = {r.name: r for r in (VCASGD, Staleness, Nesterov, Sync, Probe)}
 
 #: The rule ``vcdask.fit`` uses when neither ``merge`` nor ``alpha`` is given: delayed Nesterov
 #: (one momentum step per tasks-in-flight arrivals) with lr 0.5, momentum 0.9 and the momentum's bias

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -17,11 +18,18 @@ __all__ = ["Arrival", "MergeRule", "RuleState", "lerp"]
 
 @dataclass(frozen=True)
 class Arrival:
-    """What a rule knows of one update when it arrives."""
+    """What a rule knows of one update when it arrives.
+
+    ``base`` and ``loss`` are given only to a rule that asks for them (:attr:`MergeRule.needs`): the
+    parameters the update was trained from, and a function giving the training loss of a candidate
+    ``W_s`` on a fixed sample of the training rows.
+    """
 
     epoch: int
     staleness: int = 0  # merges since the update's base version
     n_samples: int = 1  # rows its shard trained on
+    base: FlatParams | None = field(default=None, repr=False)
+    loss: Callable[[FlatParams], float] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -43,6 +51,9 @@ class MergeRule(ABC):
     """How updates are folded into the server parameters; see :mod:`vcdask.merge`."""
 
     name: ClassVar[str]
+    #: What the rule needs in each :class:`Arrival` beyond the epoch, staleness and sample count:
+    #: ``"base"`` (the update's base parameters) and ``"loss"`` (a probe of the training loss).
+    needs: ClassVar[frozenset[str]] = frozenset()
 
     def init_state(self, server: FlatParams) -> RuleState:
         """The state before the first merge (none by default)."""

@@ -1,0 +1,48 @@
+"""A real run's worth of spec for the merge thread's parts (the guard, the probe), without a cluster."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+import vcdask
+
+
+def two_shard_spec(tmp_path, **resilience):
+    """y = x @ (1, 2, -1) on the 64 rows of shard 0 and y = -x @ (1, 2, -1) on those of shard 1 (data that
+    differs by shard as much as it can), in a Zarr group read as the workers read it; a linear model from
+    zero, SGD.  Returns the spec and the rows ``x``, ``y``."""
+    import xarray as xr
+
+    from vcdask.data import DataSource, Shards
+    from vcdask.merge import Probe
+
+    x = np.random.default_rng(0).normal(size=(128, 3)).astype("float32")
+    y = x @ np.array([1.0, 2.0, -1.0], dtype="float32")
+    y[64:] *= -1
+    xr.Dataset({"X": (("sample", "feature"), x), "y": (("sample",), y)}).to_zarr(tmp_path / "d.zarr")
+    model = torch.nn.Linear(3, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    spec = SimpleNamespace(
+        resilience=vcdask.Resilience(**resilience),
+        model=model,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+        loss=lambda out, target: torch.nn.functional.mse_loss(out.reshape(target.shape), target),
+        train_step=None,
+        eval_step=None,
+        metrics={},
+        seed=0,
+        batch_size=16,
+        train=DataSource(str(tmp_path / "d.zarr"), ("X",), "y", "sample", 128),
+        shards=Shards(128, 2),
+        validation=None,
+        batch_form="xy",
+        classification=False,
+        x_dtype=torch.float32,
+        cast_x=True,
+        merge=Probe(),
+    )
+    return spec, x, y
