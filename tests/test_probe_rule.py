@@ -36,8 +36,9 @@ class Quadratic:
 
 
 def test_a_fresh_update_takes_the_step_along_its_progress_with_the_lowest_loss():
-    rule, loss = Probe(), Quadratic(2.0)
+    rule, loss = Probe(momenta=[0]), Quadratic(2.0)
     server, state = flat(0.0), rule.init_state(flat(0.0))
+    assert state.arrays == {}  # (no momentum, no state)
     out = rule.apply(server, flat(1.0), state, Arrival(1, 0, base=flat(0.0), loss=loss))
     # p = 1, no pull-back at staleness 0: the candidates are W_s + a for a in steps; 2 is the target
     assert loss.seen == [[0.5], [1.0], [1.5], [2.0], [3.0]]
@@ -49,7 +50,7 @@ def test_a_stale_update_chooses_its_step_then_its_pull_back():
     """W_s = 1, base 0, W_c = 0.5, staleness 1: k = 1/2, p = 0.5, W_base - W_s = -1.
     First a with b = 1: W = 1 + (0.5 a - 1) / 2 = 0.5 + a / 4 -> {0.625, 0.75, 0.875, 1, 1.25}: a = 3 for 1.45;
     then b: W = 1 + (1.5 - b) / 2 = 1.75 - b / 2 -> {1.75, 1.5, (1.25 known)}: b = 0.5."""
-    rule, loss = Probe(), Quadratic(1.45)
+    rule, loss = Probe(momenta=[0]), Quadratic(1.45)
     server = flat(1.0)
     state = rule.init_state(server)
     rule.apply(server, flat(0.5), state, Arrival(1, 1, base=flat(0.0), loss=loss))
@@ -84,8 +85,10 @@ def test_probed_momentum_carries_the_applied_moves():
     server = flat(0.0)
     state = rule.init_state(server)
     assert sorted(state.arrays) == ["momentum"]
-    rule.apply(server, flat(1.0), state, Arrival(1, 0, base=flat(0.0), loss=Quadratic(10.0)))
-    assert w(server) == [1.0] and w(state.arrays["momentum"]) == [1.0]  # (m was 0: mu changes nothing)
+    loss = Quadratic(10.0)
+    rule.apply(server, flat(1.0), state, Arrival(1, 0, base=flat(0.0), loss=loss))
+    assert loss.seen == []  # (m is 0: every mu gives the same candidate, none is probed)
+    assert w(server) == [1.0] and w(state.arrays["momentum"]) == [1.0]
     loss = Quadratic(10.0)
     rule.apply(server, flat(2.0), state, Arrival(1, 0, base=flat(1.0), loss=loss))
     assert loss.seen == [[2.0], [2.5]]  # d = 1, m = 1: mu 0 -> 2, mu 0.5 -> 2.5, nearer 10
@@ -100,13 +103,26 @@ def test_integer_state_takes_the_clients_value():
     assert server.state_dict()["n"].tolist() == [7]
 
 
+def test_the_default_probes_momentum_once_there_is_some():
+    rule = Probe()
+    server = flat(0.0)
+    state = rule.init_state(server)
+    counts = []
+    for base in (0.0, 1.0):
+        loss = Quadratic(50.0)
+        rule.apply(server, flat(base + 1.0), state, Arrival(1, 0, base=flat(base), loss=loss))
+        counts.append(len(loss.seen))
+    assert counts == [5, 7]  # the steps; then the steps and momenta 0.5 and 0.9 (0 is the steps' best)
+    assert state.scalars["momentum"] == 0.9 and state.scalars["step"] == 3.0  # the farthest, toward 50
+
+
 def test_bad_options_and_a_missing_probe_are_clear_errors():
     assert isinstance(get_rule("probe"), Probe)
     assert get_rule("probe").describe() == {
         "name": "probe",
         "steps": [0.5, 1.0, 1.5, 2.0, 3.0],
         "pulls": [0.0, 0.5, 1.0],
-        "momenta": [0.0],
+        "momenta": [0.0, 0.5, 0.9],
         "rows": 64,
     }
     with pytest.raises(ValueError, match=r"steps=\[\]: give a non-empty sequence"):

@@ -47,12 +47,12 @@ class Probe(MergeRule):
     is FedAsync's ``1 / (s + 1)`` mixing; the probe lengthens the step where the task's progress points
     downhill and pulls less toward a stale base where the server has since moved on.
 
-    With :attr:`momenta` other than ``(0,)``, heavy-ball momentum on the applied moves is probed last:
-    ``m <- d + mu * m``, ``W_s <- W_s + m``, with ``mu`` from :attr:`momenta` (the state's ``momentum``).
+    Then heavy-ball momentum on the applied moves is probed: ``m <- d + mu * m``, ``W_s <- W_s + m``, with
+    ``mu`` from :attr:`momenta` (the state's ``momentum``; ``momenta=(0,)``: none).
 
-    Costs ``len(steps)`` forward passes over the probe's :attr:`rows` for a fresh update, and ``len(steps)
-    + len(pulls) - 1`` (plus ``len(momenta) - 1``) for a stale one, on the scheduler's CPU, in the merge
-    thread.  Every merge probes: merges that took the last choice instead (every 4th probing, or those
+    Costs ``len(steps) + len(momenta) - 1`` forward passes over the probe's :attr:`rows` for a fresh
+    update (7 with the defaults), and ``len(pulls) - 1`` more for a stale one (9), on the scheduler's CPU,
+    in the merge thread.  Every merge probes: merges that took the last choice instead (every 4th probing, or those
     with results queued behind them) lost 2-14 points on digits at 4-8 workers.  Measured in
     ``benchmarks/fleet_sim.py`` and ``benchmarks/equal_tokens.py``; see the docs' merge-rules page.
 
@@ -62,15 +62,15 @@ class Probe(MergeRule):
         Candidate weights ``a`` of the task's own progress, each in ``[0, 10]``.
     pulls : sequence of float, default (0, 0.5, 1)
         Candidate weights ``b`` of the pull back toward the update's base, each in ``[0, 2]``.
-    momenta : sequence of float, default (0,)
-        Candidate momenta ``mu``, each in ``[0, 1)``; ``(0,)``: none (no state).
+    momenta : sequence of float, default (0, 0.5, 0.9)
+        Candidate momenta ``mu``, each in ``[0, 1)``; ``(0,)``: none (no momentum, no state).
     rows : int, default 64
         Training rows the server scores each candidate on (the first ``rows / n_shards`` of every shard).
     """
 
     steps: Sequence[float] = (0.5, 1.0, 1.5, 2.0, 3.0)
     pulls: Sequence[float] = (0.0, 0.5, 1.0)
-    momenta: Sequence[float] = (0.0,)
+    momenta: Sequence[float] = (0.0, 0.5, 0.9)
     rows: int = 64
     name: ClassVar[str] = "probe"
     needs: ClassVar[frozenset[str]] = frozenset({"base", "loss"})
@@ -130,7 +130,8 @@ class Probe(MergeRule):
         pulls = self.pulls if arrival.staleness > 0 else (1.0,)
         a = best([(a, 1.0, 0.0) for a in self.steps])[0]
         b = best([(a, b, 0.0) for b in pulls])[1]
-        mu = best([(a, b, mu) for mu in self.momenta])[2] if self.with_momentum else 0.0
+        moving = self.with_momentum and any(bool(m.any()) for m in momentum.values())  # (zero: nothing to probe)
+        mu = best([(a, b, mu) for mu in self.momenta])[2] if moving else 0.0
         fill(a, b, mu)
         for d, w in ws.items():
             if self.with_momentum:
