@@ -209,3 +209,38 @@ def test_the_training_probe_scores_the_first_rows_of_every_shard(tmp_path):
     assert probe.train_loss(params) == pytest.approx(expected, rel=1e-5)
     assert probe.calls == 1
     assert torch.equal(spec.model.weight.detach(), before)  # the probe has its own copy of the model
+
+
+class Slow(torch.nn.Module):
+    """A linear model whose forward pass takes ``seconds`` (a stand-in for a model costly to evaluate)."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.seconds = seconds
+
+    def forward(self, x):
+        import time
+
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+def test_a_probe_costly_for_the_model_is_warned_of_before_any_cluster_work(tmp_path, recwarn):
+    from vcdask.groups import Merging
+    from vcdask.options import plan
+    from vcdask.preflight import check_probe_cost
+    from vcdask.steps import SupervisedStep
+
+    step = SupervisedStep(torch.nn.functional.cross_entropy)
+    batch = (torch.randn(8, 4), torch.tensor([0, 1] * 4))
+    # 9 passes over 64 rows, each timed as 64 / 8 of this batch's: 0.1 s -> about 7 s a merge
+    with pytest.warns(UserWarning, match=r"scores 9 candidates on 64 training rows .* about 7 s a merge"):
+        assert check_probe_cost(Probe(), Slow(0.1), batch, step) == pytest.approx(7.2, rel=0.3)
+    assert check_probe_cost(Probe(rows=8), Slow(0.1), batch, step) < 5  # fewer rows: no warning
+    assert check_probe_cost(vcdask.merge.Staleness(), Slow(0.1), batch, step) is None  # no probe, no timing
+    assert not [w for w in recwarn if "candidates" in str(w.message)]
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 2, 64)
+    with pytest.warns(UserWarning, match="merge='probe' scores 9 candidates"):
+        plan(Slow(0.5), (X, y), merging=Merging(rule="probe"), store=tmp_path / "s")

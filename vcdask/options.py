@@ -28,10 +28,10 @@ from .groups import Merging, Stopping, Training, check_optimizer
 from .holdout import check_early_stopping, hold_out
 from .merge import MergeRule, get_rule
 from .overlap import check_overlap
-from .preflight import check_model, check_run, check_target, model_dtype
+from .preflight import check_model, check_probe_cost, check_run, check_target, model_dtype
 from .resilience import NEEDS_VALIDATION, Resilience
 from .staging import split
-from .steps import check_steps, probe_batch
+from .steps import SupervisedStep, check_steps, probe_batch
 from .store import ParamStore, Retention, open_store
 from .store._retention import check_retention
 
@@ -273,6 +273,8 @@ def plan(
             f"n_shards={n_shards} is more than the {prepared.n} training samples; choose 1 <= n_shards <= {prepared.n}"
         )
     rule = get_rule(merging.rule, merging.alpha, samples_per_epoch=prepared.n)
+    if "loss" in rule.needs:  # a probe of the training loss at every merge, on the scheduler: what it costs
+        check_probe_cost(rule, model, probe_batch(prepared, x_dtype), train_step or SupervisedStep(loss_fn))
     optimizer_fn = resolve_optimizer(training.optimizer, training.lr)
     param_store = open_store(DEFAULT_STORE if store is None else store)  # last: it may create a directory
     if not param_store.shared_across_processes and client is None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import math
+import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,7 @@ __all__ = [
     "HALF_DTYPES",
     "check_model",
     "check_model_precision",
+    "check_probe_cost",
     "check_run",
     "check_target",
     "model_dtype",
@@ -275,6 +278,46 @@ def _probe(model: torch.nn.Module, sample_X: Any) -> torch.Tensor | None:
                 continue
             return out if isinstance(out, torch.Tensor) else None
     return None
+
+
+#: :func:`check_probe_cost` warns when a merge's probe would take more than this many seconds here.
+PROBE_WARN_SECONDS = 5.0
+
+
+def check_probe_cost(rule: Any, model: torch.nn.Module, batch: Any, step: Any) -> float | None:
+    """Warn when a rule that probes the training loss at every merge (:attr:`MergeRule.needs` has ``"loss"``,
+    :class:`vcdask.merge.Probe`) would spend more than :data:`PROBE_WARN_SECONDS` a merge on a CPU.
+
+    ``step(model, batch)`` (the loss) is timed once here, on a CPU copy of the model over ``batch`` (a few
+    training rows), and scaled to the rule's rows and its forward passes for a stale update.  Returns that estimate
+    in seconds (None for a rule that does not probe).
+    """
+    if "loss" not in getattr(rule, "needs", ()):
+        return None
+    probe = copy.deepcopy(model).cpu().eval()
+    with torch.no_grad():
+        step(probe, batch)  # (a first call pays for lazy set-up)
+        t0 = time.perf_counter()
+        step(probe, batch)
+        seconds = time.perf_counter() - t0
+    passes = len(rule.steps) + len(rule.pulls) + len(rule.momenta) - 2
+    estimate = seconds * rule.rows / max(1, _rows(batch)) * passes
+    if estimate > PROBE_WARN_SECONDS:
+        warnings.warn(
+            f"merge={rule.name!r} scores {passes} candidates on {rule.rows} training rows at every merge, on the "
+            f"scheduler's CPU: about {estimate:.0f} s a merge for this model (measured here), while the tasks "
+            "behind it wait; use fewer rows (vcdask.merge.Probe(rows=...)) or the default merge rule",
+            UserWarning,
+            stacklevel=4,
+        )
+    return estimate
+
+
+def _rows(batch: Any) -> int:
+    """The rows in a batch: its first tensor's length (an ``(x, y)`` pair, a dict of columns, a tensor)."""
+    while isinstance(batch, (tuple, list, Mapping)) and len(batch):
+        batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
+    return len(batch) if isinstance(batch, torch.Tensor) and batch.ndim else 1
 
 
 _N = 7919  # a stand-in for the sample count n in shapes (a prime no model's axis is likely to have)
