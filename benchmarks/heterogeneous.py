@@ -4,7 +4,7 @@ usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [-
                                           [--local-epochs 1] [--shards N]
                                           [--seeds 0,1,2] [--kill-every 0]
                                           [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd,
-                                                    agreement,adam-correction,trust,no-hand-over,
+                                                    probe,agreement,adam-correction,trust,no-hand-over,
                                                     no-next-base,no-inline-base,
                                                     no-base-before-commit]
 
@@ -285,6 +285,8 @@ VARIANTS = {
     # the default rule without its momentum bias correction (stop 28: the correction's first step overshoots)
     "no-correction": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction=False)},
     "vc-asgd": {"merge": "vc-asgd"},
+    # stop 48: each merge's step, pull-back and momentum chosen by a probe of the training loss
+    "probe": {"merge": "probe"},
     # stop 29: the correction bounded to half the parameters' norm per momentum step, and scaled by how
     # far each window's pseudo-gradient agrees with the momentum
     "agreement": {"merge": Nesterov(lr=0.5, momentum=0.9, bias_correction="agreement")},
