@@ -106,6 +106,12 @@ class Script:
         self.dask.sent(effects)
         return effects
 
+    def reissued(self) -> tuple[str, str]:
+        """The first shard task sent out, and a copy of it re-issued (neither started)."""
+        key = keys(self(m.Poll()))[0]
+        task = self.state.tasks.records[key]
+        return key, keys(self(m.Reissue(task.epoch, task.shard)))[0]
+
     # -- what a task and the merge thread do --------------------------------------------------------
     def start(self, key: str, worker: str) -> None:
         self.dask.run(key, worker)
@@ -212,8 +218,7 @@ def test_a_record_that_cannot_be_read_back_is_a_lost_copy_re_issued_without_blam
 def test_a_second_copy_of_a_merged_shard_is_recorded_a_duplicate_and_its_update_deleted_once():
     for keep in (False, True):
         s = Script(keep_updates=keep)
-        key = keys(s(m.Poll()))[0]
-        copy = keys(s(m.Reissue(*(lambda t: (t.epoch, t.shard))(s.state.tasks.records[key]))))[0]
+        key, copy = s.reissued()
         s.start(key, "a")
         s.start(copy, "b")
         s.merge(s.finish_task(key, "a"))
@@ -322,9 +327,7 @@ def test_stop_cancels_every_copy_out_once_and_the_end_turns_down_what_is_left(ca
 
 def test_a_cancelled_copy_of_a_merged_shard_is_recorded_superseded():
     s = Script()
-    key = keys(s(m.Poll()))[0]
-    task = s.state.tasks.records[key]
-    copy = keys(s(m.Reissue(task.epoch, task.shard)))[0]
+    key, copy = s.reissued()
     s.start(key, "a")
     effects = s.merge(s.finish_task(key, "a"))
     assert [fx.keys for fx in effects if isinstance(fx, m.Cancel)] == [(copy,)]  # not started: cancelled
@@ -456,9 +459,7 @@ def test_a_copy_queued_behind_a_late_one_moves_elsewhere_without_blame():
 
 def test_the_watchdog_cancels_copies_of_merged_shards_that_no_worker_runs():
     s = Script()
-    key = keys(s(m.Poll()))[0]
-    task = s.state.tasks.records[key]
-    copy = keys(s(m.Reissue(task.epoch, task.shard)))[0]
+    key, copy = s.reissued()
     s.start(key, "a")
     s.dask.run(copy, "b")
     s.merge(s.finish_task(key, "a"))

@@ -117,7 +117,7 @@ def test_the_default_probes_momentum_once_there_is_some():
 
 
 def test_bad_options_and_a_missing_probe_are_clear_errors():
-    assert isinstance(get_rule("probe"), Probe)
+    assert isinstance(get_rule("probe"), Probe) and Probe().passes == 9 and Probe(momenta=[0]).passes == 7
     assert get_rule("probe").describe() == {
         "name": "probe",
         "steps": [0.5, 1.0, 1.5, 2.0, 3.0],
@@ -234,9 +234,10 @@ def test_a_probe_costly_for_the_model_is_warned_of_before_any_cluster_work(tmp_p
 
     step = SupervisedStep(torch.nn.functional.cross_entropy)
     batch = (torch.randn(8, 4), torch.tensor([0, 1] * 4))
-    # 9 passes over 64 rows, each timed as 64 / 8 of this batch's: 0.1 s -> about 7 s a merge
-    with pytest.warns(UserWarning, match=r"scores 9 candidates on 64 training rows .* about 7 s a merge"):
-        assert check_probe_cost(Probe(), Slow(0.1), batch, step) == pytest.approx(7.2, rel=0.3)
+    # 9 passes over 64 rows, each timed as 64 / 8 of this batch's: at least 0.1 s -> at least 7.2 s a merge
+    # (a sleep never returns early; a busy machine only lengthens it)
+    with pytest.warns(UserWarning, match=r"scores 9 candidates on 64 training rows .* about \d+ s a merge"):
+        assert 7.2 <= check_probe_cost(Probe(), Slow(0.1), batch, step) < 20
     assert check_probe_cost(Probe(rows=8), Slow(0.1), batch, step) < 5  # fewer rows: no warning
     assert check_probe_cost(vcdask.merge.Staleness(), Slow(0.1), batch, step) is None  # no probe, no timing
     assert not [w for w in recwarn if "candidates" in str(w.message)]

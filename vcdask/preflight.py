@@ -300,7 +300,7 @@ def check_probe_cost(rule: Any, model: torch.nn.Module, batch: Any, step: Any) -
         t0 = time.perf_counter()
         step(probe, batch)
         seconds = time.perf_counter() - t0
-    passes = len(rule.steps) + len(rule.pulls) + len(rule.momenta) - 2
+    passes = rule.passes
     estimate = seconds * rule.rows / max(1, _rows(batch)) * passes
     if estimate > PROBE_WARN_SECONDS:
         warnings.warn(

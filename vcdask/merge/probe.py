@@ -83,6 +83,11 @@ class Probe(MergeRule):
             raise ValueError(f"rows={self.rows!r}: must be an integer >= 1")
 
     @property
+    def passes(self) -> int:
+        """The most forward passes a merge takes (a stale update's, with momentum to probe)."""
+        return len(self.steps) + len(self.pulls) - 1 + len(self.momenta) - 1
+
+    @property
     def with_momentum(self) -> bool:
         return any(mu != 0.0 for mu in self.momenta)
 
