@@ -276,9 +276,9 @@ def train_ddp(task: Task, seed: int, world: int, schedule: str = "constant") -> 
     return model
 
 
-def train_vcdask(task: Task, seed: int, client, overrides: dict) -> tuple[torch.nn.Module, float]:
-    """``vcdask.fit`` with its defaults (and ``overrides``) on ``client``; the final model and the largest
-    staleness of a merged update."""
+def train_vcdask(task: Task, seed: int, client, overrides: dict) -> tuple[torch.nn.Module, float, str]:
+    """``vcdask.fit`` with its defaults (and ``overrides``) on ``client``; the final model, the largest
+    staleness of a merged update, and the rule that merged (``merge="auto"``'s choice, where it chose)."""
     import vcdask
 
     with scratch_store(None, "equal-tokens") as store:
@@ -292,8 +292,18 @@ def train_vcdask(task: Task, seed: int, client, overrides: dict) -> tuple[torch.
             store=store,
             progress=False,
         )
+        meta = result.store.read(result.version).metadata
     merged = result.history[result.history["outcome"] == "merged"]
-    return result.model, float(merged["staleness"].astype(float).max())
+    rule, state = meta.get("merge", {}), meta.get("rule_state", {})
+    if state.get("chosen") is None:
+        return result.model, float(merged["staleness"].astype(float).max()), rule.get("name", "?")
+    # merge="auto": its choice, its probe's rows, how busy the probe would keep the merge thread (measured)
+    busy = "?" if state.get("busy") is None else f"{state['busy']:.0%}"
+    return (
+        result.model,
+        float(merged["staleness"].astype(float).max()),
+        f"auto:{state['chosen']}/{state['probe_rows']} ({busy})",
+    )
 
 
 def warm_up(client, workers: int) -> None:
@@ -324,21 +334,28 @@ def table(task: Task, runs: dict[str, list[dict]]) -> list[dict]:
             row[f"{metric} by seed"] = " ".join(f"{r[metric]:.4f}" for r in done)
         stale = [r["staleness"] for r in done if "staleness" in r]
         row["max staleness"] = statistics.median(stale) if stale else None
+        rules = [r["rule"] for r in done if "rule" in r]
+        if rules:
+            row["rule"] = " ".join(rules)
         row["wall s"] = statistics.median(r["wall s"] for r in done)
         rows.append(row)
     return rows
 
 
 def run_one(runs, task: Task, trainer: str, seed: int, train: Callable) -> None:
-    """Train with ``train()`` (a model, or a model and its staleness), score it, file and log the result."""
+    """Train with ``train()`` (a model, or a model, its staleness and its rule), score it, file and log the
+    result."""
     t0 = time.perf_counter()
     out = train()
-    model, staleness = out if isinstance(out, tuple) else (out, None)
+    model, staleness, rule = out if isinstance(out, tuple) else (out, None, None)
     record = {**score(task, model), "wall s": time.perf_counter() - t0, "seed": seed}
     if staleness is not None:
         record["staleness"] = staleness
+    if rule is not None:
+        record["rule"] = rule
     runs[task.name].setdefault(trainer, []).append(record)
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k not in ("seed", "wall s"))
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k not in ("seed", "wall s", "rule"))
+    shown += f", rule {record['rule']}" if "rule" in record else ""
     log(f"{task.name} seed {seed} {trainer}: {shown} ({record['wall s']:.1f} s)")
 
 

@@ -58,7 +58,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 import char_lm  # noqa: E402
 
-from vcdask.merge import DEFAULT_RULE, VCASGD, Arrival, Nesterov, Probe, Staleness, for_run  # noqa: E402
+from vcdask.merge import DEFAULT_RULE, VCASGD, Arrival, Auto, Nesterov, Probe, Staleness, for_run  # noqa: E402
 from vcdask.params import flatten  # noqa: E402
 
 LR, BATCH = 5e-3, 32
@@ -112,8 +112,9 @@ def load_task_data(args):
 def vcdask_rule(text: str, workers: int):
     """A rule of :mod:`vcdask.merge` from its ``--rules`` spelling, as a run of ``workers`` tasks sets it."""
     name, _, arg = text.partition(":")
-    if name == "default":
-        return for_run(DEFAULT_RULE, in_flight=workers)
+    if name == "default":  # (nothing here runs on a clock: "auto" is its fallback, as fit's where a probe costs)
+        rule = for_run(DEFAULT_RULE, in_flight=workers)
+        return rule.fallback if isinstance(rule, Auto) else rule
     if name == "nesterov":
         lr, momentum = map(float, arg.split("/"))
         return Nesterov(lr=lr, momentum=momentum, bias_correction="trust", delay=workers)

@@ -208,6 +208,10 @@ def test_the_training_probe_scores_the_first_rows_of_every_shard(tmp_path):
     expected = float(np.mean((x[rows] @ weights - y[rows]) ** 2))
     assert probe.train_loss(params) == pytest.approx(expected, rel=1e-5)
     assert probe.calls == 1
+    rows = np.r_[0:3, 64:67]  # fewer rows asked for (merge="auto" halving them): 3 of each shard
+    expected = float(np.mean((x[rows] @ weights - y[rows]) ** 2))
+    assert probe.train_loss(params, rows=5) == pytest.approx(expected, rel=1e-5)
+    assert probe.train_loss(params) != probe.train_loss(params, rows=5)  # each count its own rows, kept
     assert torch.equal(spec.model.weight.detach(), before)  # the probe has its own copy of the model
 
 
@@ -245,3 +249,6 @@ def test_a_probe_costly_for_the_model_is_warned_of_before_any_cluster_work(tmp_p
     X, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 2, 64)
     with pytest.warns(UserWarning, match="merge='probe' scores 9 candidates"):
         plan(Slow(0.5), (X, y), merging=Merging(rule="probe"), store=tmp_path / "s")
+    # "auto" times its probe itself, at the first merge, and falls back where it is costly: no warning
+    plan(Slow(0.5), (X, y), merging=Merging(rule="auto"), store=tmp_path / "t")
+    assert not [w for w in recwarn if "candidates" in str(w.message)]

@@ -110,10 +110,12 @@ def fit(
     local_epochs : int, default 1
         Passes over its shard that each task makes.
     batch_size : int, default 32
-    merge : {"vc-asgd", "staleness", "nesterov", "sync"} or vcdask.merge.MergeRule, optional
-        How the server folds each update in (see :mod:`vcdask.merge`).  Default:
-        :data:`vcdask.merge.DEFAULT_RULE` (on a cluster of one worker thread
-        :data:`vcdask.merge.ONE_IN_FLIGHT`: each update taken as it is), or ``"vc-asgd"`` when ``alpha`` is
+    merge : {"vc-asgd", "staleness", "nesterov", "sync", "probe", "auto"} or vcdask.merge.MergeRule, optional
+        How the server folds each update in (see :mod:`vcdask.merge`).  Default, by the tasks in flight:
+        one (a cluster of one worker thread), :data:`vcdask.merge.ONE_IN_FLIGHT` (each update taken as it
+        is); 2 or 3, :data:`vcdask.merge.DEFAULT_RULE` (delayed Nesterov); 4 or more,
+        :class:`vcdask.merge.Auto` over it (the ``"probe"`` rule where the server's probe costs little next
+        to a task, timed at the first merge, else delayed Nesterov).  ``"vc-asgd"`` when ``alpha`` is
         given.  The paper's rule,
         FedAsync's staleness-aware mixing, an outer Nesterov step per arrival (DiLoCo), or
         synchronous large-batch averaging (one merge per epoch's samples).  Configure a rule

@@ -26,7 +26,7 @@ from .data import DataError, PreparedData, prepare_data
 from .finite import check_finite
 from .groups import Merging, Stopping, Training, check_optimizer
 from .holdout import check_early_stopping, hold_out
-from .merge import MergeRule, get_rule
+from .merge import Auto, MergeRule, get_rule
 from .overlap import check_overlap
 from .preflight import check_model, check_probe_cost, check_run, check_target, model_dtype
 from .resilience import NEEDS_VALIDATION, Resilience
@@ -273,7 +273,7 @@ def plan(
             f"n_shards={n_shards} is more than the {prepared.n} training samples; choose 1 <= n_shards <= {prepared.n}"
         )
     rule = get_rule(merging.rule, merging.alpha, samples_per_epoch=prepared.n)
-    if "loss" in rule.needs:  # a probe of the training loss at every merge, on the scheduler: what it costs
+    if "loss" in rule.needs and not isinstance(rule, Auto):  # a probe at every merge, on the scheduler: its cost
         check_probe_cost(rule, model, probe_batch(prepared, x_dtype), train_step or SupervisedStep(loss_fn))
     optimizer_fn = resolve_optimizer(training.optimizer, training.lr)
     param_store = open_store(DEFAULT_STORE if store is None else store)  # last: it may create a directory

@@ -258,7 +258,8 @@ class ParamsServer(Committing):
             )
             if isinstance(client, EncodedUpdate):  # W_c - W_base, compressed: add it to its base
                 client = client.decode(self._base(client.base_version))
-            base = self._base_of(record) if "base" in self.rule.needs else None
+            needs = self.rule.requires(self.rule_state)
+            base = self._base_of(record) if "base" in needs else None
         except (ValueError, KeyError, FileNotFoundError, EOFError, zipfile.BadZipFile) as e:
             # unreadable (missing, truncated, not an update, its base gone): rejected, not a crash
             return self._reject(record, staleness, "unreadable", f"unreadable update: {e}")
@@ -267,14 +268,16 @@ class ParamsServer(Committing):
             self.params, client, staleness=staleness, max_staleness=max_staleness, max_norm=self.max_update_norm
         )
         if problem is None and self.guard is not None:
-            base = record["base_version"]
+            version = record["base_version"]  # (not ``base``: the rule's base parameters, above)
             steps, shard = int(record.get("steps") or 1), int(record["shard"])
-            client, problem = self.guard.screen(base, self._base(base), client, steps, shard)
+            client, problem = self.guard.screen(version, self._base(version), client, steps, shard)
         if problem is not None:
             return self._reject(record, staleness, *problem)
         t2 = time.perf_counter()
         n = int(record.get("n_samples", 1))
-        arrival = Arrival(record["epoch"], staleness, n, base=base, loss=self.probe)
+        seconds = task_seconds(record)
+        probe = self.probe if "loss" in needs else None
+        arrival = Arrival(record["epoch"], staleness, n, base=base, loss=probe, seconds=seconds)
         outcome = self.rule.apply(self.params, client, self.rule_state, arrival)
         for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, time.perf_counter() - t2), strict=False):
             self.stage_seconds[stage].append(seconds)  # (commit: in commit())
@@ -315,7 +318,8 @@ class ParamsServer(Committing):
 
     def _keep_recent(self) -> None:
         """Keep ``W_s`` at this step, for the rule's later updates based on it (:data:`RECENT_KEPT`)."""
-        if "base" not in self.rule.needs or self.params is None:
+        if self.params is None or "base" not in self.rule.requires(self.rule_state):
+            self._recent.clear()  # (a rule that chose not to need them any more)
             return
         self._recent[self.step] = self.params.clone()
         kept = max(2, min(RECENT_KEPT, RECENT_BYTES // max(1, self.params.nbytes)))
@@ -344,3 +348,17 @@ class ParamsServer(Committing):
         if update_gone("rejected", self.keep_updates):
             delete_update(self.store.files, record["update"])
         return {"accepted": False, "staleness": staleness, "reason": reason, "fault": fault}
+
+
+def task_seconds(record: dict[str, Any]) -> float | None:
+    """How long a task of ``record``'s worker takes, as the run sees it: reading, training at the worker's
+    pace (its steps at their median time: a task's first steps also pay warm-up) and uploading; not its
+    wait for earlier merges.  None when the record says nothing of it."""
+    step, steps = record.get("step_seconds"), record.get("steps")
+    if step is not None and steps:
+        train = float(step) * int(steps)
+    elif record.get("train_seconds") is not None:
+        train = float(record["train_seconds"])
+    else:
+        return None
+    return train + float(record.get("read_seconds") or 0.0) + float(record.get("upload_seconds") or 0.0)

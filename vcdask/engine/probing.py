@@ -51,7 +51,7 @@ class ProbeModel:
         self.step = spec.train_step or SupervisedStep(spec.loss)
         self.calls = 0  # losses computed (each one forward pass over the probe's rows)
         self._validation: list | None = None  # the probes' batches, cut once
-        self._train: list | None = None
+        self._train: dict[int, list] = {}  # by the rows asked for
 
     def _batches(self, rows, batch_size: int, generator: torch.Generator | None = None):
         from .. import batches as _batches
@@ -85,21 +85,24 @@ class ProbeModel:
             self._validation = self._fixed([_batches.rows(self.spec, self.spec.validation, 0, n)])
         return self._score(params, self._validation)
 
-    def train_loss(self, params: FlatParams) -> float:
+    def train_loss(self, params: FlatParams, rows: int | None = None) -> float:
         """The loss of ``params`` on a fixed sample of the training set: the first ``rows / n_shards`` rows
-        (rounded up) of every shard."""
+        (rounded up) of every shard; ``rows`` defaults to :attr:`rows` (a merge rule that chose fewer, to
+        make its probe cheaper, passes its own)."""
         from .. import batches as _batches
 
-        if self._train is None:
+        rows = self.rows if rows is None else int(rows)
+        cut = self._train.get(rows)
+        if cut is None:
             shards = self.spec.shards
-            each = max(1, math.ceil(self.rows / shards.n_shards))
+            each = max(1, math.ceil(rows / shards.n_shards))
             chunks = []
             for shard in range(shards.n_shards):
                 start, stop = shards.bounds(shard)
                 if stop > start:
                     chunks.append(_batches.rows(self.spec, self.spec.train, start, min(stop, start + each)))
-            self._train = self._fixed(chunks)
-        return self._score(params, self._train)
+            cut = self._train[rows] = self._fixed(chunks)
+        return self._score(params, cut)
 
     def own_step(self, base: FlatParams, shard: int, steps: int) -> FlatParams:
         """The parameters after ``steps`` steps of the run's optimizer from ``base`` on the first :attr:`rows`

@@ -26,6 +26,9 @@ Rules by name (``fit(..., merge=...)``), one per module:
 ``"probe"``
     The step sized per merge: ``W_s += (a (W_c - W_base) + b (W_base - W_s)) / (staleness + 1)``,
     ``(a, b)`` the candidates' lowest training loss on a fixed sample of rows (the server's probe).
+``"auto"``
+    ``"probe"`` where the server can afford its probe next to the tasks, else delayed Nesterov: chosen
+    at the first merge, from the probe's measured time.  ``fit``'s default for 4 or more tasks in flight.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from ..errors import UnknownMergeRuleError
 from ..schedules import check_alpha
 from ._base import Arrival, MergeRule, RuleState, lerp
+from .auto import Auto
 from .nesterov import Nesterov
 from .probe import Probe
 from .staleness import Staleness
@@ -46,6 +50,7 @@ __all__ = [
     "ONE_IN_FLIGHT",
     "VCASGD",
     "Arrival",
+    "Auto",
     "MergeRule",
     "Nesterov",
     "Probe",
@@ -61,7 +66,7 @@ __all__ = [
 ]
 
 #: Registered rules by name.
-rules: dict[str, type[MergeRule]] = {r.name: r for r in (VCASGD, Staleness, Nesterov, Sync, Probe)}
+rules: dict[str, type[MergeRule]] = {r.name: r for r in (VCASGD, Staleness, Nesterov, Sync, Probe, Auto)}
 
 #: The rule ``vcdask.fit`` uses when neither ``merge`` nor ``alpha`` is given: delayed Nesterov
 #: (one momentum step per tasks-in-flight arrivals) with lr 0.5, momentum 0.9 and the momentum's bias
@@ -137,7 +142,10 @@ def get_rule(
 
 def for_run(rule: MergeRule, *, in_flight: int, samples_per_epoch: int | None = None) -> MergeRule:
     """``rule`` as a run of ``in_flight`` tasks at once uses it (:meth:`MergeRule.for_run`), and
-    :data:`DEFAULT_RULE` as :data:`ONE_IN_FLIGHT` for a run of one task at a time."""
-    if rule is DEFAULT_RULE and in_flight == 1:
-        return ONE_IN_FLIGHT
+    :data:`DEFAULT_RULE` by the tasks in flight: :data:`ONE_IN_FLIGHT` for one, itself for 2 or 3, and
+    :class:`Auto` over it for 4 or more (the probe rule where the server can afford its probe)."""
+    if rule is DEFAULT_RULE:
+        if in_flight == 1:
+            return ONE_IN_FLIGHT
+        rule = Auto(fallback=DEFAULT_RULE)
     return rule.for_run(samples_per_epoch=samples_per_epoch, in_flight=in_flight)

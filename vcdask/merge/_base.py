@@ -22,14 +22,16 @@ class Arrival:
 
     ``base`` and ``loss`` are given only to a rule that asks for them (:attr:`MergeRule.needs`): the
     parameters the update was trained from, and a function giving the training loss of a candidate
-    ``W_s`` on a fixed sample of the training rows.
+    ``W_s`` on a fixed sample of the training rows (``loss(W, rows=n)``: on fewer of them).
+    ``seconds``: how long the task took at its worker's pace (None where unknown).
     """
 
     epoch: int
     staleness: int = 0  # merges since the update's base version
     n_samples: int = 1  # rows its shard trained on
     base: FlatParams | None = field(default=None, repr=False)
-    loss: Callable[[FlatParams], float] | None = field(default=None, repr=False)
+    loss: Callable[..., float] | None = field(default=None, repr=False)
+    seconds: float | None = None
 
 
 @dataclass
@@ -54,6 +56,11 @@ class MergeRule(ABC):
     #: What the rule needs in each :class:`Arrival` beyond the epoch, staleness and sample count:
     #: ``"base"`` (the update's base parameters) and ``"loss"`` (a probe of the training loss).
     needs: ClassVar[frozenset[str]] = frozenset()
+
+    def requires(self, state: RuleState) -> frozenset[str]:
+        """What the next merge needs (:attr:`needs`), given the rule's ``state``: a rule that chooses
+        between others at its first merge (:class:`vcdask.merge.Auto`) needs less once it has chosen."""
+        return self.needs
 
     def init_state(self, server: FlatParams) -> RuleState:
         """The state before the first merge (none by default)."""

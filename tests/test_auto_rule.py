@@ -1,0 +1,207 @@
+"""The "auto" merge rule (issue 38): the probe rule where the server can afford its probe, else the fallback.
+
+The choice against measured times (a probe that sleeps), what each choice then merges (the chosen rule's
+own result, bit for bit), ``fit``'s default by the tasks in flight, the choice kept across a restart of
+the server on a real store, and a real fit with four tasks in flight.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from test_probe_rule import Quadratic, _upload
+from test_rules import flat, w
+
+import vcdask
+from vcdask.engine.params_server import ParamsServer, task_seconds
+from vcdask.merge import DEFAULT_RULE, ONE_IN_FLIGHT, Arrival, Auto, Nesterov, Probe, for_run, get_rule
+from vcdask.params import flatten
+
+
+class Slow(Quadratic):
+    """A probe that takes at least ``seconds`` a call over 64 rows, in proportion over fewer (``rows``)."""
+
+    def __init__(self, seconds, *target):
+        super().__init__(*target)
+        self.seconds = seconds
+        self.rows: list[int | None] = []
+
+    def __call__(self, params, rows=None):
+        self.rows.append(rows)
+        time.sleep(self.seconds * (64 if rows is None else rows) / 64)
+        return super().__call__(params)
+
+
+def _merge(rule, loss, seconds, server=0.0, client=1.0, base=0.0, staleness=0):
+    params = flat(server)
+    state = rule.init_state(params)
+    arrival = Arrival(1, staleness, base=flat(base), loss=loss, seconds=seconds)
+    out = rule.apply(params, flat(client), state, arrival)
+    return params, state, out
+
+
+def test_a_cheap_probe_is_chosen_and_then_merges_as_the_probe_rule():
+    rule = Auto(probe=Probe(momenta=[0]), in_flight=4)
+    loss = Slow(0.0, 2.0)
+    params, state, out = _merge(rule, loss, seconds=60.0)  # a minute-long task: the probe is nothing next to it
+    assert state.scalars["chosen"] == "probe" and state.scalars["task_seconds"] == 60.0
+    assert 0 <= state.scalars["probe_seconds"] < 1.0 and state.scalars["probe_rows"] == 64
+    assert state.scalars["busy"] == pytest.approx(4 * state.scalars["probe_seconds"] / 60.0, abs=1e-6)
+    # timed over 16, 32 and 64 rows (each: a pass that reads the rows, then 3 timed) on W_s ...
+    assert loss.rows[:12] == [16] * 4 + [32] * 4 + [None] * 4 and loss.seen[:12] == [[0.0]] * 12
+    # ... then exactly the probe rule's candidates and result
+    assert loss.seen[12:] == [[0.5], [1.0], [1.5], [2.0], [3.0]] and loss.rows[12:] == [None] * 5
+    alone, alone_state, alone_out = _merge(Probe(momenta=[0]), Quadratic(2.0), seconds=None)
+    assert w(params) == w(alone) == [2.0] and out == alone_out
+    assert {k: state.scalars[k] for k in alone_state.scalars} == alone_state.scalars
+    assert rule.requires(state) == Probe.needs
+    # the next merge probes again, without timing
+    loss.seen.clear()
+    rule.apply(params, flat(2.5), state, Arrival(1, 0, base=flat(2.0), loss=loss, seconds=0.001))
+    assert len(loss.seen) == 5 and state.scalars["chosen"] == "probe"
+
+
+def test_a_costly_probe_probes_with_the_most_rows_that_fit():
+    """A pass sleeps 100 ms over 64 rows, 25 over 16: a merge's probe (9 passes) then takes over 0.225 s over
+    16 rows, and 4 tasks in flight of 2 s each keep the merge thread busy 4 * 0.225 / 2 = 45% of the time,
+    within the 75% budget; over 32 rows 90%: over it."""
+    rule = Auto(in_flight=4)  # (Probe(): 9 passes for a stale update with momentum; 5 at this first one)
+    loss = Slow(0.1, 2.0)
+    params, state, _ = _merge(rule, loss, seconds=2.0)
+    assert state.scalars["chosen"] == "probe" and state.scalars["probe_rows"] == 16
+    assert 0.45 <= state.scalars["busy"] < 0.75
+    assert loss.rows[:8] == [16] * 4 + [32] * 4  # (64 never tried)
+    assert loss.rows[8:] == [16] * 5 and w(params) == [2.0]  # the probe rule's merge, on the chosen rows
+    assert rule.chosen(state) == Probe(rows=16)
+    loss.rows.clear()
+    rule.apply(params, flat(2.5), state, Arrival(1, 0, base=flat(2.0), loss=loss, seconds=60.0))
+    assert loss.rows == [16] * 7  # no timing again, the same rows (5 steps, then 2 more momenta)
+
+
+def test_a_probe_that_would_keep_the_merge_thread_busy_falls_back():
+    """A pass sleeps 5 ms over 16 rows, so a merge's probe (9 passes) takes over 45 ms even then; 4 tasks in
+    flight of 0.1 s each would keep the merge thread busy over 180% of the time."""
+    fallback = Nesterov(lr=0.5, momentum=0.9, delay=1)
+    rule = Auto(fallback=fallback, in_flight=4)
+    loss = Slow(0.02, 2.0)
+    params, state, _ = _merge(rule, loss, seconds=0.1)
+    assert state.scalars["chosen"] == "nesterov" and state.scalars["probe_seconds"] >= 9 * 0.005
+    assert state.scalars["probe_rows"] == 16 and state.scalars["busy"] > 0.75
+    assert loss.rows == [16] * 4  # the fewest rows timed, found too costly, and no probe again
+    alone, alone_state, _ = _merge(fallback, None, seconds=None)
+    assert w(params) == w(alone)
+    assert set(state.arrays) == set(alone_state.arrays) == {"momentum"}
+    assert w(state.arrays["momentum"]) == w(alone_state.arrays["momentum"]) != [0.0]
+    assert rule.requires(state) == frozenset()
+    # the same probe with a budget that affords it
+    _, state, _ = _merge(Auto(fallback=fallback, in_flight=4, budget=10.0), Slow(0.02, 2.0), seconds=0.1)
+    assert state.scalars["chosen"] == "probe" and state.scalars["probe_rows"] == 64
+    # a task of unknown length: no grounds for the probe
+    _, state, _ = _merge(Auto(fallback=fallback, in_flight=4), Quadratic(2.0), seconds=None)
+    assert state.scalars["chosen"] == "nesterov" and state.scalars["task_seconds"] is None
+    assert state.scalars["probe_seconds"] is None  # (not timed)
+
+
+def test_fits_default_rule_by_the_tasks_in_flight():
+    assert for_run(DEFAULT_RULE, in_flight=1) is ONE_IN_FLIGHT
+    two = for_run(DEFAULT_RULE, in_flight=2)
+    assert isinstance(two, Nesterov) and two.delay == 2
+    for n in (4, 8):
+        auto = for_run(DEFAULT_RULE, in_flight=n)
+        assert isinstance(auto, Auto) and auto.in_flight == n
+        assert auto.fallback == Nesterov(lr=0.5, momentum=0.9, delay=n, bias_correction="trust")
+        assert auto.probe == Probe() and auto.rows == 64
+    named = get_rule("auto")  # by name: the same rule, configured by the run as the default is
+    assert isinstance(named, Auto) and for_run(named, in_flight=4) == for_run(DEFAULT_RULE, in_flight=4)
+    assert for_run(named, in_flight=3) == for_run(DEFAULT_RULE, in_flight=3)
+    assert for_run(DEFAULT_RULE, in_flight=4).describe() == {
+        "name": "auto",
+        "probe": Probe().describe(),
+        "fallback": {"name": "nesterov", "lr": 0.5, "momentum": 0.9, "delay": 4, "bias_correction": "trust"},
+        "budget": 0.75,
+        "min_in_flight": 4,
+        "min_rows": 16,
+        "in_flight": 4,
+    }
+    explicit = Nesterov(lr=0.5, momentum=0.9, bias_correction="trust")  # equal to the default, but asked for
+    assert isinstance(for_run(explicit, in_flight=8), Nesterov)
+
+
+def test_bad_options_are_clear_errors():
+    with pytest.raises(ValueError, match=r"budget=0: must be a number in \(0, 10\]"):
+        Auto(budget=0)
+    with pytest.raises(ValueError, match="min_in_flight=0: must be an integer >= 1"):
+        Auto(min_in_flight=0)
+    with pytest.raises(ValueError, match="min_rows=2.5: must be an integer >= 1"):
+        Auto(min_rows=2.5)
+    with pytest.raises(TypeError, match="fallback must be a vcdask.merge.MergeRule that needs no probe"):
+        Auto(fallback=Probe())
+    with pytest.raises(TypeError, match="probe must be a vcdask.merge.Probe"):
+        Auto(probe=Nesterov())
+    with pytest.raises(ValueError, match="takes the tasks in flight from the run"):
+        _merge(Auto(), Quadratic(1.0), seconds=1.0)
+    with pytest.raises(ValueError, match="times the server's probe"):
+        _merge(Auto(in_flight=4), None, seconds=1.0)
+
+
+def test_the_task_time_is_its_steps_at_the_workers_pace_with_its_reading_and_upload():
+    record = {"steps": 10, "step_seconds": 0.2, "train_seconds": 9.0, "read_seconds": 0.5, "upload_seconds": 0.25}
+    assert task_seconds(record) == pytest.approx(2.75)  # not the 9 s of a first task's warm-up
+    assert task_seconds({"train_seconds": 3.0, "step_seconds": None, "steps": 1}) == 3.0
+    assert task_seconds({"epoch": 1}) is None
+
+
+def test_the_choice_survives_a_restart_of_the_server(tmp_path):
+    store = vcdask.open_store(tmp_path / "s")
+    store.create_branch("run-p")
+    store.commit(flatten({"w": torch.zeros(1)}), {"run_id": "run-p", "step": 0, "merged": []}, branch="run-p")
+    v0 = store.read(branch="run-p").version
+    rule = Auto(fallback=Nesterov(lr=0.5, momentum=0.9, delay=1), in_flight=4)
+
+    def server(loss):
+        s = ParamsServer(store, "run-p", rule, "run-p", probe=loss)
+        s.load()
+        return s
+
+    first = server(Slow(0.02, 2.0))
+    record = _upload(store, 0, 1.0, 0, v0)
+    record.update(steps=2, step_seconds=0.05)  # 0.1 s tasks: the probe is too slow for them, even over 16 rows
+    first.merge(record)
+    assert first.rule_state.scalars["chosen"] == "nesterov"
+    assert first.footprint()["bases"] == 0  # no bases kept once the rule needs none
+    meta = store.read(first.version).metadata
+    assert meta["rule_state"]["chosen"] == "nesterov" and meta["merge"]["name"] == "auto"
+    again = server(Quadratic(2.0))  # a probe that would be cheap now: the choice stands
+    assert again.rule_state.scalars["chosen"] == "nesterov" and set(again.rule_state.arrays) == {"momentum"}
+    assert w(again.rule_state.arrays["momentum"]) == w(first.rule_state.arrays["momentum"]) != [0.0]
+    record = _upload(store, 1, 3.0, 1, first.version)
+    record.update(steps=2, step_seconds=60.0)
+    again.merge(record)
+    assert again.rule_state.scalars["chosen"] == "nesterov" and again.probe.seen == []
+
+
+@pytest.mark.slow
+def test_a_fit_with_four_tasks_in_flight_chooses_by_its_measured_times(client, digits_data, tmp_path):
+    from vcdask.demo import digits_cnn
+
+    (X, y), _ = digits_data
+    result = vcdask.fit(
+        digits_cnn(0),
+        (X[:600], y[:600]),
+        max_epochs=2,
+        n_shards=4,
+        tasks_per_slot=2,  # 2 workers x 1 thread x 2: four tasks in flight
+        client=client,
+        store=tmp_path / "s",
+        progress=False,
+    )
+    head = result.store.read(result.version)
+    assert head.metadata["merge"]["name"] == "auto" and head.metadata["merge"]["fallback"]["delay"] == 4
+    state = head.metadata["rule_state"]
+    busy = 4 * state["probe_seconds"] / state["task_seconds"]
+    assert state["chosen"] == ("probe" if busy <= 0.75 else "nesterov")
+    arrays = {"probe": {"momentum"}, "nesterov": {"momentum", "pending"}}[state["chosen"]]
+    assert set(result.store.read_state(result.version)) == arrays
+    assert len(result.history[result.history.accepted]) == 8
