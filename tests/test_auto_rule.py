@@ -7,6 +7,8 @@ the server on a real store, and a real fit with four tasks in flight.
 
 from __future__ import annotations
 
+import json
+import math
 import time
 
 import pytest
@@ -151,6 +153,26 @@ def test_the_task_time_is_its_steps_at_the_workers_pace_with_its_reading_and_upl
     assert task_seconds(record) == pytest.approx(2.75)  # not the 9 s of a first task's warm-up
     assert task_seconds({"train_seconds": 3.0, "step_seconds": None, "steps": 1}) == 3.0
     assert task_seconds({"epoch": 1}) is None
+    # a record read back from the store has no upload time (NaN): counted as unknown, not as NaN
+    assert task_seconds({**record, "upload_seconds": math.nan}) == pytest.approx(2.5)
+    assert task_seconds({"train_seconds": math.nan}) is None
+
+
+def test_an_unknown_task_time_or_a_failing_probe_falls_back_and_the_state_stays_storable():
+    for seconds in (None, math.nan, 0.0, -1.0, math.inf):
+        loss = Slow(0.0, 2.0)
+        _, state, _ = _merge(Auto(in_flight=4).for_run(in_flight=4), loss, seconds=seconds)
+        assert state.scalars["chosen"] == "nesterov" and loss.rows == []  # never timed
+        assert state.scalars["task_seconds"] is None and state.scalars["probe_rows"] is None
+        json.dumps(state.scalars, allow_nan=False)  # (a version's metadata is strict JSON)
+
+    def on_gpu_only(params, rows=None):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    params, state, _ = _merge(Auto(fallback=Nesterov(lr=0.5, momentum=0.9, delay=1), in_flight=4), on_gpu_only, 60.0)
+    assert state.scalars["chosen"] == "nesterov" and "no NVIDIA driver" in state.scalars["probe_error"]
+    assert w(params) == w(_merge(Nesterov(lr=0.5, momentum=0.9, delay=1), None, None)[0])
+    json.dumps(state.scalars, allow_nan=False)
 
 
 def test_the_choice_survives_a_restart_of_the_server(tmp_path):
@@ -173,13 +195,23 @@ def test_the_choice_survives_a_restart_of_the_server(tmp_path):
     assert first.footprint()["bases"] == 0  # no bases kept once the rule needs none
     meta = store.read(first.version).metadata
     assert meta["rule_state"]["chosen"] == "nesterov" and meta["merge"]["name"] == "auto"
-    again = server(Quadratic(2.0))  # a probe that would be cheap now: the choice stands
+    cheap = Quadratic(2.0)
+    again = server(cheap)  # a probe that would be cheap now: the choice stands
     assert again.rule_state.scalars["chosen"] == "nesterov" and set(again.rule_state.arrays) == {"momentum"}
     assert w(again.rule_state.arrays["momentum"]) == w(first.rule_state.arrays["momentum"]) != [0.0]
     record = _upload(store, 1, 3.0, 1, first.version)
     record.update(steps=2, step_seconds=60.0)
     again.merge(record)
-    assert again.rule_state.scalars["chosen"] == "nesterov" and again.probe.seen == []
+    assert again.rule_state.scalars["chosen"] == "nesterov" and cheap.seen == []
+    assert again.probe is None  # (dropped once the rule needs no probe: its model copy and rows with it)
+    # a version that says "nesterov" but lost its state arrays is refused when loaded, not at a merge
+    store.commit(
+        flatten({"w": torch.zeros(1)}),
+        {"run_id": "run-p", "step": 9, "merged": [], "merge": rule.describe(), "rule_state": {"chosen": "nesterov"}},
+        branch="run-p",
+    )
+    with pytest.raises(ValueError, match=r"holds auto state \[\], expected \['momentum'\]"):
+        server(Quadratic(2.0))
 
 
 @pytest.mark.slow

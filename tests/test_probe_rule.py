@@ -201,6 +201,7 @@ def test_the_training_probe_scores_the_first_rows_of_every_shard(tmp_path):
     spec, x, y = two_shard_spec(tmp_path)
     spec.model.weight.data.normal_()  # (not the weights scored below)
     probe = ProbeModel(spec, rows=16)  # 8 rows of each of the 2 shards
+    assert probe._model is None  # (the model is copied at the first probe, in the merge thread)
     weights = np.array([0.5, -1.0, 2.0], dtype="float32")
     params = flatten({"weight": torch.from_numpy(weights[None].copy())})
     before = spec.model.weight.detach().clone()
@@ -212,6 +213,8 @@ def test_the_training_probe_scores_the_first_rows_of_every_shard(tmp_path):
     expected = float(np.mean((x[rows] @ weights - y[rows]) ** 2))
     assert probe.train_loss(params, rows=5) == pytest.approx(expected, rel=1e-5)
     assert probe.train_loss(params) != probe.train_loss(params, rows=5)  # each count its own rows, kept
+    # fewer rows than shards: the first row of as many shards, spread evenly (here: shard 0's)
+    assert probe.train_loss(params, rows=1) == pytest.approx(float((x[0] @ weights - y[0]) ** 2), rel=1e-5)
     assert torch.equal(spec.model.weight.detach(), before)  # the probe has its own copy of the model
 
 

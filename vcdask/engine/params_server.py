@@ -15,6 +15,7 @@ was merged even after retention removed the versions that merged it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import zipfile
 from collections import OrderedDict, deque
@@ -34,7 +35,7 @@ from .side import SideThread
 
 #: At most this many merges wait for one commit while more results queue behind them.
 FOLD_MAX = 8
-#: For a rule that needs each update's base (:attr:`MergeRule.needs`): the parameters after each of the
+#: For a rule that needs each update's base (:meth:`MergeRule.requires`): the parameters after each of the
 #: most recent merges are kept in memory, at most this many and at most :data:`RECENT_BYTES` together
 #: (never fewer than 2); an older base is read from the store by its version.
 RECENT_KEPT = 64
@@ -80,8 +81,9 @@ class ParamsServer(Committing):
         merge's answer says ``drafted=True``), so the caller can give them as a base while it commits
         them (:meth:`commit`).
     probe : callable, optional
-        ``probe(params) -> float``, the training loss of candidate parameters, for a rule that needs
-        ``"loss"`` (:class:`~vcdask.merge.Probe`; :meth:`~vcdask.engine.probing.ProbeModel.train_loss`).
+        ``probe(params, rows=None) -> float``, the training loss of candidate parameters (on fewer rows
+        than its own when ``rows`` is given), for a rule that needs ``"loss"`` (:class:`~vcdask.merge.Probe`,
+        :class:`~vcdask.merge.Auto`; :meth:`~vcdask.engine.probing.ProbeModel.train_loss`).
     """
 
     def __init__(
@@ -99,7 +101,7 @@ class ParamsServer(Committing):
         retention: Retention | None = None,
         inline_bytes: int = 0,
         drafts: bool = False,
-        probe: Callable[[FlatParams], float] | None = None,
+        probe: Callable[..., float] | None = None,
     ):
         self.store = store
         self.branch = branch
@@ -216,10 +218,11 @@ class ParamsServer(Committing):
                 arrays=self.store.read_state(checkpoint.version),
                 scalars={**fresh.scalars, **meta.get("rule_state", {})},
             )
-            if not set(fresh.arrays) <= set(self.rule_state.arrays):  # (a rule may keep more, e.g. sync's round)
+            expected = self.rule.state_arrays(self.params, self.rule_state)
+            if not expected <= set(self.rule_state.arrays):  # (a rule may keep more, e.g. sync's round)
                 raise ValueError(
                     f"version {checkpoint.version!r} holds {self.rule.name} state "
-                    f"{sorted(self.rule_state.arrays)}, expected {sorted(fresh.arrays)}"
+                    f"{sorted(self.rule_state.arrays)}, expected {sorted(expected)}"
                 )
         else:  # a new run (possibly from another run's version): a fresh outer optimizer
             self.rule_state = fresh
@@ -318,7 +321,10 @@ class ParamsServer(Committing):
 
     def _keep_recent(self) -> None:
         """Keep ``W_s`` at this step, for the rule's later updates based on it (:data:`RECENT_KEPT`)."""
-        if self.params is None or "base" not in self.rule.requires(self.rule_state):
+        needs = self.rule.requires(self.rule_state)
+        if "loss" not in needs:
+            self.probe = None  # (a rule that chose not to probe: its model copy and rows go)
+        if self.params is None or "base" not in needs:
             self._recent.clear()  # (a rule that chose not to need them any more)
             return
         self._recent[self.step] = self.params.clone()
@@ -353,12 +359,15 @@ class ParamsServer(Committing):
 def task_seconds(record: dict[str, Any]) -> float | None:
     """How long a task of ``record``'s worker takes, as the run sees it: reading, training at the worker's
     pace (its steps at their median time: a task's first steps also pay warm-up) and uploading; not its
-    wait for earlier merges.  None when the record says nothing of it."""
-    step, steps = record.get("step_seconds"), record.get("steps")
-    if step is not None and steps:
-        train = float(step) * int(steps)
-    elif record.get("train_seconds") is not None:
-        train = float(record["train_seconds"])
-    else:
+    wait for earlier merges.  None when the record says nothing of it (a time that is not a finite number,
+    e.g. the upload of a record read back from the store, counts as unknown)."""
+
+    def known(key: str) -> float | None:
+        value = record.get(key)
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value >= 0 else None
+
+    step, steps = known("step_seconds"), record.get("steps")
+    train = step * int(steps) if step is not None and steps else known("train_seconds")
+    if train is None:
         return None
-    return train + float(record.get("read_seconds") or 0.0) + float(record.get("upload_seconds") or 0.0)
+    return train + (known("read_seconds") or 0.0) + (known("upload_seconds") or 0.0)

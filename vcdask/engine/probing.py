@@ -47,11 +47,19 @@ class ProbeModel:
         self.rows = int(rows)
         self.device = torch.device("cpu")
         self.precision = Precision("32", self.device)
-        self.model = copy.deepcopy(spec.model).to(self.device)
+        self._model: torch.nn.Module | None = None  # (copied at the first probe, in the merge thread)
         self.step = spec.train_step or SupervisedStep(spec.loss)
         self.calls = 0  # losses computed (each one forward pass over the probe's rows)
         self._validation: list | None = None  # the probes' batches, cut once
         self._train: dict[int, list] = {}  # by the rows asked for
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The private copy of the run's model, made at its first use (in the merge thread, not when the run
+        starts on the scheduler's event loop)."""
+        if self._model is None:
+            self._model = copy.deepcopy(self.spec.model).to(self.device)
+        return self._model
 
     def _batches(self, rows, batch_size: int, generator: torch.Generator | None = None):
         from .. import batches as _batches
@@ -87,17 +95,22 @@ class ProbeModel:
 
     def train_loss(self, params: FlatParams, rows: int | None = None) -> float:
         """The loss of ``params`` on a fixed sample of the training set: the first ``rows / n_shards`` rows
-        (rounded up) of every shard; ``rows`` defaults to :attr:`rows` (a merge rule that chose fewer, to
-        make its probe cheaper, passes its own)."""
+        (rounded up) of every shard, or with fewer rows than shards the first row of ``rows`` shards spread
+        evenly over them; ``rows`` defaults to :attr:`rows` (a merge rule that chose fewer, to make its
+        probe cheaper, passes its own)."""
         from .. import batches as _batches
 
         rows = self.rows if rows is None else int(rows)
         cut = self._train.get(rows)
         if cut is None:
             shards = self.spec.shards
-            each = max(1, math.ceil(rows / shards.n_shards))
+            n = shards.n_shards
+            if rows < n:  # fewer rows than shards: the first row of ``rows`` shards spread over them all
+                picked, each = sorted({i * n // rows for i in range(rows)}), 1
+            else:
+                picked, each = list(range(n)), math.ceil(rows / n)
             chunks = []
-            for shard in range(shards.n_shards):
+            for shard in picked:
                 start, stop = shards.bounds(shard)
                 if stop > start:
                     chunks.append(_batches.rows(self.spec, self.spec.train, start, min(stop, start + each)))

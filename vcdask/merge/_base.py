@@ -20,7 +20,7 @@ __all__ = ["Arrival", "MergeRule", "RuleState", "lerp"]
 class Arrival:
     """What a rule knows of one update when it arrives.
 
-    ``base`` and ``loss`` are given only to a rule that asks for them (:attr:`MergeRule.needs`): the
+    ``base`` and ``loss`` are given only to a rule that asks for them (:meth:`MergeRule.requires`): the
     parameters the update was trained from, and a function giving the training loss of a candidate
     ``W_s`` on a fixed sample of the training rows (``loss(W, rows=n)``: on fewer of them).
     ``seconds``: how long the task took at its worker's pace (None where unknown).
@@ -61,6 +61,10 @@ class MergeRule(ABC):
         """What the next merge needs (:attr:`needs`), given the rule's ``state``: a rule that chooses
         between others at its first merge (:class:`vcdask.merge.Auto`) needs less once it has chosen."""
         return self.needs
+
+    def state_arrays(self, server: FlatParams, state: RuleState) -> set[str]:
+        """The arrays a saved ``state`` must hold to resume (those of :meth:`init_state` by default)."""
+        return set(self.init_state(server).arrays)
 
     def init_state(self, server: FlatParams) -> RuleState:
         """The state before the first merge (none by default)."""

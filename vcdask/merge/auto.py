@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -36,8 +37,9 @@ class Auto(MergeRule):
 
     ``in_flight * probe_seconds / T``
 
-    of the time.  At most ``budget`` of it, the rule probes.  The probe is timed over ``min_rows`` rows first,
-    then over twice as many, up to :attr:`Probe.rows`, and the rule probes with the most rows that fit.  If
+    of the time.  At most ``budget`` of it, the rule probes.  The probe is timed over :attr:`Probe.rows` rows
+    halved down to ``min_rows`` (64: 16, 32, 64), fewest first, and the rule probes with the most rows that
+    fit.  If
     even the fewest do not, merges would queue behind each other and the workers would wait for them, so
     ``fallback`` merges instead (a model too costly to probe costs the first merge a few passes over
     ``min_rows`` rows).  A large model trained on GPUs is the typical case:
@@ -46,8 +48,10 @@ class Auto(MergeRule):
     target with mixed-speed workers).
 
     The choice and what it was made from are the state's scalars ``chosen``, ``probe_rows``,
-    ``probe_seconds``, ``task_seconds`` and ``busy`` (in every version's ``rule_state``), so a resumed run
-    keeps it.  ``Arrival.loss`` takes an optional ``rows`` (the server's probe does).
+    ``probe_seconds``, ``task_seconds`` and ``busy`` (in every version's ``rule_state``; None where not
+    measured), so a resumed run keeps it.  A probe that fails (a model or step that cannot run on the
+    scheduler's CPU) is logged, its error kept as ``probe_error``, and the fallback merges.
+    ``Arrival.loss`` takes an optional ``rows`` (the server's probe does).
 
     Parameters
     ----------
@@ -122,6 +126,10 @@ class Auto(MergeRule):
         chosen = self.chosen(state)
         return self.needs if chosen is None else chosen.needs
 
+    def state_arrays(self, server: FlatParams, state: RuleState) -> set[str]:
+        chosen = self.chosen(state)
+        return set() if chosen is None else chosen.state_arrays(server, state)
+
     def apply(self, server: FlatParams, client: FlatParams, state: RuleState, arrival: Arrival) -> dict[str, Any]:
         rule = self.chosen(state)
         if rule is None:
@@ -140,18 +148,27 @@ class Auto(MergeRule):
         if self.in_flight is None:
             raise ValueError("Auto(in_flight=None) takes the tasks in flight from the run (vcdask.fit sets it)")
         task = arrival.seconds
+        if task is not None and not (math.isfinite(task) and task > 0):
+            task = None  # (a task of unknown length: no grounds for the probe)
         rule: MergeRule = self.fallback
-        rows, probe_seconds, busy = self.min_rows, None, None
-        # fewest rows first: a model too costly to probe is found out by the cheapest passes
-        for count in self._counts() if task else ():  # (a task of unknown length: no grounds for the probe)
-            seconds = self._time(loss, server, count) * self.probe.passes
-            share = self.in_flight * seconds / float(task or 1.0)
-            fits = share <= self.budget
-            if fits or probe_seconds is None:
-                rows, probe_seconds, busy = count, seconds, share
-            if not fits:
-                break
-            rule = self.probe if count == self.probe.rows else dataclasses.replace(self.probe, rows=count)
+        rows: int | None = None
+        probe_seconds = busy = None
+        try:
+            # fewest rows first: a model too costly to probe is found out by the cheapest passes
+            period = task or 1.0
+            for count in self._counts() if task is not None else []:
+                seconds = self._time(loss, server, count) * self.probe.passes
+                share = self.in_flight * seconds / period
+                fits = share <= self.budget
+                if fits or probe_seconds is None:
+                    rows, probe_seconds, busy = count, seconds, share
+                if not fits:
+                    break
+                rule = self.probe if count == self.probe.rows else dataclasses.replace(self.probe, rows=count)
+        except Exception as e:  # noqa: BLE001  the model cannot run here (a step that needs a GPU): fall back
+            logger.warning("merge rule 'auto': the server cannot probe this model (%s: %s)", type(e).__name__, e)
+            rule, busy = self.fallback, None
+            state.scalars["probe_error"] = f"{type(e).__name__}: {e}"[:500]
         state.scalars.update(
             chosen=rule.name,
             probe_rows=rows,
@@ -163,10 +180,10 @@ class Auto(MergeRule):
         state.arrays.update(fresh.arrays)
         state.scalars.update(fresh.scalars)
         logger.info(
-            "merge rule %r: a merge's probe over %d rows takes %s s here, a task %s s, %d in flight: the probe "
+            "merge rule %r: a merge's probe over %s rows takes %s s here, a task %s s, %d in flight: the probe "
             "would keep the merge thread %s busy (budget %.0f%%)",
             rule.name,
-            rows,
+            "?" if rows is None else rows,
             "?" if probe_seconds is None else f"{probe_seconds:.3g}",
             "?" if task is None else f"{task:.3g}",
             self.in_flight,
