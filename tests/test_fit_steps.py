@@ -184,6 +184,21 @@ def test_cuda_training(client, tmp_path, digits_data, precision, optimizer_state
 
 
 @pytest.mark.gpu
+def test_cuda_training_with_four_tasks_in_flight_chooses_its_rule_on_the_schedulers_cpu(client, tmp_path, digits_data):
+    """fit's default for 4 tasks in flight ("auto") times its probe on the scheduler's CPU against CUDA tasks
+    and merges with what it chose; the probe's copy of the model stays on the CPU."""
+    (X, y), val = digits_data
+    result = _fit(_mlp(), (X, y), client, tmp_path, validation=val, device="cuda", tasks_per_slot=2, max_epochs=2)
+    assert all(d.startswith("cuda:") for d in result.history.device.dropna())
+    assert (result.history.outcome == "merged").all(), result.history[["outcome", "reason"]]
+    head = result.store.read(result.version).metadata
+    state = head["rule_state"]
+    assert head["merge"]["name"] == "auto" and "probe_error" not in state, state
+    assert state["chosen"] == ("probe" if 4 * state["probe_seconds"] / state["task_seconds"] <= 0.75 else "nesterov")
+    assert result.metrics["accuracy"] > 0.6
+
+
+@pytest.mark.gpu
 @pytest.mark.cluster
 def test_one_run_mixes_cuda_and_cpu_workers(tmp_path, digits_data):
     from distributed import Client, Nanny, Scheduler, SpecCluster
