@@ -320,7 +320,8 @@ class ParamsServer(Committing):
         return params
 
     def _keep_recent(self) -> None:
-        """Keep ``W_s`` at this step, for the rule's later updates based on it (:data:`RECENT_KEPT`)."""
+        """Keep ``W_s`` at this step, for the rule's later updates based on it (:data:`RECENT_KEPT`); drop the
+        kept states and the probe once the rule needs them no more (:meth:`MergeRule.requires`)."""
         needs = self.rule.requires(self.rule_state)
         if "loss" not in needs:
             self.probe = None  # (a rule that chose not to probe: its model copy and rows go)
