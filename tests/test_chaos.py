@@ -22,6 +22,7 @@ from chaos_helpers import (
     ChaosNet,
     FaultyAdam,
     HandoverFault,
+    HeldWhileFlagged,
     Killer,
     KillOnFinish,
     NaNOnWorkerZero,
@@ -539,8 +540,13 @@ def test_whole_pool_lost_past_no_worker_timeout(digits_data, tmp_path):
 
 def test_preemption_notice_moves_work_without_failures(digits_data, tmp_path):
     (X, y), _ = digits_data
+    # 10 ms a batch (a task about 0.3 s): once, under the full suite's load, the busy worker finished its task
+    # between being seen busy and the notice, and had nothing left to move
+    step = HeldWhileFlagged(str(tmp_path / "never"), str(tmp_path / "seen"), delay=0.01)
     with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
-        thread, out = fit_in_thread(model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", **FIT)
+        thread, out = fit_in_thread(
+            model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", train_step=step, **FIT
+        )
         running_run(client, min_step=2)
         victim = wait_for_busy_worker(client)
         moved = vcdask.preempt(client, victim)
