@@ -302,7 +302,7 @@ def train_vcdask(task: Task, seed: int, client, overrides: dict) -> tuple[torch.
     return (
         result.model,
         float(merged["staleness"].astype(float).max()),
-        f"auto:{state['chosen']}/{state['probe_rows']} ({busy})",
+        f"auto:{state['chosen']}{'-light' if state.get('light') else ''}/{state['probe_rows']} ({busy})",
     )
 
 

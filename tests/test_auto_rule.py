@@ -18,7 +18,7 @@ from test_rules import flat, w
 
 import vcdask
 from vcdask.engine.params_server import ParamsServer, task_seconds
-from vcdask.merge import DEFAULT_RULE, ONE_IN_FLIGHT, Arrival, Auto, Nesterov, Probe, for_run, get_rule
+from vcdask.merge import DEFAULT_RULE, ONE_IN_FLIGHT, Arrival, Auto, Nesterov, Probe, RuleState, for_run, get_rule
 from vcdask.params import flatten
 
 
@@ -59,6 +59,7 @@ def test_a_cheap_probe_is_chosen_and_then_merges_as_the_probe_rule():
     assert w(params) == w(alone) == [2.0] and out == alone_out
     assert {k: state.scalars[k] for k in alone_state.scalars} == alone_state.scalars
     assert rule.requires(state) == Probe.needs
+    assert rule.label(RuleState()) == "auto" and rule.label(state) == "auto: probe, 64 rows"
     # the next merge probes again, without timing
     loss.seen.clear()
     rule.apply(params, flat(2.5), state, Arrival(1, 0, base=flat(2.0), loss=loss, seconds=0.001))
@@ -89,14 +90,17 @@ def test_a_probe_that_would_keep_the_merge_thread_busy_falls_back():
     rule = Auto(fallback=fallback, in_flight=4)
     loss = Slow(0.02, 2.0)
     params, state, _ = _merge(rule, loss, seconds=0.1)
-    assert state.scalars["chosen"] == "nesterov" and state.scalars["probe_seconds"] >= 9 * 0.005
-    assert state.scalars["probe_rows"] == 16 and state.scalars["busy"] > 0.75
-    assert loss.rows == [16] * 4  # the fewest rows timed, found too costly, and no probe again
+    # the light probe's 4 passes (its numbers recorded: the cheapest tried) would keep it over 80% busy too
+    assert state.scalars["chosen"] == "nesterov" and state.scalars["probe_seconds"] >= 4 * 0.005
+    assert state.scalars["probe_rows"] == 16 and state.scalars["busy"] > 0.75 and not state.scalars["light"]
+    assert loss.rows == [16] * 4  # the fewest rows timed once, found too costly, and no probe again
+    _, no_light, _ = _merge(Auto(fallback=fallback, in_flight=4, light=None), Slow(0.02, 2.0), seconds=0.1)
+    assert no_light.scalars["chosen"] == "nesterov" and no_light.scalars["probe_seconds"] >= 9 * 0.005
     alone, alone_state, _ = _merge(fallback, None, seconds=None)
     assert w(params) == w(alone)
     assert set(state.arrays) == set(alone_state.arrays) == {"momentum"}
     assert w(state.arrays["momentum"]) == w(alone_state.arrays["momentum"]) != [0.0]
-    assert rule.requires(state) == frozenset()
+    assert rule.requires(state) == frozenset() and rule.label(state) == "auto: nesterov"
     # the same probe with a budget that affords it
     _, state, _ = _merge(Auto(fallback=fallback, in_flight=4, budget=10.0), Slow(0.02, 2.0), seconds=0.1)
     assert state.scalars["chosen"] == "probe" and state.scalars["probe_rows"] == 64
@@ -104,6 +108,33 @@ def test_a_probe_that_would_keep_the_merge_thread_busy_falls_back():
     _, state, _ = _merge(Auto(fallback=fallback, in_flight=4), Quadratic(2.0), seconds=None)
     assert state.scalars["chosen"] == "nesterov" and state.scalars["task_seconds"] is None
     assert state.scalars["probe_seconds"] is None  # (not timed)
+
+
+def test_where_the_full_probe_does_not_fit_the_light_one_does():
+    """A pass sleeps 10 ms over 16 rows: the full probe's 9 passes take over 90 ms a merge, and 4 tasks in
+    flight of 0.4 s each would keep the merge thread over 90% busy; the light probe's 4 passes over 40%
+    (over 32 rows, 80%: over the budget)."""
+    light = Probe(steps=(1.0, 2.0), pulls=(0.5, 1.0), momenta=(0.0, 0.9))
+    rule = Auto(in_flight=4)
+    assert rule.light == light and light.passes == 4
+    loss = Slow(0.04, 2.0)
+    params, state, out = _merge(rule, loss, seconds=0.4, staleness=1)
+    assert state.scalars["chosen"] == "probe" and state.scalars["light"] is True
+    assert state.scalars["probe_rows"] == 16 and 0.4 <= state.scalars["busy"] <= 0.75
+    assert loss.rows[:8] == [16] * 4 + [32] * 4  # 16 rows timed once for both grids, 32 for the light one
+    assert rule.chosen(state) == Probe(steps=(1.0, 2.0), pulls=(0.5, 1.0), momenta=(0.0, 0.9), rows=16)
+    assert rule.label(state) == "auto: light probe, 16 rows"
+    # the merge is the light probe's, bit for bit, on 16 rows
+    assert loss.rows[8:] == [16] * 3  # (2 steps, 2 pulls less the one already scored; no momentum yet)
+    alone, alone_state, alone_out = _merge(rule.chosen(state), Quadratic(2.0), None, staleness=1)
+    assert w(params) == w(alone) and out == alone_out
+    assert {k: state.scalars[k] for k in alone_state.scalars} == alone_state.scalars
+    json.dumps(state.scalars, allow_nan=False)
+    # a restarted server rebuilds the choice from the stored scalars alone
+    stored = RuleState(scalars=json.loads(json.dumps(state.scalars)))
+    assert Auto(in_flight=4).chosen(stored) == rule.chosen(state)
+    with pytest.raises(ValueError, match=r"chose its light probe, and this Auto has none \(light=None\)"):
+        Auto(in_flight=4, light=None).chosen(stored)
 
 
 def test_fits_default_rule_by_the_tasks_in_flight():
@@ -122,6 +153,7 @@ def test_fits_default_rule_by_the_tasks_in_flight():
         "name": "auto",
         "probe": Probe().describe(),
         "fallback": {"name": "nesterov", "lr": 0.5, "momentum": 0.9, "delay": 4, "bias_correction": "trust"},
+        "light": Probe(steps=(1, 2), pulls=(0.5, 1), momenta=(0, 0.9)).describe(),
         "budget": 0.75,
         "min_in_flight": 4,
         "min_rows": 16,
@@ -142,6 +174,8 @@ def test_bad_options_are_clear_errors():
         Auto(fallback=Probe())
     with pytest.raises(TypeError, match="probe must be a vcdask.merge.Probe"):
         Auto(probe=Nesterov())
+    with pytest.raises(TypeError, match="light must be a vcdask.merge.Probe or None, got Nesterov"):
+        Auto(light=Nesterov())
     with pytest.raises(ValueError, match="takes the tasks in flight from the run"):
         _merge(Auto(), Quadratic(1.0), seconds=1.0)
     with pytest.raises(ValueError, match="times the server's probe"):
@@ -191,12 +225,13 @@ def test_the_choice_survives_a_restart_of_the_server(tmp_path):
     record = _upload(store, 0, 1.0, 0, v0)
     record.update(steps=2, step_seconds=0.05)  # 0.1 s tasks: the probe is too slow for them, even over 16 rows
     first.merge(record)
-    assert first.rule_state.scalars["chosen"] == "nesterov"
+    assert first.rule_state.scalars["chosen"] == "nesterov" and first.head.rule == "auto: nesterov"
     assert first.footprint()["bases"] == 0  # no bases kept once the rule needs none
     meta = store.read(first.version).metadata
     assert meta["rule_state"]["chosen"] == "nesterov" and meta["merge"]["name"] == "auto"
     cheap = Quadratic(2.0)
     again = server(cheap)  # a probe that would be cheap now: the choice stands
+    assert again.head.rule == "auto: nesterov"  # (what the run's status and panel show)
     assert again.rule_state.scalars["chosen"] == "nesterov" and set(again.rule_state.arrays) == {"momentum"}
     assert w(again.rule_state.arrays["momentum"]) == w(first.rule_state.arrays["momentum"]) != [0.0]
     record = _upload(store, 1, 3.0, 1, first.version)
@@ -219,7 +254,7 @@ def test_a_fit_with_four_tasks_in_flight_chooses_by_its_measured_times(client, d
     from vcdask.demo import digits_cnn
 
     (X, y), _ = digits_data
-    result = vcdask.fit(
+    handle = vcdask.fit(
         digits_cnn(0),
         (X[:600], y[:600]),
         max_epochs=2,
@@ -228,12 +263,16 @@ def test_a_fit_with_four_tasks_in_flight_chooses_by_its_measured_times(client, d
         client=client,
         store=tmp_path / "s",
         progress=False,
+        wait=False,
     )
+    result = handle.result()
     head = result.store.read(result.version)
     assert head.metadata["merge"]["name"] == "auto" and head.metadata["merge"]["fallback"]["delay"] == 4
     state = head.metadata["rule_state"]
     busy = 4 * state["probe_seconds"] / state["task_seconds"]
     assert state["chosen"] == ("probe" if busy <= 0.75 else "nesterov")
+    said = f"auto: {'light probe' if state['light'] else 'probe'}, {state['probe_rows']} rows"
+    assert handle.status()["merge"] == (said if state["chosen"] == "probe" else "auto: nesterov")
     arrays = {"probe": {"momentum"}, "nesterov": {"momentum", "pending"}}[state["chosen"]]
     assert set(result.store.read_state(result.version)) == arrays
     assert len(result.history[result.history.accepted]) == 8

@@ -46,7 +46,8 @@ class Head:
     the same way, while they are being committed (``ParamsServer(drafts=True)``): the loop may give them
     as a base before their version id exists.  ``folded``: merges wait for a commit only because more
     results were queued.  ``paused``: why the server waits for the store, while it does; ``waiting``:
-    the store request under way, and since when (``time.monotonic()``).
+    the store request under way, and since when (``time.monotonic()``).  ``rule``: what merges now, in
+    a few words (:meth:`vcdask.merge.MergeRule.label`: what ``"auto"`` chose).
 
     The merge thread replaces it as a whole; the loop reads all of it in one attribute read: no other
     attribute of the server crosses from one thread to the other.
@@ -60,6 +61,7 @@ class Head:
     folded: bool = False
     paused: str | None = None
     waiting: tuple[str, float] | None = None
+    rule: str | None = None
 
     @property
     def committed(self) -> bool:

@@ -228,6 +228,7 @@ class ParamsServer(Committing):
             self.rule_state = fresh
         self._recent.clear()
         self._keep_recent()
+        self.head = replace(self.head, rule=self.rule.label(self.rule_state))
 
     def merge(
         self,
@@ -284,7 +285,7 @@ class ParamsServer(Committing):
         outcome = self.rule.apply(self.params, client, self.rule_state, arrival)
         for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, time.perf_counter() - t2), strict=False):
             self.stage_seconds[stage].append(seconds)  # (commit: in commit())
-        self.head = replace(self.head, step=self.step + 1)
+        self.head = replace(self.head, step=self.step + 1, rule=self.rule.label(self.rule_state))
         self._keep_recent()
         self.uncommitted.append(record)
         self._progress(record, completes)

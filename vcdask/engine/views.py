@@ -45,7 +45,7 @@ def status_dict(run: RunState, stalled: str | None = None) -> dict[str, Any]:
         "staleness": ledger.last_staleness(),
         "store": run.spec.store.location,
         "branch": run.spec.branch,
-        "merge": getattr(run.spec.merge, "name", None),
+        "merge": head.rule or getattr(run.spec.merge, "name", None),  # (what "auto" chose, once it has)
         "cost": _cost_so_far(run),
     }
 

@@ -62,6 +62,11 @@ class MergeRule(ABC):
         between others at its first merge (:class:`vcdask.merge.Auto`) needs less once it has chosen."""
         return self.needs
 
+    def label(self, state: RuleState) -> str:
+        """What merges now, in a few words, for a run's status and panel (:attr:`name` by default; a rule
+        that chooses between others says what it chose)."""
+        return self.name
+
     def state_arrays(self, server: FlatParams, state: RuleState) -> set[str]:
         """The arrays a saved ``state`` must hold to resume (those of :meth:`init_state` by default)."""
         return set(self.init_state(server).arrays)

@@ -39,17 +39,18 @@ class Auto(MergeRule):
 
     of the time.  At most ``budget`` of it, the rule probes.  The probe is timed over :attr:`Probe.rows` rows
     halved down to ``min_rows`` (64: 16, 32, 64), fewest first, and the rule probes with the most rows that
-    fit.  If
-    even the fewest do not, merges would queue behind each other and the workers would wait for them, so
-    ``fallback`` merges instead (a model too costly to probe costs the first merge a few passes over
-    ``min_rows`` rows).  A large model trained on GPUs is the typical case:
-    its probe runs on the scheduler's CPU.  Fewer than ``min_in_flight`` tasks in flight: ``fallback``, with
-    no probe (at 2 workers the probe rule was level with delayed Nesterov at equal tokens, and slower to a
-    target with mixed-speed workers).
+    fit.  Where even the fewest do not, the same is tried with ``light``, a probe of fewer candidates (4
+    passes a merge where ``probe`` takes 9).  If that does not fit either, merges would queue behind each
+    other and the workers would wait for them, so ``fallback`` merges instead (a model too costly to probe
+    costs the first merge a few passes over ``min_rows`` rows).  A large model trained on GPUs is the
+    typical case: its probe runs on the scheduler's CPU.  Fewer than ``min_in_flight`` tasks in flight:
+    ``fallback``, with no probe (at 2 workers the probe rule was level with delayed Nesterov at equal
+    tokens, and slower to a target with mixed-speed workers).
 
-    The choice and what it was made from are the state's scalars ``chosen``, ``probe_rows``,
-    ``probe_seconds``, ``task_seconds`` and ``busy`` (in every version's ``rule_state``; None where not
-    measured), so a resumed run keeps it.  A probe that fails (a model or step that cannot run on the
+    The choice and what it was made from are the state's scalars ``chosen``, ``light`` (whether the light
+    probe was chosen), ``probe_rows``, ``probe_seconds``, ``task_seconds`` and ``busy`` (in every
+    version's ``rule_state``; None where not measured; with the fallback, those of the cheapest probe
+    timed), so a resumed run keeps it.  A probe that fails (a model or step that cannot run on the
     scheduler's CPU) is logged, its error kept as ``probe_error``, and the fallback merges.
     ``Arrival.loss`` takes an optional ``rows`` (the server's probe does).
 
@@ -59,19 +60,26 @@ class Auto(MergeRule):
         The rule where the probe is affordable.
     fallback : MergeRule, default Nesterov(lr=0.5, momentum=0.9)
         The rule where it is not (:data:`vcdask.merge.DEFAULT_RULE` as ``fit``'s default uses it).
+    light : Probe or None, default Probe(steps=(1, 2), pulls=(0.5, 1), momenta=(0, 0.9))
+        A cheaper probe, tried where ``probe`` does not fit (None: none).  Its rows are ``probe``'s.  In the
+        simulation of issue 38 (16 rows) it was 0.6 points behind the full grid on digits at 4 workers and
+        level at 8, and 0.5% / 3.4% behind on the char-LM at 4 / 8; delayed Nesterov, 4-13 points and
+        10-16% behind it (the docs' benchmarks page, stop 50).
     budget : float, default 0.75
         The most of the merge thread's time the probe may take, in ``(0, 10]``.
     min_in_flight : int, default 4
         The fewest tasks in flight for which the probe is considered.
     min_rows : int, default 16
         The fewest probe rows the rule halves down to (the simulation of issue 38: 32 and 64 rows did as
-        well on the char-LM and on digits at 8 workers, 16 lost 1.4 points on digits).
+        well on the char-LM and on digits at 8 workers, 16 lost 1.4 points on digits; 8 lost 17 points on
+        digits at 8 workers).
     in_flight : int, optional
         Tasks the run keeps in flight (``fit`` sets it, :meth:`for_run`).
     """
 
     probe: Probe = field(default_factory=Probe)
     fallback: MergeRule = field(default_factory=lambda: Nesterov(lr=0.5, momentum=0.9))
+    light: Probe | None = field(default_factory=lambda: Probe(steps=(1.0, 2.0), pulls=(0.5, 1.0), momenta=(0.0, 0.9)))
     budget: float = 0.75
     min_in_flight: int = 4
     min_rows: int = 16
@@ -82,6 +90,8 @@ class Auto(MergeRule):
     def __post_init__(self) -> None:
         if not isinstance(self.probe, Probe):
             raise TypeError(f"probe must be a vcdask.merge.Probe, got {self.probe!r}")
+        if self.light is not None and not isinstance(self.light, Probe):
+            raise TypeError(f"light must be a vcdask.merge.Probe or None, got {self.light!r}")
         if not isinstance(self.fallback, MergeRule) or isinstance(self.fallback, Auto) or self.fallback.needs:
             raise TypeError(
                 "fallback must be a vcdask.merge.MergeRule that needs no probe (e.g. Nesterov()), "
@@ -105,7 +115,14 @@ class Auto(MergeRule):
             return fallback
         probe = self.probe.for_run(samples_per_epoch=samples_per_epoch, in_flight=in_flight)
         assert isinstance(probe, Probe)
-        return dataclasses.replace(self, probe=probe, fallback=fallback, in_flight=in_flight or self.in_flight)
+        light: Probe | None = None
+        if self.light is not None:
+            ready = self.light.for_run(samples_per_epoch=samples_per_epoch, in_flight=in_flight)
+            assert isinstance(ready, Probe)
+            light = ready
+        return dataclasses.replace(
+            self, probe=probe, fallback=fallback, light=light, in_flight=in_flight or self.in_flight
+        )
 
     @property
     def rows(self) -> int:
@@ -119,8 +136,27 @@ class Auto(MergeRule):
             return None
         if name != self.probe.name:
             return self.fallback
+        if state.scalars.get("light"):
+            if self.light is None:
+                raise ValueError(
+                    "this run's 'auto' rule chose its light probe, and this Auto has none (light=None); "
+                    "resume it with the rule it started with"
+                )
+            probe = self.light
+        else:
+            probe = self.probe
         rows = int(state.scalars.get("probe_rows") or self.probe.rows)
-        return self.probe if rows == self.probe.rows else dataclasses.replace(self.probe, rows=rows)
+        return probe if rows == probe.rows else dataclasses.replace(probe, rows=rows)
+
+    def label(self, state: RuleState) -> str:
+        """``"auto"`` before the first merge, then what it chose: ``"auto: probe, 16 rows"``, ``"auto: light
+        probe, 16 rows"`` or ``"auto: nesterov"``."""
+        chosen = self.chosen(state)
+        if chosen is None:
+            return self.name
+        if not isinstance(chosen, Probe):
+            return f"{self.name}: {chosen.label(state)}"
+        return f"{self.name}: {'light probe' if state.scalars.get('light') else 'probe'}, {chosen.rows} rows"
 
     def requires(self, state: RuleState) -> frozenset[str]:
         chosen = self.chosen(state)
@@ -153,24 +189,32 @@ class Auto(MergeRule):
         rule: MergeRule = self.fallback
         rows: int | None = None
         probe_seconds = busy = None
+        light = False
         try:
             # fewest rows first: a model too costly to probe is found out by the cheapest passes
-            period = task or 1.0
-            for count in self._counts() if task is not None else []:
-                seconds = self._time(loss, server, count) * self.probe.passes
-                share = self.in_flight * seconds / period
-                fits = share <= self.budget
-                if fits or probe_seconds is None:
-                    rows, probe_seconds, busy = count, seconds, share
-                if not fits:
+            period, per_pass = task or 1.0, {}
+            grids = [(False, self.probe)] + ([(True, self.light)] if self.light is not None else [])
+            for is_light, grid in grids if task is not None else []:
+                for i, count in enumerate(self._counts()):
+                    if count not in per_pass:
+                        per_pass[count] = self._time(loss, server, count)
+                    seconds = per_pass[count] * grid.passes
+                    share = self.in_flight * seconds / period
+                    fits = share <= self.budget
+                    if fits or i == 0:  # (where nothing fits: the cheapest probe tried)
+                        rows, probe_seconds, busy, light = count, seconds, share, is_light and fits
+                    if not fits:
+                        break
+                    rule = grid if count == grid.rows else dataclasses.replace(grid, rows=count)
+                if rule is not self.fallback:
                     break
-                rule = self.probe if count == self.probe.rows else dataclasses.replace(self.probe, rows=count)
         except Exception as e:  # noqa: BLE001  the model cannot run here (a step that needs a GPU): fall back
             logger.warning("merge rule 'auto': the server cannot probe this model (%s: %s)", type(e).__name__, e)
-            rule, busy = self.fallback, None
+            rule, busy, light = self.fallback, None, False
             state.scalars["probe_error"] = f"{type(e).__name__}: {e}"[:500]
         state.scalars.update(
             chosen=rule.name,
+            light=light,
             probe_rows=rows,
             probe_seconds=_rounded(probe_seconds),
             task_seconds=_rounded(task),
@@ -180,9 +224,10 @@ class Auto(MergeRule):
         state.arrays.update(fresh.arrays)
         state.scalars.update(fresh.scalars)
         logger.info(
-            "merge rule %r: a merge's probe over %s rows takes %s s here, a task %s s, %d in flight: the probe "
+            "merge rule %r%s: a merge's probe over %s rows takes %s s here, a task %s s, %d in flight: the probe "
             "would keep the merge thread %s busy (budget %.0f%%)",
             rule.name,
+            " (light)" if light else "",
             "?" if rows is None else rows,
             "?" if probe_seconds is None else f"{probe_seconds:.3g}",
             "?" if task is None else f"{task:.3g}",
@@ -216,6 +261,7 @@ class Auto(MergeRule):
             "name": self.name,
             "probe": self.probe.describe(),
             "fallback": self.fallback.describe(),
+            "light": None if self.light is None else self.light.describe(),
             "budget": self.budget,
             "min_in_flight": self.min_in_flight,
             "min_rows": self.min_rows,
