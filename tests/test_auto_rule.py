@@ -7,6 +7,7 @@ the server on a real store, and a real fit with four tasks in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -110,31 +111,45 @@ def test_a_probe_that_would_keep_the_merge_thread_busy_falls_back():
     assert state.scalars["probe_seconds"] is None  # (not timed)
 
 
-def test_where_the_full_probe_does_not_fit_the_light_one_does():
-    """A pass sleeps 10 ms over 16 rows: the full probe's 9 passes take over 90 ms a merge, and 4 tasks in
-    flight of 0.4 s each would keep the merge thread over 90% busy; the light probe's 4 passes over 40%
-    (over 32 rows, 80%: over the budget)."""
+class Stepped(Slow):
+    """A probe that sleeps ``seconds[rows]`` a call (``rows`` None: the rule's own, 64)."""
+
+    def __call__(self, params, rows=None):
+        self.rows.append(rows)
+        time.sleep(self.seconds[rows])
+        return Quadratic.__call__(self, params)
+
+
+def test_where_the_full_probe_does_not_fit_the_light_one_does_with_the_most_rows_that_fit():
+    """A pass sleeps 16 ms over 16 or 32 rows, 160 ms over 64.  Four 1 s tasks in flight: the full grid
+    here (12 passes) would keep the merge thread over 77% busy even over 16 rows (any overhead only adds to
+    it); the light one (4 passes) 26% over 16 or 32 rows (under the 75% budget unless a pass takes over
+    2.9 times its sleep), 256% over 64."""
+    full = Probe(steps=(0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0))  # (8 + 2 + 2 passes)
+    rule = Auto(probe=full, in_flight=4)
     light = Probe(steps=(1.0, 2.0), pulls=(0.5, 1.0), momenta=(0.0, 0.9))
-    rule = Auto(in_flight=4)
-    assert rule.light == light and light.passes == 4
-    loss = Slow(0.04, 2.0)
-    params, state, out = _merge(rule, loss, seconds=0.4, staleness=1)
+    assert rule.light == light and light.passes == 4 and full.passes == 12
+    loss = Stepped({16: 0.016, 32: 0.016, None: 0.16}, 2.0)
+    params, state, out = _merge(rule, loss, seconds=1.0, staleness=1)
     assert state.scalars["chosen"] == "probe" and state.scalars["light"] is True
-    assert state.scalars["probe_rows"] == 16 and 0.4 <= state.scalars["busy"] <= 0.75
-    assert loss.rows[:8] == [16] * 4 + [32] * 4  # 16 rows timed once for both grids, 32 for the light one
-    assert rule.chosen(state) == Probe(steps=(1.0, 2.0), pulls=(0.5, 1.0), momenta=(0.0, 0.9), rows=16)
-    assert rule.label(state) == "auto: light probe, 16 rows"
-    # the merge is the light probe's, bit for bit, on 16 rows
-    assert loss.rows[8:] == [16] * 3  # (2 steps, 2 pulls less the one already scored; no momentum yet)
+    assert state.scalars["probe_rows"] == 32 and 0.25 <= state.scalars["busy"] <= 0.75
+    # 16 rows timed once for both grids, then 32 and 64 for the light one; then the merge, on 32 rows
+    assert loss.rows[:8] == [16] * 4 + [32] * 4 and set(loss.rows[8:-3]) == {None}
+    assert loss.rows[-3:] == [32] * 3  # (2 steps, 2 pulls less the one already scored; no momentum yet)
+    assert rule.chosen(state) == dataclasses.replace(light, rows=32)
+    assert rule.label(state) == "auto: light probe, 32 rows"
+    # the merge is the light probe's, bit for bit
     alone, alone_state, alone_out = _merge(rule.chosen(state), Quadratic(2.0), None, staleness=1)
     assert w(params) == w(alone) and out == alone_out
     assert {k: state.scalars[k] for k in alone_state.scalars} == alone_state.scalars
     json.dumps(state.scalars, allow_nan=False)
     # a restarted server rebuilds the choice from the stored scalars alone
     stored = RuleState(scalars=json.loads(json.dumps(state.scalars)))
-    assert Auto(in_flight=4).chosen(stored) == rule.chosen(state)
+    assert Auto(probe=full, in_flight=4).chosen(stored) == rule.chosen(state)
     with pytest.raises(ValueError, match=r"chose its light probe, and this Auto has none \(light=None\)"):
         Auto(in_flight=4, light=None).chosen(stored)
+    # the light probe's rows are the probe's, whatever it was given
+    assert Auto(probe=Probe(rows=256), light=Probe(rows=8)).light == Probe(rows=256)
 
 
 def test_fits_default_rule_by_the_tasks_in_flight():

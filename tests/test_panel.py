@@ -105,7 +105,7 @@ def test_panel_state_folds_events_idempotently():
     st = PanelState("r")
     st.apply_snapshot(
         {
-            "status": {"n_shards": 2, "max_epochs": 2, "status": "running"},
+            "status": {"n_shards": 2, "max_epochs": 2, "status": "running", "merge": "auto"},
             "epochs": [],
             "workers": [],
             "shards": [[1, 0, "running"]],
@@ -123,6 +123,7 @@ def test_panel_state_folds_events_idempotently():
             "alpha": 0.5,
             "staleness": 0,
             "version": "V1",
+            "merge": "auto: probe, 16 rows",  # (what the rule merges with now: "auto" has chosen)
             "worker": "w1",
             "worker_row": {
                 "worker": "w1",
@@ -172,6 +173,9 @@ def test_panel_state_folds_events_idempotently():
     assert [(r["worker"], r["state"]) for r in st.worker_rows()] == [("w1", "active"), ("w2", "lost")]
     assert st.status["step"] == 1 and st.status["alpha"] == 0.5
     assert any("w2 lost" in n for n in st.notes)
+    from vcdask.panel import _header_html
+
+    assert st.status["merge"] == "auto: probe, 16 rows" and "merge auto: probe, 16 rows" in _header_html(st)
 
 
 @pytest.mark.parametrize(

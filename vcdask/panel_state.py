@@ -67,6 +67,7 @@ class PanelState:
                 self.status["version"] = event.get("version") or self.status.get("version")
                 self.status["alpha"] = event.get("alpha")
                 self.status["staleness"] = event.get("staleness")
+                self.status["merge"] = event.get("merge") or self.status.get("merge")
         elif kind == "epoch":
             self.epochs[int(event["epoch"])] = {k: v for k, v in event.items() if k not in ("type", "run_id")}
             self.status["epochs_done"] = len(self.epochs)

@@ -92,6 +92,8 @@ class Auto(MergeRule):
             raise TypeError(f"probe must be a vcdask.merge.Probe, got {self.probe!r}")
         if self.light is not None and not isinstance(self.light, Probe):
             raise TypeError(f"light must be a vcdask.merge.Probe or None, got {self.light!r}")
+        if self.light is not None and self.light.rows != self.probe.rows:
+            self.light = dataclasses.replace(self.light, rows=self.probe.rows)  # (its rows are the probe's)
         if not isinstance(self.fallback, MergeRule) or isinstance(self.fallback, Auto) or self.fallback.needs:
             raise TypeError(
                 "fallback must be a vcdask.merge.MergeRule that needs no probe (e.g. Nesterov()), "
@@ -210,7 +212,8 @@ class Auto(MergeRule):
                     break
         except Exception as e:  # noqa: BLE001  the model cannot run here (a step that needs a GPU): fall back
             logger.warning("merge rule 'auto': the server cannot probe this model (%s: %s)", type(e).__name__, e)
-            rule, busy, light = self.fallback, None, False
+            rule, light = self.fallback, False
+            rows = probe_seconds = busy = None
             state.scalars["probe_error"] = f"{type(e).__name__}: {e}"[:500]
         state.scalars.update(
             chosen=rule.name,

@@ -172,7 +172,10 @@ def _settled(state: RunState, rec: dict[str, Any], row: dict[str, Any], count: b
     """A shard result is done with (merged, turned down, or recorded late): publish it, and (``count``)
     count it settled for the tasks waiting for their base (else its commit will)."""
     worker_row = state.pool.record(rec["worker"]).as_row()
-    state.emit("update", worker_row=worker_row, version=state.head.version, **{k: row[k] for k in _EVENT_FIELDS})
+    head = state.head  # (merge: what merges now, e.g. what "auto" chose)
+    state.emit(
+        "update", worker_row=worker_row, version=head.version, merge=head.rule, **{k: row[k] for k in _EVENT_FIELDS}
+    )
     state.settled += int(count)
 
 
