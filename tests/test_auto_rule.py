@@ -174,6 +174,10 @@ def test_fits_default_rule_by_the_tasks_in_flight():
         "min_rows": 16,
         "in_flight": 4,
     }
+    # a fleet still starting: the tasks in flight given to the rule win over the run's count
+    grown = for_run(Auto(in_flight=8), in_flight=1)
+    assert isinstance(grown, Auto) and grown.in_flight == 8 and grown.fallback.delay == 8
+    assert for_run(Auto(), in_flight=1) == Nesterov(lr=0.5, momentum=0.9, delay=1)
     explicit = Nesterov(lr=0.5, momentum=0.9, bias_correction="trust")  # equal to the default, but asked for
     assert isinstance(for_run(explicit, in_flight=8), Nesterov)
 

@@ -28,7 +28,7 @@ from .errors import VersionNotFoundError
 from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
 from .inner import memory_steps, resolve_optimizer_state
-from .merge import for_run
+from .merge import DEFAULT_RULE, for_run
 from .options import DEFAULT_STORE, RunPlan
 from .spec import RunSpec, loads, save_spec, spec_path
 from .staging import in_memory, stage
@@ -167,6 +167,7 @@ def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
         x_dtype=plan.x_dtype,
         max_epochs=plan.max_epochs,
         merge=for_run(plan.rule, in_flight=in_flight),  # (the default rule: one in flight, no outer step)
+        merge_in_flight=in_flight if plan.rule is DEFAULT_RULE else None,
         target=None if stopping.target is None else dict(stopping.target),
         commit_every=merging.commit_every,  # type: ignore[arg-type]  # an int, or "auto" (engine.committing)
         validate_every=stopping.validate_every,

@@ -74,7 +74,9 @@ class Auto(MergeRule):
         well on the char-LM and on digits at 8 workers, 16 lost 1.4 points on digits; 8 lost 17 points on
         digits at 8 workers).
     in_flight : int, optional
-        Tasks the run keeps in flight (``fit`` sets it, :meth:`for_run`).
+        Tasks the run keeps in flight; None: ``fit`` sets it to those of the cluster when the run starts
+        (:meth:`for_run`).  Give it for a fleet that will grow (spot instances still starting): a run
+        that starts with fewer than ``min_in_flight`` merges with ``fallback``, for good.
     """
 
     probe: Probe = field(default_factory=Probe)
@@ -111,7 +113,9 @@ class Auto(MergeRule):
 
     def for_run(self, *, samples_per_epoch: int | None = None, in_flight: int | None = None) -> MergeRule:
         """``fallback`` as the run uses it for fewer than :attr:`min_in_flight` tasks in flight, else this
-        rule with both of its rules and ``in_flight`` filled in."""
+        rule with both of its rules and ``in_flight`` filled in.  An :attr:`in_flight` given to the rule
+        wins over the run's (as :class:`Nesterov`'s ``delay`` does)."""
+        in_flight = self.in_flight or in_flight
         fallback = self.fallback.for_run(samples_per_epoch=samples_per_epoch, in_flight=in_flight)
         if in_flight is not None and in_flight < self.min_in_flight:
             return fallback
@@ -122,9 +126,7 @@ class Auto(MergeRule):
             ready = self.light.for_run(samples_per_epoch=samples_per_epoch, in_flight=in_flight)
             assert isinstance(ready, Probe)
             light = ready
-        return dataclasses.replace(
-            self, probe=probe, fallback=fallback, light=light, in_flight=in_flight or self.in_flight
-        )
+        return dataclasses.replace(self, probe=probe, fallback=fallback, light=light, in_flight=in_flight)
 
     @property
     def rows(self) -> int:
