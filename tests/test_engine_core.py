@@ -71,9 +71,7 @@ class Dask:
 class Script:
     """A run's core with a scripted Dask, clock and merge thread."""
 
-    def __init__(
-        self, *, n_shards: int = 4, max_epochs: int = 1, workers=("a", "b"), keep_updates=False, merge=None, **res
-    ):
+    def __init__(self, *, n_shards: int = 4, max_epochs: int = 1, workers=("a", "b"), keep_updates=False, **res):
         self.clock, self.dask = Clock(), Dask()
         spec = RunSpec(
             run_id=RUN,
@@ -92,8 +90,7 @@ class Script:
             classification=True,
             x_dtype=torch.float32,
             max_epochs=max_epochs,
-            merge=None if merge is None else merge[0],
-            merge_in_flight=None if merge is None else merge[1],
+            merge=None,
             target=None,
             commit_every=1,
             validate_every=res.pop("validate_every", "auto"),
@@ -531,31 +528,12 @@ def test_the_core_refuses_what_is_not_an_event():
         handle(Script().state, "tick")  # type: ignore[arg-type]
 
 
-def test_a_fleet_that_outgrows_fits_default_rule_is_told_once(caplog):
-    """fit's default rule is chosen for the tasks in flight when the run starts; a fleet that grows past
-    that count keeps it, and the run says so once, with what to do (not for a rule the user chose, nor
-    where the default for the grown fleet is the same rule: "auto" for 4 and for 8)."""
-    from vcdask.merge import DEFAULT_RULE, for_run
-
-    s = Script(workers=("a",), merge=(for_run(DEFAULT_RULE, in_flight=1), 1))
-    with caplog.at_level("WARNING", logger="vcdask.engine.core.watching"):
-        s(m.Joined("b", 1))  # 2 in flight: the default would be delayed Nesterov
-        said = [r.getMessage() for r in caplog.records if "tasks in flight now" in r.getMessage()]
-        assert said == [
-            f"run {RUN}: 2 tasks in flight now; its merge rule, 'staleness', is fit's default for the 1 of when "
-            "it started, and for 2 it would be 'nesterov'. For a fleet that grows, wait for the workers before "
-            "fit (client.wait_for_workers(n)) or give the count: merge=vcdask.merge.Auto(in_flight=n)"
-        ]
-        for worker in "cdef":
-            s(m.Joined(worker, 1))
-        assert len([r for r in caplog.records if "tasks in flight now" in r.getMessage()]) == 1  # once
-    assert s.state.spec.merge is not None and s.state.spec.merge.name == "staleness"  # (the rule stays)
-    # a rule the user chose, or a fleet still within its default's count: nothing to say
-    chosen = for_run(DEFAULT_RULE, in_flight=1)
-    for merge, workers in [((chosen, None), "bcd"), ((for_run(DEFAULT_RULE, in_flight=4), 4), "bcdefgh")]:
-        quiet = Script(workers=("a",), merge=merge)
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="vcdask.engine.core.watching"):
-            for worker in workers:
-                quiet(m.Joined(worker, 1))
-        assert not [r for r in caplog.records if "tasks in flight now" in r.getMessage()]
+def test_each_merge_carries_the_tasks_in_flight_when_its_result_came():
+    """fit's default rule follows a fleet that grows (vcdask.engine.following): the merge thread learns
+    the tasks in flight from each merge's record, as the pool counts them when the result arrives."""
+    s = Script(workers=("a",))
+    [key] = keys(s(m.Poll()))
+    s.start(key, "a")
+    s(m.Joined("b", 2))  # a worker of two threads joins while the first task trains
+    [merge] = [fx for fx in s.finish_task(key, "a") if isinstance(fx, m.Merge)]
+    assert merge.record["in_flight"] == 3

@@ -115,7 +115,8 @@ def fit(
         one (a cluster of one worker thread), :data:`vcdask.merge.ONE_IN_FLIGHT` (each update taken as it
         is); 2 or 3, :data:`vcdask.merge.DEFAULT_RULE` (delayed Nesterov); 4 or more,
         :class:`vcdask.merge.Auto` over it (the ``"probe"`` rule where the server's probe costs little next
-        to a task, timed at the first merge, else delayed Nesterov).  ``"vc-asgd"`` when ``alpha`` is
+        to a task, timed at the first merge, else delayed Nesterov); a fleet that grows during the run
+        moves up to the default for its new count, never down.  ``"vc-asgd"`` when ``alpha`` is
         given.  The paper's rule,
         FedAsync's staleness-aware mixing, an outer Nesterov step per arrival (DiLoCo), or
         synchronous large-batch averaging (one merge per epoch's samples).  Configure a rule

@@ -61,7 +61,8 @@ class Merging:
     rule : {"vc-asgd", "staleness", "nesterov", "sync", "probe", "auto"} or vcdask.merge.MergeRule, optional
         ``fit(merge=...)``.  Default: :data:`vcdask.merge.DEFAULT_RULE`, which the run makes
         :data:`~vcdask.merge.ONE_IN_FLIGHT` for one task in flight and :class:`~vcdask.merge.Auto` over it
-        for 4 or more (:func:`vcdask.merge.for_run`); ``"vc-asgd"`` when ``alpha`` is given (see
+        for 4 or more (:func:`vcdask.merge.for_run`), moving up as the fleet grows
+        (:mod:`vcdask.engine.following`); ``"vc-asgd"`` when ``alpha`` is given (see
         :func:`vcdask.merge.get_rule`).
     alpha : float, "epoch" or callable, optional
         For ``"vc-asgd"`` and ``"staleness"`` given by name: the server copy's weight.

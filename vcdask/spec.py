@@ -80,7 +80,7 @@ class RunSpec:
     monitor: str | None = None  # the validation metric early stopping (and FitResult.best_version) follows
     start: dict[str, Any] | None = None  # where the model came from: {"version", "tag", "store"} or None
     overlap: str = "wait"  # vcdask.overlap: how a worker's next shard meets its last merge (runs before it: wait)
-    merge_in_flight: int | None = None  # the tasks in flight fit's default rule was chosen for (None: the user's rule)
+    merge_in_flight: int | None = None  # fit's default rule: the tasks in flight it is for (None: the user's rule)
 
     @property
     def spec_path(self) -> str:

@@ -2,7 +2,7 @@
 outages and lost answers, and apply the run's retention policy between merges.
 
 :class:`Committing` is a mixin of :class:`~vcdask.engine.params_server.ParamsServer` (it uses the
-server's attributes: ``store``, ``branch``, ``params``, ``rule``, ``rule_state``, ``uncommitted``,
+server's attributes: ``store``, ``branch``, ``params``, ``rule``, ``rule_state``, ``follow``, ``uncommitted``,
 ``progress``, ``head`` ...); it is a module of its own only to keep the merge path readable.
 """
 
@@ -87,6 +87,7 @@ class Committing:
     run_id: str
     rule: MergeRule
     rule_state: RuleState
+    follow: int | None
     params: FlatParams | None
     head: Head
     uncommitted: list[dict[str, Any]]
@@ -125,6 +126,8 @@ class Committing:
             "merge": self.rule.describe(),
             "progress": {k: [list(m) for m in v] for k, v in self.progress.items()},
         }
+        if self.follow is not None:  # (fit's default rule: the tasks in flight it was chosen for)
+            metadata["merge_in_flight"] = self.follow
         schedule = getattr(self.rule, "schedule", None)
         if schedule is not None:
             metadata["alpha"] = float(schedule(last["epoch"]))

@@ -29,6 +29,7 @@ from ..params import FlatParams
 from ..store import Retention
 from ..updates import delete_update, read_update, update_gone
 from .committing import BASES_KEPT, Committing, Head
+from .following import can_grow, grown_rule
 from .guard import Guard
 from .policy import check_update
 from .side import SideThread
@@ -84,6 +85,10 @@ class ParamsServer(Committing):
         ``probe(params, rows=None) -> float``, the training loss of candidate parameters (on fewer rows
         than its own when ``rows`` is given), for a rule that needs ``"loss"`` (:class:`~vcdask.merge.Probe`,
         :class:`~vcdask.merge.Auto`; :meth:`~vcdask.engine.probing.ProbeModel.train_loss`).
+    follow : int, optional
+        ``rule`` is ``fit``'s default, chosen for this many tasks in flight: as the fleet grows, the
+        server moves to the default for the tasks in flight at each merge (the record's ``in_flight``)
+        once that is another kind of rule (:mod:`vcdask.engine.following`).  None: the rule stays.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class ParamsServer(Committing):
         inline_bytes: int = 0,
         drafts: bool = False,
         probe: Callable[..., float] | None = None,
+        follow: int | None = None,
     ):
         self.store = store
         self.branch = branch
@@ -111,6 +117,8 @@ class ParamsServer(Committing):
         if "loss" in rule.needs and probe is None:
             raise ValueError(f"the {rule.name!r} merge rule needs a probe of the training loss (probe=...)")
         self.probe = probe
+        self.follow = follow  # (fit's default: the tasks in flight the rule was chosen for)
+        self._probe_source = probe if follow is not None and can_grow(rule) else None  # (for a rule grown into)
         self.rule_state = RuleState()
         self.run_id = run_id
         #: ``commit_every="auto"``: commit every merge, or with the last of the results queued behind it
@@ -209,6 +217,8 @@ class ParamsServer(Committing):
         self.head = Head(step, checkpoint.version, step, payload=self.packed())
         meta = checkpoint.metadata
         saved = meta.get("merge", {}).get("name") if isinstance(meta.get("merge"), dict) else None
+        if meta.get("run_id") == self.run_id:  # (the fleet had grown: the rule its versions were merged with)
+            self._grow(meta.get("merge_in_flight"))
         fresh = self.rule.init_state(self.params)
         if meta.get("run_id") == self.run_id:
             progress = meta.get("progress") or {}
@@ -253,6 +263,8 @@ class ParamsServer(Committing):
         ``fault`` kind — ``W_s`` is then untouched.
         """
         assert self.params is not None, "load() first"
+        if self._grow(record.get("in_flight")):
+            self.rule_state = self.rule.init_state(self.params)
         staleness = self.step - record["base_step"]
         t0 = time.perf_counter()
         try:
@@ -319,6 +331,22 @@ class ParamsServer(Committing):
         while len(self._bases) > BASES_KEPT:
             self._bases.popitem(last=False)
         return params
+
+    def _grow(self, in_flight: int | None) -> bool:
+        """Move fit's default rule to the one for ``in_flight`` tasks, if the fleet grew into another."""
+        grown = grown_rule(self.rule, self.follow, in_flight)
+        if grown is None:
+            return False
+        logger.info(
+            "run %s: %s tasks in flight, from %s: merging with %r from here on", self.run_id, in_flight,
+            self.follow, grown.name,
+        )  # fmt: skip
+        self.rule, self.follow = grown, int(in_flight)  # type: ignore[arg-type]
+        if "loss" in grown.needs and self.probe is None:
+            self.probe = self._probe_source
+        if not can_grow(grown):
+            self._probe_source = None  # (no rule to grow into: the probe goes once this one needs it no more)
+        return True
 
     def _keep_recent(self) -> None:
         """Keep ``W_s`` at this step, for the rule's later updates based on it (:data:`RECENT_KEPT`); drop the

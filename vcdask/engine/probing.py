@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .following import can_grow
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -143,7 +145,14 @@ class ProbeModel:
 
 
 def training_probe(spec: RunSpec) -> Callable[[FlatParams], float] | None:
-    """The training-loss probe for ``spec``'s merge rule, if it needs one (:attr:`MergeRule.needs`)."""
-    if "loss" not in spec.merge.needs:
+    """The training-loss probe for ``spec``'s merge rule, if it needs one (:attr:`MergeRule.needs`), or
+    may come to: ``fit``'s default for a run that starts with few tasks in flight becomes ``"auto"`` as
+    its fleet grows (:mod:`vcdask.engine.following`).  Nothing is copied before its first probe."""
+    rule = spec.merge
+    if "loss" in rule.needs:
+        return ProbeModel(spec, rows=int(getattr(rule, "rows", PROBE_ROWS))).train_loss
+    if spec.merge_in_flight is None or not can_grow(rule):
         return None
-    return ProbeModel(spec, rows=int(getattr(spec.merge, "rows", PROBE_ROWS))).train_loss
+    from ..merge import Auto
+
+    return ProbeModel(spec, rows=Auto().rows).train_loss

@@ -72,6 +72,7 @@ class Run:
             # (a compressed update is decoded on its base version: its id must be known to the worker)
             drafts=bool(config.get("worker.base-before-commit")) and spec.compression is None,
             probe=training_probe(spec),
+            follow=spec.merge_in_flight,  # (fit's default rule follows a fleet that grows)
         )
         self.lane = MergeLane(self.server, f"vcdask-merge-{self.id[-6:]}")  # the merge thread and its calls
         self.tasks = InFlight(scheduler)

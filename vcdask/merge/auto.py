@@ -76,7 +76,8 @@ class Auto(MergeRule):
     in_flight : int, optional
         Tasks the run keeps in flight; None: ``fit`` sets it to those of the cluster when the run starts
         (:meth:`for_run`).  Give it for a fleet that will grow (spot instances still starting): a run
-        that starts with fewer than ``min_in_flight`` merges with ``fallback``, for good.
+        given this rule that starts with fewer than ``min_in_flight`` merges with ``fallback`` for good
+        (``fit``'s default, when no rule is given, moves up to ``"auto"`` as the fleet grows).
     """
 
     probe: Probe = field(default_factory=Probe)

@@ -19,7 +19,7 @@ from .dispatching import fill, submit_shard, submit_validation
 from .failures import close_epochs, lost, store_back, store_fault, task_failed
 from .messages import Failure, RunFailed
 from .state import Phase, RunState
-from .watching import check_workers, deadlines, grown, nothing_left, preempt, settle, started
+from .watching import check_workers, deadlines, nothing_left, preempt, settle, started
 
 __all__ = ["Failure", "Phase", "RunFailed", "RunState", "handle"]
 
@@ -117,7 +117,6 @@ def _(event: m.Poll, state: RunState) -> None:
 @_on.register
 def _(event: m.Joined, state: RunState) -> None:
     state.pool.joined(event.worker, event.nthreads)
-    grown(state)
 
 
 @_on.register

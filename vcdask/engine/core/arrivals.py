@@ -97,7 +97,7 @@ def arrived(state: RunState, task: TaskRecord, rec: dict[str, Any]) -> None:
         state.out.append(
             Merge(
                 task,
-                rec,
+                {**rec, "in_flight": state.pool.slots()},  # (fit's default rule follows a fleet that grows)
                 # the epoch's last shard is committed at once (its version is validated and closes the epoch)
                 completes=state.ledger.completes(epoch, shard),  # (recorded in the version's progress, for a resume)
                 max_staleness=state.staleness_limit(),

@@ -108,7 +108,6 @@ class RunState:
         self.idle_since: float | None = None  # since when no usable worker is connected
         self.no_workers: str | None = None  # why the run waits for workers (status()["paused"])
         self.taking = True  # False once the driver's loop is over: hand-overs are left to Dask then
-        self.said_grown = False  # the fleet outgrew fit's default rule, and the run said so (watching.grown)
         #: the branch's head when the run was started (its initial version, or where a resumed run goes on):
         #: what ``status`` shows until the run's server has loaded it
         self.head_at_start: str | None = None

@@ -22,7 +22,7 @@ from .dispatching import submit_shard, submit_validation, validation_deadline
 from .failures import fail, move_queued_off, overdue
 from .state import RunState
 
-__all__ = ["check_workers", "deadlines", "grown", "nothing_left", "preempt", "settle", "started"]
+__all__ = ["check_workers", "deadlines", "nothing_left", "preempt", "settle", "started"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,33 +35,6 @@ def started(state: RunState, key: str, worker: str) -> None:
     task.started, task.worker = state.clock(), worker
     if task.kind == "update":
         state.ledger.set_shard(task.epoch, task.shard, "running" if task.attempt == 0 else "re-issued")
-
-
-def grown(state: RunState) -> None:
-    """A worker joined: if the run has fit's default merge rule, chosen for the tasks in flight when it
-    started, and that default would now be another rule, say so once (the rule stays: a switch would
-    drop the outer optimizer's state, and a fleet that shrinks again would switch back)."""
-    started = state.spec.merge_in_flight
-    if started is None or state.said_grown:
-        return
-    from ...merge import DEFAULT_RULE, for_run
-
-    now = state.pool.slots()
-    rule = for_run(DEFAULT_RULE, in_flight=now)
-    if now <= started or type(rule) is type(state.spec.merge):
-        return
-    state.said_grown = True
-    logger.warning(
-        "run %s: %d tasks in flight now; its merge rule, %r, is fit's default for the %d of when it started, "
-        "and for %d it would be %r. For a fleet that grows, wait for the workers before fit "
-        "(client.wait_for_workers(n)) or give the count: merge=vcdask.merge.Auto(in_flight=n)",
-        state.id,
-        now,
-        state.spec.merge.name,
-        started,
-        now,
-        rule.name,
-    )
 
 
 def check_workers(state: RunState) -> None:
