@@ -3,6 +3,7 @@
 usage: python benchmarks/equal_tokens.py [--tasks charlm,digits,tabular,diabetes] [--workers 1,2,4,8]
                                          [--ddp-workers 2,4,8] [--seeds 0,1,2] [--set NAME=VALUE ...]
                                          [--skip-ddp] [--skip-vcdask] [--schedule constant|cosine]
+                                         [--grow-from N]
 
 Every trainer makes the same number of passes over the same training data, from the same seeded initial
 weights, with the same optimizer, learning rate and batch size per worker:
@@ -35,6 +36,10 @@ Tasks (``--tasks``):
   steps): a trainer below torch here has not necessarily learned more, and one that moves further per
   token overfits more (delayed Nesterov, the default rule at W=1 before issue 38, seed 0: 0.50 after 5
   epochs, 0.65-0.83 after 20).
+
+``--grow-from N`` starts each vcdask run on a fresh cluster of N workers and scales it to W once the run
+has merged its first result: a fleet still starting when the run begins (``vcdask W=N->W``; its rule column
+is the rule it ended with, and the tasks in flight that rule is for).
 
 ``--schedule cosine`` decays every trainer's learning rate on a cosine from its value to 0 over its own
 steps: torch and each DDP rank per optimizer step (``LambdaLR``; the char-LM's torch then uses the same loop
@@ -276,13 +281,17 @@ def train_ddp(task: Task, seed: int, world: int, schedule: str = "constant") -> 
     return model
 
 
-def train_vcdask(task: Task, seed: int, client, overrides: dict) -> tuple[torch.nn.Module, float, str]:
+def train_vcdask(
+    task: Task, seed: int, client, overrides: dict, grow: Callable[[], None] | None = None
+) -> tuple[torch.nn.Module, float, str]:
     """``vcdask.fit`` with its defaults (and ``overrides``) on ``client``; the final model, the largest
-    staleness of a merged update, and the rule that merged (``merge="auto"``'s choice, where it chose)."""
+    staleness of a merged update, and the rule that merged (``merge="auto"``'s choice, where it chose).
+    ``grow``: called once the run has merged its first result (the cluster scaled up: a fleet still
+    starting when the run begins)."""
     import vcdask
 
     with scratch_store(None, "equal-tokens") as store:
-        result = vcdask.fit(
+        handle = vcdask.fit(
             copy.deepcopy(task.init),
             task.train,
             max_epochs=task.epochs,
@@ -291,12 +300,20 @@ def train_vcdask(task: Task, seed: int, client, overrides: dict) -> tuple[torch.
             client=client,
             store=store,
             progress=False,
+            wait=False,
         )
+        if grow is not None:
+            while handle.status()["step"] < 1 and not handle.done():
+                time.sleep(0.02)
+            grow()
+        result = handle.result()
         meta = result.store.read(result.version).metadata
     merged = result.history[result.history["outcome"] == "merged"]
     rule, state = meta.get("merge", {}), meta.get("rule_state", {})
     if state.get("chosen") is None:
-        return result.model, float(merged["staleness"].astype(float).max()), rule.get("name", "?")
+        name = rule.get("name", "?")  # (fit's default as the fleet grew: the tasks in flight it is for)
+        name += f"/{meta['merge_in_flight']}" if grow is not None and "merge_in_flight" in meta else ""
+        return result.model, float(merged["staleness"].astype(float).max()), name
     # merge="auto": its choice, its probe's rows, how busy the probe would keep the merge thread (measured)
     busy = "?" if state.get("busy") is None else f"{state['busy']:.0%}"
     return (
@@ -372,6 +389,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=set_help)
     ap.add_argument("--skip-ddp", action="store_true", help="no DDP rows")
     ap.add_argument("--skip-vcdask", action="store_true", help="no vcdask rows")
+    grow_help = "start each vcdask run on a fresh cluster of this many workers, scaled to W after its first merge"
+    ap.add_argument("--grow-from", type=int, default=None, metavar="N", help=grow_help)
     ap.add_argument(
         "--schedule", choices=["constant", "cosine"], default="constant", help="learning rates (%(default)s)"
     )
@@ -416,6 +435,16 @@ def main(argv: list[str] | None = None) -> int:
         from vcdask.cluster import embedded_cluster
 
         for workers in args.workers:
+            # a fleet still starting: a fresh cluster per run, grown after its first merge
+            if args.grow_from is not None:
+                for (_name, seed), task in tasks.items():
+                    with embedded_cluster(n_workers=args.grow_from, host="127.0.0.1") as cluster:
+                        with Client(cluster) as client:
+                            warm_up(client, args.grow_from)
+                            grow = functools.partial(cluster.scale, workers)
+                            train = functools.partial(train_vcdask, task, seed, client, args.overrides, grow)
+                            run_one(runs, task, f"vcdask W={args.grow_from}->{workers}", seed, train)
+                continue
             t0 = time.perf_counter()
             with embedded_cluster(n_workers=workers, host="127.0.0.1") as cluster, Client(cluster) as client:
                 warm_up(client, workers)
