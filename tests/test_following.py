@@ -118,3 +118,24 @@ def test_a_fit_started_on_one_worker_moves_to_the_default_of_the_grown_cluster(d
     assert set(names[:grown]) == {"staleness"} and set(names[grown:]) == {"nesterov"}, rules
     head = result.store.read(result.version).metadata
     assert head["merge_in_flight"] == head["merge"]["delay"] >= 2
+
+
+def test_a_draft_based_update_merges_right_after_the_rule_grows_into_one_that_needs_its_base(tmp_path):
+    """Small models' tasks may start from a merge's draft, before its version exists (``base_version``
+    None): a rule that needs each update's base (the probe, in "auto") finds it among the server's recent
+    states, which a run that may grow into one keeps from the start."""
+    store = _store(tmp_path)
+    server = ParamsServer(
+        store, "run-p", ONE_IN_FLIGHT, "run-p", probe=Slow(0.0, 2.0), follow=1, inline_bytes=1 << 20, drafts=True
+    )
+    server.load()
+    record = _upload(store, 0, 1.0, 0, server.version)
+    record.update(steps=2, step_seconds=30.0, in_flight=1)
+    assert server.merge(record)["drafted"]  # a task may start from these parameters before their commit
+    drafted_step = server.step
+    server.commit()
+    record = _upload(store, 1, 1.5, drafted_step, None)  # trained from the draft: no version id known to it
+    record.update(steps=2, step_seconds=30.0, in_flight=8)
+    out = server.merge(record)
+    assert out["accepted"], out
+    assert server.rule.name == "auto" and server.rule_state.scalars["chosen"] == "probe"

@@ -350,10 +350,13 @@ class ParamsServer(Committing):
 
     def _keep_recent(self) -> None:
         """Keep ``W_s`` at this step, for the rule's later updates based on it (:data:`RECENT_KEPT`); drop the
-        kept states and the probe once the rule needs them no more (:meth:`MergeRule.requires`)."""
+        kept states and the probe once the rule needs them no more (:meth:`MergeRule.requires`).  With drafts,
+        a run on fit's default that may still grow into ``"auto"`` keeps them too."""
         needs = self.rule.requires(self.rule_state)
         if "loss" not in needs:
             self.probe = None  # (a rule that chose not to probe: its model copy and rows go)
+        if self._probe_source is not None and self.drafts:  # (may grow into a rule that needs each update's
+            needs = needs | {"base"}  # base, and a draft's is kept nowhere else: small models only)
         if self.params is None or "base" not in needs:
             self._recent.clear()  # (a rule that chose not to need them any more)
             return
