@@ -355,8 +355,9 @@ class ParamsServer(Committing):
         needs = self.rule.requires(self.rule_state)
         if "loss" not in needs:
             self.probe = None  # (a rule that chose not to probe: its model copy and rows go)
-        if self._probe_source is not None and self.drafts:  # (may grow into a rule that needs each update's
-            needs = needs | {"base"}  # base, and a draft's is kept nowhere else: small models only)
+        small = self.params is not None and self.params.nbytes <= self.inline_bytes  # (only those have drafts)
+        if self._probe_source is not None and self.drafts and small:  # (may grow into a rule that needs each
+            needs = needs | {"base"}  # update's base, and a draft's is kept nowhere else)
         if self.params is None or "base" not in needs:
             self._recent.clear()  # (a rule that chose not to need them any more)
             return
