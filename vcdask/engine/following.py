@@ -10,9 +10,14 @@ that shrinks for a while (a preempted worker) keeps its rule and its rule's stat
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from ..merge import DEFAULT_RULE, Auto, MergeRule, for_run
 
-__all__ = ["can_grow", "grown_rule"]
+__all__ = ["can_grow", "grow", "grown_rule"]
+
+logger = logging.getLogger("vcdask.engine.params_server")
 
 
 def grown_rule(rule: MergeRule, chosen_for: int | None, in_flight: int | None) -> MergeRule | None:
@@ -28,3 +33,22 @@ def can_grow(rule: MergeRule) -> bool:
     """Whether a fleet that grows can still move fit's default ``rule`` to another (not from ``"auto"``,
     the default for the most tasks in flight)."""
     return not isinstance(rule, Auto)
+
+
+def grow(server: Any, in_flight: int | None) -> bool:
+    """Move ``server``'s rule (:class:`~vcdask.engine.params_server.ParamsServer`: its ``rule``,
+    ``follow``, ``probe`` and the probe it keeps for a rule grown into) to fit's default for
+    ``in_flight`` tasks, if the fleet grew into another kind of rule; whether it did."""
+    grown = grown_rule(server.rule, server.follow, in_flight)
+    if grown is None:
+        return False
+    logger.info(
+        "run %s: %s tasks in flight, from %s: merging with %r from here on",
+        server.run_id, in_flight, server.follow, grown.name,
+    )  # fmt: skip
+    server.rule, server.follow = grown, int(in_flight)  # type: ignore[arg-type]
+    if "loss" in grown.needs and server.probe is None:
+        server.probe = server._probe_source
+    if not can_grow(grown):
+        server._probe_source = None  # (no rule to grow into: the probe goes once this one needs it no more)
+    return True

@@ -29,7 +29,7 @@ from ..params import FlatParams
 from ..store import Retention
 from ..updates import delete_update, read_update, update_gone
 from .committing import BASES_KEPT, Committing, Head
-from .following import can_grow, grown_rule
+from .following import can_grow, grow
 from .guard import Guard
 from .policy import check_update
 from .side import SideThread
@@ -218,7 +218,7 @@ class ParamsServer(Committing):
         meta = checkpoint.metadata
         saved = meta.get("merge", {}).get("name") if isinstance(meta.get("merge"), dict) else None
         if meta.get("run_id") == self.run_id:  # (the fleet had grown: the rule its versions were merged with)
-            self._grow(meta.get("merge_in_flight"))
+            grow(self, meta.get("merge_in_flight"))
         fresh = self.rule.init_state(self.params)
         if meta.get("run_id") == self.run_id:
             progress = meta.get("progress") or {}
@@ -263,7 +263,7 @@ class ParamsServer(Committing):
         ``fault`` kind — ``W_s`` is then untouched.
         """
         assert self.params is not None, "load() first"
-        if self._grow(record.get("in_flight")):
+        if grow(self, record.get("in_flight")):
             self.rule_state = self.rule.init_state(self.params)
         staleness = self.step - record["base_step"]
         t0 = time.perf_counter()
@@ -331,22 +331,6 @@ class ParamsServer(Committing):
         while len(self._bases) > BASES_KEPT:
             self._bases.popitem(last=False)
         return params
-
-    def _grow(self, in_flight: int | None) -> bool:
-        """Move fit's default rule to the one for ``in_flight`` tasks, if the fleet grew into another."""
-        grown = grown_rule(self.rule, self.follow, in_flight)
-        if grown is None:
-            return False
-        logger.info(
-            "run %s: %s tasks in flight, from %s: merging with %r from here on", self.run_id, in_flight,
-            self.follow, grown.name,
-        )  # fmt: skip
-        self.rule, self.follow = grown, int(in_flight)  # type: ignore[arg-type]
-        if "loss" in grown.needs and self.probe is None:
-            self.probe = self._probe_source
-        if not can_grow(grown):
-            self._probe_source = None  # (no rule to grow into: the probe goes once this one needs it no more)
-        return True
 
     def _keep_recent(self) -> None:
         """Keep ``W_s`` at this step, for the rule's later updates based on it (:data:`RECENT_KEPT`); drop the
