@@ -283,9 +283,9 @@ def train_ddp(task: Task, seed: int, world: int, schedule: str = "constant") -> 
 
 def train_vcdask(
     task: Task, seed: int, client, overrides: dict, grow: Callable[[], None] | None = None
-) -> tuple[torch.nn.Module, float, str]:
-    """``vcdask.fit`` with its defaults (and ``overrides``) on ``client``; the final model, the largest
-    staleness of a merged update, and the rule that merged (``merge="auto"``'s choice, where it chose).
+) -> tuple[torch.nn.Module, dict[str, float], str]:
+    """``vcdask.fit`` with its defaults (and ``overrides``) on ``client``; the final model, its
+    :func:`merge_stats`, and the rule that merged (``merge="auto"``'s choice, where it chose).
     ``grow``: called once the run has merged its first result (the cluster scaled up: a fleet still
     starting when the run begins)."""
     import vcdask
@@ -313,14 +313,23 @@ def train_vcdask(
     if state.get("chosen") is None:
         name = rule.get("name", "?")  # (fit's default as the fleet grew: the tasks in flight it is for)
         name += f"/{meta['merge_in_flight']}" if grow is not None and "merge_in_flight" in meta else ""
-        return result.model, float(merged["staleness"].astype(float).max()), name
+        return result.model, merge_stats(merged), name
     # merge="auto": its choice, its probe's rows, how busy the probe would keep the merge thread (measured)
     busy = "?" if state.get("busy") is None else f"{state['busy']:.0%}"
     return (
         result.model,
-        float(merged["staleness"].astype(float).max()),
+        merge_stats(merged),
         f"auto:{state['chosen']}{'-light' if state.get('light') else ''}/{state['probe_rows']} ({busy})",
     )
+
+
+def merge_stats(merged) -> dict[str, float]:
+    """Of a run's merged updates: the largest staleness, and the mean of the local steps each trained from its
+    worker's own last update before the merged version came (``overlap="delta"``; 0 with ``"wait"``)."""
+    return {
+        "staleness": float(merged["staleness"].astype(float).max()),
+        "ahead": float(merged["steps_ahead"].astype(float).fillna(0).mean()),
+    }
 
 
 def warm_up(client, workers: int) -> None:
@@ -349,8 +358,9 @@ def table(task: Task, runs: dict[str, list[dict]]) -> list[dict]:
             else:
                 row[f"{metric} - torch"] = f"{100 * (value - torch_value):+.2f} pt"
             row[f"{metric} by seed"] = " ".join(f"{r[metric]:.4f}" for r in done)
-        stale = [r["staleness"] for r in done if "staleness" in r]
-        row["max staleness"] = statistics.median(stale) if stale else None
+        for key, column in (("staleness", "max staleness"), ("ahead", "steps ahead")):
+            values = [r[key] for r in done if key in r]
+            row[column] = statistics.median(values) if values else None
         rules = [r["rule"] for r in done if "rule" in r]
         if rules:
             row["rule"] = " ".join(rules)
@@ -360,14 +370,12 @@ def table(task: Task, runs: dict[str, list[dict]]) -> list[dict]:
 
 
 def run_one(runs, task: Task, trainer: str, seed: int, train: Callable) -> None:
-    """Train with ``train()`` (a model, or a model, its staleness and its rule), score it, file and log the
-    result."""
+    """Train with ``train()`` (a model, or a model, its :func:`merge_stats` and its rule), score it, file and
+    log the result."""
     t0 = time.perf_counter()
     out = train()
-    model, staleness, rule = out if isinstance(out, tuple) else (out, None, None)
-    record = {**score(task, model), "wall s": time.perf_counter() - t0, "seed": seed}
-    if staleness is not None:
-        record["staleness"] = staleness
+    model, stats, rule = out if isinstance(out, tuple) else (out, {}, None)
+    record = {**score(task, model), "wall s": time.perf_counter() - t0, "seed": seed, **stats}
     if rule is not None:
         record["rule"] = rule
     runs[task.name].setdefault(trainer, []).append(record)

@@ -139,10 +139,14 @@ def load(model: torch.nn.Module, v: torch.Tensor) -> None:
         torch.nn.utils.vector_to_parameters(v.clone(), model.parameters())
 
 
-def train_rows(task: Task, model: torch.nn.Module, optimizer, rows: torch.Tensor, batch: int = BATCH) -> None:
-    """One pass over ``rows`` (in this order), ``batch`` rows a step."""
+def train_rows(
+    task: Task, model: torch.nn.Module, optimizer, rows: torch.Tensor, batch: int = BATCH, between=None
+) -> None:
+    """One pass over ``rows`` (in this order), ``batch`` rows a step; ``between(step)`` before each step."""
     model.train()
-    for i in range(0, len(rows), batch):
+    for step, i in enumerate(range(0, len(rows), batch)):
+        if between is not None:
+            between(step)
         idx = rows[i : i + batch]
         optimizer.zero_grad(set_to_none=True)
         task.step(model, (task.X[idx], task.Y[idx])).backward()
@@ -216,7 +220,7 @@ class Outer:
             raise ValueError(f"unknown rule {self.rule_text!r}")
 
 
-def fleet_score(task: Task, seed: int, workers: int, rule: str) -> float:
+def fleet_score(task: Task, seed: int, workers: int, rule: str, ahead: float = 0.0) -> float:
     g = torch.Generator().manual_seed(seed)
     shards = torch.randperm(len(task.X), generator=g).chunk(task.shards)
     tasks = [(e, s) for e in range(1, task.epochs + 1) for s in torch.randperm(len(shards), generator=g).tolist()]
@@ -224,10 +228,22 @@ def fleet_score(task: Task, seed: int, workers: int, rule: str) -> float:
     models = [task.make() for _ in range(workers)]
     optimizers = [task.optimizer(m.parameters()) for m in models]
 
+    own: list[torch.Tensor | None] = [None] * workers  # each worker's last W_c (``ahead``: its next task's start)
+
     def run(w: int, shard: int, base: torch.Tensor) -> torch.Tensor:
-        load(models[w], base)
-        train_rows(task, models[w], optimizers[w], shards[shard][torch.randperm(len(shards[shard]), generator=g)])
-        return vector(models[w])
+        rows = shards[shard][torch.randperm(len(shards[shard]), generator=g)]
+        steps = -(-len(rows) // task.batch)
+        first = own[w]
+        k = min(int(ahead * steps), steps) if first is not None else 0
+
+        def correct(step: int) -> None:  # the delta rule: model = base + (model - W_c) after ``k`` steps
+            if step == k and first is not None and k:
+                load(models[w], base + (vector(models[w]) - first))
+
+        load(models[w], first if k else base)
+        train_rows(task, models[w], optimizers[w], rows, between=correct)
+        own[w] = vector(models[w])
+        return own[w]
 
     if rule.startswith("sync"):  # rounds of W tasks from one version, FedAvg with an outer step
         eta = float(rule.partition(":")[2] or 1)
@@ -262,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-kb", type=int, default=256)
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--epochs", type=int, default=2)
+    ahead_help = "the share of each task's steps taken from its worker's own W_c before the delta correction"
+    ap.add_argument("--ahead", type=float, default=0.0, help=ahead_help)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     data = load_task_data(args)
@@ -278,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 if rule == "ddp":
                     value = torch_score(task, seed, batch=BATCH * workers)
                 else:
-                    value = fleet_score(task, seed, workers, rule)
+                    value = fleet_score(task, seed, workers, rule, args.ahead)
                 ratios.setdefault((workers, rule), []).append(task.relative(value, base))
                 print(f"seed {seed} W={workers} {rule}: {value:.4f} ({task.relative(value, base):.3f})", flush=True)
     print(f"\n{args.task}: {unit} at equal tokens, median over seeds {args.seeds}\n")

@@ -90,7 +90,7 @@ class Script:
             classification=True,
             x_dtype=torch.float32,
             max_epochs=max_epochs,
-            merge=None,
+            merge=res.pop("merge", None),
             target=None,
             commit_every=1,
             validate_every=res.pop("validate_every", "auto"),
@@ -134,14 +134,22 @@ class Script:
             "base_step": task.step,
         }
 
-    def merge(self, effects: list[m.Effect], accept: bool = True, fault: str | None = None) -> list[m.Effect]:
+    def merge(
+        self, effects: list[m.Effect], accept: bool = True, fault: str | None = None, alpha: float | None = 0.5
+    ) -> list[m.Effect]:
         """The merge thread merges (or turns down) the result a :class:`Merge` effect names, and commits."""
         [fx] = [fx for fx in effects if isinstance(fx, m.Merge)]
         head = self.state.head
         if accept:
             step = head.step + 1
             head = Head(step=step, version=f"v{step}", version_step=step)
-            outcome = {"accepted": True, "staleness": 0, "alpha": 0.5, "new_version": step, "version_id": head.version}
+            outcome = {
+                "accepted": True,
+                "staleness": 0,
+                "alpha": alpha,
+                "new_version": step,
+                "version_id": head.version,
+            }
         else:
             outcome = {"accepted": False, "staleness": 0, "reason": f"rejected: {fault}", "fault": fault}
         return self(m.Merged(fx.task, fx.record, outcome, head))
@@ -537,3 +545,22 @@ def test_each_merge_carries_the_tasks_in_flight_when_its_result_came():
     s(m.Joined("b", 2))  # a worker of two threads joins while the first task trains
     [merge] = [fx for fx in s.finish_task(key, "a") if isinstance(fx, m.Merge)]
     assert merge.record["in_flight"] == 3
+
+
+def test_the_status_alpha_is_the_newest_merges_whatever_rule_the_spec_started_with():
+    """A run on fit's default may move on from its spec's rule as its fleet grows (engine/following.py):
+    the status shows the alpha the newest merge used, as the panel's update events do (None for a rule
+    without one); before the first merge, the spec's rule's."""
+    from vcdask.engine.views import _alpha_now
+    from vcdask.merge import VCASGD
+
+    s = Script(workers=("a",), merge=VCASGD(alpha=0.7))
+    assert _alpha_now(s.state) == pytest.approx(0.7)
+    [key] = keys(s(m.Poll()))
+    s.start(key, "a")
+    s.merge(s.finish_task(key, "a"), alpha=0.25)
+    assert _alpha_now(s.state) == 0.25
+    key = next(k for k, t in s.state.tasks.updates() if t.started is None)  # (sent with the hand-over)
+    s.start(key, "a")
+    s.merge(s.finish_task(key, "a"), alpha=None)  # delayed Nesterov, grown into: no alpha
+    assert _alpha_now(s.state) is None

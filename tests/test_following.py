@@ -61,6 +61,15 @@ def test_the_default_rule_moves_up_with_the_tasks_in_flight_and_never_back(tmp_p
     assert _merge(again, 5, 2.0, in_flight=8)["merge"]["name"] == "auto"
 
 
+def test_the_status_names_the_grown_rule_even_when_the_update_that_grew_it_is_rejected(tmp_path):
+    server = _server(_store(tmp_path))
+    _merge(server, 0, 1.0, in_flight=1)
+    record = _upload(server.store, 1, 1.5, 0, server.version)  # one merge stale
+    record.update(steps=2, step_seconds=30.0, in_flight=3)
+    out = server.merge(record, max_staleness=0)
+    assert not out["accepted"] and server.rule.name == "nesterov" and server.head.rule == "nesterov"
+
+
 def test_a_rule_the_user_chose_stays_whatever_the_fleet(tmp_path):
     server = _server(_store(tmp_path), follow=None, rule=Nesterov(lr=0.5, momentum=0.9, delay=2))
     for shard, in_flight in enumerate((2, 8, 16)):
@@ -88,7 +97,8 @@ def test_a_fit_started_on_one_worker_moves_to_the_default_of_the_grown_cluster(d
     from vcdask.demo import digits_cnn
 
     (X, y), _ = digits_data
-    step = HeldWhileFlagged(str(tmp_path / "no-flag"), str(tmp_path / "seen"), delay=0.01)  # 10 ms a batch
+    flag = tmp_path / "hold"
+    step = HeldWhileFlagged(str(flag), str(tmp_path / "seen"), delay=0.01)  # 10 ms a batch
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1") as cluster:
         with Client(cluster) as client:
             handle = vcdask.fit(
@@ -106,7 +116,10 @@ def test_a_fit_started_on_one_worker_moves_to_the_default_of_the_grown_cluster(d
             deadline = time.monotonic() + 60
             while handle.status()["step"] < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
+            flag.touch()  # the first worker's task waits mid-shard until the new ones are up (however slow)
             cluster.scale(3)
+            client.wait_for_workers(3, timeout=60)
+            flag.unlink()
             result = handle.result()
     history = result.history
     assert history["accepted"].all() and len(history) == 48

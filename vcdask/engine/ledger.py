@@ -234,8 +234,13 @@ class Ledger:
                 row[f"{name}_max"] = max(values)
         return row
 
+    def last_merged(self) -> dict[str, Any] | None:
+        """The history row of the newest merged update (None before the first)."""
+        return next((h for h in reversed(self.history) if h["accepted"]), None)
+
     def last_staleness(self) -> int | None:
-        return next((h["staleness"] for h in reversed(self.history) if h["accepted"]), None)
+        last = self.last_merged()
+        return None if last is None else last["staleness"]
 
 
 def _mean(values: list[float]) -> float:

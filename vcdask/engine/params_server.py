@@ -263,8 +263,9 @@ class ParamsServer(Committing):
         ``fault`` kind — ``W_s`` is then untouched.
         """
         assert self.params is not None, "load() first"
-        if grow(self, record.get("in_flight")):
+        if grow(self, record.get("in_flight")):  # (the status names the new rule even if this update is rejected)
             self.rule_state = self.rule.init_state(self.params)
+            self.head = replace(self.head, rule=self.rule.label(self.rule_state))
         staleness = self.step - record["base_step"]
         t0 = time.perf_counter()
         try:

@@ -59,6 +59,12 @@ def _cost_so_far(run: RunState) -> dict[str, float] | None:
 
 
 def _alpha_now(run: RunState) -> float | None:
+    """The weight the newest merge kept of ``W_s`` (the paper's alpha; None for a rule without one), as the
+    panel's update events show it: fit's default rule may have moved on from the spec's as the fleet grew
+    (:mod:`vcdask.engine.following`).  Before the first merge, the spec's rule's alpha for the epoch."""
+    last = run.ledger.last_merged()
+    if last is not None:
+        return last.get("alpha")
     try:
         schedule = getattr(run.spec.merge, "schedule", None)
         return None if schedule is None else float(schedule(max(1, run.dispatch.epoch)))
