@@ -50,8 +50,12 @@ Seeds (``--seeds``) change the initial weights and the data order of every train
 breast-cancer split, as in ``defaults.py``).  Prints progress to stderr and, per task, a markdown table:
 per trainer the median of each metric over the seeds, its ratio to torch's (losses) or difference in
 points (accuracy), the values by seed, the median over seeds of the largest staleness of a merged update
-(vcdask) and the median wall seconds of one training.  Loss at equal tokens does not depend on wall time:
-8 worker processes on 2 cores measure the same thing as 8 machines, only slower.
+and of the mean local steps a merged task trained ahead of its merged base (vcdask; ``steps_ahead``, see
+:mod:`vcdask.overlap`) and the median wall seconds of one training.  Loss at equal tokens does not depend
+on wall time: 8 worker processes on 2 cores measure the same thing as 8 machines, only slower.  A vcdask
+run is not deterministic, though: the order its results arrive in is the machine's, and on the char-LM
+that alone moves a seed's loss by several per cent (see the docs' benchmarks page): compare medians over
+six seeds or more.
 """
 
 from __future__ import annotations

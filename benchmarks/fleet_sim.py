@@ -2,6 +2,7 @@
 
 usage: python benchmarks/fleet_sim.py [--task charlm|digits] [--workers 1,2,4,8] [--rules default,...]
                                       [--seeds 0,2] [--train-kb 256] [--shards 8] [--epochs 2]
+                                      [--ahead SHARE] [--jitter J]
 
 ``--task charlm`` (the default): the small CPU char-LM of issue 38 (``examples/char_lm.py``'s CharGPT, d_model
 96, 3 layers, 4 heads, context 64, AdamW 5e-3, batch 32, ``--shards`` shards, ``--epochs`` epochs; validation
@@ -34,6 +35,13 @@ in flight), ``nesterov:LR/MOMENTUM`` (delayed over W, the default's bias correct
 those candidates (``_``-separated lists; e.g. ``probe:0.5_1_1.5_2_3/0_0.5_1``): ``W_s += (a * p + b * (W_base -
 W_s)) / (staleness + 1)``, ``p = W_c - W_base``, ``(a, b)`` chosen by the training loss of the candidates on ROWS
 (default: the rule's, 64) fixed training rows drawn at random.
+
+Two options bring the simulation closer to a real run.  ``--ahead SHARE``: each task after a worker's first
+trains the first ``SHARE`` of its steps from its worker's own last ``W_c`` and then corrects by ``W_s - W_c``
+(``vcdask.worker.overlap="delta"``: the merged version came only then; a real run records this as
+``steps_ahead``, at most half a task's steps).  ``--jitter J``: task lengths uniform in ``1 +- J`` (drawn from
+a stream of their own, seeded), merged in the order they end, so staleness varies around ``W - 1`` as it does
+on a real cluster; 0 (the default) merges in dispatch order.
 
 Nothing here waits on a clock, so a row is the same on every run and machine (up to the float rounding of
 the torch build); rounding alone moves this task's loss by 1-2% (see the docs' benchmarks page), so compare
@@ -220,7 +228,7 @@ class Outer:
             raise ValueError(f"unknown rule {self.rule_text!r}")
 
 
-def fleet_score(task: Task, seed: int, workers: int, rule: str, ahead: float = 0.0) -> float:
+def fleet_score(task: Task, seed: int, workers: int, rule: str, ahead: float = 0.0, jitter: float = 0.0) -> float:
     g = torch.Generator().manual_seed(seed)
     shards = torch.randperm(len(task.X), generator=g).chunk(task.shards)
     tasks = [(e, s) for e in range(1, task.epochs + 1) for s in torch.randperm(len(shards), generator=g).tolist()]
@@ -250,15 +258,22 @@ def fleet_score(task: Task, seed: int, workers: int, rule: str, ahead: float = 0
         for r in range(0, len(tasks), workers):
             mean = torch.stack([run(w, s, server.ws) for w, (_, s) in enumerate(tasks[r : r + workers])]).mean(0)
             server.ws = server.ws + eta * (mean - server.ws)
-    else:  # one at a time in dispatch order; ``seq`` keeps one task in flight, round robin over the workers
+    else:  # one at a time in the order they end; ``seq`` keeps one task in flight, round robin over the workers
         in_flight = 1 if rule == "seq" else workers
-        queue = [(w, tasks[w], server.ws.clone(), 0) for w in range(min(in_flight, len(tasks)))]
+        clock = torch.Generator().manual_seed(seed + 7919)  # (task lengths: their own stream, as the data's)
+
+        def ends(start: float) -> float:  # a task's length: 1, or uniform in 1 +- jitter
+            return start + 1.0 + jitter * (2 * float(torch.rand(1, generator=clock)) - 1)
+
+        queue = [(ends(0.0), w, w, tasks[w], server.ws.clone(), 0) for w in range(min(in_flight, len(tasks)))]
         issued = len(queue)
         while queue:
-            w, (epoch, shard), base, base_step = queue.pop(0)
+            queue.sort(key=lambda q: q[:2])  # (the first to end; ties in dispatch order)
+            end, _, w, (epoch, shard), base, base_step = queue.pop(0)
             server.merge(run(w, shard, base), base, base_step, epoch)
             if issued < len(tasks):
-                queue.append(((w + 1) % workers if rule == "seq" else w, tasks[issued], server.ws.clone(), server.step))
+                nxt = (w + 1) % workers if rule == "seq" else w
+                queue.append((ends(end), issued, nxt, tasks[issued], server.ws.clone(), server.step))
                 issued += 1
     final = task.make()
     load(final, server.ws)
@@ -280,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=2)
     ahead_help = "the share of each task's steps taken from its worker's own W_c before the delta correction"
     ap.add_argument("--ahead", type=float, default=0.0, help=ahead_help)
+    jitter_help = "task lengths uniform in 1 +- JITTER (0: all equal, merged in dispatch order, W - 1 stale)"
+    ap.add_argument("--jitter", type=float, default=0.0, help=jitter_help)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     data = load_task_data(args)
@@ -296,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 if rule == "ddp":
                     value = torch_score(task, seed, batch=BATCH * workers)
                 else:
-                    value = fleet_score(task, seed, workers, rule, args.ahead)
+                    value = fleet_score(task, seed, workers, rule, args.ahead, args.jitter)
                 ratios.setdefault((workers, rule), []).append(task.relative(value, base))
                 print(f"seed {seed} W={workers} {rule}: {value:.4f} ({task.relative(value, base):.3f})", flush=True)
     print(f"\n{args.task}: {unit} at equal tokens, median over seeds {args.seeds}\n")
