@@ -3,7 +3,7 @@
 usage: python benchmarks/equal_tokens.py [--tasks charlm,digits,tabular,diabetes] [--workers 1,2,4,8]
                                          [--ddp-workers 2,4,8] [--seeds 0,1,2] [--set NAME=VALUE ...]
                                          [--skip-ddp] [--skip-vcdask] [--schedule constant|cosine]
-                                         [--grow-from N]
+                                         [--grow-from N] [--epochs N]
 
 Every trainer makes the same number of passes over the same training data, from the same seeded initial
 weights, with the same optimizer, learning rate and batch size per worker:
@@ -70,7 +70,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -401,6 +401,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=set_help)
     ap.add_argument("--skip-ddp", action="store_true", help="no DDP rows")
     ap.add_argument("--skip-vcdask", action="store_true", help="no vcdask rows")
+    epochs_help = "passes over the data for every trainer of every task (default: each task's own)"
+    ap.add_argument("--epochs", type=int, default=None, metavar="N", help=epochs_help)
     grow_help = "start each vcdask run on a fresh cluster of this many workers, scaled to W after its first merge"
     ap.add_argument("--grow-from", type=int, default=None, metavar="N", help=grow_help)
     ap.add_argument(
@@ -417,6 +419,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} takes a comma list of integers, got {getattr(args, name)!r}")
     if min(args.workers + args.ddp_workers) < 1:
         ap.error("--workers and --ddp-workers must be >= 1")
+    if args.epochs is not None and args.epochs < 1:
+        ap.error(f"--epochs must be >= 1, got {args.epochs}")
     args.overrides = {}
     for item in args.set:
         name, sep, value = item.partition("=")
@@ -431,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the torch loop on one core, as each DDP rank and each worker
     t_start = time.perf_counter()
     tasks = {(name, seed): make_task(name, seed) for name in args.tasks for seed in args.seeds}
+    if args.epochs is not None:
+        tasks = {key: replace(task, epochs=args.epochs) for key, task in tasks.items()}
     runs: dict[str, dict[str, list[dict]]] = {name: {} for name in args.tasks}
     for (_name, seed), task in tasks.items():
         run_one(runs, task, "torch, 1 process", seed, functools.partial(train_torch, task, seed, args.schedule))
