@@ -110,6 +110,7 @@ def test_a_fit_started_on_one_worker_moves_to_the_default_of_the_grown_cluster(d
                 client=client,
                 store=tmp_path / "s",
                 retention=False,  # (every version kept: the test reads each merge's rule)
+                resilience=vcdask.Resilience(deadline=120),  # (the held task outlasts slow worker starts)
                 progress=False,
                 wait=False,
             )
