@@ -36,16 +36,6 @@ def worker_pid(client, address: str) -> int:
     return client.run(os.getpid, workers=[address])[address]
 
 
-def wait_for_busy_worker(client, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        busy = busy_workers(client)
-        if busy:
-            return busy[0]
-        time.sleep(0.02)
-    raise TimeoutError("no worker was training")
-
-
 def _executing_training(dask_worker=None) -> list[str]:
     return [str(ts.key) for ts in dask_worker.state.executing if str(ts.key).startswith("vcdask-train-")]
 

@@ -31,7 +31,6 @@ from chaos_helpers import (
     running_run,
     start_worker,
     stop_worker_mid_task,
-    wait_for_busy_worker,
     worker_info,
 )
 from distributed import Client
@@ -540,16 +539,19 @@ def test_whole_pool_lost_past_no_worker_timeout(digits_data, tmp_path):
 
 def test_preemption_notice_moves_work_without_failures(digits_data, tmp_path):
     (X, y), _ = digits_data
-    # 10 ms a batch (a task about 0.3 s): once, under the full suite's load, the busy worker finished its task
-    # between being seen busy and the notice, and had nothing left to move
-    step = HeldWhileFlagged(str(tmp_path / "never"), str(tmp_path / "seen"), delay=0.01)
+    # the victim's task is held mid-shard while the notice goes out (twice, under the full suite's load, the
+    # busy worker finished its task between being seen busy and the notice, and had nothing left to move)
+    flag, seen = tmp_path / "hold", tmp_path / "seen"
+    step = HeldWhileFlagged(str(flag), str(seen), delay=0.01)
     with embedded_cluster(n_workers=3) as cluster, Client(cluster, set_as_default=False) as client:
         thread, out = fit_in_thread(
             model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", train_step=step, **FIT
         )
         running_run(client, min_step=2)
-        victim = wait_for_busy_worker(client)
+        flag.touch()
+        victim = _held_worker(client, seen)
         moved = vcdask.preempt(client, victim)
+        flag.unlink()
         thread.join(300)
         assert victim not in worker_info(client)  # retired
     assert "error" not in out, out.get("error")
@@ -558,6 +560,18 @@ def test_preemption_notice_moves_work_without_failures(digits_data, tmp_path):
     assert list(moved.values())[0]  # its queued shards were re-issued
     stats = result.workers.set_index("worker").loc[victim]
     assert stats.preempted and stats.failed == 0 and stats.excluded is None
+
+
+def _held_worker(client, seen, timeout: float = 60) -> str:
+    """A worker whose training task waits at a batch (``HeldWhileFlagged`` wrote its pid to ``seen``)."""
+    pids = {pid: address for address, pid in client.run(os.getpid).items()}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = {int(line) for line in seen.read_text().split()} if seen.exists() else set()
+        if held & set(pids):
+            return pids[min(held & set(pids))]
+        time.sleep(0.02)
+    raise TimeoutError("no training task was held")
 
 
 def test_g_bad_resilience_options_fail_before_cluster_work(tmp_path):
