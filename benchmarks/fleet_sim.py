@@ -242,16 +242,16 @@ def fleet_score(task: Task, seed: int, workers: int, rule: str, ahead: float = 0
         rows = shards[shard][torch.randperm(len(shards[shard]), generator=g)]
         steps = -(-len(rows) // task.batch)
         first = own[w]
-        k = min(int(ahead * steps), steps) if first is not None else 0
+        k = min(int(ahead * steps), steps - 1) if first is not None else 0  # (corrected before its last step)
 
         def correct(step: int) -> None:  # the delta rule: model = base + (model - W_c) after ``k`` steps
-            if step == k and first is not None and k:
+            if k and step == k and first is not None:
                 load(models[w], base + (vector(models[w]) - first))
 
-        load(models[w], first if k else base)
+        load(models[w], first if k and first is not None else base)
         train_rows(task, models[w], optimizers[w], rows, between=correct)
-        own[w] = vector(models[w])
-        return own[w]
+        w_c = own[w] = vector(models[w])
+        return w_c
 
     if rule.startswith("sync"):  # rounds of W tasks from one version, FedAvg with an outer step
         eta = float(rule.partition(":")[2] or 1)
@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     jitter_help = "task lengths uniform in 1 +- JITTER (0: all equal, merged in dispatch order, W - 1 stale)"
     ap.add_argument("--jitter", type=float, default=0.0, help=jitter_help)
     args = ap.parse_args(argv)
+    for name in ("ahead", "jitter"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            ap.error(f"--{name} must be in [0, 1), got {getattr(args, name)}")
     torch.set_num_threads(1)
     data = load_task_data(args)
     ratios: dict[tuple[int, str], list[float]] = {}
