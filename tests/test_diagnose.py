@@ -14,7 +14,10 @@ from vcdask.diagnose import NOT_VALIDATED, divergence
 
 def _history(rows):
     cols = ["base_version", "first_loss", "accepted", "reason"]
-    return pd.DataFrame([dict(zip(cols, r, strict=True)) for r in rows])
+    frame = pd.DataFrame([dict(zip(cols, r, strict=True)) for r in rows])
+    if len(frame):
+        frame["outcome"] = frame["accepted"].map({True: "merged", False: "rejected"})
+    return frame
 
 
 def _epochs(losses):
@@ -29,6 +32,11 @@ def test_divergence_from_the_initial_loss_and_from_non_finite_updates():
     assert "rose from 2.305" in message and "to 310 (epoch 2's mean)" in message and "learning rate" in message
     nan = [(0, 2.3, False, "non-finite values (NaN/inf) in ['w']")] * 3 + [(0, 2.3, True, None)]
     assert "3 updates came back non-finite" in divergence(_history(nan), _epochs([2.0]))
+    # a shard given up for its NaNs: its "skipped" rows name the same failures and are not counted again
+    one_shard = _history(nan[:2] + [(0, 2.3, True, None)] * 3)  # 2 rejected, 3 merged
+    gave_up = {"reason": "skipped: shard 3 is given up: its updates were non-finite (NaN/inf) on 2 workers"}
+    one_shard = pd.concat([one_shard, pd.DataFrame([{**gave_up, "accepted": False, "outcome": "skipped"}])])
+    assert divergence(one_shard, _epochs([2.0])) is None
     assert divergence(_history([]), _epochs([])) is None
 
 

@@ -564,3 +564,44 @@ def test_the_status_alpha_is_the_newest_merges_whatever_rule_the_spec_started_wi
     s.start(key, "a")
     s.merge(s.finish_task(key, "a"), alpha=None)  # delayed Nesterov, grown into: no alpha
     assert _alpha_now(s.state) is None
+
+
+@pytest.mark.parametrize("running", [False, True], ids=["queued", "running"])
+def test_a_shard_blamed_for_its_data_is_given_up_in_the_next_epoch_too_whose_copy_failed_first(running):
+    """Epochs overlap: the bad shard's next-epoch copy comes back NaN (from ``a`` again) before its
+    first-epoch retry does (from ``b``).  Once the data is blamed, the next epoch's shard is given up too,
+    its re-issued copy cancelled (or, already running, recorded late), and ``a`` counted once, forgiven."""
+    s = Script(n_shards=2, max_epochs=2, on_shard_failure="skip")
+    first = keys(s(m.Poll()))
+    bad, good = (s.state.tasks.records[k] for k in first)
+    s.start(first[0], "a")
+    retry = keys(s.merge(s.finish_task(first[0], "a"), accept=False, fault="non-finite"))
+    s.start(first[1], "b")
+    s.merge(s.finish_task(first[1], "b"))
+    [retry1] = [k for k in retry + keys(s(m.Poll())) if s.state.tasks.records[k].copy_of(1, bad.shard)]
+    s.start(retry1, "b")  # epoch 1's retry, held on b ...
+    [bad2] = [k for k, t in s.state.tasks.updates() if t.copy_of(2, bad.shard)]
+    s.start(bad2, "a")  # ... while epoch 2's copy comes back NaN from a first
+    sent = keys(s.merge(s.finish_task(bad2, "a"), accept=False, fault="non-finite"))
+    assert s.state.pool.record("a").rejected == 1  # a's second NaN of the same shard: counted once
+    [retry2] = [k for k in sent + keys(s(m.Poll())) if s.state.tasks.records[k].copy_of(2, bad.shard)]
+    if running:
+        s.start(retry2, "b")
+    effects = s.merge(s.finish_task(retry1, "b"), accept=False, fault="non-finite")
+    assert s.state.ledger.skipped == {1: {bad.shard}, 2: {bad.shard}}
+    assert [r["epoch"] for r in rows(s.state, "skipped")] == [1, 2]
+    assert all("samples" in r["reason"] for r in rows(s.state, "skipped"))
+    assert [r["epoch"] for r in rows(s.state, "rejected")] == [1, 2, 1]  # epoch 2: given up at its first
+    assert s.state.pool.record("a").rejected == s.state.pool.record("b").rejected == 0  # the data's doing
+    cancelled = [fx.keys for fx in effects if isinstance(fx, m.Cancel)]
+    if running:
+        assert cancelled == []  # a running copy cannot be stopped: it finishes, recorded late
+        s.finish_task(retry2, "b")
+        [late] = rows(s.state, "late")
+        assert late["epoch"] == 2 and late["reason"] == "late: (epoch, shard) was given up (skipped) meanwhile"
+    else:
+        assert cancelled == [(retry2,)]
+        s(m.Completed(retry2, cancelled=True))
+        [row] = rows(s.state, "cancelled")
+        assert row["reason"] == "cancelled: the shard was given up (skipped) for this epoch"
+    assert not rows(s.state, "duplicate") and good.shard != bad.shard

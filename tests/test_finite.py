@@ -128,8 +128,11 @@ def test_a_shard_non_finite_on_two_workers_blames_its_data_not_the_workers(clien
     assert skipped.reason.str.contains("samples 150-199").all()
     rejected = h[h.outcome == "rejected"]
     assert set(rejected.shard) == {3} and rejected.reason.str.contains("non-finite").all()
-    assert len(rejected[rejected.epoch == 1].worker.unique()) == 2  # epoch 1: once on each worker
-    assert len(rejected[rejected.epoch == 2]) == 1  # epoch 2: known for the data's, given up at the first
+    assert rejected.worker.nunique() == 2  # once on each worker: the data is blamed
+    # one epoch's copies came back NaN on both workers, the other's (known for the data's) was given up at its
+    # first; as epochs overlap, the second NaN may be the next epoch's: then both are given up at their first
+    assert sorted(set(rejected.epoch)) == [1, 2] and len(rejected) <= 3, rejected
+    assert set(h[h.outcome.isin(["late", "cancelled"])].shard) <= {3}  # a retry out meanwhile, turned down
     workers = result.workers.set_index("worker")
     assert (workers.rejected == 0).all() and workers.excluded.isna().all(), workers
     assert len(h[h.outcome == "merged"]) == 6  # every other shard of both epochs

@@ -46,8 +46,9 @@ def divergence(history: Any, epochs: Any) -> str | None:
     """
     if not len(history):
         return None
-    reasons = history["reason"].astype(str)
-    non_finite = int(reasons.str.contains("non-finite", regex=False).sum())
+    rejected = history[history["outcome"] == "rejected"]
+    # (updates rejected, not the rows of the shards given up for them: those name the same failures)
+    non_finite = int(rejected["reason"].astype(str).str.contains("non-finite", regex=False).sum())
     merged = history[history["accepted"].astype(bool)]
     if non_finite and non_finite >= len(merged):
         return (

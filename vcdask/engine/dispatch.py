@@ -41,7 +41,7 @@ class Dispatcher:
         # schedule's clock: vcdask.lr_schedules); the shards of an epoch handed out so far
         self.positions: dict[tuple[int, int], int] = {}
         self.issued: dict[int, int] = {}
-        self.non_finite: dict[int, set[str]] = {}  # shard -> workers whose update of it was NaN/inf
+        self.non_finite: dict[int, dict[str, set[int]]] = {}  # shard -> worker -> epochs its update was NaN/inf
 
     def _order(self) -> list[int]:
         order = list(range(self.n_shards))

@@ -67,8 +67,12 @@ def completed(state: RunState, key: str, cancelled: bool) -> None:
         return
     if cancelled:
         if task.kind == "update":
-            superseded = state.ledger.is_merged(task.epoch, task.shard)
-            why = "superseded: another copy of this shard was merged" if superseded else state.stopping
+            if state.ledger.is_merged(task.epoch, task.shard):
+                why = "superseded: another copy of this shard was merged"
+            elif state.ledger.done(task.epoch, task.shard):
+                why = "the shard was given up (skipped) for this epoch"
+            else:
+                why = str(state.stopping)
             state.ledger.record_copy(task, "cancelled", f"cancelled: {why}")
         return
     state.out.append(Read(key, task))
@@ -107,7 +111,16 @@ def arrived(state: RunState, task: TaskRecord, rec: dict[str, Any]) -> None:
         )
         return
     fields = _row_fields(task, rec)
-    if task.overdue:
+    if not state.ledger.is_merged(epoch, shard):
+        row = state.ledger.record(
+            epoch,
+            shard,
+            rec["attempt"],
+            "late",
+            **fields,
+            reason="late: (epoch, shard) was given up (skipped) meanwhile",
+        )
+    elif task.overdue:
         row = state.ledger.record(
             epoch,
             shard,

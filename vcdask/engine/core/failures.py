@@ -13,7 +13,7 @@ from ...errors import StoreAccessDeniedError, StoreError, StoreNotFoundError, St
 from .. import policy
 from ..inflight import TaskRecord
 from .dispatching import submit_shard, submit_validation
-from .messages import Commit, Fail, Failure, FailureKind
+from .messages import Cancel, Commit, Fail, Failure, FailureKind
 from .state import RunState
 
 if TYPE_CHECKING:
@@ -130,31 +130,50 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
     """The update of (epoch, shard) from ``worker`` failed its checks.
 
     A shard whose updates came back non-finite from two workers is the data's doing (or the loss's on
-    it, or a learning rate the training diverges at), not theirs: the workers are not blamed (the
-    first is forgiven), and the shard is given up at once, naming its samples."""
+    it, or a learning rate the training diverges at), not theirs: the workers are not blamed (each was
+    blamed once for it, and is forgiven), and the shard is given up at once, naming its samples, in this
+    epoch and in any other whose copy of it already came back non-finite (its re-issued copies are
+    cancelled).  A worker's second NaN of the same shard, in another epoch, is not counted twice."""
     state.ledger.set_shard(epoch, shard, "rejected")
     logger.warning(
         "run %s: rejected the update of shard %d, epoch %d from %s: %s", state.id, shard, epoch, worker, reason
     )
     if fault == "non-finite":
-        seen = state.dispatch.non_finite.setdefault(shard, set())
-        seen.add(worker)
+        seen = state.dispatch.non_finite.setdefault(shard, {})
+        data_known = len(seen) >= 2  # the data is blamed already: nobody is
+        again = worker in seen
+        seen.setdefault(worker, set()).add(epoch)
         if len(seen) >= 2:
-            for other in seen - {worker}:
-                state.pool.forgive(other, "rejected")
-            start, stop = state.spec.shards.bounds(shard)
-            why = (
-                f"its updates were non-finite (NaN/inf) on {len(seen)} workers ({', '.join(sorted(seen))}): "
-                f"the data of samples {start}-{stop - 1} (training rows, after any hold-out), the loss on "
-                "them, or a learning rate the training diverges at"
-            )
-            if not state.tasks.copy_running(epoch, shard):  # (a copy still out comes back NaN too, or merges)
-                give_up(state, epoch, shard, f"shard {shard} of epoch {epoch} is given up: {why}")
+            if not data_known:
+                for other in set(seen) - {worker}:
+                    state.pool.forgive(other, "rejected")
+            _data_given_up(state, epoch, shard, seen)
+            return
+        if again:  # the same worker, the same shard, another epoch: counted against it once
+            retry_or_give_up(state, epoch, shard, reason, avoid=worker)
             return
     if fault not in ("stale", "unreadable"):  # not the worker's fault: its base was old / the store
         blame(state, worker, "rejected")
     # an update that came back too stale is the pace's doing, not the shard's: re-issue, uncounted
     retry_or_give_up(state, epoch, shard, reason, avoid=worker, count=fault != "stale")
+
+
+def _data_given_up(state: RunState, epoch: int, shard: int, seen: dict[str, set[int]]) -> None:
+    """Give ``shard`` up for its data in ``epoch`` and in every epoch where it came back non-finite, unless
+    a copy of it in ``epoch`` is still out (it comes back NaN too, or merges)."""
+    start, stop = state.spec.shards.bounds(shard)
+    why = (
+        f"its updates were non-finite (NaN/inf) on {len(seen)} workers ({', '.join(sorted(seen))}): "
+        f"the data of samples {start}-{stop - 1} (training rows, after any hold-out), the loss on "
+        "them, or a learning rate the training diverges at"
+    )
+    for e in sorted(set().union(*seen.values())):
+        if state.ledger.done(e, shard) or (e == epoch and state.tasks.copy_running(e, shard)):
+            continue
+        unstarted = tuple(k for k, t in state.tasks.updates() if t.copy_of(e, shard) and t.started is None)
+        if unstarted:  # (one already running is left to finish: it is recorded as late)
+            state.out.append(Cancel(unstarted))
+        give_up(state, e, shard, f"shard {shard} of epoch {e} is given up: {why}")
 
 
 def retry_or_give_up(
