@@ -2,7 +2,7 @@
 
 usage: python benchmarks/fleet_sim.py [--task charlm|digits] [--workers 1,2,4,8] [--rules default,...]
                                       [--seeds 0,2] [--train-kb 256] [--shards 8] [--epochs 2]
-                                      [--ahead SHARE] [--jitter J]
+                                      [--ahead SHARE] [--jitter J] [--lookahead G]
 
 ``--task charlm`` (the default): the small CPU char-LM of issue 38 (``examples/char_lm.py``'s CharGPT, d_model
 96, 3 layers, 4 heads, context 64, AdamW 5e-3, batch 32, ``--shards`` shards, ``--epochs`` epochs; validation
@@ -41,7 +41,9 @@ trains the first ``SHARE`` of its steps from its worker's own last ``W_c`` and t
 (``vcdask.worker.overlap="delta"``: the merged version came only then; a real run records this as
 ``steps_ahead``, at most half a task's steps).  ``--jitter J``: task lengths uniform in ``1 +- J`` (drawn from
 a stream of their own, seeded), merged in the order they end, so staleness varies around ``W - 1`` as it does
-on a real cluster; 0 (the default) merges in dispatch order.
+on a real cluster; 0 (the default) merges in dispatch order.  ``--lookahead G`` (measured and dropped,
+see the docs' benchmarks page): each task after the first W trains from ``W_s + G (W_s - W_s of W - 1
+merges before)``, where ``W_s`` would be when its update comes back if it moved on as it did.
 
 Nothing here waits on a clock, so a row is the same on every run and machine (up to the float rounding of
 the torch build); rounding alone moves this task's loss by 1-2% (see the docs' benchmarks page), so compare
@@ -228,7 +230,9 @@ class Outer:
             raise ValueError(f"unknown rule {self.rule_text!r}")
 
 
-def fleet_score(task: Task, seed: int, workers: int, rule: str, ahead: float = 0.0, jitter: float = 0.0) -> float:
+def fleet_score(
+    task: Task, seed: int, workers: int, rule: str, ahead: float = 0.0, jitter: float = 0.0, lookahead: float = 0.0
+) -> float:
     g = torch.Generator().manual_seed(seed)
     shards = torch.randperm(len(task.X), generator=g).chunk(task.shards)
     tasks = [(e, s) for e in range(1, task.epochs + 1) for s in torch.randperm(len(shards), generator=g).tolist()]
@@ -267,13 +271,21 @@ def fleet_score(task: Task, seed: int, workers: int, rule: str, ahead: float = 0
 
         queue = [(ends(0.0), w, w, tasks[w], server.ws.clone(), 0) for w in range(min(in_flight, len(tasks)))]
         issued = len(queue)
+        history = [server.ws.clone()]  # W_s after each merge, the last ``in_flight`` of them
+
+        def base_now() -> torch.Tensor:  # ``lookahead``: W_s moved on as over the last W - 1 merges, times G
+            if not lookahead or len(history) < in_flight:
+                return server.ws.clone()
+            return server.ws + lookahead * (server.ws - history[-in_flight])
+
         while queue:
             queue.sort(key=lambda q: q[:2])  # (the first to end; ties in dispatch order)
             end, _, w, (epoch, shard), base, base_step = queue.pop(0)
             server.merge(run(w, shard, base), base, base_step, epoch)
+            history = [*history[-(in_flight - 1) :], server.ws.clone()] if in_flight > 1 else [server.ws.clone()]
             if issued < len(tasks):
                 nxt = (w + 1) % workers if rule == "seq" else w
-                queue.append((ends(end), issued, nxt, tasks[issued], server.ws.clone(), server.step))
+                queue.append((ends(end), issued, nxt, tasks[issued], base_now(), server.step))
                 issued += 1
     final = task.make()
     load(final, server.ws)
@@ -297,10 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ahead", type=float, default=0.0, help=ahead_help)
     jitter_help = "task lengths uniform in 1 +- JITTER (0: all equal, merged in dispatch order, W - 1 stale)"
     ap.add_argument("--jitter", type=float, default=0.0, help=jitter_help)
+    lookahead_help = "each task's base W_s + G (W_s - W_s of W - 1 merges before): where W_s will be at its merge"
+    ap.add_argument("--lookahead", type=float, default=0.0, metavar="G", help=lookahead_help)
     args = ap.parse_args(argv)
     for name in ("ahead", "jitter"):
         if not 0.0 <= getattr(args, name) < 1.0:
             ap.error(f"--{name} must be in [0, 1), got {getattr(args, name)}")
+    if args.lookahead < 0:
+        ap.error(f"--lookahead must be 0 or more, got {args.lookahead}")
     torch.set_num_threads(1)
     data = load_task_data(args)
     ratios: dict[tuple[int, str], list[float]] = {}
@@ -316,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 if rule == "ddp":
                     value = torch_score(task, seed, batch=BATCH * workers)
                 else:
-                    value = fleet_score(task, seed, workers, rule, args.ahead, args.jitter)
+                    value = fleet_score(task, seed, workers, rule, args.ahead, args.jitter, args.lookahead)
                 ratios.setdefault((workers, rule), []).append(task.relative(value, base))
                 print(f"seed {seed} W={workers} {rule}: {value:.4f} ({task.relative(value, base):.3f})", flush=True)
     print(f"\n{args.task}: {unit} at equal tokens, median over seeds {args.seeds}\n")
