@@ -37,7 +37,7 @@ def can_grow(rule: MergeRule) -> bool:
 
 def grow(server: Any, in_flight: int | None) -> bool:
     """Move ``server``'s rule (:class:`~vcdask.engine.params_server.ParamsServer`: its ``rule``,
-    ``follow``, ``probe`` and the probe it keeps for a rule grown into) to fit's default for
+    ``follow``, ``probe`` and ``spare_probe``, the probe it keeps for a rule grown into) to fit's default for
     ``in_flight`` tasks, if the fleet grew into another kind of rule; whether it did."""
     grown = grown_rule(server.rule, server.follow, in_flight)
     if grown is None:
@@ -48,7 +48,7 @@ def grow(server: Any, in_flight: int | None) -> bool:
     )  # fmt: skip
     server.rule, server.follow = grown, int(in_flight)  # type: ignore[arg-type]
     if "loss" in grown.needs and server.probe is None:
-        server.probe = server._probe_source
+        server.probe = server.spare_probe
     if not can_grow(grown):
-        server._probe_source = None  # (no rule to grow into: the probe goes once this one needs it no more)
+        server.spare_probe = None  # (no rule to grow into: the probe goes once this one needs it no more)
     return True

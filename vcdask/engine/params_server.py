@@ -118,7 +118,8 @@ class ParamsServer(Committing):
             raise ValueError(f"the {rule.name!r} merge rule needs a probe of the training loss (probe=...)")
         self.probe = probe
         self.follow = follow  # (fit's default: the tasks in flight the rule was chosen for)
-        self._probe_source = probe if follow is not None and can_grow(rule) else None  # (for a rule grown into)
+        #: the probe kept for a rule the fleet may grow into (:func:`~vcdask.engine.following.grow` hands it over)
+        self.spare_probe = probe if follow is not None and can_grow(rule) else None
         self.rule_state = RuleState()
         self.run_id = run_id
         #: ``commit_every="auto"``: commit every merge, or with the last of the results queued behind it
@@ -341,7 +342,7 @@ class ParamsServer(Committing):
         if "loss" not in needs:
             self.probe = None  # (a rule that chose not to probe: its model copy and rows go)
         small = self.params is not None and self.params.nbytes <= self.inline_bytes  # (only those have drafts)
-        if self._probe_source is not None and self.drafts and small:  # (may grow into a rule that needs each
+        if self.spare_probe is not None and self.drafts and small:  # (may grow into a rule that needs each
             needs = needs | {"base"}  # update's base, and a draft's is kept nowhere else)
         if self.params is None or "base" not in needs:
             self._recent.clear()  # (a rule that chose not to need them any more)
