@@ -605,3 +605,17 @@ def test_a_shard_blamed_for_its_data_is_given_up_in_the_next_epoch_too_whose_cop
         [row] = rows(s.state, "cancelled")
         assert row["reason"] == "cancelled: the shard was given up (skipped) for this epoch"
     assert not rows(s.state, "duplicate") and good.shard != bad.shard
+
+
+def test_the_only_worker_sending_the_same_copy_back_nan_again_is_blamed_each_time():
+    """Not the data's doing as far as anyone can tell (no second worker tried it): every NaN of the same
+    epoch's copy counts against the worker, so a worker that fails alone is excluded (a good one may join)."""
+    s = Script(n_shards=2, workers=("a",), max_attempts=4, max_worker_failures=3)
+    key = keys(s(m.Poll()))[0]
+    shard = s.state.tasks.records[key].shard
+    for _ in range(3):
+        s.start(key, "a")
+        sent = keys(s.merge(s.finish_task(key, "a"), accept=False, fault="non-finite"))
+        copies = [k for k in sent + keys(s(m.Poll())) if s.state.tasks.records[k].copy_of(1, shard)]
+        key = copies[0] if copies else key
+    assert s.state.pool.record("a").rejected == 3 and s.state.pool.record("a").excluded

@@ -133,7 +133,8 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
     it, or a learning rate the training diverges at), not theirs: the workers are not blamed (each was
     blamed once for it, and is forgiven), and the shard is given up at once, naming its samples, in this
     epoch and in any other whose copy of it already came back non-finite (its re-issued copies are
-    cancelled).  A worker's second NaN of the same shard, in another epoch, is not counted twice."""
+    cancelled).  A worker's NaN of a shard it sent NaN for in another epoch is not counted again; in the
+    same epoch (the only worker, sent the copy again) it is, so a worker that fails alone is excluded."""
     state.ledger.set_shard(epoch, shard, "rejected")
     logger.warning(
         "run %s: rejected the update of shard %d, epoch %d from %s: %s", state.id, shard, epoch, worker, reason
@@ -141,8 +142,9 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
     if fault == "non-finite":
         seen = state.dispatch.non_finite.setdefault(shard, {})
         data_known = len(seen) >= 2  # the data is blamed already: nobody is
-        again = worker in seen
-        seen.setdefault(worker, set()).add(epoch)
+        earlier = seen.setdefault(worker, set())
+        again = bool(earlier) and epoch not in earlier  # (the same epoch's copy again: blamed again, as before)
+        earlier.add(epoch)
         if len(seen) >= 2:
             if not data_known:
                 for other in set(seen) - {worker}:
