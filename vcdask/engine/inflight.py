@@ -91,6 +91,11 @@ class TaskTable:
             t.copy_of(epoch, shard) for t, _ in self.handed
         )
 
+    def unstarted_copies(self, epoch: int, shard: int) -> tuple[str, ...]:
+        """The keys of the copies of (epoch, shard) in flight that no worker has started (they can be
+        cancelled; a running one cannot be stopped)."""
+        return tuple(k for k, t in self.updates() if t.copy_of(epoch, shard) and t.started is None)
+
     def validating(self, step: int) -> bool:
         """Whether a validation of the version at ``step`` was handed over and waits to be recorded."""
         return any(t.kind == "validation" and t.step == step for t, _ in self.handed)

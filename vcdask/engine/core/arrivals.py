@@ -7,7 +7,7 @@ carried out in the run's merge thread; its outcome comes back as :class:`~.messa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...updates import update_gone
 from .. import policy
@@ -16,6 +16,9 @@ from .dispatching import fill, submit_validation
 from .failures import close_epochs, rejected, store_back, validate_head
 from .messages import Cancel, DropUpdate, Merge, Read
 from .state import RunState
+
+if TYPE_CHECKING:
+    from ..events import Outcome
 
 __all__ = ["arrived", "completed", "hand_over", "merged", "taken"]
 
@@ -111,28 +114,14 @@ def arrived(state: RunState, task: TaskRecord, rec: dict[str, Any]) -> None:
         )
         return
     fields = _row_fields(task, rec)
+    outcome: Outcome
     if not state.ledger.is_merged(epoch, shard):
-        row = state.ledger.record(
-            epoch,
-            shard,
-            rec["attempt"],
-            "late",
-            **fields,
-            reason="late: (epoch, shard) was given up (skipped) meanwhile",
-        )
+        outcome, reason = "late", "late: (epoch, shard) was given up (skipped) meanwhile"
     elif task.overdue:
-        row = state.ledger.record(
-            epoch,
-            shard,
-            rec["attempt"],
-            "late",
-            **fields,
-            reason="late: (epoch, shard) already merged from a re-issued copy",
-        )
+        outcome, reason = "late", "late: (epoch, shard) already merged from a re-issued copy"
     else:
-        row = state.ledger.record(
-            epoch, shard, rec["attempt"], "duplicate", **fields, reason="duplicate: (epoch, shard) already merged"
-        )
+        outcome, reason = "duplicate", "duplicate: (epoch, shard) already merged"
+    row = state.ledger.record(epoch, shard, rec["attempt"], outcome, **fields, reason=reason)
     if update_gone("duplicate", state.spec.keep_updates):
         state.out.append(DropUpdate(rec["update"]))
     _settled(state, rec, row)
@@ -155,7 +144,7 @@ def merged(state: RunState, task: TaskRecord, rec: dict[str, Any], outcome: dict
         state.pool.credit(worker)
         # the first valid result won: cancel the copies that have not started; one already running is
         # left to finish (cancelling cannot stop a running task): its result is recorded as late
-        others = tuple(k for k, t in state.tasks.updates() if t.copy_of(epoch, shard) and t.started is None)
+        others = state.tasks.unstarted_copies(epoch, shard)
         if others:
             state.out.append(Cancel(others))
     else:

@@ -172,7 +172,7 @@ def _data_given_up(state: RunState, epoch: int, shard: int, seen: dict[str, set[
     for e in sorted(set().union(*seen.values())):
         if state.ledger.done(e, shard) or (e == epoch and state.tasks.copy_running(e, shard)):
             continue
-        unstarted = tuple(k for k, t in state.tasks.updates() if t.copy_of(e, shard) and t.started is None)
+        unstarted = state.tasks.unstarted_copies(e, shard)
         if unstarted:  # (one already running is left to finish: it is recorded as late)
             state.out.append(Cancel(unstarted))
         give_up(state, e, shard, f"shard {shard} of epoch {e} is given up: {why}")
