@@ -3,6 +3,7 @@
 usage: python benchmarks/fleet_sim.py [--task charlm|digits] [--workers 1,2,4,8] [--rules default,...]
                                       [--seeds 0,2] [--train-kb 256] [--shards 8] [--epochs 2]
                                       [--ahead SHARE] [--jitter J] [--lookahead G]
+                                      [--inner worker,fresh,direction] [--lr LR]
 
 ``--task charlm`` (the default): the small CPU char-LM of issue 38 (``examples/char_lm.py``'s CharGPT, d_model
 96, 3 layers, 4 heads, context 64, AdamW 5e-3, batch 32, ``--shards`` shards, ``--epochs`` epochs; validation
@@ -44,6 +45,11 @@ a stream of their own, seeded), merged in the order they end, so staleness varie
 on a real cluster; 0 (the default) merges in dispatch order.  ``--lookahead G`` (measured and dropped,
 see the docs' benchmarks page): each task after the first W trains from ``W_s + G (W_s - W_s of W - 1
 merges before)``, where ``W_s`` would be when its update comes back if it moved on as it did.
+``--inner`` (a comma list, each a row of its own): what a worker's optimizer starts each task with:
+``worker`` (the default) its state from its previous task, as ``optimizer_state="worker"``; ``fresh`` a
+new optimizer, as ``optimizer_state="fresh"``; ``direction`` its previous state with the first moment
+(Adam's ``exp_avg``, SGD's momentum buffer) zeroed, the second moment and step count kept (not a vcdask
+option: measured, see the docs' benchmarks page).
 
 Nothing here waits on a clock, so a row is the same on every run and machine (up to the float rounding of
 the torch build); rounding alone moves this task's loss by 1-2% (see the docs' benchmarks page), so compare
@@ -99,7 +105,7 @@ def make_task(args, data, seed: int, workers: int) -> Task:
     if args.task == "charlm":
         (X, Y), (Xv, Yv) = data
         return Task("charlm", torch.from_numpy(X), torch.from_numpy(Y), lambda: char_lm.CharGPT(CONFIG, seed=seed),
-                    char_lm.make_optimizer(LR), char_lm.train_step, args.epochs, args.shards,
+                    char_lm.make_optimizer(args.lr or LR), char_lm.train_step, args.epochs, args.shards,
                     lambda m: char_lm.validation_loss(m, Xv, Yv, device=torch.device("cpu")))  # fmt: skip
     from vcdask.data import SHARDS_PER_THREAD
     from vcdask.demo import accuracy_on, digits_cnn
@@ -107,7 +113,7 @@ def make_task(args, data, seed: int, workers: int) -> Task:
     (X, y), (Xt, yt) = data
     n = len(X) - len(X) // 10  # fit holds out 10% of the rows for validation
     return Task("digits", torch.from_numpy(X[:n]), torch.from_numpy(y[:n]), lambda: digits_cnn(seed),
-                functools.partial(torch.optim.Adam, lr=1e-3), lambda m, b: F.cross_entropy(m(b[0]), b[1]), 8,
+                functools.partial(torch.optim.Adam, lr=args.lr or 1e-3), lambda m, b: F.cross_entropy(m(b[0]), b[1]), 8,
                 max(2, SHARDS_PER_THREAD * workers), lambda m: accuracy_on(m, Xt, yt))  # fmt: skip
 
 
@@ -230,8 +236,27 @@ class Outer:
             raise ValueError(f"unknown rule {self.rule_text!r}")
 
 
+def reset_direction(optimizer) -> None:
+    """Forget where ``optimizer`` was heading and keep its sense of scale (``--inner direction``).
+
+    Adam's first moment (``exp_avg``) and SGD's momentum buffer are zeroed; Adam's second moment and
+    step count are kept, so the step size stays calibrated and the first moment builds up again from 0.
+    """
+    for state in optimizer.state.values():
+        for name in ("exp_avg", "momentum_buffer"):
+            if isinstance(state.get(name), torch.Tensor):
+                state[name].zero_()
+
+
 def fleet_score(
-    task: Task, seed: int, workers: int, rule: str, ahead: float = 0.0, jitter: float = 0.0, lookahead: float = 0.0
+    task: Task,
+    seed: int,
+    workers: int,
+    rule: str,
+    ahead: float = 0.0,
+    jitter: float = 0.0,
+    lookahead: float = 0.0,
+    inner: str = "worker",
 ) -> float:
     g = torch.Generator().manual_seed(seed)
     shards = torch.randperm(len(task.X), generator=g).chunk(task.shards)
@@ -253,6 +278,10 @@ def fleet_score(
                 load(models[w], base + (vector(models[w]) - first))
 
         load(models[w], first if k and first is not None else base)
+        if inner == "fresh":
+            optimizers[w] = task.optimizer(models[w].parameters())
+        elif inner == "direction" and first is not None:
+            reset_direction(optimizers[w])
         train_rows(task, models[w], optimizers[w], rows, between=correct)
         w_c = own[w] = vector(models[w])
         return w_c
@@ -311,15 +340,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jitter", type=float, default=0.0, help=jitter_help)
     lookahead_help = "each task's base W_s + G (W_s - W_s of W - 1 merges before): where W_s will be at its merge"
     ap.add_argument("--lookahead", type=float, default=0.0, metavar="G", help=lookahead_help)
+    lr_help = "the inner (and torch's) learning rate (default: the task's, 5e-3 char-LM, 1e-3 digits)"
+    ap.add_argument("--lr", type=float, default=None, help=lr_help)
+    inner_help = "a comma list of the workers' inner optimizer state: worker (kept), fresh, direction (%(default)s)"
+    ap.add_argument("--inner", default="worker", help=inner_help)
     args = ap.parse_args(argv)
     for name in ("ahead", "jitter"):
         if not 0.0 <= getattr(args, name) < 1.0:
             ap.error(f"--{name} must be in [0, 1), got {getattr(args, name)}")
+    if unknown := set(args.inner.split(",")) - {"worker", "fresh", "direction"}:
+        ap.error(f"--inner must be a comma list of worker, fresh, direction; got {sorted(unknown)}")
     if args.lookahead < 0:
         ap.error(f"--lookahead must be 0 or more, got {args.lookahead}")
     torch.set_num_threads(1)
     data = load_task_data(args)
-    ratios: dict[tuple[int, str], list[float]] = {}
+    ratios: dict[tuple[int, str, str], list[float]] = {}
     unit = "loss / torch's" if args.task == "charlm" else "accuracy points against torch's"
     for seed in map(int, args.seeds.split(",")):
         base = torch_score(make_task(args, data, seed, 1), seed)
@@ -327,18 +362,21 @@ def main(argv: list[str] | None = None) -> int:
         for workers in map(int, args.workers.split(",")):
             task = make_task(args, data, seed, workers)
             for rule in args.rules.split(","):
-                if rule == "ddp" and workers == 1:
-                    continue
-                if rule == "ddp":
-                    value = torch_score(task, seed, batch=BATCH * workers)
-                else:
-                    value = fleet_score(task, seed, workers, rule, args.ahead, args.jitter, args.lookahead)
-                ratios.setdefault((workers, rule), []).append(task.relative(value, base))
-                print(f"seed {seed} W={workers} {rule}: {value:.4f} ({task.relative(value, base):.3f})", flush=True)
+                for inner in ["-"] if rule == "ddp" else args.inner.split(","):
+                    if rule == "ddp" and workers == 1:
+                        continue
+                    if rule == "ddp":
+                        value = torch_score(task, seed, batch=BATCH * workers)
+                    else:
+                        value = fleet_score(task, seed, workers, rule, args.ahead, args.jitter, args.lookahead, inner)
+                    ratios.setdefault((workers, rule, inner), []).append(task.relative(value, base))
+                    print(f"seed {seed} W={workers} {rule} {inner}: {value:.4f} ({task.relative(value, base):.3f})",
+                          flush=True)  # fmt: skip
     print(f"\n{args.task}: {unit} at equal tokens, median over seeds {args.seeds}\n")
-    print("| W | rule | median | by seed |\n|---|---|---|---|")
-    for (workers, rule), values in ratios.items():
-        print(f"| {workers} | {rule} | {statistics.median(values):.3f} | {' '.join(f'{v:.3f}' for v in values)} |")
+    print("| W | rule | inner state | median | by seed |\n|---|---|---|---|---|")
+    for (workers, rule, inner), values in ratios.items():
+        by_seed = " ".join(f"{v:.3f}" for v in values)
+        print(f"| {workers} | {rule} | {inner} | {statistics.median(values):.3f} | {by_seed} |")
     return 0
 
 
