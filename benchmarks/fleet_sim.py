@@ -1,15 +1,15 @@
 """Merge rules on a simulated fleet, in one process: loss at equal tokens, deterministic, no cluster.
 
 usage: python benchmarks/fleet_sim.py [--task charlm|digits] [--workers 1,2,4,8] [--rules default,...]
-                                      [--seeds 0,2] [--train-kb 256] [--shards 8] [--epochs 2]
+                                      [--seeds 0,2] [--train-kb 256] [--shards N] [--epochs 2]
                                       [--ahead SHARE] [--jitter J] [--lookahead G]
                                       [--inner worker,fresh,direction] [--lr LR]
 
 ``--task charlm`` (the default): the small CPU char-LM of issue 38 (``examples/char_lm.py``'s CharGPT, d_model
 96, 3 layers, 4 heads, context 64, AdamW 5e-3, batch 32, ``--shards`` shards, ``--epochs`` epochs; validation
 loss, the table in loss / torch's).  ``--task digits``: ``equal_tokens.py``'s digits (the demo CNN, Adam 1e-3,
-batch 32, 8 epochs, the 90% of the demo's training split that ``fit`` trains on, ``fit``'s default of 2 shards
-per worker; test accuracy, the table in points against torch).  Each is trained three ways from the same
+batch 32, 8 epochs, the 90% of the demo's training split that ``fit`` trains on, ``--shards`` or ``fit``'s default
+of 2 shards per worker; test accuracy, the table in points against torch).  Each is trained three ways from the same
 initial weights, for the same passes over the same samples:
 
 * ``torch``: ``char_lm.train_baseline`` (one process, one optimizer);
@@ -105,7 +105,7 @@ def make_task(args, data, seed: int, workers: int) -> Task:
     if args.task == "charlm":
         (X, Y), (Xv, Yv) = data
         return Task("charlm", torch.from_numpy(X), torch.from_numpy(Y), lambda: char_lm.CharGPT(CONFIG, seed=seed),
-                    char_lm.make_optimizer(args.lr or LR), char_lm.train_step, args.epochs, args.shards,
+                    char_lm.make_optimizer(args.lr or LR), char_lm.train_step, args.epochs, args.shards or 8,
                     lambda m: char_lm.validation_loss(m, Xv, Yv, device=torch.device("cpu")))  # fmt: skip
     from vcdask.data import SHARDS_PER_THREAD
     from vcdask.demo import accuracy_on, digits_cnn
@@ -114,7 +114,7 @@ def make_task(args, data, seed: int, workers: int) -> Task:
     n = len(X) - len(X) // 10  # fit holds out 10% of the rows for validation
     return Task("digits", torch.from_numpy(X[:n]), torch.from_numpy(y[:n]), lambda: digits_cnn(seed),
                 functools.partial(torch.optim.Adam, lr=args.lr or 1e-3), lambda m, b: F.cross_entropy(m(b[0]), b[1]), 8,
-                max(2, SHARDS_PER_THREAD * workers), lambda m: accuracy_on(m, Xt, yt))  # fmt: skip
+                args.shards or max(2, SHARDS_PER_THREAD * workers), lambda m: accuracy_on(m, Xt, yt))  # fmt: skip
 
 
 def load_task_data(args):
@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rules", default="ddp,default,staleness:0/1")
     ap.add_argument("--seeds", default="0,2")
     ap.add_argument("--train-kb", type=int, default=256)
-    ap.add_argument("--shards", type=int, default=8)
+    shards_help = "shards (default: 8 for the char-LM, fit's default for digits: 2 per worker, at least 2)"
+    ap.add_argument("--shards", type=int, default=None, help=shards_help)
     ap.add_argument("--epochs", type=int, default=2)
     ahead_help = "the share of each task's steps taken from its worker's own W_c before the delta correction"
     ap.add_argument("--ahead", type=float, default=0.0, help=ahead_help)

@@ -76,9 +76,10 @@ def resolve_optimizer_state(value: str, optimizer: torch.optim.Optimizer, steps_
     (``docs/user-guide/merge-rules.md``): on digits and the wide CNN (12 Adam steps per task) the kept
     state reaches a target accuracy sooner at the same final accuracy; on the char-LM (2 AdamW steps)
     it costs 12% of loss, and on the tabular task (3 steps) it gains nothing.  The rule looks at task
-    length only: the char-LM (AdamW at 5e-3) also did worse with kept state at 8 and 16 steps per task,
-    at every worker count from one on, and at 1e-2 too, while digits did better with it at the same
-    lengths: restarting AdamW helps that model off its loss plateau even in one process.
+    length only: over 2 epochs the char-LM (AdamW at 5e-3) also did worse with kept state at 8 and 16
+    steps per task, at every worker count and at 1e-2 too, while digits did better with it at the same
+    lengths.  Restarting AdamW speeds that model off its early loss plateau even in one process, and costs
+    one worker past it (4 epochs); at 4 workers it still wins there.
     """
     if value != "auto":
         return value
