@@ -206,7 +206,27 @@ def test_default_shards_are_two_per_worker_thread(client, digits_data, tmp_path)
     # optimizer_state="auto" is decided with the shards: the run's spec holds the choice, not "auto"
     steps = -(-(len(X) // (2 * threads)) // 32)
     expected = "worker" if steps >= 10 else "fresh"
-    assert load_spec(result.store, result.run_id).optimizer_state == expected
+    spec = load_spec(result.store, result.run_id)
+    assert spec.optimizer_state == expected
+    # ... and the result says what the run decided: the rule fit's default is for these tasks in flight
+    rule = vcdask.merge.for_run(vcdask.merge.DEFAULT_RULE, in_flight=threads)
+    assert result.settings == {
+        "merge": rule.name,
+        "optimizer_state": expected,
+        "n_shards": 2 * threads,
+        "local_steps": steps,
+        "overlap": spec.overlap,
+    }
+    summary = result._repr_html_()
+    assert "trained with" in summary and f"{2 * threads} shards of {steps} local steps" in summary
+
+
+def test_local_steps_of_a_task_are_counted_on_the_smallest_shard():
+    from vcdask.data import Shards
+
+    shards = Shards(1000, 3)  # 334, 333 and 333 rows
+    assert shards.local_steps(32) == 11 and shards.local_steps(32, local_epochs=2) == 22
+    assert Shards(64, 2).local_steps(32) == 1 and Shards(65, 2).local_steps(32) == 1
 
 
 def test_default_shard_count_bounds():

@@ -339,6 +339,7 @@ def test_two_scheduled_runs_release_only_when_better(job_dir, cluster, capsys):
     assert f"released nightly-1 = version {first['version']}: first release" in out
     # the candidate was scored here, on the run's validation data with the run's metric: as the run scored it
     assert first["release"]["candidate"] == pytest.approx(first["run_metrics"]["accuracy"], abs=1e-6)
+    assert first["settings"]["optimizer_state"] in ("fresh", "worker") and first["settings"]["n_shards"] >= 2
     store = vcdask.open_store(job_dir / "store", mode="r")
     assert store.tags() == {"nightly-1": first["version"]}
     scheduler = f"scheduler: {cluster[0].scheduler_address}\n"

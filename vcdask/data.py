@@ -150,6 +150,11 @@ class Shards:
         """
         return cls(n, min(n, max(2, SHARDS_PER_THREAD * threads)))
 
+    def local_steps(self, batch_size: int, local_epochs: int = 1) -> int:
+        """Optimizer steps a task takes on the smallest shard: ``local_epochs`` passes in batches of
+        ``batch_size`` rows (the last one short)."""
+        return local_epochs * -(-(self.n // self.n_shards) // batch_size)
+
     def bounds(self, shard: int) -> tuple[int, int]:
         size, extra = divmod(self.n, self.n_shards)
         start = shard * size + min(shard, extra)

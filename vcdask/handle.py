@@ -17,7 +17,7 @@ from .engine.end import best_version
 from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
 from .errors import RunCancelledError, RunFailedError, RunNotFoundError
 from .params import load_into
-from .result import HISTORY_COLUMNS, FitResult
+from .result import HISTORY_COLUMNS, FitResult, run_settings
 
 __all__ = ["FitResult", "RunCancelledError", "RunFailedError", "RunHandle", "attach", "ensure_plugin"]
 
@@ -314,8 +314,9 @@ class RunHandle:
         from .spec import load_spec
 
         store = pickle.loads(res["store"])
+        spec = load_spec(store, self.run_id)
         if model is None:
-            model = copy.deepcopy(load_spec(store, self.run_id).model)
+            model = copy.deepcopy(spec.model)
         checkpoint = store.read(res["version"])
         load_into(model, checkpoint.params)
         # as vcdask.load marks a model (the same keys): a later fit of it records this version as its start
@@ -342,6 +343,7 @@ class RunHandle:
             panel=self.display if type(self.display).__name__ == "RunPanel" else None,
             best_version=best_version(store, res),
             start=res.get("start"),
+            settings=run_settings(spec, res.get("merge")),
         )
         annotate(result)
         return result

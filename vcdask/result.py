@@ -12,7 +12,7 @@ import torch
 
 from .engine.policy import lower_is_better
 
-__all__ = ["HISTORY_COLUMNS", "FitResult"]
+__all__ = ["HISTORY_COLUMNS", "FitResult", "run_settings"]
 
 #: The columns of ``FitResult.history`` (one row per shard-task outcome).
 HISTORY_COLUMNS = [
@@ -95,6 +95,12 @@ class FitResult:
     notes : list of str
         What the run's numbers say beyond its metrics: that nothing was validated (no validation data),
         that the training diverged (:func:`vcdask.diagnose.divergence`, also warned).
+    settings : dict
+        How the run trained, with what ``fit`` decided where it was left to it (:func:`run_settings`):
+        ``merge`` (the rule that merged last, as the panel names it: what ``merge="auto"`` chose, such as
+        ``"auto: probe, 16 rows"``, or the rule fit's default moved to as the fleet grew),
+        ``optimizer_state`` (``"fresh"`` or ``"worker"``: what ``"auto"`` decided), ``n_shards``,
+        ``local_steps`` (optimizer steps a task takes on the smallest shard) and ``overlap``.
     """
 
     model: torch.nn.Module
@@ -112,6 +118,7 @@ class FitResult:
     best_version: str | None = None
     start: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def predict(self, X: Any, *, batch_size: int = 1024, device: Any = None) -> np.ndarray:
         """Predictions of the trained model for the rows of ``X``.
@@ -268,6 +275,32 @@ def _run_device(spec: Any, device: Any) -> Any:
         return torch.device("cpu")
 
 
+def run_settings(spec: Any, merge: str | None = None) -> dict[str, Any]:
+    """:attr:`FitResult.settings` of the run of ``spec`` (its :class:`~vcdask.spec.RunSpec`), whose rule
+    is named ``merge`` now (the run's status; default: the spec's rule)."""
+    return {
+        "merge": merge or getattr(spec.merge, "name", type(spec.merge).__name__),
+        "optimizer_state": spec.optimizer_state,
+        "n_shards": spec.shards.n_shards,
+        "local_steps": spec.shards.local_steps(spec.batch_size, spec.local_epochs),
+        "overlap": spec.overlap,
+    }
+
+
+_OPTIMIZER_STATES = {"worker": "inner optimizer kept per worker", "fresh": "a fresh inner optimizer per task"}
+
+
+def _trained_with(settings: dict[str, Any]) -> str:
+    """The summary's line for :attr:`FitResult.settings` (HTML)."""
+    state = settings.get("optimizer_state")
+    parts = [
+        f"merge <code>{html.escape(str(settings['merge']))}</code>" if settings.get("merge") else "",
+        html.escape(_OPTIMIZER_STATES.get(state, f"optimizer_state={state}")) if state else "",
+        f"{settings['n_shards']} shards of {settings['local_steps']} local steps" if "n_shards" in settings else "",
+    ]
+    return "; ".join(p for p in parts if p)
+
+
 def _html(result: FitResult) -> str:
     """A compact HTML table: run id, final metrics, epochs, merges, versions, workers, store."""
     h = result.history
@@ -297,6 +330,7 @@ def _html(result: FitResult) -> str:
             f"<code>{html.escape(str(result.version))}</code> (step {merged}) on branch "
             f"<code>{html.escape(result.run_id)}</code>",
         ),
+        *((("trained with", _trained_with(result.settings)),) if result.settings else ()),
         ("workers", f"{0 if result.workers is None else len(result.workers)}"),
         ("wall time", f"{_fmt(result.wall_time)} s"),
         ("store", f"<code>{html.escape(str(result.store.location))}</code>"),

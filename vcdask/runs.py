@@ -201,7 +201,7 @@ def _optimizer_state(plan: RunPlan, shards: Shards) -> str:
     value = training.optimizer_state
     if value != "auto":
         return value
-    steps = training.local_epochs * -(-(shards.n // shards.n_shards) // training.batch_size)
+    steps = shards.local_steps(training.batch_size, training.local_epochs)
     optimizer = plan.optimizer(plan.model.parameters())
     state = resolve_optimizer_state(value, optimizer, steps)
     logger.info(

@@ -129,6 +129,7 @@ def _train_and_release(prepared: Prepared, report: dict[str, Any]) -> int:
         epochs=len(result.epochs),
         run_metrics={k: float(v) for k, v in (result.metrics or {}).items()},
         recorded_start=getattr(result, "start", None),
+        settings=result.settings,
     )
     logger.info("run %s: version %s after %d epochs", result.run_id, result.version, len(result.epochs))
     rule = job.release
