@@ -116,8 +116,9 @@ def make_task(args, data, seed: int, workers: int) -> Task:
 
     (X, y), (Xt, yt) = data
     n = len(X) - len(X) // 10  # fit holds out 10% of the rows for validation
+    optimizer = functools.partial(torch.optim.Adam, lr=args.lr or 1e-3, **betas)
     return Task("digits", torch.from_numpy(X[:n]), torch.from_numpy(y[:n]), lambda: digits_cnn(seed),
-                functools.partial(torch.optim.Adam, lr=args.lr or 1e-3, **betas), lambda m, b: F.cross_entropy(m(b[0]), b[1]), 8,
+                optimizer, lambda m, b: F.cross_entropy(m(b[0]), b[1]), 8,
                 args.shards or max(2, SHARDS_PER_THREAD * workers), lambda m: accuracy_on(m, Xt, yt))  # fmt: skip
 
 
