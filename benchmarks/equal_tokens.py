@@ -2,6 +2,7 @@
 
 usage: python benchmarks/equal_tokens.py [--tasks charlm,digits,tabular,diabetes] [--workers 1,2,4,8]
                                          [--ddp-workers 2,4,8] [--seeds 0,1,2] [--set NAME=VALUE ...]
+                                         [--vary NAME=V1,V2,...]
                                          [--skip-ddp] [--skip-vcdask] [--schedule constant|cosine]
                                          [--grow-from N] [--epochs N]
 
@@ -37,6 +38,10 @@ Tasks (``--tasks``):
   token overfits more (delayed Nesterov, the default rule at W=1 before issue 38, seed 0: 0.50 after 5
   epochs, 0.65-0.83 after 20).
 
+``--vary NAME=V1,V2,...`` trains vcdask once per value of one ``fit`` argument (read as ``--set`` reads
+it; no value may hold a comma), each a row of its own (``vcdask W=n NAME=V``), on the same cluster after the
+same torch and DDP baselines: an A/B at the cost of its vcdask runs alone.
+
 ``--grow-from N`` starts each vcdask run on a fresh cluster of N workers and scales it to W once the run
 has merged its first result: a fleet still starting when the run begins (``vcdask W=N->W``; its rule column
 is the rule it ended with, and the tasks in flight that rule is for).
@@ -47,15 +52,16 @@ as the other tasks), vcdask over the run's global count of local steps (``lr_sch
 vcdask.lr_schedules.Cosine()``).  The default, ``constant``, keeps each optimizer's learning rate.
 
 Seeds (``--seeds``) change the initial weights and the data order of every trainer alike (and the
-breast-cancer split, as in ``defaults.py``).  Prints progress to stderr and, per task, a markdown table:
-per trainer the median of each metric over the seeds, its ratio to torch's (losses) or difference in
-points (accuracy), the values by seed, the median over seeds of the largest staleness of a merged update
-and of the mean local steps a merged task trained ahead of its merged base (vcdask; ``steps_ahead``, see
-:mod:`vcdask.overlap`) and the median wall seconds of one training.  Loss at equal tokens does not depend
-on wall time: 8 worker processes on 2 cores measure the same thing as 8 machines, only slower.  A vcdask
-run is not deterministic, though: the order its results arrive in is the machine's, and on the char-LM
-that alone moves a seed's loss by several per cent (see the docs' benchmarks page): compare medians over
-six seeds or more.
+breast-cancer split, as in ``defaults.py``). Prints progress to stderr and, per task, a markdown table: per
+trainer the median of each metric over the seeds, its ratio to torch's (losses) or difference in points
+(accuracy), the values by seed, for a vcdask row beside a DDP row of as many workers the median over seeds of
+its first metric against DDP's of the same seed (and the seeds where it is no worse), the median over seeds of
+the largest staleness of a merged update and of the mean local steps a merged task trained ahead of its merged
+base (vcdask; ``steps_ahead``, see :mod:`vcdask.overlap`) and the median wall seconds of one training. Loss at
+equal tokens does not depend on wall time: 8 worker processes on 2 cores measure the same thing as 8 machines,
+only slower. A vcdask run is not deterministic, though: the order its results arrive in is the machine's, and
+on the char-LM that alone moves a seed's loss by several per cent (see the docs' benchmarks page): compare
+medians over six seeds or more.
 """
 
 from __future__ import annotations
@@ -365,12 +371,32 @@ def table(task: Task, runs: dict[str, list[dict]]) -> list[dict]:
         for key, column in (("staleness", "max staleness"), ("ahead", "steps ahead")):
             values = [r[key] for r in done if key in r]
             row[column] = statistics.median(values) if values else None
+        if (against := _vs_ddp(task, trainer, done, runs)) is not None:
+            row["vs DDP"] = against
         rules = [r["rule"] for r in done if "rule" in r]
         if rules:
             row["rule"] = " ".join(rules)
         row["wall s"] = statistics.median(r["wall s"] for r in done)
         rows.append(row)
     return rows
+
+
+def _vs_ddp(task: Task, trainer: str, done: list[dict], runs: dict[str, list[dict]]) -> str | None:
+    """A vcdask row's first metric against DDP's with as many workers, seed by seed: the median ratio (a loss)
+    or difference in points (an accuracy), and how many seeds are no worse; None without such a DDP row."""
+    if not trainer.startswith("vcdask W="):
+        return None
+    workers = trainer.split()[1].removeprefix("W=").split("->")[-1]
+    ddp = {r["seed"]: r for r in runs.get(f"DDP W={workers}", [])}
+    pairs = [(r, ddp[r["seed"]]) for r in done if r["seed"] in ddp]
+    if not pairs:
+        return None
+    metric, kind = next(iter(METRICS[task.kind].items()))
+    if kind == "loss":
+        ratios = [r[metric] / d[metric] for r, d in pairs]
+        return f"{statistics.median(ratios):.3f} ({sum(x <= 1 for x in ratios)} of {len(ratios)} at or under)"
+    points = [100 * (r[metric] - d[metric]) for r, d in pairs]
+    return f"{statistics.median(points):+.2f} pt ({sum(x >= 0 for x in points)} of {len(points)} at or over)"
 
 
 def run_one(runs, task: Task, trainer: str, seed: int, train: Callable) -> None:
@@ -399,6 +425,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1,2", help="a comma list (default: %(default)s)")
     set_help = "a vcdask.fit argument, its value read as defaults.py reads it (repeatable)"
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=set_help)
+    vary_help = "one vcdask row per value of one fit argument (read as --set reads it)"
+    ap.add_argument("--vary", default=None, metavar="NAME=V1,V2,...", help=vary_help)
     ap.add_argument("--skip-ddp", action="store_true", help="no DDP rows")
     ap.add_argument("--skip-vcdask", action="store_true", help="no vcdask rows")
     epochs_help = "passes over the data for every trainer of every task (default: each task's own)"
@@ -427,6 +455,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if not sep:
             ap.error(f"--set takes NAME=VALUE, got {item!r}")
         args.overrides[name] = _value(value)
+    args.variants = [("", {})]  # (a row's label suffix, its overrides on top of --set)
+    if args.vary is not None:
+        name, sep, values = args.vary.partition("=")
+        if not sep or not name or not values:
+            ap.error(f"--vary takes NAME=V1,V2,..., got {args.vary!r}")
+        args.variants = [(f" {name}={value}", {name: _value(value)}) for value in values.split(",")]
     return args
 
 
@@ -456,23 +490,27 @@ def main(argv: list[str] | None = None) -> int:
             # a fleet still starting: a fresh cluster per run, grown after its first merge
             if args.grow_from is not None:
                 for (_name, seed), task in tasks.items():
-                    with embedded_cluster(n_workers=args.grow_from, host="127.0.0.1") as cluster:
-                        with Client(cluster) as client:
-                            warm_up(client, args.grow_from)
-                            grow = functools.partial(cluster.scale, workers)
-                            train = functools.partial(train_vcdask, task, seed, client, args.overrides, grow)
-                            run_one(runs, task, f"vcdask W={args.grow_from}->{workers}", seed, train)
+                    for label, extra in args.variants:
+                        with embedded_cluster(n_workers=args.grow_from, host="127.0.0.1") as cluster:
+                            with Client(cluster) as client:
+                                warm_up(client, args.grow_from)
+                                grow = functools.partial(cluster.scale, workers)
+                                overrides = {**args.overrides, **extra}
+                                train = functools.partial(train_vcdask, task, seed, client, overrides, grow)
+                                run_one(runs, task, f"vcdask W={args.grow_from}->{workers}{label}", seed, train)
                 continue
             t0 = time.perf_counter()
             with embedded_cluster(n_workers=workers, host="127.0.0.1") as cluster, Client(cluster) as client:
                 warm_up(client, workers)
                 log(f"cluster of {workers} workers started and warmed up in {time.perf_counter() - t0:.1f} s")
                 for (_name, seed), task in tasks.items():
-                    train = functools.partial(train_vcdask, task, seed, client, args.overrides)
-                    run_one(runs, task, f"vcdask W={workers}", seed, train)
+                    for label, extra in args.variants:  # (the variants of one seed one after the other)
+                        train = functools.partial(train_vcdask, task, seed, client, {**args.overrides, **extra})
+                        run_one(runs, task, f"vcdask W={workers}{label}", seed, train)
     from devices import markdown
 
     setting = f"vcdask.fit defaults{' with ' + str(args.overrides) if args.overrides else ''}"
+    setting += f", one row per {args.vary}" if args.vary else ""
     print(f"\nloss at equal tokens; {setting}; learning rates {args.schedule}; seeds {args.seeds}")
     for name in args.tasks:
         task = tasks[(name, args.seeds[0])]
