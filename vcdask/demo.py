@@ -82,6 +82,11 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
         f"\n{len(result.epochs)} epochs, {int(result.history['accepted'].sum())} merges in {wall:.1f} s "
         f"({result.stop_reason or 'max_epochs reached'})"
     )
+    settings = result.settings
+    print(
+        f"trained with: merge {settings['merge']}, optimizer_state={settings['optimizer_state']!r}, "
+        f"{settings['n_shards']} shards of {settings['local_steps']} local steps (result.settings)"
+    )
     print(f"final test accuracy: {acc:.4f}")
     print(f"store: {result.store.location} (branch {result.run_id}, version {result.version})")
     print(f"history, epochs and plot: {folder}/")
