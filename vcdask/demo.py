@@ -53,6 +53,8 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
     """Train, save history (CSV) and an accuracy-vs-time plot (PNG) in the run folder, print the outcome."""
     import vcdask
 
+    from .result import trained_with
+
     (X, y), (X_test, y_test) = digits()
     print(
         f"digits: {len(X)} training and {len(X_test)} test images; training a small CNN with VC-ASGD "
@@ -82,11 +84,7 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
         f"\n{len(result.epochs)} epochs, {int(result.history['accepted'].sum())} merges in {wall:.1f} s "
         f"({result.stop_reason or 'max_epochs reached'})"
     )
-    settings = result.settings
-    print(
-        f"trained with: merge {settings['merge']}, optimizer_state={settings['optimizer_state']!r}, "
-        f"{settings['n_shards']} shards of {settings['local_steps']} local steps (result.settings)"
-    )
+    print(f"trained with: {trained_with(result.settings)} (result.settings)")
     print(f"final test accuracy: {acc:.4f}")
     print(f"store: {result.store.location} (branch {result.run_id}, version {result.version})")
     print(f"history, epochs and plot: {folder}/")

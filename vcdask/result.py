@@ -12,7 +12,7 @@ import torch
 
 from .engine.policy import lower_is_better
 
-__all__ = ["HISTORY_COLUMNS", "FitResult", "run_settings"]
+__all__ = ["HISTORY_COLUMNS", "FitResult", "run_settings", "trained_with"]
 
 #: The columns of ``FitResult.history`` (one row per shard-task outcome).
 HISTORY_COLUMNS = [
@@ -290,15 +290,13 @@ def run_settings(spec: Any, merge: str | None = None) -> dict[str, Any]:
 _OPTIMIZER_STATES = {"worker": "inner optimizer kept per worker", "fresh": "a fresh inner optimizer per task"}
 
 
-def _trained_with(settings: dict[str, Any]) -> str:
-    """The summary's line for :attr:`FitResult.settings` (HTML)."""
-    state = settings.get("optimizer_state")
-    parts = [
-        f"merge <code>{html.escape(str(settings['merge']))}</code>" if settings.get("merge") else "",
-        html.escape(_OPTIMIZER_STATES.get(state, f"optimizer_state={state}")) if state else "",
-        f"{settings['n_shards']} shards of {settings['local_steps']} local steps" if "n_shards" in settings else "",
-    ]
-    return "; ".join(p for p in parts if p)
+def trained_with(settings: dict[str, Any]) -> str:
+    """:attr:`FitResult.settings` in words, one line: ``"merge auto: probe, 16 rows; inner optimizer kept per
+    worker; 8 shards of 16 local steps"``."""
+    return (
+        f"merge {settings['merge']}; {_OPTIMIZER_STATES[settings['optimizer_state']]}; "
+        f"{settings['n_shards']} shards of {settings['local_steps']} local steps"
+    )
 
 
 def _html(result: FitResult) -> str:
@@ -330,7 +328,7 @@ def _html(result: FitResult) -> str:
             f"<code>{html.escape(str(result.version))}</code> (step {merged}) on branch "
             f"<code>{html.escape(result.run_id)}</code>",
         ),
-        *((("trained with", _trained_with(result.settings)),) if result.settings else ()),
+        *((("trained with", html.escape(trained_with(result.settings))),) if result.settings else ()),
         ("workers", f"{0 if result.workers is None else len(result.workers)}"),
         ("wall time", f"{_fmt(result.wall_time)} s"),
         ("store", f"<code>{html.escape(str(result.store.location))}</code>"),
