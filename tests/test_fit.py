@@ -221,6 +221,21 @@ def test_default_shards_are_two_per_worker_thread(client, digits_data, tmp_path)
     assert "trained with" in summary and f"{2 * threads} shards of {steps} local steps" in summary
 
 
+def test_default_shards_shorten_long_tasks(client, digits_data, tmp_path):
+    from vcdask.data import TASK_STEPS
+
+    (X, y), _ = digits_data
+    threads = sum(client.nthreads().values())
+    # batches of 8: 180 a pass, so 8 shards per thread still leave tasks of 11 steps
+    result = vcdask.fit(
+        _linear(), (X, y), max_epochs=1, batch_size=8, client=client, store=tmp_path / "s", progress=False
+    )
+    h = result.history[result.history.accepted]
+    assert sorted(h.shard) == list(range(8 * threads))  # every shard merged once
+    assert result.settings["n_shards"] == 8 * threads
+    assert result.settings["local_steps"] == -(-(len(X) // (8 * threads)) // 8) >= TASK_STEPS
+
+
 def test_local_steps_of_a_task_are_counted_on_the_smallest_shard():
     from vcdask.data import Shards
 
@@ -233,6 +248,13 @@ def test_default_shard_count_bounds():
     from vcdask.data import Shards
 
     assert Shards.default(1000, 2).n_shards == 4
+    # more shards per thread while a task still trains 8 batches: 4095 rows are 128 batches of 32
+    assert [Shards.default(4095, t).n_shards for t in (2, 3, 4, 8, 16)] == [16, 15, 16, 16, 32]
+    assert Shards.default(4095, 2).local_steps(32) == 8 and Shards.default(4095, 3).local_steps(32) == 9
+    assert Shards.default(4095, 2, batch_size=64).n_shards == 8  # 64 batches: 4 shards per thread
+    assert Shards.default(1438, 4).n_shards == 8  # 45 batches: 2 per thread, tasks of 5 steps
+    assert Shards.default(10**6, 8).n_shards == 64  # at most 8 per thread
+    assert Shards.default(4095, 1).n_shards == 2  # one thread: its tasks run one after another
     assert Shards.default(1000, 0).n_shards == 2  # at least 2 (a cluster whose workers are still coming)
     assert Shards.default(1000, 1).n_shards == 2
     assert Shards.default(3, 8).n_shards == 3  # never more shards than samples

@@ -103,8 +103,10 @@ def fit(
     lr : float, default 1e-3
     max_epochs : int, default 10
     n_shards : int, optional
-        Default: two per worker thread of the cluster when the run starts (at least 2, at most the
-        number of samples), so each worker trains two shards an epoch.  Pass it for a cluster that
+        Default: as many per worker thread of the cluster when the run starts as leave each task at
+        least 8 batches of ``batch_size`` rows, from two to eight per thread (2 for a cluster of one
+        thread; at most the number of samples), so each worker trains the same number of shards an
+        epoch (:meth:`vcdask.data.Shards.default`).  Pass it for a cluster that
         will grow during the run (an epoch has at most ``n_shards`` tasks to share out) or to fix the
         split whatever the cluster.
     local_epochs : int, default 1

@@ -127,8 +127,13 @@ class DataSource:
         return replace(self, n=stop - start, offset=self.offset + start)
 
 
-#: ``n_shards`` by default: this many shards per worker thread of the cluster when the run starts.
+#: ``n_shards`` by default: at least this many shards per worker thread of the cluster when the run starts ...
 SHARDS_PER_THREAD = 2
+#: ... and more, up to :data:`MAX_SHARDS_PER_THREAD`, while a task would still train at least this many
+#: steps (batches of its shard) ...
+TASK_STEPS = 8
+#: ... at most this many per thread.
+MAX_SHARDS_PER_THREAD = 8
 
 
 @dataclass(frozen=True)
@@ -139,16 +144,27 @@ class Shards:
     n_shards: int
 
     @classmethod
-    def default(cls, n: int, threads: int) -> Shards:
-        """:data:`SHARDS_PER_THREAD` shards per worker thread (``threads`` on the cluster), at least 2 and at
-        most one per sample.
+    def default(cls, n: int, threads: int, batch_size: int = 32) -> Shards:
+        """The same number of shards for every worker thread (``threads`` on the cluster): as many as
+        leave each task at least :data:`TASK_STEPS` batches of ``batch_size`` rows, from
+        :data:`SHARDS_PER_THREAD` to :data:`MAX_SHARDS_PER_THREAD`; 2 for a cluster of one thread (or of none
+        yet); at most one per sample.
 
         Each task pays a fixed cost besides its training (reading its version, waiting for the merges
-        before it, uploading), so shards as large as keep every worker busy: on the digits benchmark
-        with 2 workers, 4 shards reached 0.95 accuracy in about 0.75x the time of 10 (the earlier
-        default), at the same accuracy per epoch (``docs/benchmarks.md``).
+        before it, uploading), so shards are as large as keep every worker busy: on the digits benchmark
+        with 2 workers, 4 shards reached 0.95 accuracy in about 0.75x the time of 10 (issue 12).  With
+        several tasks in flight, though, a long task trains far from the version the others move the
+        server on to: the char-LM at 2 and 4 workers reached 8% and 4% lower loss at equal tokens with
+        tasks of 8 steps (16 shards) than with two shards per thread (32 and 16 steps), level with DDP
+        or ahead of it.  Fewer than two per thread helped digits at 4 workers and cost it at 8, so a
+        dataset of few batches keeps two.  One worker thread trains its shards one after another, each
+        from the other's result: there shorter tasks only add merges (``docs/benchmarks.md``, issue 38).
         """
-        return cls(n, min(n, max(2, SHARDS_PER_THREAD * threads)))
+        if threads <= 1:
+            return cls(n, min(n, SHARDS_PER_THREAD))
+        per_thread = -(-n // batch_size) // (TASK_STEPS * threads)
+        per_thread = min(MAX_SHARDS_PER_THREAD, max(SHARDS_PER_THREAD, per_thread))
+        return cls(n, min(n, per_thread * threads))
 
     def local_steps(self, batch_size: int, local_epochs: int = 1) -> int:
         """Optimizer steps a task takes on the smallest shard: ``local_epochs`` passes in batches of

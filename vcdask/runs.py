@@ -147,7 +147,7 @@ def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
     shards = (
         Shards(plan.train.n, plan.n_shards)
         if plan.n_shards is not None
-        else Shards.default(plan.train.n, sum(c.nthreads().values()))
+        else Shards.default(plan.train.n, sum(c.nthreads().values()), training.batch_size)
     )
     return RunSpec(
         run_id=run_id,
