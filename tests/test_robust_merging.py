@@ -92,7 +92,9 @@ def test_one_hostile_worker_of_four_is_rejected_every_time(
     assert result.store.read(result.version).metadata["merge"]["name"] == getattr(merge, "name", merge)
     h = result.history
     from_hostile = h[h.worker == hostile]
-    assert len(from_hostile) >= 1 and not from_hostile.accepted.any()  # every bad update rejected ...
+    shown = ["epoch", "shard", "attempt", "base_version", "staleness", "accepted", "outcome", "reason"]
+    assert len(from_hostile) >= 1, h[["worker", "epoch", "shard", "accepted"]].to_string()
+    assert not from_hostile.accepted.any(), from_hostile[shown].to_string()  # every bad update rejected ...
     assert from_hostile.reason.str.startswith(reason).all(), from_hostile.reason.tolist()  # ... and recorded
     honest = h[h.worker != hostile]
     assert honest.accepted.all(), honest[~honest.accepted].reason.tolist()  # no honest update turned down
