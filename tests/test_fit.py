@@ -252,7 +252,7 @@ def test_default_shard_count_bounds():
     assert [Shards.default(4095, t).n_shards for t in (2, 3, 4, 8, 16)] == [16, 15, 16, 16, 32]
     assert Shards.default(4095, 2).local_steps(32) == 8 and Shards.default(4095, 3).local_steps(32) == 9
     assert Shards.default(4095, 2, batch_size=64).n_shards == 8  # 64 batches: 4 shards per thread
-    assert Shards.default(1438, 4).n_shards == 8  # 45 batches: 2 per thread, tasks of 5 steps
+    assert Shards.default(1438, 4).n_shards == 8  # 45 batches: 2 per thread, tasks of 6 steps
     assert Shards.default(10**6, 8).n_shards == 64  # at most 8 per thread
     assert Shards.default(4095, 1).n_shards == 2  # one thread: its tasks run one after another
     assert Shards.default(1000, 0).n_shards == 2  # at least 2 (a cluster whose workers are still coming)

@@ -154,7 +154,7 @@ class Shards:
         before it, uploading), so shards are as large as keep every worker busy: on the digits benchmark
         with 2 workers, 4 shards reached 0.95 accuracy in about 0.75x the time of 10 (issue 12).  With
         several tasks in flight, though, a long task trains far from the version the others move the
-        server on to: the char-LM at 2 and 4 workers reached 8% and 4% lower loss at equal tokens with
+        server on to: the char-LM at 2 and 4 workers reached 9% and 4% lower loss at equal tokens with
         tasks of 8 steps (16 shards) than with two shards per thread (32 and 16 steps), level with DDP
         or ahead of it.  Fewer than two per thread helped digits at 4 workers and cost it at 8, so a
         dataset of few batches keeps two.  One worker thread trains its shards one after another, each
