@@ -90,9 +90,13 @@ def test_one_hostile_worker_of_four_is_rejected_every_time(
         **{**FIT, "merge": merge},
     )
     assert result.store.read(result.version).metadata["merge"]["name"] == getattr(merge, "name", merge)
+    # a screened run's tasks train from the merged version, not ahead from their worker's last (maybe
+    # rejected) W_c: with "delta", under load, a flipped update trained 3 of its 6 steps from its rejected
+    # predecessor and looked orthogonal to the server's own step (cosine 0.001), and was merged
+    assert result.settings["overlap"] == "wait"
     h = result.history
     from_hostile = h[h.worker == hostile]
-    shown = ["epoch", "shard", "attempt", "base_version", "staleness", "accepted", "outcome", "reason"]
+    shown = ["epoch", "shard", "attempt", "staleness", "steps_ahead", "accepted", "outcome", "reason"]
     assert len(from_hostile) >= 1, h[["worker", "epoch", "shard", "accepted"]].to_string()
     assert not from_hostile.accepted.any(), from_hostile[shown].to_string()  # every bad update rejected ...
     assert from_hostile.reason.str.startswith(reason).all(), from_hostile.reason.tolist()  # ... and recorded
@@ -212,6 +216,22 @@ def test_clipping_scales_a_long_pseudo_gradient_down_and_merges_it():
     short, _ = guard.screen("v0", base, _flat(1.3, 1.4, 1), steps=10, shard=0)  # norm 0.5: as it is
     assert short.state_dict()["w"].tolist() == pytest.approx([1.3, 1.4, 1.0])
     assert list(guard.norms) == pytest.approx([1.0, 0.5])  # the clipped norm counts
+
+
+def test_screens_that_reject_updates_train_each_task_from_its_merged_base():
+    from vcdask.options import plan
+
+    model = torch.nn.Linear(4, 2)
+    data = (torch.rand(64, 4).numpy(), (torch.rand(64) > 0.5).long().numpy())
+    for resilience, overlap in (
+        (vcdask.Resilience(min_cosine=0.0), "wait"),
+        (vcdask.Resilience(max_norm_ratio=3.0), "wait"),
+        (vcdask.Resilience(clip_update_norm=1.0), "delta"),  # clipping rejects nothing
+        (vcdask.Resilience(), "delta"),
+    ):
+        assert plan(model, data, resilience=resilience).overlap == overlap, resilience
+    with dask.config.set({"vcdask.worker.overlap": "newest"}):  # a choice other than the default stays
+        assert plan(model, data, resilience=vcdask.Resilience(min_cosine=0.0)).overlap == "newest"
 
 
 def test_bad_robust_options_raise_clear_errors_before_cluster_work(digits_data, tmp_path):

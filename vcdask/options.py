@@ -221,6 +221,11 @@ def plan(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_client(client)
     overlap = check_overlap(config.get("worker.overlap"))
+    if overlap == "delta" and resilience.rejects_updates:
+        # each update is screened against the version it trained from: with "delta" a task's first steps
+        # would be taken from its worker's last W_c, which the screen may have rejected (a sign-flipping
+        # worker's update then looked orthogonal to the server's own step, not opposite, and passed)
+        overlap = "wait"
     max_epochs = positive_int("max_epochs", max_epochs)
     checked_retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
     _check_steps(train_step, eval_step, loss, metrics)

@@ -10,6 +10,9 @@ What the worker's next task trains from is a choice between time and what each s
     eager updates): from then on it trains as if it had started from the merged version, which
     becomes its update's base.  The local steps taken before the answer came are kept (at most
     :data:`MAX_AHEAD` of the task's: then it waits for the answer); the merge is off the training path.
+    A run that screens updates (``Resilience(max_norm_ratio=, min_cosine=, probe_tolerance=)``) trains
+    ``"wait"`` instead: the screen judges an update against its base, and the steps taken from a ``W_c``
+    it rejected would make a hostile update look harmless.
 ``"wait"``
     The next task waits for the merge (and, for large models, the commit) of the worker's own update,
     then trains from that version: compute and communication take turns.

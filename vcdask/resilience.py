@@ -17,6 +17,9 @@ OPTIONAL = ("deadline", "max_update_norm", "clip_update_norm", "max_norm_ratio",
 #: Options that screen updates against a probe of the validation set (they need ``validation=``).
 NEEDS_VALIDATION = ("probe_tolerance",)
 
+#: Options that reject updates by what they changed from their base (:mod:`vcdask.engine.guard`).
+REJECTING_SCREENS = ("max_norm_ratio", "min_cosine", "probe_tolerance")
+
 #: What to do with a shard that failed ``max_attempts`` times (killed its workers, or was rejected).
 FAILURE_POLICIES = ("stop", "skip")
 
@@ -87,6 +90,11 @@ class Resilience:
     max_worker_failures: int = 3
     no_worker_timeout: float = 300.0
     store_outage_timeout: float = 600.0
+
+    @property
+    def rejects_updates(self) -> bool:
+        """Whether an update may be rejected by what it changed from its base (:data:`REJECTING_SCREENS`)."""
+        return any(getattr(self, name) is not None for name in REJECTING_SCREENS)
 
     def __post_init__(self):
         for name in (
