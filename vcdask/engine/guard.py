@@ -86,9 +86,7 @@ class Guard:
     @staticmethod
     def wanted(spec: RunSpec) -> bool:
         res = spec.resilience
-        return any(
-            v is not None for v in (res.clip_update_norm, res.max_norm_ratio, res.min_cosine, res.probe_tolerance)
-        )
+        return res.rejects_updates or res.clip_update_norm is not None
 
     @property
     def probe(self) -> ProbeModel:
