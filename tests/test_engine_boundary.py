@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -104,6 +105,39 @@ def test_settled_through_wakes_on_each_settled_result_and_gives_up_at_its_timeou
         return woke, timed_out, ended
 
     assert asyncio.run(scenario()) == (True, False, False)
+
+
+def test_a_task_behind_a_queue_of_merges_waits_its_turn_while_they_go_on():
+    """The timeout bounds each step of the merge path: results settled one every 0.06 s with a timeout of
+    0.1 s keep a task waiting for the fifth (0.3 s), a merge path that stops after the second lets the
+    task go on 0.1 s later, and ``most`` bounds the whole wait."""
+
+    async def scenario(stop_after: int, most: float | None = None) -> tuple[bool, float]:
+        hs, done = Handshake(), asyncio.Event()
+        head = Head(step=0, version="v0", version_step=0)
+        hs.arrived = 5
+
+        async def merge_one_by_one() -> None:
+            nonlocal head
+            for n in range(1, stop_after + 1):
+                await asyncio.sleep(0.06)
+                head = Head(step=n, version=f"v{n}", version_step=n)
+                hs.settled = n
+                hs.note_settled()
+
+        merging = asyncio.ensure_future(merge_one_by_one())
+        t0 = time.monotonic()
+        through = await hs.settled_through(lambda: head, 1, 5, timeout=0.1, done=done, most=most)
+        waited = time.monotonic() - t0
+        await merging
+        return through, waited
+
+    through, waited = asyncio.run(scenario(stop_after=5))
+    assert through and waited >= 0.29  # past its timeout three times over: the merges went on
+    through, waited = asyncio.run(scenario(stop_after=2))
+    assert not through and 0.2 <= waited < 0.5  # the merge path stopped at 0.12 s: given up at about 0.22 s
+    through, waited = asyncio.run(scenario(stop_after=5, most=0.2))
+    assert not through and 0.2 <= waited < 0.29  # the merges go on, but the whole wait is bounded by ``most``
 
 
 @pytest.mark.parametrize("attribute", ["folded", "paused", "waiting"])

@@ -3,15 +3,18 @@
 A worker gets its next shard as soon as its result is back, before that result is merged.  The loop
 counts the shard results it has taken (``arrived``) and those the merge path has finished with
 (``settled``: merged and committed, or turned down); a task that asks for its base
-(``vcdask_base``, or the answer to its worker's hand-over: ``vcdask_finished``) waits, up to
-:func:`~.policy.base_wait`, until the results taken before it asked are settled, so it trains from
-a version holding its worker's own last update.  :class:`Handshake` waits on the counters (the run's core keeps them);
-:class:`Bases` answers the tasks (the event loop only).
+(``vcdask_base``, or the answer to its worker's hand-over: ``vcdask_finished``) waits until the results
+taken before it asked are settled, so it trains from a version holding its worker's own last update
+(while the merge path goes on: at most :func:`~.policy.base_wait` for each of its steps, and twice that
+in all).
+:class:`Handshake` waits on the counters (the run's core keeps them); :class:`Bases` answers the tasks
+(the event loop only).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -72,19 +75,40 @@ class Handshake:
             return True
         return self.settled >= arrived and (head.step == head.version_step or commit_every > 1)
 
+    def _progress(self, head: Head) -> tuple[int, int, int]:
+        """Where the merge path is: results settled, the step merged, the step committed."""
+        return self.settled, head.step, head.version_step
+
     async def settled_through(
-        self, head: Callable[[], Head], commit_every: int, arrived: int, timeout: float, done: asyncio.Event
+        self,
+        head: Callable[[], Head],
+        commit_every: int,
+        arrived: int,
+        timeout: float,
+        done: asyncio.Event,
+        most: float | None = None,
     ) -> bool:
-        """Wait up to ``timeout`` seconds until the first ``arrived`` results are merged and committed
-        (or turned down), or merged and being committed as a draft; whether they are.  ``head`` reads
-        the server's head; ``done``: the run has ended (nothing more will settle)."""
-        deadline = time.monotonic() + timeout
+        """Wait until the first ``arrived`` results are merged and committed (or turned down), or merged
+        and being committed as a draft; whether they are.  ``head`` reads the server's head; ``done``:
+        the run has ended (nothing more will settle).
+
+        ``timeout`` bounds the wait for the merge path's *next* step (a result settled, a version
+        committed), not the whole wait: a task behind a queue of merges that keep coming waits its turn,
+        as the merges set the run's pace then (a worker let go on would only queue another, staler
+        result), and one behind a merge path that stops (a stuck merge, a store outage) goes on after
+        ``timeout``.  ``most``: the longest the whole wait may take (unbounded by default)."""
+        start = time.monotonic()
+        end = math.inf if most is None else start + most
+        deadline = min(start + timeout, end)
+        progress = self._progress(head())
         while not self.through(head(), commit_every, arrived):
-            left = deadline - time.monotonic()
-            if left <= 0 or done.is_set():
+            now = time.monotonic()
+            if self._progress(head()) != progress:  # the merges go on: so does the wait
+                progress, deadline = self._progress(head()), min(now + timeout, end)
+            if deadline <= now or done.is_set():
                 return False
             try:
-                await asyncio.wait_for(self._wake.wait(), left)
+                await asyncio.wait_for(self._wake.wait(), deadline - now)
             except TimeoutError:
                 return False
         return True
@@ -113,8 +137,9 @@ class Bases:
 
     async def base_for(self, key: str, worker: str | None = None) -> dict[str, Any] | None:
         """The version a shard task that is ready to train should start from: the newest committed one,
-        once the results that came back before it asked are merged (waiting at most
-        :func:`~vcdask.engine.policy.base_wait`).
+        once the results that came back before it asked are merged (waiting while the merge path goes
+        on, at most :func:`~vcdask.engine.policy.base_wait` for each of its steps and
+        :data:`~vcdask.engine.policy.BASE_WAIT_STEPS` times that in all).
 
         A task asks once it has read the run's spec and its rows, so the time a copy waited in a queue
         or spent warming up a cold worker is not counted as staleness (a healthy run's first updates
@@ -144,8 +169,9 @@ class Bases:
             return None
         waits = state.spec.overlap != "newest"  # (vcdask.overlap) "newest": the head as it is, without the merges due
         if waits and hs.settled < hs.arrived and not hs.through(self.head(), self.commit_every, hs.arrived):
+            wait = policy.base_wait(state.ledger.shard_seconds)
             await hs.settled_through(
-                self.head, self.commit_every, hs.arrived, policy.base_wait(state.ledger.shard_seconds), self.done
+                self.head, self.commit_every, hs.arrived, wait, self.done, most=policy.BASE_WAIT_STEPS * wait
             )
             task = state.tasks.records.get(key)
             if task is None:
