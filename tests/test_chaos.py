@@ -730,7 +730,7 @@ def test_shard_that_keeps_killing_workers(policy, digits_data, tmp_path):
     lost = h[h.reason.fillna("").str.startswith("lost: KilledWorker")]
     # 2 attempts x 2 epochs, each killed the worker it ran on: 4 charged to workers.  A copy that was only
     # queued on a dying worker (while the other restarted) is lost too, but charged to neither the worker
-    # nor the shard, and runs again: under the full suite's load epoch 2's shard once ran a third copy so
+    # nor the shard, and runs again (under the full suite's load epoch 2's shard once ran a third copy)
     assert result.workers["failed"].sum() == 4
     assert len(lost[lost.shard == poisoned]) >= 4
 

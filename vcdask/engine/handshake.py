@@ -101,10 +101,10 @@ class Handshake:
         end = math.inf if most is None else start + most
         deadline = min(start + timeout, end)
         progress = self._progress(head())
-        while not self.through(head(), commit_every, arrived):
+        while not self.through(current := head(), commit_every, arrived):
             now = time.monotonic()
-            if self._progress(head()) != progress:  # the merges go on: so does the wait
-                progress, deadline = self._progress(head()), min(now + timeout, end)
+            if self._progress(current) != progress:  # the merges go on: so does the wait
+                progress, deadline = self._progress(current), min(now + timeout, end)
             if deadline <= now or done.is_set():
                 return False
             try:
