@@ -4,7 +4,7 @@ usage: python benchmarks/equal_tokens.py [--tasks charlm,digits,tabular,diabetes
                                          [--ddp-workers 2,4,8] [--seeds 0,1,2] [--set NAME=VALUE ...]
                                          [--vary NAME=V1,V2,...]
                                          [--skip-ddp] [--skip-vcdask] [--schedule constant|cosine]
-                                         [--grow-from N] [--epochs N]
+                                         [--grow-from N] [--epochs N] [--local-epochs N]
 
 Every trainer makes the same number of passes over the same training data, from the same seeded initial
 weights, with the same optimizer, learning rate and batch size per worker:
@@ -300,11 +300,14 @@ def train_vcdask(
     starting when the run begins)."""
     import vcdask
 
+    passes = overrides.get("local_epochs", 1)
+    if task.epochs % passes:
+        raise ValueError(f"--local-epochs {passes} does not divide {task.name}'s {task.epochs} epochs")
     with scratch_store(None, "equal-tokens") as store:
         handle = vcdask.fit(
             copy.deepcopy(task.init),
             task.train,
-            max_epochs=task.epochs,
+            max_epochs=task.epochs // passes,  # the same tokens: each task makes `passes` passes over its shard
             **{**task.fit, **overrides},  # --set wins
             seed=seed,
             client=client,
@@ -431,6 +434,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-vcdask", action="store_true", help="no vcdask rows")
     epochs_help = "passes over the data for every trainer of every task (default: each task's own)"
     ap.add_argument("--epochs", type=int, default=None, metavar="N", help=epochs_help)
+    local_help = "passes over its shard in each vcdask task, with epochs / N epochs: the same tokens (default: 1)"
+    ap.add_argument("--local-epochs", type=int, default=1, metavar="N", help=local_help)
     grow_help = "start each vcdask run on a fresh cluster of this many workers, scaled to W after its first merge"
     ap.add_argument("--grow-from", type=int, default=None, metavar="N", help=grow_help)
     ap.add_argument(
@@ -449,6 +454,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--workers and --ddp-workers must be >= 1")
     if args.epochs is not None and args.epochs < 1:
         ap.error(f"--epochs must be >= 1, got {args.epochs}")
+    if args.local_epochs < 1:
+        ap.error(f"--local-epochs must be >= 1, got {args.local_epochs}")
     args.overrides = {}
     for item in args.set:
         name, sep, value = item.partition("=")
@@ -466,11 +473,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.local_epochs > 1:
+        args.overrides = {"local_epochs": args.local_epochs, **args.overrides}
     torch.set_num_threads(1)  # the torch loop on one core, as each DDP rank and each worker
     t_start = time.perf_counter()
     tasks = {(name, seed): make_task(name, seed) for name in args.tasks for seed in args.seeds}
     if args.epochs is not None:
         tasks = {key: replace(task, epochs=args.epochs) for key, task in tasks.items()}
+    for _label, extra in args.variants:  # before any training: every variant's passes divide every task's epochs
+        passes = {**args.overrides, **extra}.get("local_epochs", 1)
+        if bad := sorted({t.name for t in tasks.values() if not isinstance(passes, int) or t.epochs % passes}):
+            raise SystemExit(f"local_epochs={passes!r} does not divide the epochs of {bad}")
     runs: dict[str, dict[str, list[dict]]] = {name: {} for name in args.tasks}
     for (_name, seed), task in tasks.items():
         run_one(runs, task, "torch, 1 process", seed, functools.partial(train_torch, task, seed, args.schedule))
