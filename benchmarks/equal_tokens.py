@@ -302,7 +302,7 @@ def train_vcdask(
 
     passes = overrides.get("local_epochs", 1)
     if task.epochs % passes:
-        raise ValueError(f"--local-epochs {passes} does not divide {task.name}'s {task.epochs} epochs")
+        raise ValueError(f"local_epochs={passes} does not divide {task.name}'s {task.epochs} epochs")
     with scratch_store(None, "equal-tokens") as store:
         handle = vcdask.fit(
             copy.deepcopy(task.init),
@@ -482,8 +482,10 @@ def main(argv: list[str] | None = None) -> int:
         tasks = {key: replace(task, epochs=args.epochs) for key, task in tasks.items()}
     for _label, extra in args.variants:  # before any training: every variant's passes divide every task's epochs
         passes = {**args.overrides, **extra}.get("local_epochs", 1)
-        if bad := sorted({t.name for t in tasks.values() if not isinstance(passes, int) or t.epochs % passes}):
-            raise SystemExit(f"local_epochs={passes!r} does not divide the epochs of {bad}")
+        if not isinstance(passes, int) or passes < 1:
+            raise SystemExit(f"local_epochs must be an integer >= 1, got {passes!r}")
+        if bad := sorted({t.name for t in tasks.values() if t.epochs % passes}):
+            raise SystemExit(f"local_epochs={passes} does not divide the epochs of {bad}")
     runs: dict[str, dict[str, list[dict]]] = {name: {} for name in args.tasks}
     for (_name, seed), task in tasks.items():
         run_one(runs, task, "torch, 1 process", seed, functools.partial(train_torch, task, seed, args.schedule))
