@@ -300,9 +300,7 @@ def train_vcdask(
     starting when the run begins)."""
     import vcdask
 
-    passes = overrides.get("local_epochs", 1)
-    if task.epochs % passes:
-        raise ValueError(f"local_epochs={passes} does not divide {task.name}'s {task.epochs} epochs")
+    passes = overrides.get("local_epochs", 1)  # (main checked that it divides every task's epochs)
     with scratch_store(None, "equal-tokens") as store:
         handle = vcdask.fit(
             copy.deepcopy(task.init),
@@ -462,6 +460,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if not sep:
             ap.error(f"--set takes NAME=VALUE, got {item!r}")
         args.overrides[name] = _value(value)
+    if args.local_epochs > 1:  # (a --set local_epochs wins)
+        args.overrides = {"local_epochs": args.local_epochs, **args.overrides}
     args.variants = [("", {})]  # (a row's label suffix, its overrides on top of --set)
     if args.vary is not None:
         name, sep, values = args.vary.partition("=")
@@ -473,8 +473,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.local_epochs > 1:
-        args.overrides = {"local_epochs": args.local_epochs, **args.overrides}
     torch.set_num_threads(1)  # the torch loop on one core, as each DDP rank and each worker
     t_start = time.perf_counter()
     tasks = {(name, seed): make_task(name, seed) for name in args.tasks for seed in args.seeds}
