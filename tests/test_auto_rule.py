@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,12 +19,39 @@ from test_rules import flat, w
 
 import vcdask
 from vcdask.engine.params_server import ParamsServer, task_seconds
-from vcdask.merge import DEFAULT_RULE, ONE_IN_FLIGHT, Arrival, Auto, Nesterov, Probe, RuleState, for_run, get_rule
+from vcdask.merge import DEFAULT_RULE, ONE_IN_FLIGHT, Arrival, Auto, Nesterov, Probe, RuleState, auto, for_run, get_rule
 from vcdask.params import flatten
 
 
+class _ProbeClock:
+    """The clock ``"auto"`` times its probe by in these tests (``vcdask.merge.auto``'s ``time.perf_counter``,
+    with the ``probe_clock`` fixture): a :class:`Slow` pass moves it by exactly its seconds instead of
+    sleeping, so what the rule chooses does not hang on how busy the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def take(self, seconds: float) -> None:
+        if seconds:
+            assert auto.time.perf_counter is self, "a probe that takes time needs the probe_clock fixture"
+            self.now += seconds
+
+
+CLOCK = _ProbeClock()
+
+
+@pytest.fixture
+def probe_clock(monkeypatch):
+    monkeypatch.setattr(auto, "time", SimpleNamespace(perf_counter=CLOCK))
+    return CLOCK
+
+
 class Slow(Quadratic):
-    """A probe that takes at least ``seconds`` a call over 64 rows, in proportion over fewer (``rows``)."""
+    """A probe that takes ``seconds`` a call over 64 rows, in proportion over fewer (``rows``), on
+    :data:`CLOCK`."""
 
     def __init__(self, seconds, *target):
         super().__init__(*target)
@@ -33,7 +60,7 @@ class Slow(Quadratic):
 
     def __call__(self, params, rows=None):
         self.rows.append(rows)
-        time.sleep(self.seconds * (64 if rows is None else rows) / 64)
+        CLOCK.take(self.seconds * (64 if rows is None else rows) / 64)
         return super().__call__(params)
 
 
@@ -67,15 +94,15 @@ def test_a_cheap_probe_is_chosen_and_then_merges_as_the_probe_rule():
     assert len(loss.seen) == 5 and state.scalars["chosen"] == "probe"
 
 
-def test_a_costly_probe_probes_with_the_most_rows_that_fit():
-    """A pass sleeps 100 ms over 64 rows, 25 over 16: a merge's probe (9 passes) then takes over 0.225 s over
+def test_a_costly_probe_probes_with_the_most_rows_that_fit(probe_clock):
+    """A pass takes 100 ms over 64 rows, 25 over 16: a merge's probe (9 passes) then takes 0.225 s over
     16 rows, and 4 tasks in flight of 2 s each keep the merge thread busy 4 * 0.225 / 2 = 45% of the time,
     within the 75% budget; over 32 rows 90%: over it."""
     rule = Auto(in_flight=4)  # (Probe(): 9 passes for a stale update with momentum; 5 at this first one)
     loss = Slow(0.1, 2.0)
     params, state, _ = _merge(rule, loss, seconds=2.0)
     assert state.scalars["chosen"] == "probe" and state.scalars["probe_rows"] == 16
-    assert 0.45 <= state.scalars["busy"] < 0.75
+    assert state.scalars["busy"] == pytest.approx(0.45)
     assert loss.rows[:8] == [16] * 4 + [32] * 4  # (64 never tried)
     assert loss.rows[8:] == [16] * 5 and w(params) == [2.0]  # the probe rule's merge, on the chosen rows
     assert rule.chosen(state) == Probe(rows=16)
@@ -84,19 +111,20 @@ def test_a_costly_probe_probes_with_the_most_rows_that_fit():
     assert loss.rows == [16] * 7  # no timing again, the same rows (5 steps, then 2 more momenta)
 
 
-def test_a_probe_that_would_keep_the_merge_thread_busy_falls_back():
-    """A pass sleeps 5 ms over 16 rows, so a merge's probe (9 passes) takes over 45 ms even then; 4 tasks in
-    flight of 0.1 s each would keep the merge thread busy over 180% of the time."""
+def test_a_probe_that_would_keep_the_merge_thread_busy_falls_back(probe_clock):
+    """A pass takes 5 ms over 16 rows, so a merge's probe (9 passes) takes 45 ms even then; 4 tasks in
+    flight of 0.1 s each would keep the merge thread busy 180% of the time."""
     fallback = Nesterov(lr=0.5, momentum=0.9, delay=1)
     rule = Auto(fallback=fallback, in_flight=4)
     loss = Slow(0.02, 2.0)
     params, state, _ = _merge(rule, loss, seconds=0.1)
     # the light probe's 4 passes (its numbers recorded: the cheapest tried) would keep it over 80% busy too
-    assert state.scalars["chosen"] == "nesterov" and state.scalars["probe_seconds"] >= 4 * 0.005
-    assert state.scalars["probe_rows"] == 16 and state.scalars["busy"] > 0.75 and not state.scalars["light"]
+    assert state.scalars["chosen"] == "nesterov" and state.scalars["probe_seconds"] == pytest.approx(4 * 0.005)
+    assert state.scalars["probe_rows"] == 16 and state.scalars["busy"] == pytest.approx(0.8)
+    assert not state.scalars["light"]
     assert loss.rows == [16] * 4  # the fewest rows timed once, found too costly, and no probe again
     _, no_light, _ = _merge(Auto(fallback=fallback, in_flight=4, light=None), Slow(0.02, 2.0), seconds=0.1)
-    assert no_light.scalars["chosen"] == "nesterov" and no_light.scalars["probe_seconds"] >= 9 * 0.005
+    assert no_light.scalars["chosen"] == "nesterov" and no_light.scalars["probe_seconds"] == pytest.approx(9 * 0.005)
     alone, alone_state, _ = _merge(fallback, None, seconds=None)
     assert w(params) == w(alone)
     assert set(state.arrays) == set(alone_state.arrays) == {"momentum"}
@@ -112,19 +140,18 @@ def test_a_probe_that_would_keep_the_merge_thread_busy_falls_back():
 
 
 class Stepped(Slow):
-    """A probe that sleeps ``seconds[rows]`` a call (``rows`` None: the rule's own, 64)."""
+    """A probe that takes ``seconds[rows]`` a call (``rows`` None: the rule's own, 64), on :data:`CLOCK`."""
 
     def __call__(self, params, rows=None):
         self.rows.append(rows)
-        time.sleep(self.seconds[rows])
+        CLOCK.take(self.seconds[rows])
         return Quadratic.__call__(self, params)
 
 
-def test_where_the_full_probe_does_not_fit_the_light_one_does_with_the_most_rows_that_fit():
-    """A pass sleeps 16 ms over 16 or 32 rows, 160 ms over 64.  Four 1 s tasks in flight: the full grid
-    here (12 passes) would keep the merge thread over 77% busy even over 16 rows (any overhead only adds to
-    it); the light one (4 passes) 26% over 16 or 32 rows (under the 75% budget unless a pass takes over
-    2.9 times its sleep), 256% over 64."""
+def test_where_the_full_probe_does_not_fit_the_light_one_does_with_the_most_rows_that_fit(probe_clock):
+    """A pass takes 16 ms over 16 or 32 rows, 160 ms over 64.  Four 1 s tasks in flight: the full grid
+    here (12 passes) would keep the merge thread 77% busy even over 16 rows; the light one (4 passes) 26%
+    over 16 or 32 rows (under the 75% budget), 256% over 64."""
     full = Probe(steps=(0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0))  # (8 + 2 + 2 passes)
     rule = Auto(probe=full, in_flight=4)
     light = Probe(steps=(1.0, 2.0), pulls=(0.5, 1.0), momenta=(0.0, 0.9))
@@ -132,7 +159,7 @@ def test_where_the_full_probe_does_not_fit_the_light_one_does_with_the_most_rows
     loss = Stepped({16: 0.016, 32: 0.016, None: 0.16}, 2.0)
     params, state, out = _merge(rule, loss, seconds=1.0, staleness=1)
     assert state.scalars["chosen"] == "probe" and state.scalars["light"] is True
-    assert state.scalars["probe_rows"] == 32 and 0.25 <= state.scalars["busy"] <= 0.75
+    assert state.scalars["probe_rows"] == 32 and state.scalars["busy"] == pytest.approx(0.256)
     # 16 rows timed once for both grids, then 32 and 64 for the light one; then the merge, on 32 rows
     assert loss.rows[:8] == [16] * 4 + [32] * 4 and set(loss.rows[8:-3]) == {None}
     assert loss.rows[-3:] == [32] * 3  # (2 steps, 2 pulls less the one already scored; no momentum yet)
@@ -228,7 +255,7 @@ def test_an_unknown_task_time_or_a_failing_probe_falls_back_and_the_state_stays_
     json.dumps(state.scalars, allow_nan=False)
 
 
-def test_the_choice_survives_a_restart_of_the_server(tmp_path):
+def test_the_choice_survives_a_restart_of_the_server(tmp_path, probe_clock):
     store = vcdask.open_store(tmp_path / "s")
     store.create_branch("run-p")
     store.commit(flatten({"w": torch.zeros(1)}), {"run_id": "run-p", "step": 0, "merged": []}, branch="run-p")
