@@ -1,8 +1,8 @@
 """What :func:`vcdask.data.prepare_data` found: :class:`PreparedData`, the checked description of a run's data.
 
-Its own module, below :mod:`vcdask.data` and the modules that prepare particular kinds of data
-(:mod:`vcdask.frames`, :mod:`vcdask.torch_data`) or check them (:mod:`vcdask.preflight`), which all
-use it: none of them imports :mod:`vcdask.data` for it.
+Its own module, below :mod:`vcdask.data` and the modules that prepare or read it
+(:mod:`vcdask.torch_data`, :mod:`vcdask.steps`) or check it (:mod:`vcdask.preflight`,
+:mod:`vcdask.finite`), which use it: none of them imports :mod:`vcdask.data` for it.
 """
 
 from __future__ import annotations
