@@ -609,15 +609,18 @@ def test_staleness_limit_auto_default():
 
 
 def _uploaded_not_committed(store, run_id: str) -> bool:
-    committed = {(e, sh) for v in store.versions(run_id) for e, sh, _ in v.metadata["merged"]}
+    # the uploads first, then the versions: an upload committed in between counts as committed (the other
+    # order took it for uncommitted, and the kill that followed could find nothing uncommitted)
+    uploads = []
     for path in store.files.list(f"{run_id}/updates"):
         try:
             meta = vcdask.updates.read_update_meta(store.files, path)
         except Exception:  # noqa: BLE001 - an upload still being written, or deleted meanwhile
             continue
-        if meta and (meta["epoch"], meta["shard"]) not in committed:
-            return True
-    return False
+        if meta:
+            uploads.append((meta["epoch"], meta["shard"]))
+    committed = {(e, sh) for v in store.versions(run_id) for e, sh, _ in v.metadata["merged"]}
+    return any(u not in committed for u in uploads)
 
 
 def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path):
