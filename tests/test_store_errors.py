@@ -101,6 +101,29 @@ def test_unknown_version_is_keyerror_naming_it(tmp_path):
     assert str(info.value).startswith("no version 'ZZZZZZZZZZZZZZZZZZZZ'")  # no KeyError quoting
 
 
+def test_a_version_that_is_not_an_id_is_a_typeerror_naming_it(tmp_path):
+    """What a history row of a merge committed with later ones holds (NaN, as pandas has an empty
+    version_id), or any other non-str, is refused by name wherever a version is taken, before Icechunk
+    sees it (it said "argument 'snapshot_id': 'float' object cannot be cast as 'str'")."""
+    import vcdask
+
+    store = open_store(tmp_path / "s")
+    store.commit({"w": torch.zeros(3)})
+    with pytest.raises(
+        TypeError, match=r"version must be a version id .* got nan \(float\): a history row whose merge"
+    ):
+        store.read(float("nan"))
+    with pytest.raises(TypeError, match=r"got nan \(float\)"):
+        vcdask.load(store, torch.nn.Linear(3, 1), version=float("nan"))
+    with pytest.raises(TypeError, match=r"got 3 \(int\)$"):
+        store.tag("t", 3)
+    with pytest.raises(TypeError, match=r"got None \(NoneType\)$"):
+        store.tag("t", None)
+    with pytest.raises(TypeError, match=r"got b'abc' \(bytes\)$"):
+        store.create_branch("b", b"abc")
+    assert store.tags() == {} and "b" not in store.branches()
+
+
 def test_version_and_tag_together(tmp_path):
     store = open_store(tmp_path / "s")
     with pytest.raises(ValueError, match="not both"):

@@ -54,7 +54,8 @@ class FitResult:
         The model, holding the final server parameters.
     history : pandas.DataFrame
         One row per update: epoch, shard, attempt, worker, device (where it trained), base_version, new_version,
-        version_id, alpha, staleness, train_loss, first_loss (of the task's first local step, before it had
+        version_id (empty for a merge committed together with later ones, with ``commit_every`` other than 1),
+        alpha, staleness, train_loss, first_loss (of the task's first local step, before it had
         trained: at its base), seconds (of the task: read_seconds for the
         version and rows, of which wait_seconds waiting for the merges before its base (or, for a base the
         answer to its worker's last hand-over brought, that hand-over's wait, before this task began), train_seconds,

@@ -10,6 +10,7 @@ from ..errors import BranchExistsError, VersionNotFoundError
 from ._errors import translate
 from ._history import is_reserved
 from ._layout import is_version
+from ._version import version_id
 
 if TYPE_CHECKING:
     import icechunk
@@ -71,6 +72,7 @@ def require_version(store: NamedStore, version: str) -> str:
     """
     import icechunk
 
+    version = version_id(version)
     try:
         snap = store._repo.lookup_snapshot(version)
     except icechunk.IcechunkError as e:

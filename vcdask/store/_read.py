@@ -16,7 +16,7 @@ from ._flatread import Seen, read_flat
 from ._history import HistoryStore, empty_branch_message
 from ._layout import is_version, version_info
 from ._names import NamedStore
-from ._version import Checkpoint
+from ._version import Checkpoint, version_id
 
 if TYPE_CHECKING:
     import icechunk
@@ -71,7 +71,7 @@ def read_version(store: ReadStore, version: str | None, branch: str, tag: str | 
             if tag is not None:
                 session = store._repo.readonly_session(tag=tag)
             elif version is not None:
-                session = store._repo.readonly_session(snapshot_id=version)
+                session = store._repo.readonly_session(snapshot_id=version_id(version))
             else:
                 session = store._repo.readonly_session(branch=branch)
             snap = store._repo.lookup_snapshot(session.snapshot_id)

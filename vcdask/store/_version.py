@@ -7,6 +7,7 @@ Plain values shared by the store's interface (:mod:`._base`) and the modules tha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,23 @@ if TYPE_CHECKING:
 
     from ..params import FlatParams
 
-__all__ = ["Checkpoint", "VersionInfo"]
+__all__ = ["Checkpoint", "VersionInfo", "version_id"]
+
+
+def version_id(version: object) -> str:
+    """``version``, if it is a version id (a str); else a :class:`TypeError` naming it."""
+    if isinstance(version, str):
+        return version
+    hint = ""
+    if isinstance(version, float) and math.isnan(version):  # (a history row's empty version_id, as pandas has it)
+        hint = (
+            ": a history row whose merge was committed together with later ones (commit_every other than 1) "
+            "has no version_id of its own; the next row that has one holds its merge"
+        )
+    raise TypeError(
+        "version must be a version id (a str, as store.versions() and FitResult.history's version_id give), "
+        f"got {version!r} ({type(version).__name__}){hint}"
+    )
 
 
 @dataclass(frozen=True)
