@@ -58,6 +58,30 @@ def _this_python_kernel():
     return KernelManager(kernel_name="python3", kernel_spec_manager=ThisPython())
 
 
+def _shut_down(client, km, wait: float = 60.0) -> list[str]:
+    """Shut the kernel down, as a reader closing the notebook does: nbclient leaves a kernel it was given
+    running (and with it what the notebook started, such as fit's embedded cluster) for the rest of the
+    session.  The kernel is asked to exit first, so its exit handlers run (they close that cluster); the
+    processes it started that are still running ``wait`` seconds later, by name and pid."""
+    import psutil
+
+    kernel = psutil.Process(km.provisioner.process.pid) if km.has_kernel else None
+    started = kernel.children(recursive=True) if kernel is not None else []
+    if client.kc is not None:
+        client.kc.stop_channels()
+    km.shutdown_wait_time = wait
+    km.shutdown_kernel(now=False)
+    _, alive = psutil.wait_procs(started, timeout=wait)
+    left = []
+    for p in alive:  # (not left to the rest of the session, whatever the test says)
+        try:
+            left.append(f"{' '.join(p.cmdline()[:3])} ({p.pid})")
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.timeout(900)
@@ -75,8 +99,12 @@ def test_notebook_runs(path, tmp_path):
         nb, km=km, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(tmp_path)}}
     )
     t0 = time.perf_counter()
-    client.execute()
+    try:
+        client.execute()
+    finally:
+        left = _shut_down(client, km)
     print(f"{path.name}: {time.perf_counter() - t0:.1f} s")
+    assert not left, f"{path.name}: processes still running after its kernel was shut down: {left}"
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors, errors
     assert all(c.execution_count for c in nb.cells if c.cell_type == "code"), "a code cell did not run"
