@@ -6,7 +6,7 @@ usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [-
                                           [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd,
                                                     probe,agreement,adam-correction,trust,no-hand-over,
                                                     no-next-base,no-inline-base,
-                                                    no-base-before-commit]
+                                                    no-base-before-commit,commit-every-2]
 
 Two worker processes of one thread each; worker 1 is made ``--slow`` times slower by a **per-batch
 delay**: before each training batch it sleeps ``(slow - 1) * c``, where ``c`` is the median time of one
@@ -304,6 +304,8 @@ VARIANTS = {
     # stop 41: the defaults, with bases given once committed (before, a small model's base went out as
     # soon as it was merged, while the merge thread committed it)
     "no-base-before-commit": {},
+    # stop 59: a version every second merge, half the commits (the server's share of the machine's two cores)
+    "commit-every-2": {"commit_every": 2},
 }
 #: Dask config set on the workers for a variant's run (and set back after)
 WORKER_CONFIG = {
@@ -373,6 +375,8 @@ def vcdask_run(variant, task, seed, X, y, passes, delay, kill_every, client, loc
         n_shards = merged.shard.nunique()  # passes: shards merged, over shards per epoch
         points = []
         for i, row in enumerate(merged.itertuples()):
+            if not isinstance(row.version_id, str):  # committed with the merges after it (commit_every > 1)
+                continue
             model = vcdask.load(store, MODELS[task](seed), version=row.version_id, branch=r.run_id)
             state = {k: v.clone() for k, v in model.state_dict().items()}
             points.append((committed[row.version_id], state, (i + 1) * local_epochs / n_shards))
