@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_engine_core import Clock
 from test_probe_rule import Quadratic, _upload
 from test_rules import flat, w
 
@@ -23,21 +24,15 @@ from vcdask.merge import DEFAULT_RULE, ONE_IN_FLIGHT, Arrival, Auto, Nesterov, P
 from vcdask.params import flatten
 
 
-class _ProbeClock:
+class _ProbeClock(Clock):
     """The clock ``"auto"`` times its probe by in these tests (``vcdask.merge.auto``'s ``time.perf_counter``,
     with the ``probe_clock`` fixture): a :class:`Slow` pass moves it by exactly its seconds instead of
     sleeping, so what the rule chooses does not hang on how busy the machine is."""
 
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
     def take(self, seconds: float) -> None:
         if seconds:
             assert auto.time.perf_counter is self, "a probe that takes time needs the probe_clock fixture"
-            self.now += seconds
+            self.advance(seconds)
 
 
 CLOCK = _ProbeClock()

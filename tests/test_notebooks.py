@@ -62,7 +62,7 @@ def _shut_down(client, km, wait: float = 60.0) -> list[str]:
     """Shut the kernel down, as a reader closing the notebook does: nbclient leaves a kernel it was given
     running (and with it what the notebook started, such as fit's embedded cluster) for the rest of the
     session.  The kernel is asked to exit first, so its exit handlers run (they close that cluster); the
-    processes it started that are still running ``wait`` seconds later, by name and pid."""
+    processes it started that are still running ``wait`` seconds later (killed), by command line and pid."""
     import psutil
 
     kernel = psutil.Process(km.provisioner.process.pid) if km.has_kernel else None

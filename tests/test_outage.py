@@ -3,35 +3,26 @@
 from __future__ import annotations
 
 import pytest
+from test_engine_core import Clock
 
 from vcdask.engine.outage import BACKOFF_FIRST, StoreOutage
 from vcdask.errors import StoreUnreachableError
 
 
-class _Clock:
-    """A clock that moves only when told (the bookkeeping's, whatever the machine's load)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_outage_backs_off_and_ends():
-    clock = _Clock()
+    clock = Clock()  # (moves only when told, whatever the machine's load)
     outage = StoreOutage(timeout=60, clock=clock)
     assert not outage.holding() and outage.back() is None and outage.why is None
     assert outage.fault(StoreUnreachableError("503 Slow Down")) is True  # starts the outage
     assert outage.holding() and outage.why.startswith("store unavailable for 0 s: 503 Slow Down")
     assert outage.wait_seconds() == BACKOFF_FIRST
-    clock.now += 0.2
+    clock.advance(0.2)
     assert outage.holding() and outage.wait_seconds() == pytest.approx(BACKOFF_FIRST - 0.2)
     assert outage.fault(StoreUnreachableError("503 again")) is False  # the same outage
     assert outage.wait_seconds() == 2 * BACKOFF_FIRST  # doubled, from this fault
-    clock.now += 2 * BACKOFF_FIRST
+    clock.advance(2 * BACKOFF_FIRST)
     assert not outage.holding() and outage.wait_seconds() == 0.0
-    clock.now += 1.3
+    clock.advance(1.3)
     assert outage.fault(StoreUnreachableError("503 once more")) is False
     assert outage.why == "store unavailable for 2 s: 503 once more"  # counted from the outage's first fault
     assert outage.back() == pytest.approx(2.5)
@@ -41,12 +32,12 @@ def test_outage_backs_off_and_ends():
 
 
 def test_outage_past_its_timeout_names_the_option():
-    clock = _Clock()
+    clock = Clock()  # (moves only when told, whatever the machine's load)
     outage = StoreOutage(timeout=0.05, clock=clock)
     outage.fault(StoreUnreachableError("connection refused"))
-    clock.now += 0.04
+    clock.advance(0.04)
     outage.fault(StoreUnreachableError("connection refused"))  # within its timeout
-    clock.now += 0.02
+    clock.advance(0.02)
     with pytest.raises(
         RuntimeError,
         match=r"store was unavailable for 0 s, longer than store_outage_timeout=0.05 s; "

@@ -103,8 +103,9 @@ def test_unknown_version_is_keyerror_naming_it(tmp_path):
 
 def test_a_version_that_is_not_an_id_is_a_typeerror_naming_it(tmp_path):
     """What a history row of a merge committed with later ones holds (NaN, as pandas has an empty
-    version_id), or any other non-str, is refused by name wherever a version is taken, before Icechunk
-    sees it (it said "argument 'snapshot_id': 'float' object cannot be cast as 'str'")."""
+    version_id), or any other non-str, is refused by name wherever a version is taken (read, load, tag,
+    create_branch, read_state, version_nbytes, hold), before Icechunk sees it (it said "argument
+    'snapshot_id': 'float' object cannot be cast as 'str'")."""
     import vcdask
 
     store = open_store(tmp_path / "s")
@@ -121,6 +122,11 @@ def test_a_version_that_is_not_an_id_is_a_typeerror_naming_it(tmp_path):
         store.tag("t", None)
     with pytest.raises(TypeError, match=r"got b'abc' \(bytes\)$"):
         store.create_branch("b", b"abc")
+    for take in (store.read_state, store.version_nbytes):
+        with pytest.raises(TypeError, match=r"got nan \(float\)"):
+            take(float("nan"))
+    with pytest.raises(TypeError, match=r"got nan \(float\)"), store.hold(float("nan")):
+        pass
     assert store.tags() == {} and "b" not in store.branches()
 
 

@@ -41,6 +41,7 @@ from ._history import HOLD_PREFIX, HistoryStore, is_reserved, parse_pin, pin_nam
 from ._layout import is_version
 from ._retention import GCReport, Retention, select
 from ._state import STATE_KEY, sweep_states
+from ._version import version_id
 
 if TYPE_CHECKING:
     from ._files import SideFiles
@@ -103,6 +104,7 @@ def _live_holds(store: CollectedStore, *, tidy: bool = True) -> set[str]:
 @contextlib.contextmanager
 def hold(store: CollectedStore, version: str, ttl: float) -> Iterator[str]:
     """Keep ``version`` from being collected while the block runs (see :meth:`ParamStore.hold`)."""
+    version = version_id(version)
     path = f"{HOLDS}/{uuid.uuid4().hex}.json"
     store.files.put(path, json.dumps({"version": version, "until": time.time() + ttl}).encode())
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from ._layout import is_version, version_info
-from ._version import VersionInfo
+from ._version import VersionInfo, version_id
 
 if TYPE_CHECKING:
     import icechunk
@@ -130,7 +130,7 @@ def version_nbytes(store: HistoryStore, version: str) -> int:
     """Bytes of one version's parameter arrays as stored (uncompressed chunks; metadata only is read)."""
     import zarr
 
-    session = store._repo.readonly_session(snapshot_id=version)
+    session = store._repo.readonly_session(snapshot_id=version_id(version))
     group = zarr.open_group(session.store, mode="r", path="params")
     return sum(int(a.nbytes) for _, a in group.arrays())
 

@@ -32,6 +32,7 @@ from .. import _npz
 from .. import _safetensors as st
 from ..params import FlatParams, Layout, torch_dtype
 from ._checksum import STATE_CHECKSUM_KEY, verify
+from ._version import version_id
 
 __all__ = [
     "STATE_KEY",
@@ -232,7 +233,7 @@ def read_state(store: Any, version: str) -> dict[str, FlatParams]:
     from ..errors import VersionNotFoundError
     from ._layout import read_flat_at
 
-    session = store._repo.readonly_session(snapshot_id=version)
+    session = store._repo.readonly_session(snapshot_id=version_id(version))
     meta = store._repo.lookup_snapshot(version).metadata or {}
     value = meta.get(STATE_KEY)
     if value is not None:
