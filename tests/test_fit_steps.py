@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -160,6 +162,42 @@ def test_worker_optimizer_state_with_schedule_and_clipping(client, tmp_path, dig
     assert result.metrics["accuracy"] > 0.6
 
 
+def _held_for(run_id):
+    """What this worker process keeps for run ``run_id``: model copies (every thread's), hand-overs, optimizer
+    states, compressed updates' residuals."""
+    from vcdask import _held, compress, inner, overlap
+
+    with _held._lock:
+        models = sum(1 for by_run in list(_held._every_thread.values()) for key in by_run if key[0] == run_id)
+    return {
+        "models": models,
+        "hand_overs": len(overlap._pending.get(run_id, ())),
+        "optimizer_states": len(inner._kept.get(run_id, ())),
+        "residuals": len(compress._residuals.get(run_id, ())),
+    }
+
+
+def test_a_run_that_ends_leaves_nothing_of_its_own_on_its_workers(client, tmp_path, digits_data):
+    """Each worker drops a run's model copies, optimizer states, hand-overs and residuals when the run ends
+    (on a GPU they are its memory: about 4 model sizes a worker thread, kept for runs long gone before)."""
+    (X, y), val = digits_data
+    handle = _fit(
+        _mlp(), (X, y), client, tmp_path, max_epochs=6, optimizer_state="worker", compression="int8", wait=False
+    )
+    deadline = time.monotonic() + 60
+    held: dict = {}
+    while time.monotonic() < deadline and not handle.done():
+        held = client.run(_held_for, handle.run_id)
+        if all(h["models"] and h["optimizer_states"] and h["residuals"] for h in held.values()):
+            break  # (every worker trained, and keeps what it keeps between its tasks)
+        time.sleep(0.05)
+    assert held and all(h["models"] and h["optimizer_states"] and h["residuals"] for h in held.values()), held
+    result = handle.result()
+    assert (result.history.outcome == "merged").all()
+    left = client.run(_held_for, handle.run_id)
+    assert all(not any(h.values()) for h in left.values()), left
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["32", "bf16", "16-mixed"])
 @pytest.mark.parametrize("optimizer_state", ["auto", "worker"])
@@ -181,6 +219,23 @@ def test_cuda_training(client, tmp_path, digits_data, precision, optimizer_state
     assert (result.history.outcome == "merged").all(), result.history[["outcome", "reason"]]
     assert result.metrics["accuracy"] > 0.6
     assert next(result.model.parameters()).device.type == "cpu"  # parameters come back to the caller on CPU
+
+
+@pytest.mark.gpu
+def test_a_model_on_the_gpu_is_checked_and_staged_on_the_cpu_and_gets_its_result_there(client, tmp_path, digits_data):
+    """``fit(model.cuda(), ...)``: the checks and the staged copy are made on the CPU without a second copy on
+    the GPU (``cpu_copy``), and the caller's model, on its GPU, holds the run's result."""
+    from vcdask.device import cpu_copy
+
+    (X, y), val = digits_data
+    model = _mlp().cuda()
+    allocated = torch.cuda.memory_allocated()
+    assert next(cpu_copy(model).parameters()).device.type == "cpu"
+    assert torch.cuda.memory_allocated() == allocated
+    result = _fit(model, (X, y), client, tmp_path, validation=val, device="cuda")
+    assert result.model is model and {p.device.type for p in model.parameters()} == {"cuda"}
+    assert (result.history.outcome == "merged").all(), result.history[["outcome", "reason"]]
+    assert result.metrics["accuracy"] > 0.6
 
 
 @pytest.mark.gpu

@@ -139,3 +139,31 @@ def test_float_labels_with_cross_entropy_ask_for_class_ids(X, tmp_path):
         "Give integer class ids (y.astype('int64')",
         loss="cross_entropy",
     )
+
+
+def _on_accelerator(model):
+    """``model`` with its parameters and buffers on the accelerator stand-in (``cuda:0``, refusing CPU
+    batches as a CUDA model does: :mod:`vcdask.testing.devices`)."""
+    from vcdask.testing.devices import on_accelerator
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(on_accelerator(p.detach().clone())))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, on_accelerator(b))
+    return model
+
+
+@pytest.mark.parametrize("custom_step", [False, True])
+def test_a_model_on_a_gpu_is_checked_on_a_cpu_copy(X, tmp_path, custom_step):
+    """A model on a GPU passes the pre-run checks: they run it on a CPU copy, as the probe rows are on the
+    CPU (they once ran a copy on the model's own device and said it could not take the data).  The caller's
+    model stays where it is."""
+    model = _on_accelerator(torch.nn.Sequential(_net(), torch.nn.BatchNorm1d(2)))
+    with pytest.raises(RuntimeError, match="same device"):  # what the checks ran into
+        model(torch.as_tensor(X))
+    y = (X[:, 0] > 0.5).astype(np.int64)
+    steps = {"train_step": lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])} if custom_step else {}
+    with pytest.raises(AssertionError, match="fit touched the cluster"):  # past every check, on to the cluster
+        vcdask.fit(model, (X, y), client=NoCluster(), store=tmp_path / "s", progress=False, **steps)
+    assert {t.device.type for t in model.state_dict().values()} == {"cuda"}

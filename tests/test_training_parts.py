@@ -12,7 +12,7 @@ import torch
 
 import vcdask
 from vcdask import batches, inner
-from vcdask.device import Precision, check_device, check_precision, resolve_device, to
+from vcdask.device import Precision, check_device, check_precision, cpu_copy, resolve_device, same_device, to
 from vcdask.errors import DataError
 from vcdask.steps import check_steps, evaluate
 
@@ -244,6 +244,166 @@ def test_optimizer_state_on_two_devices_is_checked_and_kept_as_on_a_gpu():
     assert not inner.InnerOptimizer(spec, model, opt.precision, 1).resumed
 
 
+def test_a_cpu_copy_of_a_gpu_model_is_made_on_the_cpu():
+    """``cpu_copy`` (the client's checks and the run's staged model): every tensor on the CPU, equal to the
+    model's, its own memory; parameters stay parameters (a frozen one frozen), tied ones tied; the model
+    itself stays on its device."""
+    from vcdask.testing.devices import ACCELERATOR, on_accelerator
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))
+    model[2].bias = model[0].bias  # tied
+    model[0].weight.requires_grad_(False)  # frozen
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(on_accelerator(p.detach().clone()), p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, on_accelerator(b))
+    model[2].bias = model[0].bias
+    copy_ = cpu_copy(model)
+    for (name, t), c in zip(model.state_dict().items(), copy_.state_dict().values(), strict=True):
+        assert t.device == ACCELERATOR and type(c) is torch.Tensor and c.device.type == "cpu", name
+        assert torch.equal(t.cpu(), c) and c.data_ptr() != t.data_ptr(), name
+    assert all(isinstance(p, torch.nn.Parameter) for p in copy_.parameters())
+    assert not copy_[0].weight.requires_grad and copy_[0].bias.requires_grad
+    assert copy_[2].bias is copy_[0].bias
+    assert copy_.train()(torch.ones(2, 3)).shape == (2, 4)  # takes CPU batches
+
+
+def test_a_process_that_trains_on_its_cpu_pins_nothing_where_it_sees_a_gpu(monkeypatch):
+    """Pinning creates a CUDA context (hundreds of MB of the GPU's memory a process): a worker that trains on
+    its CPU (``device="cpu"``, or a CPU run on a GPU machine) keeps its versions in pageable memory; a worker
+    that trained on CUDA pins them, so copies to its GPU do not block."""
+    from collections import OrderedDict
+
+    from vcdask import _held
+    from vcdask._wire import pack
+    from vcdask.params import flatten
+
+    pinned = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine says
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *_a, **_k: pinned.append(self) or self)
+    monkeypatch.setattr(_held, "_versions", OrderedDict())
+    monkeypatch.setattr(_held, "_pin", False, raising=False)  # a process that has not trained yet
+    device, _ = _held.setup(types.SimpleNamespace(torch_threads=torch.get_num_threads(), device="cpu", precision="32"))
+    params = flatten(torch.nn.Linear(3, 1))
+    _held.keep_version("v1", params)
+    _held.brought(None, pack(params))  # a draft
+    _held.brought("v2", pack(params))
+    assert device.type == "cpu" and pinned == []
+    monkeypatch.setattr(_held, "_pin", True)  # as setup leaves a process that trained on CUDA
+    _held.keep_version("v3", params)
+    assert len(pinned) == len(params.arrays)
+
+
+def test_a_gpu_shard_is_copied_once_a_task_and_cut_there_without_a_copy_per_batch(monkeypatch):
+    """On a GPU a shard that fits is copied once a task (not once a local epoch) and its batches are cut on
+    the device from one copy of the epoch's order.  A copy from pageable memory waits for the device's queue,
+    so one copy of each batch's indices stopped the next step from being queued while the last ran."""
+    from vcdask.testing.devices import ACCELERATOR, OnAccelerator, on_accelerator
+
+    copies = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # a copy to the stand-in device, counted
+        target = args[0] if args else kwargs.get("device")
+        if isinstance(target, torch.device) and target.type == "cuda":
+            if isinstance(self, OnAccelerator):
+                return self  # (already there: no copy)
+            copies.append(tuple(self.shape))
+            return on_accelerator(self.clone())
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    spec = types.SimpleNamespace(batch_form="xy", x_dtype=torch.float32)
+    rows = {"X": torch.randn(10, 3), "y": torch.arange(10)}
+    on_cpu = list(batches.batches(spec, rows, torch.device("cpu"), 3, generator=torch.Generator().manual_seed(1)))
+    assert copies == []
+    on_gpu = list(batches.batches(spec, rows, ACCELERATOR, 3, generator=torch.Generator().manual_seed(1)))
+    assert sorted(copies) == [(10,), (10,), (10, 3)]  # the shard's two columns and the order, once each
+    assert [n for _, n in on_gpu] == [n for _, n in on_cpu] == [3, 3, 3, 1]
+    for (gpu, _), (cpu, _) in zip(on_gpu, on_cpu, strict=True):
+        assert all(t.device == ACCELERATOR for t in gpu)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu, cpu, strict=True))
+    copies.clear()
+    task_rows = batches.on_device(rows, ACCELERATOR)  # what a task does before its local epochs
+    for epoch in range(3):
+        list(batches.batches(spec, task_rows, ACCELERATOR, 3, generator=torch.Generator().manual_seed(epoch)))
+    assert sorted(copies) == [(10,)] * 4 + [(10, 3)]  # the columns once, an order per local epoch
+    assert batches.on_device(rows, torch.device("cpu")) is rows
+
+
+@pytest.mark.parametrize("optimizer_state", ["fresh", "worker"])
+def test_a_task_in_fp16_starts_from_the_loss_scale_its_workers_last_task_found(optimizer_state):
+    """A loss scale is the model's, not the optimizer's: a fresh task started from torch's 65536 again and
+    skipped its first steps to overflows (on a model whose gradients overflow there, every step of a short
+    task: an update equal to its base).  A task that diverged leaves nothing; another run starts afresh."""
+    spec = _spec(run_id=f"fp16-{optimizer_state}", optimizer_state=optimizer_state)
+
+    def task(spec, finite=True):
+        model = torch.nn.Linear(3, 1)
+        opt = inner.InnerOptimizer(spec, model, Precision("16-mixed", torch.device("cpu")), 1)
+        start = opt.precision.scaler.get_scale()
+        for _ in range(3):  # gradients of 1e36: every step at a scale over ~340 overflows and halves it
+            opt.step(model(torch.ones(2, 3)).sum() * 1e36)
+        opt.done(finite=finite)
+        return start, opt.precision.scaler.get_scale()
+
+    start, end = task(spec)
+    assert (start, end) == (65536.0, 8192.0)
+    assert task(spec) == (8192.0, 1024.0)  # the next task goes on from there
+    assert task(spec, finite=False)[0] == 1024.0
+    assert task(spec)[0] == 1024.0  # (not from the one that diverged)
+    assert task(_spec(run_id=f"another-{optimizer_state}", optimizer_state=optimizer_state))[0] == 65536.0
+
+
+def test_same_device_takes_an_index_left_out_as_the_current_one(monkeypatch):
+    """``predict(device="cuda")`` of a model on ``cuda:0`` runs the model itself, not a copy on the same GPU."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    d = torch.device
+    assert same_device(d("cuda"), d("cuda:1")) and same_device(d("cuda:1"), d("cuda"))
+    assert not same_device(d("cuda"), d("cuda:0")) and not same_device(d("cuda:0"), d("cpu"))
+    assert same_device(d("mps"), d("mps:0")) and same_device(d("cpu"), d("cpu"))
+    assert not same_device(d("mps"), d("cpu"))
+
+
+def test_releasing_a_run_drops_what_every_thread_keeps_for_it_and_nothing_of_another_run():
+    """``release_run`` (each worker, when a run ends): every thread's model copies of the run, its
+    hand-overs and optimizer states go; another run's stay."""
+    import concurrent.futures
+
+    from vcdask import _held, overlap
+    from vcdask.params import flatten
+
+    def keep(run_id):
+        spec = _spec(run_id=run_id, optimizer_state="worker", model=torch.nn.Linear(3, 1))
+        _held._model(spec, torch.device("cpu"))
+        _train_task(spec, torch.nn.Linear(3, 1))
+        overlap.put(overlap.Pending(run_id, concurrent.futures.Future(), flatten(spec.model)))
+
+    kept, done = threading.Barrier(3), threading.Event()
+
+    def worker_thread():  # a worker thread that trained both runs, alive while the run ends
+        keep("release-a")
+        keep("release-b")
+        kept.wait()
+        done.wait(30)
+
+    threads = [threading.Thread(target=worker_thread) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        kept.wait(30)
+        keep("release-a")  # and this thread
+        dropped = _held.release_run("release-a")  # (a task takes the state a task before it kept: 1 to 3 of them)
+        assert dropped["models"] == dropped["hand_overs"] == 3 and dropped["optimizer_states"] >= 1, dropped
+        assert not any(_held.release_run("release-a").values())
+        assert _held.release_run("release-b")["models"] == 2
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+
+
 def test_the_accelerator_stand_in_refuses_what_cuda_refuses():
     from vcdask.testing.devices import on_accelerator
 
@@ -256,6 +416,10 @@ def test_the_accelerator_stand_in_refuses_what_cuda_refuses():
         torch.stack([on_accelerator(torch.tensor(True)), torch.tensor(True)])  # but not in a list
     moved = a.to("cpu")
     assert type(moved) is torch.Tensor and torch.equal(moved + cpu, torch.full((3,), 2.0))
+    assert moved.data_ptr() != a.data_ptr()  # a copy of its own, as from a device
+    with pytest.raises(TypeError, match="to numpy"):
+        a.numpy()
+    assert a.cpu().numpy().tolist() == [1.0, 1.0, 1.0]
 
 
 def test_lr_schedule_scales_each_local_step():
@@ -329,6 +493,36 @@ class _Squares(torch.utils.data.Dataset):
 class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(range(3))
+
+
+class _Typed(torch.utils.data.Dataset):
+    """Items of a dtype NumPy lacks (bfloat16), or on a GPU (the accelerator stand-in)."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        x, y = torch.full((2,), float(i)), torch.tensor(float(i % 2))
+        if self.kind == "bf16":
+            return x.to(torch.bfloat16), y.to(torch.bfloat16)
+        from vcdask.testing.devices import on_accelerator
+
+        return on_accelerator(x), on_accelerator(y)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "gpu"])
+def test_a_datasets_probe_batch_of_bf16_or_gpu_items_is_described_from_the_cpu(kind):
+    """The probe batch's arrays come from the CPU, in float32 where NumPy has no dtype (they once ended in
+    NumPy's raw ``TypeError``)."""
+    from vcdask.torch_data import prepare_dataset
+
+    prepared = prepare_dataset(_Typed(kind))
+    assert prepared.sample_X.dtype == prepared.sample_y.dtype == prepared.y_dtype == np.float32
+    assert prepared.sample_X.tolist() == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    assert prepared.x_shape == (2,) and prepared.sample_y.tolist() == [0.0, 1.0, 0.0, 1.0]
 
 
 @pytest.mark.parametrize(

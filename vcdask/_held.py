@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -16,7 +17,17 @@ from .errors import ParameterMismatchError
 from .params import FlatParams, flatten, load_into
 from .spec import RunSpec
 
-__all__ = ["brought", "keep_version", "loaded_model", "setup", "to_cpu", "version_params", "warm_torch"]
+__all__ = [
+    "brought",
+    "forget",
+    "keep_version",
+    "loaded_model",
+    "release_run",
+    "setup",
+    "to_cpu",
+    "version_params",
+    "warm_torch",
+]
 
 
 # -- per-process caches -------------------------------------------------------------------
@@ -24,6 +35,14 @@ _lock = threading.Lock()
 _versions: OrderedDict[str, FlatParams] = OrderedDict()
 _models = threading.local()
 _MAX_VERSIONS = 4
+
+
+class _Models(OrderedDict):
+    """One thread's model copies, by ``(run_id, device)``: its own (``_models.by_run``), and listed in
+    ``_every_thread`` so a run's end can drop them from every thread (they go with their thread too)."""
+
+
+_every_thread: weakref.WeakValueDictionary[int, _Models] = weakref.WeakValueDictionary()
 #: Models kept per thread (one per run and device): the runs this worker trained lately.
 _MAX_MODELS = 3
 
@@ -37,8 +56,14 @@ def version_params(store, version: str) -> FlatParams:
     return keep_version(version, store.read(version).params)
 
 
+#: Whether this process trains on a CUDA device (:func:`setup` sets it): only then are the versions it keeps
+#: pinned.  A process that trains on its CPU pins nothing even where it sees a GPU: pinning would create a CUDA
+#: context there (hundreds of MB of the GPU's memory a process) and lock host memory for nothing.
+_pin = False
+
+
 def _pinned(params: FlatParams) -> FlatParams:
-    if torch.cuda.is_available():  # copies to a GPU from pinned memory do not block
+    if _pin:  # copies to a GPU from pinned memory do not block
         params = FlatParams(params.layout, {d: a.pin_memory() for d, a in params.arrays.items()})
     return params
 
@@ -58,14 +83,19 @@ def _model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
     """A private copy of the run's model on ``device`` for this thread (threads never share a module)."""
     models = getattr(_models, "by_run", None)
     if models is None:
-        models = _models.by_run = OrderedDict()
+        models = _models.by_run = _Models()
+        with _lock:
+            _every_thread[id(models)] = models
     key = (spec.run_id, str(device))
-    model = models.get(key)
+    with _lock:  # (forget may drop a run's copies from any thread)
+        model = models.get(key)
     if model is None:
-        model = models[key] = copy.deepcopy(spec.model).to(device)
-    models.move_to_end(key)
-    while len(models) > _MAX_MODELS:  # an old run's copy (and its device memory) goes
-        models.popitem(last=False)
+        model = copy.deepcopy(spec.model).to(device)
+    with _lock:
+        models[key] = model
+        models.move_to_end(key)
+        while len(models) > _MAX_MODELS:  # an old run's copy (and its device memory) goes
+            models.popitem(last=False)
     return model
 
 
@@ -87,14 +117,51 @@ def loaded_model(
         assert version is not None, "a version or its parameters"
         params = version_params(store, version)
     if device.type != "cpu":  # one copy per dtype to the device, then device-to-device into the tensors
-        params = FlatParams(params.layout, {d: a.to(device, non_blocking=True) for d, a in params.arrays.items()})
+        # (asynchronous only from pinned memory: from pageable memory (MPS) the source may go, with the version
+        # evicted from the cache by another thread, before the copy has read it)
+        params = FlatParams(
+            params.layout, {d: a.to(device, non_blocking=a.is_pinned()) for d, a in params.arrays.items()}
+        )
     model = _model(spec, device)
     try:
         load_into(model, params)
     except ParameterMismatchError:  # user code reshaped this copy last time: start afresh
-        _models.by_run[(spec.run_id, str(device))] = model = copy.deepcopy(spec.model).to(device)
+        model = copy.deepcopy(spec.model).to(device)
+        with _lock:
+            _models.by_run[(spec.run_id, str(device))] = model
         load_into(model, params)
     return model
+
+
+def forget(run_id: str) -> int:
+    """Drop every thread's copies of run ``run_id``'s model (the run ended); how many there were."""
+    with _lock:
+        dropped = 0
+        for models in list(_every_thread.values()):
+            for key in [k for k in models if k[0] == run_id]:
+                del models[key]
+                dropped += 1
+    return dropped
+
+
+def release_run(run_id: str) -> dict[str, int]:
+    """Let go of what this worker process keeps for run ``run_id``, which ended: its threads' model copies,
+    hand-overs (each a ``W_c``) and optimizer states, on the device they trained on, and its compressed
+    updates' residuals; then give the GPU memory freed back to the device (for the next run, or another
+    process on a shared GPU).  The run's end calls it on every worker (:func:`vcdask.engine.end.release_on_workers`);
+    without it they stay until the caches' bounds push them out, runs later.  Returns what it dropped, by kind.
+    """
+    from . import compress, inner, overlap
+
+    dropped = {
+        "models": forget(run_id),
+        "hand_overs": overlap.forget(run_id),
+        "optimizer_states": inner.forget(run_id),
+        "residuals": compress.forget(run_id),
+    }
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return dropped
 
 
 def to_cpu(model: torch.nn.Module, device: torch.device) -> FlatParams:
@@ -114,9 +181,11 @@ def to_cpu(model: torch.nn.Module, device: torch.device) -> FlatParams:
 
 def setup(spec: RunSpec) -> tuple[torch.device, Precision]:
     torch.set_num_threads(spec.torch_threads)
+    global _pin
     device = resolve_device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        _pin = True
     return device, Precision(spec.precision, device)
 
 

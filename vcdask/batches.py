@@ -22,7 +22,7 @@ from .device import to
 from .errors import StoreError
 from .torch_data import DatasetSource
 
-__all__ = ["Rows", "batches", "cast_like_training", "prefetch", "rows"]
+__all__ = ["Rows", "batches", "cast_like_training", "on_device", "prefetch", "rows"]
 
 _lock = threading.Lock()
 _cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
@@ -128,18 +128,38 @@ def batches(
     only the first ``limit`` batches when given (a speed-adapted task's share of its shard)."""
     n = n_rows(r)
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    spans = [order[i : i + batch_size] for i in range(0, n, batch_size)][:limit]
+    starts = range(0, n, batch_size)[:limit]
+    spans = [order[i : i + batch_size] for i in starts]
     if isinstance(r, DatasetSource):
         yield from prefetch((to(r.batch(idx.tolist()), device, spec.x_dtype), len(idx)) for idx in spans)
         return
     if device.type == "cpu":
         yield from ((_cut(r, idx, spec.batch_form), len(idx)) for idx in spans)
         return
-    if _nbytes(r) <= _ON_DEVICE_BYTES:  # one copy of the shard, then batches cut on the device
-        on_device = {k: t.to(device, non_blocking=t.is_pinned()) for k, t in r.items()}
-        yield from ((_cut(on_device, idx.to(device), spec.batch_form), len(idx)) for idx in spans)
+    if _nbytes(r) <= _ON_DEVICE_BYTES:  # one copy of the shard (none if the task made it), batches cut there
+        columns = _moved(r, device)
+        # the order copied once: a copy from pageable memory per batch would wait for the device's queue each
+        # time, so the next step could not be queued while the last one ran
+        order = order.to(device)
+        yield from (
+            (_cut(columns, order[i : i + batch_size], spec.batch_form), len(idx))
+            for i, idx in zip(starts, spans, strict=True)
+        )
         return
     yield from prefetch((to(_cut(r, idx, spec.batch_form), device), len(idx)) for idx in spans)
+
+
+def on_device(r: Rows, device: torch.device) -> Rows:
+    """A shard's rows for a task on ``device``: the columns copied there once where :func:`batches` cuts its
+    batches on the device (a GPU shard up to ``_ON_DEVICE_BYTES``), so a task of several local epochs copies
+    them once; else ``r`` as it is (no copy for rows already there)."""
+    if isinstance(r, DatasetSource) or device.type == "cpu" or _nbytes(r) > _ON_DEVICE_BYTES:
+        return r
+    return _moved(r, device)
+
+
+def _moved(columns: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: t.to(device, non_blocking=t.is_pinned()) for k, t in columns.items()}
 
 
 _DONE = object()

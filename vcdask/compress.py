@@ -25,7 +25,7 @@ import torch
 
 from .params import FlatParams, Layout, all_finite
 
-__all__ = ["BLOCK", "COMPRESSIONS", "EncodedUpdate", "check_compression", "encode"]
+__all__ = ["BLOCK", "COMPRESSIONS", "EncodedUpdate", "check_compression", "encode", "forget"]
 
 #: What ``compression=`` accepts (None: full float32 ``W_c``, no compression).
 COMPRESSIONS = ("fp16", "bf16", "int8", "int4")
@@ -57,6 +57,12 @@ class _Kept:
             if t.numel() == size:
                 return self.spare.pop(i)
         return torch.empty(size, dtype=torch.float32)
+
+
+def forget(run_id: str) -> int:
+    """Drop what run ``run_id``'s updates left out (the run ended); how many threads' residuals there were."""
+    with _lock:
+        return len(_residuals.pop(run_id, ()))
 
 
 def check_compression(value: Any) -> str | None:

@@ -10,13 +10,26 @@ under :class:`Precision` and brings ``W_c`` back to CPU.
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["DEVICES", "PRECISIONS", "Precision", "check_device", "check_precision", "describe", "resolve_device", "to"]
+__all__ = [
+    "DEVICES",
+    "PRECISIONS",
+    "Precision",
+    "check_device",
+    "check_precision",
+    "cpu_copy",
+    "describe",
+    "resolve_device",
+    "same_device",
+    "to",
+]
 
 #: What ``device=`` accepts (``"cuda:N"`` names one GPU of the worker's machine).
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
@@ -108,6 +121,36 @@ def to(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> An
     if isinstance(batch, (tuple, list)):
         return type(batch)(to(v, device, dtype) for v in batch)
     return batch
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` name one device: ``"cuda"`` is the current CUDA device, ``"mps"`` is ``mps:0``
+    (``torch.device("cuda") != torch.device("cuda:0")``, though a tensor made on the first is on the second)."""
+
+    def index(d: torch.device) -> int | None:
+        if d.index is not None or d.type == "cpu":
+            return d.index
+        return torch.cuda.current_device() if d.type == "cuda" else 0
+
+    return a.type == b.type and index(a) == index(b)
+
+
+def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` with every parameter and buffer on the CPU, made without a second copy on
+    the model's own device (a CUDA model's copy is never allocated on its GPU).
+
+    Parameters stay :class:`torch.nn.Parameter` with their ``requires_grad``, without gradients; tied
+    parameters stay tied.  The client runs its checks and stages the run's model this way: the data it probes
+    with is on the CPU, and what travels to the workers is a CPU model whatever device the caller's is on.
+    """
+    memo: dict[int, Any] = {}  # (deepcopy takes what it finds here instead of copying it)
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.device.type == "cpu" or id(t) in memo or torch.nn.parameter.is_lazy(t):
+            continue  # (copied as deepcopy copies it)
+        moved = t.detach().cpu()
+        # (a Parameter as Module.cpu() makes one)
+        memo[id(t)] = torch.nn.Parameter(moved, t.requires_grad) if isinstance(t, torch.nn.Parameter) else moved
+    return copy.deepcopy(model, memo).cpu()
 
 
 class Precision:

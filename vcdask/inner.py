@@ -4,7 +4,9 @@
 ``"worker"`` keeps each worker's optimizer state (Adam's moments, momentum buffers, the fp16 grad
 scaler) between its tasks of one run, as DiLoCo keeps its workers' inner AdamW: the state lives in the
 worker process, keyed by run, so a shard re-issued to another worker starts clean there, and a worker
-that restarts starts clean.  Tasks running at once on one worker never share a state.
+that restarts starts clean.  Tasks running at once on one worker never share a state.  With either, a
+task in fp16 (``precision="16-mixed"``) starts from the loss scale its worker's last task of the run ended
+with, not from torch's initial one.
 ``"auto"`` (the default) is decided when the run starts (:func:`resolve_optimizer_state`): ``"worker"``
 when a task takes at least as many local steps as its optimizer's first moment remembers
 (``1 / (1 - beta1)``: 10 for Adam's defaults), ``"fresh"`` otherwise.  A kept first moment points where
@@ -35,6 +37,7 @@ __all__ = [
     "InnerOptimizer",
     "check_optimizer_state",
     "check_schedule",
+    "forget",
     "memory_steps",
     "resolve_optimizer_state",
 ]
@@ -44,6 +47,10 @@ OPTIMIZER_STATES = ("auto", "fresh", "worker")
 
 _lock = threading.Lock()
 _kept: dict[str, list[dict[str, Any]]] = {}  # run_id -> states set aside by finished tasks (newest run last)
+# run_id -> the fp16 grad scaler's state after this process's last finished task of the run, whatever
+# ``optimizer_state``: the loss scale it found is the model's, not the optimizer's, and a task that started
+# again from torch's 65536 would skip its first steps to overflows (all of a short task's, on some models)
+_scales: dict[str, dict[str, Any]] = {}
 _KEEP_RUNS = 4
 
 
@@ -149,6 +156,11 @@ class InnerOptimizer:
                 if self.precision.scaler is not None and state.get("scaler"):
                     self.precision.scaler.load_state_dict(state["scaler"])
                 self.resumed = True
+        if self.precision.scaler is not None and not self.resumed:
+            with _lock:
+                scale = _scales.get(spec.run_id)
+            if scale:
+                self.precision.scaler.load_state_dict(scale)
 
     def step(self, loss: torch.Tensor) -> None:
         """Backward, clip, scheduled learning rate, optimizer step."""
@@ -168,7 +180,14 @@ class InnerOptimizer:
         """The task trained to its end: keep the state for this worker's next task (``"worker"``).
 
         A task whose loss was not ``finite`` (or whose state holds NaN/inf) keeps nothing: its update
-        will be rejected, and a poisoned state would spoil every later task on this worker."""
+        will be rejected, and a poisoned state would spoil every later task on this worker.  The fp16 grad
+        scaler's state is kept for the worker's next task of the run in either case."""
+        if finite and self.precision.scaler is not None:
+            with _lock:
+                _scales.pop(self.spec.run_id, None)  # (the newest run last)
+                _scales[self.spec.run_id] = self.precision.scaler.state_dict()
+                for old in list(_scales)[:-_KEEP_RUNS]:
+                    del _scales[old]
         if self.spec.optimizer_state != "worker":
             return
         if not (finite and _finite_state(self.optimizer)):
@@ -182,6 +201,14 @@ class InnerOptimizer:
             _kept.setdefault(self.spec.run_id, []).append(state)
             for old in list(_kept)[:-_KEEP_RUNS]:  # a long-lived cluster: forget runs long gone
                 del _kept[old]
+
+
+def forget(run_id: str) -> int:
+    """Drop the optimizer states and the loss scale kept for run ``run_id`` (the run ended: the states may
+    be on a GPU); how many optimizer states there were."""
+    with _lock:
+        _scales.pop(run_id, None)
+        return len(_kept.pop(run_id, ()))
 
 
 def _finite_state(optimizer: torch.optim.Optimizer) -> bool:

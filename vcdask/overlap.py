@@ -42,7 +42,18 @@ import torch
 from .errors import ParameterMismatchError
 from .params import FlatParams, state_tensors
 
-__all__ = ["MAX_AHEAD", "OVERLAPS", "Base", "Pending", "check_overlap", "correct", "most_ahead", "put", "take"]
+__all__ = [
+    "MAX_AHEAD",
+    "OVERLAPS",
+    "Base",
+    "Pending",
+    "check_overlap",
+    "correct",
+    "forget",
+    "most_ahead",
+    "put",
+    "take",
+]
 
 #: What ``vcdask.worker.overlap`` accepts.
 OVERLAPS = ("delta", "wait", "newest")
@@ -125,6 +136,12 @@ _KEEP_RUNS = 4
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
+def forget(run_id: str) -> int:
+    """Drop run ``run_id``'s hand-overs (the run ended: their ``W_c`` may be on a GPU); how many there were."""
+    with _lock:
+        return len(_pending.pop(run_id, ()))
+
+
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _lock:
@@ -173,7 +190,7 @@ def correct(model: torch.nn.Module, merged: FlatParams, own: FlatParams) -> None
     with torch.no_grad():
         for dtype, own_flat in own.arrays.items():
             device = own_flat.device
-            target = merged.arrays[dtype].to(device, non_blocking=True)
+            target = merged.arrays[dtype].to(device, non_blocking=merged.arrays[dtype].is_pinned())
             if torch.equal(target, own_flat):  # the merge took W_c as it was (one task in flight): nothing to
                 continue  # correct, and (model - own) + merged would round what the task learned since
             entries = [(t, e) for t, e in zip(tensors, layout.entries, strict=True) if e.dtype == dtype]

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .device import same_device
 from .errors import DataError
 
 __all__ = ["model_outputs"]
@@ -55,7 +56,7 @@ def model_outputs(
     x = _rows(X, spec)
     where = next((p.device for p in model.parameters()), torch.device("cpu"))
     target = where if device is None else torch.device(device)
-    net = model if target == where else copy.deepcopy(model).to(target)
+    net = model if same_device(target, where) else copy.deepcopy(model).to(target)
     x = cast_like_training(x, spec)
     was_training = net.training
     net.eval()

@@ -9,7 +9,6 @@ on a few training rows: that is cheap and tells what its outputs look like again
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 import warnings
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .device import cpu_copy
 from .errors import DataError
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ def check_model(model, prepared: PreparedData, loss, classification: bool, x_dty
     Returns whether ``X`` is cast to the model's dtype (True), or stays integer (False: integer
     inputs such as token ids that the model takes as they are, and not as floats).
     """
-    probe = copy.deepcopy(model).eval()
+    probe = cpu_copy(model).eval()  # (the probe rows are CPU tensors, whatever device the model is on)
     if prepared.form == "dataset":
         if prepared.sample_X is None:
             raise DataError(
@@ -267,7 +267,7 @@ def check_target(target: Any, metric_names: Sequence[str] | None = None) -> dict
 
 def _probe(model: torch.nn.Module, sample_X: Any) -> torch.Tensor | None:
     """The model's outputs for a few rows, on a copy on the CPU (None when the model cannot take them)."""
-    probe = copy.deepcopy(model).cpu().eval()
+    probe = cpu_copy(model).eval()
     X = torch.as_tensor(np.ascontiguousarray(sample_X))
     dtype = next((p.dtype for p in probe.parameters() if p.is_floating_point()), torch.get_default_dtype())
     with torch.no_grad():
@@ -294,7 +294,7 @@ def check_probe_cost(rule: Any, model: torch.nn.Module, batch: Any, step: Any) -
     """
     if "loss" not in getattr(rule, "needs", ()):
         return None
-    probe = copy.deepcopy(model).cpu().eval()
+    probe = cpu_copy(model).eval()
     with torch.no_grad():
         step(probe, batch)  # (a first call pays for lazy set-up)
         t0 = time.perf_counter()

@@ -9,7 +9,6 @@ stopping, ``resume(max_epochs=)``) and where a run's initial parameters came fro
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import dataclasses
 import logging
 import os
@@ -24,6 +23,7 @@ import torch
 from ._ints import positive_int
 from .cluster import check_client, owns_client, resolve_client
 from .data import Shards
+from .device import cpu_copy
 from .errors import VersionNotFoundError
 from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
@@ -153,7 +153,7 @@ def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
         run_id=run_id,
         store=store,
         branch=run_id,
-        model=copy.deepcopy(plan.model).cpu(),
+        model=cpu_copy(plan.model),
         loss=plan.loss,
         optimizer=plan.optimizer,
         local_epochs=training.local_epochs,

@@ -10,7 +10,6 @@ without gradients); the default step reports the loss and the ``metrics`` of the
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .device import cpu_copy
 from .errors import DataError
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_
     TypeError
         ``eval_step`` returns something other than a dict of numbers.
     """
-    probe = copy.deepcopy(model)
+    probe = cpu_copy(model)  # (the probe batch is on the CPU, whatever device the model is on)
     probe.train()
     try:
         loss = train_step(probe, sample)

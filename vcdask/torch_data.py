@@ -97,9 +97,19 @@ def prepare_dataset(data: Any, *, collate_fn=None, what: str = "data"):
     prepared.source = source  # type: ignore[assignment]  # a DatasetSource reads where the data lives too
     if isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[1], torch.Tensor):
         x, y = sample
-        prepared.y_dtype = np.dtype(str(y.dtype).removeprefix("torch."))
+        prepared.y_dtype = _numpy(y).dtype
         if isinstance(x, torch.Tensor):
-            prepared.x_shape, prepared.sample_X, prepared.sample_y = tuple(x.shape[1:]), x.numpy(), y.numpy()
+            prepared.x_shape, prepared.sample_X, prepared.sample_y = tuple(x.shape[1:]), _numpy(x), _numpy(y)
         if not y.is_floating_point():  # the probe's labels are checked against the model's outputs
             prepared.y_min, prepared.y_max = int(y.min()), int(y.max())
     return prepared
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A probe batch's tensor as a NumPy array: from the CPU (a dataset may give items on a GPU), in float32
+    where NumPy has no such dtype (bfloat16, float8)."""
+    t = t.detach().cpu()
+    try:
+        return t.numpy()
+    except TypeError:  # (NumPy has no bfloat16)
+        return t.float().numpy()

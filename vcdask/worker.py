@@ -230,6 +230,7 @@ def train_shard(
     most_ahead = overlap.most_ahead(spec.local_epochs * (per_pass if limit is None else limit))
     losses: list[torch.Tensor] = []
     stamps = [time.perf_counter()]
+    rows = _batches.on_device(rows, device)  # (once for all local epochs, where batches are cut on the device)
     for _ in range(spec.local_epochs):
         for batch, _n in _batches.batches(spec, rows, device, spec.batch_size, generator=g, limit=limit):
             if pending is not None and (pending.ready() or len(losses) >= most_ahead):  # train on from the merge

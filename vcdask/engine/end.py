@@ -8,6 +8,7 @@ without unpickling the run's spec.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["best_version", "read_record", "record", "running_record", "stop_kind", "write_record"]
+__all__ = [
+    "RELEASE_TIMEOUT",
+    "best_version",
+    "read_record",
+    "record",
+    "release_on_workers",
+    "running_record",
+    "stop_kind",
+    "write_record",
+]
+
+#: How long a run's end waits for its workers to let go of what they keep for it (seconds; a healthy worker
+#: answers in milliseconds, a frozen one would hold the run's end back until then).
+RELEASE_TIMEOUT = 2.0
 
 
 def stop_kind(status: str, stopping: str | None) -> str | None:
@@ -105,3 +119,22 @@ def best_version(store: Any, res: dict[str, Any]) -> str | None:
         if info.metadata.get("step") == best["step"]:
             return info.id
     return None  # removed by the run's retention (each epoch's last version is kept by default)
+
+
+async def release_on_workers(scheduler: Any, run_id: str) -> None:
+    """Ask every worker to let go of what it keeps for run ``run_id`` (:func:`vcdask._held.release_run`: model
+    copies, optimizer states and hand-overs, on its GPU, and their cached memory).  Best effort: a worker that
+    has not answered in :data:`RELEASE_TIMEOUT` seconds, or fails, keeps them until its caches' bounds evict
+    them, and the run ends as it would have."""
+    workers = list(getattr(scheduler, "workers", None) or ())
+    if not workers or not hasattr(scheduler, "broadcast"):
+        return
+    from distributed.protocol.pickle import dumps
+
+    from .._held import release_run
+
+    msg = {"op": "run", "function": dumps(release_run), "args": dumps((run_id,)), "wait": True}
+    try:
+        await asyncio.wait_for(scheduler.broadcast(msg=msg, workers=workers, on_error="ignore"), RELEASE_TIMEOUT)
+    except Exception:  # (best effort: the workers' caches are bounded anyway)
+        logger.debug("run %s: the workers did not all let go of its caches", run_id, exc_info=True)

@@ -293,9 +293,8 @@ class Run:
         if update_gone("run ended", self.spec.keep_updates):
             await self.lane.call(delete_run_updates, self.store.files, self.id)
         await self.lane.collect(final=True, in_use_step=self._fresh().in_use_step())  # the retention, once more
-        state = self.state
-        state.phase = Phase.CANCELLED if state.cancelled else Phase.FINISHED
-        self.events.emit("finished", version=head.version, step=head.step, reason=state.stopping or "max_epochs")
+        self.state.phase = Phase.CANCELLED if self.state.cancelled else Phase.FINISHED
+        self.events.emit("finished", version=head.version, step=head.step, reason=self.state.stopping or "max_epochs")
 
     async def _final_validation(self, version: str | None, step: int) -> None:
         """Validate the final version (:func:`.results.validate_final`) and record its numbers."""
@@ -333,6 +332,7 @@ class Run:
             await self.lane.call(lambda: end.write_record(self.store, self.id, end.record(state, state.final or {})))
         except Exception:
             logger.warning("run %s: could not write its record %s", self.id, record_path(self.id), exc_info=True)
+        await end.release_on_workers(self.scheduler, self.id)  # (their model copies and states, on their GPUs)
         self.lane.shutdown()
         self.server.release()
         self.spec = state.spec = dataclasses.replace(self.spec, model=None)  # type: ignore[arg-type]

@@ -5,7 +5,8 @@ counters on the CPU while its moments live on CUDA, so ``torch.stack`` over the 
 raised ``Expected all tensors to be on the same device`` on every CUDA worker and on none of CI's.
 :class:`OnAccelerator` is a CPU tensor that says it is on ``cuda:0`` and refuses what CUDA refuses:
 a torch function that combines it with a tensor of another device (a 0-d CPU tensor in an elementwise
-operation excepted, as CUDA allows) raises the same error.  Code under test that groups by
+operation excepted, as CUDA allows) raises the same error, and so does ``.numpy()`` (a copy to the
+CPU comes first, as on a GPU).  Code under test that groups by
 ``tensor.device``, or keeps to one tensor at a time, passes as it would on a GPU.
 
 >>> import torch
@@ -32,7 +33,7 @@ ACCELERATOR = torch.device("cuda", 0)
 
 #: Functions that take tensors of two devices on a GPU too: copies and moves between them, and reading
 #: a tensor's own properties.
-_CROSSING = {"to", "copy_", "cpu", "cuda", "__get__", "__set__", "__repr__", "__format__", "numpy", "tolist"}
+_CROSSING = {"to", "copy_", "cpu", "cuda", "__get__", "__set__", "__repr__", "__format__", "tolist"}
 #: Functions that take several tensors as one list, where even a 0-d tensor of another device is refused.
 _LISTS = {"stack", "cat", "concat", "concatenate", "hstack", "vstack", "dstack", "_foreach_add_", "_foreach_mul_"}
 
@@ -53,7 +54,7 @@ class OnAccelerator(torch.Tensor):
     """A CPU tensor standing in for one on :data:`ACCELERATOR` (see the module's docstring).
 
     The results of torch functions on it are stand-ins too; ``.to("cpu")`` / ``.cpu()`` give plain
-    CPU tensors, as a real device copy would.
+    CPU tensors of their own memory, as a real device copy does.
     """
 
     @property
@@ -64,10 +65,26 @@ class OnAccelerator(torch.Tensor):
     def is_cuda(self) -> bool:  # type: ignore[override]
         return True
 
+    def __deepcopy__(self, memo: dict) -> OnAccelerator:
+        """A copy on the same device, as ``copy.deepcopy`` makes of a CUDA tensor (a parameter stays one)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        data = self.as_subclass(torch.Tensor).detach().clone()
+        copied = on_accelerator(data)
+        if isinstance(self, torch.nn.Parameter):
+            copied = torch.nn.Parameter(copied, self.requires_grad)  # type: ignore[assignment]
+        memo[id(self)] = copied
+        return copied
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name == "numpy":
+            raise TypeError(
+                f"can't convert {ACCELERATOR} device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+                "host memory first. (a stand-in: vcdask.testing.devices)"
+            )
         if name not in _CROSSING:
             tensors = _tensors(args, _tensors(kwargs, []))
             other = [
@@ -81,8 +98,9 @@ class OnAccelerator(torch.Tensor):
                     f"{ACCELERATOR} and {other[0].device}! (a stand-in: vcdask.testing.devices)"
                 )
         result = super().__torch_function__(func, types, args, kwargs)
-        if name in ("cpu", "numpy", "tolist") or (name == "to" and _to_cpu(args, kwargs)):
-            return result.as_subclass(torch.Tensor) if isinstance(result, OnAccelerator) else result
+        if name in ("cpu", "tolist") or (name == "to" and _to_cpu(args, kwargs)):
+            # (a copy of its own, as a copy from a device is)
+            return result.as_subclass(torch.Tensor).clone() if isinstance(result, OnAccelerator) else result
         return result
 
 
