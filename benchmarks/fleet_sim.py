@@ -14,7 +14,9 @@ initial weights, for the same passes over the same samples:
 
 * ``torch``: ``char_lm.train_baseline`` (one process, one optimizer);
 * ``ddp``: the same loop with a batch W times larger: what synchronous data parallelism over W workers with
-  the same per-worker batch and learning rate computes (up to float rounding);
+  the same per-worker batch and learning rate computes (up to float rounding); ``ddp:sqrt``, ``ddp:linear`` and
+  ``ddp:X`` the same with the learning rate times sqrt(W), W or X (the square-root and linear scaling rules
+  for a W times larger batch);
 * a merge rule over W simulated workers: the epochs' shards (a random partition of the sequences, shards in a
   random order per epoch) are dealt out round robin, W tasks in flight; each task trains one pass over its
   shard from the server's version at its dispatch with its worker's own AdamW (kept between its tasks, as
@@ -151,6 +153,14 @@ def vcdask_rule(text: str, workers: int):
     return None
 
 
+def ddp_lr_scale(text: str, workers: int) -> float:
+    """``ddp``'s learning rate against the task's: ``ddp`` 1, ``ddp:sqrt`` sqrt(W), ``ddp:linear`` W, ``ddp:X`` X."""
+    arg = text.partition(":")[2]
+    if arg in ("", "sqrt", "linear"):
+        return {"": 1.0, "sqrt": workers**0.5, "linear": float(workers)}[arg]
+    return float(arg)
+
+
 def vector(model: torch.nn.Module) -> torch.Tensor:
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
@@ -174,11 +184,11 @@ def train_rows(
         optimizer.step()
 
 
-def torch_score(task: Task, seed: int, batch: int = BATCH) -> float:
-    """One process, one optimizer (``batch = W x 32``: DDP over W workers)."""
+def torch_score(task: Task, seed: int, batch: int = BATCH, lr_scale: float = 1.0) -> float:
+    """One process, one optimizer (``batch = W x 32``: DDP over W workers; ``lr_scale`` times the task's rate)."""
     g = torch.Generator().manual_seed(seed)
     model = task.make()
-    optimizer = task.optimizer(model.parameters())
+    optimizer = task.optimizer(model.parameters(), lr=lr_scale * task.optimizer.keywords["lr"])
     for _ in range(task.epochs):
         train_rows(task, model, optimizer, torch.randperm(len(task.X), generator=g), batch)
     return task.score(model)
@@ -372,11 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         for workers in map(int, args.workers.split(",")):
             task = make_task(args, data, seed, workers)
             for rule in args.rules.split(","):
-                for inner in ["-"] if rule == "ddp" else args.inner.split(","):
-                    if rule == "ddp" and workers == 1:
+                is_ddp = rule.partition(":")[0] == "ddp"
+                for inner in ["-"] if is_ddp else args.inner.split(","):
+                    if is_ddp and workers == 1:
                         continue
-                    if rule == "ddp":
-                        value = torch_score(task, seed, batch=BATCH * workers)
+                    if is_ddp:
+                        value = torch_score(task, seed, BATCH * workers, ddp_lr_scale(rule, workers))
                     else:
                         value = fleet_score(task, seed, workers, rule, args.ahead, args.jitter, args.lookahead, inner)
                     ratios.setdefault((workers, rule, inner), []).append(task.relative(value, base))
