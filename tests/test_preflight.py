@@ -167,3 +167,22 @@ def test_a_model_on_a_gpu_is_checked_on_a_cpu_copy(X, tmp_path, custom_step):
     with pytest.raises(AssertionError, match="fit touched the cluster"):  # past every check, on to the cluster
         vcdask.fit(model, (X, y), client=NoCluster(), store=tmp_path / "s", progress=False, **steps)
     assert {t.device.type for t in model.state_dict().values()} == {"cuda"}
+
+
+def test_custom_steps_written_for_the_models_gpu_are_checked_there(X, tmp_path):
+    """A step that moves its batch to the model's GPU itself (``.cuda()``) fails on the CPU copy; the checks
+    try it once more on a copy on the model's device, as they did before they moved to the CPU.  A step that
+    fails there too is refused with its error."""
+    from vcdask.testing.devices import on_accelerator
+
+    def cuda_step(m, b):
+        if next(m.parameters()).device.type != "cuda":  # what b[0].cuda() against a CPU model raises
+            raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices")
+        return torch.nn.functional.cross_entropy(m(on_accelerator(b[0])), on_accelerator(b[1]))
+
+    y = (X[:, 0] > 0.5).astype(np.int64)
+    model = _on_accelerator(_net())
+    with pytest.raises(AssertionError, match="fit touched the cluster"):
+        vcdask.fit(model, (X, y), client=NoCluster(), store=tmp_path / "s", progress=False, train_step=cuda_step)
+    _refused(_on_accelerator(_net()), (X, y), tmp_path, DataError, "train_step fails", train_step=lambda _m, _b: 1 / 0)
+    _refused(_net(), (X, y), tmp_path, DataError, "same device", train_step=cuda_step)  # a CPU model: no retry

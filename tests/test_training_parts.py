@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 import types
@@ -394,10 +395,10 @@ def test_releasing_a_run_drops_what_every_thread_keeps_for_it_and_nothing_of_ano
     try:
         kept.wait(30)
         keep("release-a")  # and this thread
-        dropped = _held.release_run("release-a")  # (a task takes the state a task before it kept: 1 to 3 of them)
+        dropped = asyncio.run(_held.release_run("release-a"))  # (a task takes the state one before kept: 1 to 3)
         assert dropped["models"] == dropped["hand_overs"] == 3 and dropped["optimizer_states"] >= 1, dropped
-        assert not any(_held.release_run("release-a").values())
-        assert _held.release_run("release-b")["models"] == 2
+        assert not any(asyncio.run(_held.release_run("release-a")).values())
+        assert asyncio.run(_held.release_run("release-b"))["models"] == 2
     finally:
         done.set()
         for t in threads:

@@ -3,6 +3,7 @@ the devices it has warmed up; moving parameters to and from a device.  Used by :
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
 import weakref
@@ -60,6 +61,8 @@ def version_params(store, version: str) -> FlatParams:
 #: pinned.  A process that trains on its CPU pins nothing even where it sees a GPU: pinning would create a CUDA
 #: context there (hundreds of MB of the GPU's memory a process) and lock host memory for nothing.
 _pin = False
+#: The accelerators this process trained on (:func:`setup`): where a run's end gives cached memory back.
+_trained_on: set[torch.device] = set()
 
 
 def _pinned(params: FlatParams) -> FlatParams:
@@ -144,13 +147,20 @@ def forget(run_id: str) -> int:
     return dropped
 
 
-def release_run(run_id: str) -> dict[str, int]:
+async def release_run(run_id: str) -> dict[str, int]:
     """Let go of what this worker process keeps for run ``run_id``, which ended: its threads' model copies,
     hand-overs (each a ``W_c``) and optimizer states, on the device they trained on, and its compressed
-    updates' residuals; then give the GPU memory freed back to the device (for the next run, or another
-    process on a shared GPU).  The run's end calls it on every worker (:func:`vcdask.engine.end.release_on_workers`);
-    without it they stay until the caches' bounds push them out, runs later.  Returns what it dropped, by kind.
+    updates' residuals; then give the device memory freed back (for the next run, or another process on a
+    shared GPU).  The run's end calls it on the workers that trained for it
+    (:func:`vcdask.engine.end.release_on_workers`); without it they stay until the caches' bounds push them
+    out, runs later.  A copy of the run's task still training when it ended keeps what it keeps on the same
+    terms.  Runs in a thread, off the worker's event loop (freeing device memory waits for the device).
+    Returns what it dropped, by kind.
     """
+    return await asyncio.to_thread(_release, run_id)
+
+
+def _release(run_id: str) -> dict[str, int]:
     from . import compress, inner, overlap
 
     dropped = {
@@ -159,8 +169,12 @@ def release_run(run_id: str) -> dict[str, int]:
         "optimizer_states": inner.forget(run_id),
         "residuals": compress.forget(run_id),
     }
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    for device in list(_trained_on):  # (the cached blocks go back to the device; tensors in use stay)
+        if device.type == "cuda":
+            with torch.cuda.device(device):  # (no context made on another GPU)
+                torch.cuda.empty_cache()
+        elif device.type == "mps":
+            torch.mps.empty_cache()
     return dropped
 
 
@@ -186,6 +200,8 @@ def setup(spec: RunSpec) -> tuple[torch.device, Precision]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         _pin = True
+    if device.type != "cpu":
+        _trained_on.add(device)
     return device, Precision(spec.precision, device)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .device import same_device
+from .device import cpu_copy, same_device
 from .errors import DataError
 
 __all__ = ["model_outputs"]
@@ -56,7 +56,10 @@ def model_outputs(
     x = _rows(X, spec)
     where = next((p.device for p in model.parameters()), torch.device("cpu"))
     target = where if device is None else torch.device(device)
-    net = model if same_device(target, where) else copy.deepcopy(model).to(target)
+    if same_device(target, where):
+        net = model
+    else:  # (a copy; to the CPU without a second one on the model's GPU)
+        net = cpu_copy(model) if target.type == "cpu" else copy.deepcopy(model).to(target)
     x = cast_like_training(x, spec)
     was_training = net.training
     net.eval()

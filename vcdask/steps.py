@@ -10,6 +10,8 @@ without gradients); the default step reports the loss and the ``metrics`` of the
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -90,7 +92,10 @@ def evaluate(spec, model: torch.nn.Module, batches: Iterable[tuple[Any, int]], p
 
 
 def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None) -> list[str]:
-    """Run the steps once on a probe batch (a copy of the model, on CPU); return the metric names.
+    """Run the steps once on a probe batch (on the CPU, as a copy of the model there); return the metric names.
+
+    A model on an accelerator whose steps fail on the CPU copy is tried once more on a copy on its own device
+    (steps written for it, that move the batch there with ``.cuda()``).
 
     Raises
     ------
@@ -99,7 +104,15 @@ def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_
     TypeError
         ``eval_step`` returns something other than a dict of numbers.
     """
-    probe = cpu_copy(model)  # (the probe batch is on the CPU, whatever device the model is on)
+    try:
+        return _check_steps_on(cpu_copy(model), sample, train_step, eval_step)
+    except DataError:
+        if all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers())):
+            raise
+        return _check_steps_on(copy.deepcopy(model), sample, train_step, eval_step)
+
+
+def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None) -> list[str]:
     probe.train()
     try:
         loss = train_step(probe, sample)

@@ -244,6 +244,7 @@ def train_shard(
             inner.step(loss)
             losses.append(loss.detach())
             stamps.append(time.perf_counter())
+    del rows  # (a GPU shard's copy goes now, not after the upload)
     if pending is not None:  # trained before the merge came: wait for it (the only wait of such a task)
         t_wait = time.perf_counter()
         if (base := _corrected(model, pending)) is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..spec import record_path
@@ -121,13 +122,14 @@ def best_version(store: Any, res: dict[str, Any]) -> str | None:
     return None  # removed by the run's retention (each epoch's last version is kept by default)
 
 
-async def release_on_workers(scheduler: Any, run_id: str) -> None:
-    """Ask every worker to let go of what it keeps for run ``run_id`` (:func:`vcdask._held.release_run`: model
-    copies, optimizer states and hand-overs, on its GPU, and their cached memory).  Best effort: a worker that
-    has not answered in :data:`RELEASE_TIMEOUT` seconds, or fails, keeps them until its caches' bounds evict
-    them, and the run ends as it would have."""
-    workers = list(getattr(scheduler, "workers", None) or ())
-    if not workers or not hasattr(scheduler, "broadcast"):
+async def release_on_workers(scheduler: Any, run_id: str, workers: Iterable[str]) -> None:
+    """Ask ``workers`` (those that trained for run ``run_id`` and are still connected) to let go of what they
+    keep for it (:func:`vcdask._held.release_run`: model copies, optimizer states and hand-overs, on their
+    GPUs, and their cached memory).  Best effort: a worker that has not answered in :data:`RELEASE_TIMEOUT`
+    seconds, or fails, keeps them until its caches' bounds evict them, and the run ends as it would have."""
+    connected = getattr(scheduler, "workers", None) or {}
+    targets = [w for w in workers if w in connected]
+    if not targets or not hasattr(scheduler, "broadcast"):
         return
     from distributed.protocol.pickle import dumps
 
@@ -135,6 +137,6 @@ async def release_on_workers(scheduler: Any, run_id: str) -> None:
 
     msg = {"op": "run", "function": dumps(release_run), "args": dumps((run_id,)), "wait": True}
     try:
-        await asyncio.wait_for(scheduler.broadcast(msg=msg, workers=workers, on_error="ignore"), RELEASE_TIMEOUT)
+        await asyncio.wait_for(scheduler.broadcast(msg=msg, workers=targets, on_error="ignore"), RELEASE_TIMEOUT)
     except Exception:  # (best effort: the workers' caches are bounded anyway)
         logger.debug("run %s: the workers did not all let go of its caches", run_id, exc_info=True)

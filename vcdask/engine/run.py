@@ -332,10 +332,10 @@ class Run:
             await self.lane.call(lambda: end.write_record(self.store, self.id, end.record(state, state.final or {})))
         except Exception:
             logger.warning("run %s: could not write its record %s", self.id, record_path(self.id), exc_info=True)
-        await end.release_on_workers(self.scheduler, self.id)  # (their model copies and states, on their GPUs)
         self.lane.shutdown()
         self.server.release()
         self.spec = state.spec = dataclasses.replace(self.spec, model=None)  # type: ignore[arg-type]
+        await end.release_on_workers(self.scheduler, self.id, list(state.pool.records))  # (on their GPUs)
 
     # -- what the plugin's handlers and hooks call -------------------------------------------------
     def hand_over(self, key: str, record: dict[str, Any]) -> str | None:

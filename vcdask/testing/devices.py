@@ -33,7 +33,18 @@ ACCELERATOR = torch.device("cuda", 0)
 
 #: Functions that take tensors of two devices on a GPU too: copies and moves between them, and reading
 #: a tensor's own properties.
-_CROSSING = {"to", "copy_", "cpu", "cuda", "__get__", "__set__", "__repr__", "__format__", "tolist"}
+_CROSSING = {
+    "to",
+    "copy_",
+    "cpu",
+    "cuda",
+    "__get__",
+    "__set__",
+    "__repr__",
+    "__format__",
+    "tolist",
+    "_has_compatible_shallow_copy_type",  # (Module.cpu() asks it of each parameter and its moved copy)
+}
 #: Functions that take several tensors as one list, where even a 0-d tensor of another device is refused.
 _LISTS = {"stack", "cat", "concat", "concatenate", "hstack", "vstack", "dstack", "_foreach_add_", "_foreach_mul_"}
 
