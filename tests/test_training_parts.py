@@ -284,14 +284,14 @@ def test_a_process_that_trains_on_its_cpu_pins_nothing_where_it_sees_a_gpu(monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine says
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *_a, **_k: pinned.append(self) or self)
     monkeypatch.setattr(_held, "_versions", OrderedDict())
-    monkeypatch.setattr(_held, "_pin", False, raising=False)  # a process that has not trained yet
+    monkeypatch.setattr(_held, "_trained_on", set(), raising=False)  # a process that has not trained yet
     device, _ = _held.setup(types.SimpleNamespace(torch_threads=torch.get_num_threads(), device="cpu", precision="32"))
     params = flatten(torch.nn.Linear(3, 1))
     _held.keep_version("v1", params)
     _held.brought(None, pack(params))  # a draft
     _held.brought("v2", pack(params))
     assert device.type == "cpu" and pinned == []
-    monkeypatch.setattr(_held, "_pin", True)  # as setup leaves a process that trained on CUDA
+    _held._trained_on.add(torch.device("cuda", 0))  # as setup leaves a process that trained on CUDA
     _held.keep_version("v3", params)
     assert len(pinned) == len(params.arrays)
 

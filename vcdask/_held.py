@@ -57,16 +57,15 @@ def version_params(store, version: str) -> FlatParams:
     return keep_version(version, store.read(version).params)
 
 
-#: Whether this process trains on a CUDA device (:func:`setup` sets it): only then are the versions it keeps
-#: pinned.  A process that trains on its CPU pins nothing even where it sees a GPU: pinning would create a CUDA
-#: context there (hundreds of MB of the GPU's memory a process) and lock host memory for nothing.
-_pin = False
-#: The accelerators this process trained on (:func:`setup`): where a run's end gives cached memory back.
+#: The accelerators this process trained on (:func:`setup`): where a run's end gives cached memory back, and,
+#: once one is a CUDA device, the versions it keeps are pinned.  A process that trains on its CPU pins nothing
+#: even where it sees a GPU: pinning would create a CUDA context there (hundreds of MB of the GPU's memory a
+#: process) and lock host memory for nothing.
 _trained_on: set[torch.device] = set()
 
 
 def _pinned(params: FlatParams) -> FlatParams:
-    if _pin:  # copies to a GPU from pinned memory do not block
+    if any(d.type == "cuda" for d in list(_trained_on)):  # copies to a GPU from pinned memory do not block
         params = FlatParams(params.layout, {d: a.pin_memory() for d, a in params.arrays.items()})
     return params
 
@@ -195,11 +194,9 @@ def to_cpu(model: torch.nn.Module, device: torch.device) -> FlatParams:
 
 def setup(spec: RunSpec) -> tuple[torch.device, Precision]:
     torch.set_num_threads(spec.torch_threads)
-    global _pin
     device = resolve_device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        _pin = True
     if device.type != "cpu":
         _trained_on.add(device)
     return device, Precision(spec.precision, device)
