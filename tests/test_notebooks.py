@@ -58,18 +58,24 @@ def _this_python_kernel():
     return KernelManager(kernel_name="python3", kernel_spec_manager=ThisPython())
 
 
-def _shut_down(client, km, wait: float = 60.0) -> list[str]:
+def _shut_down(client, km, grace: float = 5.0, wait: float = 60.0) -> list[str]:
     """Shut the kernel down, as a reader closing the notebook does: nbclient leaves a kernel it was given
     running (and with it what the notebook started, such as fit's embedded cluster) for the rest of the
-    session.  The kernel is asked to exit first, so its exit handlers run (they close that cluster); the
-    processes it started that are still running ``wait`` seconds later (killed), by command line and pid."""
+    session.  The kernel is asked to exit, with Jupyter's ``grace`` (jupyter_client's, Jupyter Server's and
+    nbclient's ``shutdown_wait_time``, 5 s) before it is terminated; the processes it started that are still
+    running ``wait`` seconds later (killed), by command line and pid.
+
+    ipykernel answers the request by terminating its child processes (the multiprocessing forkserver and
+    resource tracker, and the worker processes forked from the forkserver) and polls until none is left; it
+    does not reap them, so their zombies keep it polling ~29 s (ipykernel 7.4), and a longer grace only waits
+    for that.  Within 5 s its children are gone or, once the kernel is gone, see their pipes close and exit."""
     import psutil
 
     kernel = psutil.Process(km.provisioner.process.pid) if km.has_kernel else None
     started = kernel.children(recursive=True) if kernel is not None else []
     if client.kc is not None:
         client.kc.stop_channels()
-    km.shutdown_wait_time = wait
+    km.shutdown_wait_time = grace
     km.shutdown_kernel(now=False)
     _, alive = psutil.wait_procs(started, timeout=wait)
     left = []
