@@ -47,6 +47,7 @@ class _Worker:
 class _Task:
     state: str = "queued"
     processing_on: _Worker | None = None
+    worker_restrictions: set[str] | None = None  # the workers its placement names (loose or strict)
 
 
 class Dask:
@@ -58,8 +59,14 @@ class Dask:
     def sent(self, effects: list[m.Effect]) -> list[m.Submit]:
         subs = [fx for fx in effects if isinstance(fx, m.Submit)]
         for fx in subs:
-            self.tasks[fx.key] = _Task()
+            self.tasks[fx.key] = _Task(worker_restrictions=set(fx.where.get("workers", ())) or None)
         return subs
+
+    def all_left(self) -> None:
+        """Every worker left: Dask parks the tasks it had queued or processing as ``no-worker``."""
+        for task in self.tasks.values():
+            if task.state in ("queued", "processing"):
+                task.state, task.processing_on = "no-worker", None
 
     def run(self, key: str, worker: str) -> None:
         self.tasks[key] = _Task("processing", _Worker(worker))
@@ -395,6 +402,35 @@ def test_no_usable_worker_pauses_the_run_and_fails_it_past_no_worker_timeout():
     s.clock.advance(31.0)
     [fail] = [fx for fx in s(m.Poll()) if isinstance(fx, m.Fail)]
     assert str(fail.failure).startswith(f"NoWorkersError: run {RUN} had no usable worker for 30 s")
+
+
+def test_a_copy_queued_for_workers_that_all_left_is_sent_again_as_soon_as_one_is_usable():
+    """Every worker left while copies were queued: Dask parks them as ``no-worker`` and, once a worker
+    joins, starts only those whose placement names it, loose or not.  The run sends a copy placed on
+    workers that all left again at its next tick, without blame, not after its "never started" patience
+    (~30 s with the defaults; found in the chaos test where a whole pool is replaced)."""
+    s = Script(n_shards=4, workers=("a", "b"))
+    placed, unplaced = keys(s(m.Poll()))
+    s.dask.tasks[placed].worker_restrictions = {"a"}  # sticky to its home (allow_other_workers=True)
+    s(m.Left("a"))
+    s(m.Left("b"))
+    s.dask.all_left()
+    assert keys(s(m.Tick())) == [] and keys(s(m.Poll())) == []  # nowhere to send it yet
+    s(m.Joined("c", 1))
+    s.dask.run(unplaced, "c")  # Dask starts the unrestricted one on the worker that joined
+    s(m.Started(unplaced, "c"))
+    effects = s(m.Tick())  # no clock advance: nothing is late
+    [again] = keys(effects)
+    task, copy = s.state.tasks.records[placed], s.state.tasks.records[again]
+    assert (copy.epoch, copy.shard, copy.attempt) == (task.epoch, task.shard, task.attempt + 1)
+    assert task.overdue and not copy.overdue
+    [why] = emitted(effects, "reissue")
+    assert why["why"] == "was queued for workers that all left" and why["worker"] is None
+    assert s.state.dispatch.failures.get((task.epoch, task.shard), 0) == 0  # not counted against the shard
+    assert keys(s(m.Tick())) == []  # once
+    # a copy whose placement still names a connected worker is not stranded: Dask starts it there
+    s.dask.tasks[again] = type(s.dask.tasks[again])("no-worker", worker_restrictions={"gone", "c"})
+    assert not s.state.tasks.stranded(again, s.state.pool.connected)
 
 
 def test_an_epochs_last_merge_is_committed_then_validated_and_the_epoch_closes_on_its_numbers():

@@ -86,3 +86,42 @@ def test_held_counts_a_copy_where_it_was_placed_until_dask_assigns_it():
     assert tasks.held() == {"a": 1, "b": 2}  # "sent" is not known to Dask yet: counted where it was placed
     scheduler.tasks["sent"] = _Task("processing", on="c")
     assert tasks.held() == {"a": 1, "b": 1, "c": 1}
+
+
+def test_dask_starts_no_copy_placed_on_workers_that_all_left_and_the_table_says_it_is_stranded():
+    """On a real scheduler (worker threads, no processes): a task placed loosely on a worker
+    (``allow_other_workers=True``, the sticky placement of a shard copy) waits as ``no-worker`` once that
+    worker and every other left, and stays there when a new worker joins.  ``TaskTable.stranded`` names
+    it, and only while no worker its placement names is connected.  (If a Dask release starts such tasks on
+    the new worker, the first assertion fails: the run's workaround is then no longer needed.)"""
+    import time
+
+    from distributed import Client, Event, LocalCluster
+
+    def hold(name: str) -> None:
+        Event(name).wait(30)
+
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        [first] = client.scheduler_info()["workers"]
+        busy = client.submit(hold, "vcdask-test-hold", pure=False)  # the worker's one thread
+        copy = client.submit(sum, [1, 2], workers=[first], allow_other_workers=True, key="copy")
+        scheduler, table = cluster.scheduler, InFlight(scheduler=cluster.scheduler)
+        deadline = time.monotonic() + 10
+        while table.processing_on("copy") != first:
+            assert time.monotonic() < deadline, table.state("copy")
+            time.sleep(0.05)
+        cluster.scale(0)
+        while scheduler.workers or table.state("copy") != "no-worker":
+            assert time.monotonic() < deadline + 10, (list(scheduler.workers), table.state("copy"))
+            time.sleep(0.05)
+        Event("vcdask-test-hold", client=client).set()  # (the old worker's thread lets it close)
+        cluster.scale(1)
+        client.wait_for_workers(1, timeout=30)
+        time.sleep(0.5)
+        assert table.state("copy") == "no-worker"  # Dask left it there: the new worker is not one it names
+        assert table.stranded("copy", set(scheduler.workers))
+        assert not table.stranded("copy", {first, *scheduler.workers})  # one it names is connected
+        del busy, copy

@@ -8,7 +8,7 @@ the client that submits and cancels them and their futures.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -104,6 +104,19 @@ class TaskTable:
         """The worker the scheduler has ``key`` processing on (None while queued, or gone)."""
         ts = self.scheduler.tasks.get(key)
         return ts.processing_on.address if ts is not None and ts.processing_on is not None else None
+
+    def stranded(self, key: str, connected: Collection[str]) -> bool:
+        """Whether Dask holds ``key`` waiting for workers of which none is ``connected``: a copy it will
+        never start.  Dask parks a task that has no worker to go to as ``no-worker`` (every worker left
+        while it was queued), and when a worker joins it starts only the parked tasks whose restrictions
+        name that worker, loose ones (``allow_other_workers``) included.  A copy placed on workers that
+        all left waits for them for good: Nannies bring workers back at new addresses, a spot fleet at
+        new machines."""
+        ts = self.scheduler.tasks.get(key)
+        if ts is None or ts.state != "no-worker":
+            return False
+        restricted = getattr(ts, "worker_restrictions", None) or ()
+        return bool(restricted) and not any(address in connected for address in restricted)
 
     def held(self) -> Counter[str]:
         """Shard copies per worker: where Dask has each processing, or, until Dask has assigned it

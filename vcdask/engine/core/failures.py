@@ -231,7 +231,12 @@ def overdue(state: RunState, task: TaskRecord, verdict: policy.Overdue, worker: 
     charges neither the worker nor the shard."""
     task.overdue = True
     logger.warning(
-        "run %s: shard %d of epoch %d %s on %s; re-issuing", state.id, task.shard, task.epoch, verdict.why, worker
+        "run %s: shard %d of epoch %d %s%s; re-issuing",
+        state.id,
+        task.shard,
+        task.epoch,
+        verdict.why,
+        f" on {worker}" if worker else "",
     )
     state.emit("reissue", epoch=task.epoch, shard=task.shard, worker=worker, why=verdict.why)
     if not verdict.blame:

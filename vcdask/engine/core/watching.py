@@ -86,6 +86,11 @@ def nothing_left(state: RunState) -> None:
         )
 
 
+#: A copy Dask holds for workers that all left (:meth:`~vcdask.engine.inflight.TaskTable.stranded`): sent
+#: again to the workers connected now, without blame, as soon as one of them is usable.
+STRANDED = policy.Overdue("was queued for workers that all left", blame=False)
+
+
 def deadlines(state: RunState) -> list[str]:
     """Re-issue shard copies that run past their deadline or fall too far behind, and the ones queued
     behind a late copy; validate again elsewhere the versions whose validation is late.  Returns the
@@ -114,6 +119,11 @@ def deadlines(state: RunState) -> list[str]:
         limit = (
             policy.deadline(state.res, ledger.shard_seconds, tps, cold=True) if state.pool.cold(task.worker) else warm
         )
+        if task.started is None and tasks.stranded(key, state.pool.connected):
+            overdue(state, task, STRANDED, None)  # (now: it would wait out its "never started" patience)
+            if state.failure is not None:
+                return redundant
+            continue
         running_on = tasks.processing_on(key)
         verdict = policy.overdue(
             now=now,
@@ -157,6 +167,8 @@ def late_validations(state: RunState, now: float, stuck: set[str], patience: flo
         verdict: policy.Overdue | str | None
         if task.started is None and running_on is not None and running_on in stuck:
             verdict = policy.Overdue(f"queued on {running_on}, which is stuck", blame=False)
+        elif task.started is None and state.tasks.stranded(key, state.pool.connected):
+            verdict = STRANDED
         else:
             verdict = policy.overdue(
                 now=now,
