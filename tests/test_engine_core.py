@@ -433,6 +433,25 @@ def test_a_copy_queued_for_workers_that_all_left_is_sent_again_as_soon_as_one_is
     assert not s.state.tasks.stranded(again, s.state.pool.connected)
 
 
+def test_a_validation_queued_for_workers_that_all_left_is_run_again_as_soon_as_one_is_usable():
+    """The same for a validation placed on some workers only (away from a stuck one): an epoch waits for
+    its numbers, and would wait out the validation's patience."""
+    from vcdask.engine.core.dispatching import submit_validation
+
+    s = Script(workers=("a", "b"), validation=object())
+    submit_validation(s.state, "v0", 0)
+    [first] = s.dask.sent(s.state.out)
+    s.dask.tasks[first.key].worker_restrictions = {"a"}
+    s(m.Left("a"))
+    s(m.Left("b"))
+    s.dask.all_left()
+    assert keys(s(m.Tick())) == []
+    s(m.Joined("c", 1))
+    [again] = [fx for fx in s(m.Tick()) if isinstance(fx, m.Submit)]
+    assert again.kind == "validation" and again.args == ("v0", 0) and again.key != first.key
+    assert s.state.tasks.records[first.key].overdue and keys(s(m.Tick())) == []
+
+
 def test_an_epochs_last_merge_is_committed_then_validated_and_the_epoch_closes_on_its_numbers():
     s = Script(n_shards=2, validation=object())
     out = keys(s(m.Poll()))
