@@ -116,14 +116,14 @@ def deadlines(state: RunState) -> list[str]:
     for key, task in tasks.updates():
         if task.overdue or ledger.is_merged(task.epoch, task.shard) or key not in tasks.records:
             continue
-        limit = (
-            policy.deadline(state.res, ledger.shard_seconds, tps, cold=True) if state.pool.cold(task.worker) else warm
-        )
         if task.started is None and tasks.stranded(key, state.pool.connected):
             overdue(state, task, STRANDED, None)  # (now: it would wait out its "never started" patience)
             if state.failure is not None:
                 return redundant
             continue
+        limit = (
+            policy.deadline(state.res, ledger.shard_seconds, tps, cold=True) if state.pool.cold(task.worker) else warm
+        )
         running_on = tasks.processing_on(key)
         verdict = policy.overdue(
             now=now,
