@@ -14,6 +14,7 @@ import pytest
 
 import vcdask
 from vcdask.cli._listing import run_ids, run_info
+from vcdask.errors import StoreNotFoundError
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -46,11 +47,13 @@ def _wait_for_merges(store_path, proc, at_least: int = 3, timeout: float = 120) 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
-        if store_path.exists():
-            store = vcdask.open_store(store_path)
-            ids = run_ids(store)
-            if ids and (run_info(store, ids[0])["step"] or 0) >= at_least:
-                return ids[0]
+        try:  # read only: the script may not have created its store yet, or be creating it
+            store = vcdask.open_store(store_path, mode="r")
+        except StoreNotFoundError:
+            store = None
+        ids = run_ids(store) if store is not None else []
+        if ids and (run_info(store, ids[0])["step"] or 0) >= at_least:
+            return ids[0]
         time.sleep(0.5)
     raise TimeoutError("the script's run never merged")
 

@@ -448,6 +448,7 @@ def test_sigterm_stops_a_job_as_ctrl_c_does(job_dir):
     """SIGTERM (cron's timeout, systemd, Kubernetes stopping a pod) ends a job as Ctrl-C ends fit: the run
     stopped with its merged work committed, nothing released, exit 130, the report saying so."""
     from vcdask.cli._listing import run_ids, run_info
+    from vcdask.errors import StoreNotFoundError
 
     job = _edit(job_dir, "fit: {max_epochs: 2, lr: 0.05}", "fit: {max_epochs: 2000, lr: 0.05}", "long.yaml")
     proc = subprocess.Popen(
@@ -458,11 +459,13 @@ def test_sigterm_stops_a_job_as_ctrl_c_does(job_dir):
         deadline, run_id = time.monotonic() + 120, None
         while run_id is None:
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            if (job_dir / "store").exists():
+            try:  # the job may not have created its store yet, or be creating it (its directory comes first)
                 store = vcdask.open_store(job_dir / "store", mode="r")
-                ids = run_ids(store)
-                if ids and (run_info(store, ids[0])["step"] or 0) >= 3:
-                    run_id = ids[0]
+            except StoreNotFoundError:
+                store = None
+            ids = run_ids(store) if store is not None else []
+            if ids and (run_info(store, ids[0])["step"] or 0) >= 3:
+                run_id = ids[0]
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
