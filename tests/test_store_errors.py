@@ -162,6 +162,36 @@ def test_credentials_from_environment(s3):
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("max_tries", [1, 3])
+@pytest.mark.parametrize("opened_by", ["creating", "opening"])
+def test_max_tries_bounds_each_request_to_a_failing_s3(s3, max_tries, opened_by):
+    """Against an S3 that answers every request 503, a look-up and a commit each fail after ``max_tries``
+    requests, in seconds, whether the store was created or opened by that call. (Icechunk keeps the client
+    that the store's first request built: before vcdask opened its repository on a fresh copy of it, the
+    defaults applied, 10 requests and 19-50 s for one look-up, whatever ``max_tries`` said.)"""
+    from vcdask.errors import StoreError
+    from vcdask.testing.faulty_proxy import FaultyProxy
+
+    location = f"s3://{s3.new_bucket()}/runs"
+    with FaultyProxy(s3.endpoint_url, seed=1) as proxy:
+        options = {"endpoint_url": proxy.endpoint_url, "access_key_id": "testing", "secret_access_key": "testing"}
+        if opened_by == "opening":
+            open_store(location, **options).commit({"w": torch.ones(2)})
+        store = open_store(location, max_tries=max_tries, **options)
+        store.commit({"w": torch.zeros(2)})
+        proxy.set_faults(p_503=1.0)
+        for what, attempt in [
+            ("look-up", lambda: store.head("main")),
+            ("commit", lambda: store.commit({"w": torch.ones(2)})),
+        ]:
+            before, start = proxy.faults.counts["503"], time.monotonic()
+            with pytest.raises(StoreError, match="SlowDown"):
+                attempt()
+            assert (what, proxy.faults.counts["503"] - before) == (what, max_tries)
+            assert time.monotonic() - start < 10, what
+
+
+@pytest.mark.s3
 def test_s3fs_style_options(s3):
     bucket = s3.new_bucket()
     store = open_store(

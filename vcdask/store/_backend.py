@@ -34,6 +34,10 @@ class StoreBackend(Protocol):
     locked_commits : bool
         Whether every vcdask commit holds :meth:`commit_lock` (a real lock), so that a collection
         holding it never deletes the chunks of another writer's commit in progress.
+    client_per_storage : bool
+        Whether Icechunk reaches the storage through a client that it builds at the storage's first
+        request and keeps (object storage): the store then opens its repository on a fresh copy of
+        the storage, so that the client is built with the store's retries (``max_tries``).
     options : mapping
         The storage options, with their canonical names (aliases such as ``key`` resolved).
     secret_options : frozenset of str
@@ -46,6 +50,7 @@ class StoreBackend(Protocol):
     shared_across_processes: bool
     durable: bool
     locked_commits: bool
+    client_per_storage: bool
     secret_options: frozenset[str]
 
     def __init__(self, location: str, options: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ class LocalBackend:
     shared_across_processes = True
     durable = True
     locked_commits = True  # every commit holds the directory's file lock (and so does a collection)
+    client_per_storage = False  # files, no client to configure
     secret_options: frozenset[str] = frozenset()
 
     def __init__(self, location: str, options: dict[str, Any]):

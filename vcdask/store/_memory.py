@@ -20,6 +20,7 @@ class MemoryBackend:
     shared_across_processes = False
     durable = False
     locked_commits = True  # every commit holds the store's lock (and so does a collection)
+    client_per_storage = False  # the storage is the process's memory: a pickled copy would be a new, empty one
     secret_options: frozenset[str] = frozenset()
 
     def __init__(self, location: str, options: dict[str, Any]):

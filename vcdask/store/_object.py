@@ -45,6 +45,8 @@ class _ObjectBackend:
     shared_across_processes = True
     durable = True
     locked_commits = False  # the service arbitrates commits: a collection cannot hold other writers off
+    # GCS and Azure: Icechunk's own retries (not measured here: no emulator in the tests)
+    client_per_storage = False
     #: Options that are secrets: never pickled, logged or written into the store.
     secret_options: frozenset[str] = frozenset()
     location: str
@@ -71,6 +73,7 @@ class S3Backend(_ObjectBackend):
     """``s3://bucket/prefix`` on AWS or any S3-compatible service (MinIO, Ceph, moto, R2 ...)."""
 
     scheme = "s3"
+    client_per_storage = True  # the AWS SDK's client, built at the first request (_repository._with_its_own_client)
     secret_options = frozenset({"access_key_id", "secret_access_key", "session_token"})
     valid_options = {
         "endpoint_url",

@@ -9,6 +9,7 @@ opener of a new location ends up with the same, single repository.
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from typing import TYPE_CHECKING
 
@@ -67,10 +68,25 @@ def open_repository(backend: StoreBackend, mode: str, max_tries: int) -> icechun
         )
     if not exists:
         with backend.create_lock():
-            return _create(backend, storage, config, mode, what)
-    if mode == "w-":
+            repo = _create(backend, storage, config, mode, what)
+    elif mode == "w-":
         raise _exists_error(backend)
-    return _open(storage, config, what)
+    else:
+        repo = _open(storage, config, what)
+    return _with_its_own_client(repo) if backend.client_per_storage else repo
+
+
+def _with_its_own_client(repo: icechunk.Repository) -> icechunk.Repository:
+    """``repo`` on a storage whose client is built with ``repo``'s own storage settings (its retries).
+
+    Icechunk (1.1) builds an object store's client at the storage's first request and keeps it: a
+    repository is found and opened with the default settings (10 tries a request, backing off up to
+    180 s), so its config's retries were never applied (earth-mover/icechunk#2342); against a store
+    answering 503, one request took 19-50 s to fail whatever ``max_tries`` said.  A copy made through
+    pickle, in memory, has a storage without a client yet, and the copy's first request builds one
+    with the copy's config.  (The copy's credentials are the original's; nothing leaves the process.)
+    """
+    return pickle.loads(pickle.dumps(repo))
 
 
 def _create(
