@@ -36,8 +36,8 @@ class StoreBackend(Protocol):
         holding it never deletes the chunks of another writer's commit in progress.
     client_per_storage : bool
         Whether Icechunk reaches the storage through a client that it builds at the storage's first
-        request and keeps (object storage): the store then opens its repository on a fresh copy of
-        the storage, so that the client is built with the store's retries (``max_tries``).
+        request and keeps (S3): the store then uses a fresh in-memory copy of the repository it opened,
+        whose client is built with the store's retries (``max_tries``).
     options : mapping
         The storage options, with their canonical names (aliases such as ``key`` resolved).
     secret_options : frozenset of str
