@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+from process_helpers import wait_for_merges
 
 import vcdask
-from vcdask.cli._listing import run_ids, run_info
-from vcdask.errors import StoreNotFoundError
+from vcdask.cli._listing import run_info
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -43,21 +42,6 @@ def _ctrl_c_as_at_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _wait_for_merges(store_path, proc, at_least: int = 3, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        try:  # read only: the script may not have created its store yet, or be creating it
-            store = vcdask.open_store(store_path, mode="r")
-        except StoreNotFoundError:
-            store = None
-        ids = run_ids(store) if store is not None else []
-        if ids and (run_info(store, ids[0])["step"] or 0) >= at_least:
-            return ids[0]
-        time.sleep(0.5)
-    raise TimeoutError("the script's run never merged")
-
-
 def test_ctrl_c_in_a_script_stops_the_run_and_commits_what_it_merged(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -68,7 +52,7 @@ def test_ctrl_c_in_a_script_stops_the_run_and_commits_what_it_merged(tmp_path):
         env=env, cwd=tmp_path, preexec_fn=_ctrl_c_as_at_a_terminal,
     )  # fmt: skip
     try:
-        run_id = _wait_for_merges(store_path, proc)
+        run_id = wait_for_merges(store_path, proc)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from process_helpers import wait_for_merges
 
 import vcdask
 from vcdask.batches import cast_like_training
@@ -447,8 +447,7 @@ def test_csv_data_with_a_held_out_fraction_on_a_threaded_scheduler(job_dir):
 def test_sigterm_stops_a_job_as_ctrl_c_does(job_dir):
     """SIGTERM (cron's timeout, systemd, Kubernetes stopping a pod) ends a job as Ctrl-C ends fit: the run
     stopped with its merged work committed, nothing released, exit 130, the report saying so."""
-    from vcdask.cli._listing import run_ids, run_info
-    from vcdask.errors import StoreNotFoundError
+    from vcdask.cli._listing import run_info
 
     job = _edit(job_dir, "fit: {max_epochs: 2, lr: 0.05}", "fit: {max_epochs: 2000, lr: 0.05}", "long.yaml")
     proc = subprocess.Popen(
@@ -456,17 +455,7 @@ def test_sigterm_stops_a_job_as_ctrl_c_does(job_dir):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=job.parent,
     )  # fmt: skip
     try:
-        deadline, run_id = time.monotonic() + 120, None
-        while run_id is None:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            try:  # the job may not have created its store yet, or be creating it (its directory comes first)
-                store = vcdask.open_store(job_dir / "store", mode="r")
-            except StoreNotFoundError:
-                store = None
-            ids = run_ids(store) if store is not None else []
-            if ids and (run_info(store, ids[0])["step"] or 0) >= 3:
-                run_id = ids[0]
-            time.sleep(0.5)
+        run_id = wait_for_merges(job_dir / "store", proc)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
