@@ -341,7 +341,7 @@ def open_store(
         Retries of a commit that lost a race with another writer (default ``vcdask.store.commit-retries``).
     max_tries : int, optional
         Attempts per storage request on transient faults (default ``vcdask.store.max-tries``).  On S3,
-        Icechunk 1.1.21 makes 10 tries of its own requests whatever this says (the stores guide).
+        finding and opening the store still take Icechunk 1.1's own 10 tries (the stores guide).
     **storage_options
         Backend options.  S3: ``endpoint_url``, ``region``, ``allow_http``, ``force_path_style``,
         ``access_key_id``/``key``, ``secret_access_key``/``secret``, ``session_token``/``token``,
