@@ -674,3 +674,107 @@ def test_the_only_worker_sending_the_same_copy_back_nan_again_is_blamed_each_tim
         copies = [k for k in sent + keys(s(m.Poll())) if s.state.tasks.records[k].copy_of(1, shard)]
         key = copies[0] if copies else key
     assert s.state.pool.record("a").rejected == 3 and s.state.pool.record("a").excluded
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_copy_being_merged_still_runs_so_its_overdue_sibling_neither_skips_nor_fails_the_shard(policy):
+    """A result taken out of the queue for its merge (or read back) is a running copy of its shard until
+    the merge is in: a sibling copy past its deadline meanwhile must not use the shard's last attempt."""
+    s = Script(n_shards=4, workers=("a", "b", "c"), deadline=5.0, max_attempts=2, on_shard_failure=policy)
+    first, *others = keys(s(m.Poll()))
+    for key, worker in zip((first, *others), "abc", strict=True):
+        s.start(key, worker)
+    shard = s.state.tasks.records[first].shard
+    s.clock.advance(6.0)  # every copy is past its deadline: each is re-issued once
+    [copy] = [fx.key for fx in s(m.Tick()) if isinstance(fx, m.Submit) and fx.args[1] == shard]
+    s.start(copy, "b")
+    merging = s.finish_task(first, "a")  # the late first copy comes back: the driver merges it ...
+    s.clock.advance(6.0)  # ... while the re-issued copy, on its last attempt, passes its own deadline
+    during = s(m.Tick())
+    assert not any(isinstance(fx, m.Fail) for fx in during)
+    assert not rows(s.state, "skipped") and s.state.ledger.skipped == {}
+    s.merge(merging)
+    ledger = s.state.ledger
+    assert ledger.merged == {1: {shard}} and ledger.remaining(1) == 3  # merged once, counted once
+
+
+def test_a_copy_whose_record_is_being_read_back_still_runs_until_it_is_lost():
+    s = Script(n_shards=2, deadline=5.0, max_attempts=3)
+    first = keys(s(m.Poll()))[0]
+    s.start(first, "a")
+    shard = s.state.tasks.records[first].shard
+    s.clock.advance(6.0)
+    [copy] = [fx.key for fx in s(m.Tick()) if isinstance(fx, m.Submit) and fx.args[1] == shard]
+    s.start(copy, "b")
+    s.dask.finish(first)
+    [read] = [fx for fx in s(m.Completed(first)) if isinstance(fx, m.Read)]  # Dask says done: read it back
+    assert s.state.tasks.copy_running(1, shard)
+    s.clock.advance(6.0)  # the copy passes its deadline while the first one's record is read
+    assert [fx for fx in s(m.Tick()) if isinstance(fx, m.Submit) and fx.args[1] == shard] == []
+    again = s(m.Lost(read.task, "its worker died"))  # the read failed: no copy runs any more
+    assert [fx.args[1] for fx in again if isinstance(fx, m.Submit)] == [shard]
+
+
+def test_a_skip_that_ends_the_epoch_while_merges_wait_for_their_commit_validates_the_committed_end():
+    """The epoch ends at the head's step: a version validated before it (the head's last committed one)
+    does not close it; the head is committed, then validated, then the epoch closes."""
+    s = Script(
+        n_shards=3,
+        workers=("a", "b", "c"),
+        validation=object(),
+        validate_every=1,
+        max_attempts=1,
+        on_shard_failure="skip",
+    )
+    a, b, c = keys(s(m.Poll()))
+    for key, worker in zip((a, b, c), "abc", strict=True):
+        s.start(key, worker)
+    [validate] = [fx for fx in s.merge(s.finish_task(a, "a")) if isinstance(fx, m.Submit)]  # step 1, committed
+    s(m.Result(s.state.tasks.pop(validate.key), {"kind": "validation", "step": 1, "metrics": {"loss": 0.5}}))
+    [merge] = [fx for fx in s.finish_task(b, "b") if isinstance(fx, m.Merge)]
+    folded = Head(step=2, version="v1", version_step=1, folded=True)  # merged, its commit folded into a later one
+    s(m.Merged(merge.task, merge.record, {"accepted": True, "staleness": 0, "alpha": 0.5, "new_version": 2}, folded))
+    from distributed.scheduler import KilledWorker
+
+    s.dask.finish(c)
+    [read] = [fx for fx in s(m.Completed(c)) if isinstance(fx, m.Read)]
+    effects = s(m.TaskFailed(read.task, KilledWorker(c, _Worker("c"), 1)))  # its one attempt: skipped, epoch ends
+    assert s.state.ledger.epoch_end[1][0] == 2 and s.state.ledger.epochs == []
+    assert [type(fx) for fx in effects if not isinstance(fx, m.Emit)] == [m.Commit]
+    [validate] = [fx for fx in s(m.Committed(Head(step=2, version="v2", version_step=2))) if isinstance(fx, m.Submit)]
+    assert validate.kind == "validation" and validate.args == ("v2", 2)
+    s(m.Result(s.state.tasks.pop(validate.key), {"kind": "validation", "step": 2, "metrics": {"loss": 0.4}}))
+    assert [e["loss"] for e in s.state.ledger.epochs] == [0.4] and s.state.finished()
+
+
+def test_an_upload_merged_on_a_resume_has_no_time_and_leaves_deadlines_and_worker_times_alone():
+    """A resumed run merges the uploads it found with no measured time (NaN): that must not make the
+    median shard time NaN (deadlines would fall to their floor), nor a worker's mean time."""
+    from vcdask.engine.inflight import TaskRecord
+
+    s = Script(n_shards=4, deadline_floor=5.0)
+    meta = {  # an upload's record as written with it (its task's time is added after the upload)
+        "kind": "update",
+        "epoch": 1,
+        "shard": 0,
+        "attempt": 0,
+        "worker": "a",
+        "train_loss": 1.0,
+        "read_seconds": 0.1,
+        "train_seconds": 19.0,
+        "base_step": 0,
+        "update": f"{RUN}/updates/1-0-0",
+    }
+    s(m.Resumed({}, {}, {}, (meta,)))
+    rec = {"seconds": float("nan"), "upload_seconds": float("nan"), **meta}  # as recovery.recover merges it
+    s.merge(s(m.Result(TaskRecord("update", 1, 0, 0, 0), rec, taken=True)))
+    assert s.state.ledger.shard_seconds == [] and s.state.ledger.merged == {1: {0}}
+    warm = s.state.pool.record("a")
+    assert (warm.done, warm.timed, warm.seconds) == (1, 0, 0.0)
+    on_a, on_b = keys(s(m.Poll()))
+    s.start(on_a, "a")
+    s.start(on_b, "b")
+    s.merge(s.finish_task(on_b, "b", seconds=20.0))  # a measured one: 20 s
+    assert s.state.ledger.shard_seconds == [20.0] and s.state.pool.record("b").mean_seconds == 20.0
+    s.clock.advance(6.0)  # the copy on the warm worker "a", 6 s into a shard that takes 20: not late
+    assert not emitted(s(m.Tick()), "reissue") and warm.timed_out == 0

@@ -48,6 +48,19 @@ def test_epoch_closes_when_its_shards_are_merged_or_skipped():
     assert [m["state"] for _, m in sched.events[:3]] == ["merged", "merged", "skipped"]
 
 
+def test_a_shard_merged_after_it_was_given_up_counts_merged_once_and_ends_its_epoch_once():
+    """A copy's merge cannot be taken back: a skip of its shard meanwhile gives way to it, and the epoch
+    that the skip ended is not ended again (nor counted short)."""
+    led, sched = _ledger(n_shards=2)
+    led.note_merged(1, 0, seconds=2.0, step=1)
+    assert led.skip(1, 1, step=1) is True and led.epoch_end[1] == (1, 0.0)
+    assert led.note_merged(1, 1, seconds=3.0, step=2) is False  # the skip ended the epoch already
+    assert led.merged == {1: {0, 1}} and led.skipped == {1: set()} and led.remaining(1) == 0
+    assert led.epoch_end[1] == (1, 0.0) and led.shard_state[(1, 1)] == "merged"
+    assert led.note_merged(2, 0, seconds=math.nan, step=3) is False  # a time nobody measured is not a time
+    assert led.shard_seconds == [2.0, 3.0]
+
+
 def test_validated_epochs_wait_for_their_numbers_and_stop_at_the_target():
     led, _ = _ledger(n_shards=1, validated=True, target={"accuracy": 0.9})
     led.record(1, 0, 0, "merged", accepted=True, train_loss=0.5, new_version=1)

@@ -66,6 +66,9 @@ class TaskTable:
         #: Records the tasks handed over as they finished (:class:`~.core.messages.HandOver`), not yet
         #: merged (or, for a validation, recorded): their tasks are out of :attr:`records`, their results in hand.
         self.handed: deque[tuple[TaskRecord, dict[str, Any]]] = deque()
+        #: Records whose results are being read back or merged (out of :attr:`records` and :attr:`handed`):
+        #: until the merge is in, each is still a running copy of its shard (:meth:`copy_running`).
+        self.settling: list[TaskRecord] = []
         #: Keys taken by a hand-over whose futures Dask has not reported done yet (Dask's late reports)
         self.stale: set[str] = set()
 
@@ -86,10 +89,21 @@ class TaskTable:
 
     def copy_running(self, epoch: int, shard: int) -> bool:
         """Whether a copy of (epoch, shard) that is not overdue is in flight, or any copy's result was
-        handed over and waits to be merged."""
-        return any(t.copy_of(epoch, shard) and not t.overdue for t in self.records.values()) or any(
-            t.copy_of(epoch, shard) for t, _ in self.handed
+        handed over and waits to be merged, or is being read back or merged."""
+        return (
+            any(t.copy_of(epoch, shard) and not t.overdue for t in self.records.values())
+            or any(t.copy_of(epoch, shard) for t, _ in self.handed)
+            or any(t.copy_of(epoch, shard) for t in self.settling)
         )
+
+    def settle(self, task: TaskRecord) -> None:
+        """``task``'s result is being read back or merged: it counts as a running copy until :meth:`settled`."""
+        if not any(t is task for t in self.settling):
+            self.settling.append(task)
+
+    def settled(self, task: TaskRecord) -> None:
+        """``task``'s result is merged, turned down, or lost: it no longer counts as a running copy."""
+        self.settling = [t for t in self.settling if t is not task]
 
     def unstarted_copies(self, epoch: int, shard: int) -> tuple[str, ...]:
         """The keys of the copies of (epoch, shard) in flight that no worker has started (they can be

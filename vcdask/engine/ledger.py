@@ -6,6 +6,7 @@ panel follows (shard states, epochs) and decides when an epoch is complete: in o
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -126,11 +127,21 @@ class Ledger:
         self.events.emit("shard", epoch=epoch, shard=shard, state=state)
 
     def note_merged(self, epoch: int, shard: int, seconds: float, step: int) -> bool:
-        """(epoch, shard) was merged at ``step``; return whether that completed its epoch (which ends there)."""
+        """(epoch, shard) was merged at ``step``; return whether that completed its epoch (which ends there).
+
+        A shard given up while a copy of it was being merged (it cannot be taken out of ``W_s`` again) counts
+        as merged, not skipped; an epoch that its skip ended already is not ended again.  A ``seconds``
+        that is not finite (an upload merged on a resume, whose time nobody measured) is left out of the
+        shard times that deadlines derive from."""
+        ended = self.remaining(epoch) == 0
+        if shard in self.skipped.get(epoch, ()):
+            self.skipped[epoch].discard(shard)
+            self.shard_state.pop((epoch, shard), None)  # (the grid shows it merged, not skipped)
         self.merged.setdefault(epoch, set()).add(shard)
         self.set_shard(epoch, shard, "merged")
-        self.shard_seconds.append(seconds)
-        if self.remaining(epoch) == 0:
+        if math.isfinite(seconds):
+            self.shard_seconds.append(seconds)
+        if self.remaining(epoch) == 0 and not ended:
             self.epoch_end[epoch] = (step, self.clock())
             return True
         return False

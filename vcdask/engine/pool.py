@@ -37,7 +37,8 @@ class WorkerRecord:
     timed_out: int = 0
     rejected: int = 0
     repaid: int = 0  # rejections taken back by later merged updates (see WorkerPool.credit)
-    seconds: float = 0.0
+    seconds: float = 0.0  # of the results whose time was measured (``timed``)
+    timed: int = 0
     preempted: bool = False
     excluded: str | None = None
     recent: list[float] = field(default_factory=list)
@@ -65,7 +66,7 @@ class WorkerRecord:
 
     @property
     def mean_seconds(self) -> float:
-        return self.seconds / self.done if self.done else float("nan")
+        return self.seconds / self.timed if self.timed else float("nan")
 
     def rank(self) -> tuple[int, float]:
         """Sort key: reliable first, then fast."""
@@ -162,13 +163,17 @@ class WorkerPool:
         market: str | None = None,
     ) -> WorkerRecord:
         """``address`` handed back a shard's result after ``seconds``, trained on ``device`` at
-        ``step_seconds`` per training step (its median step), on ``instance`` bought on ``market``."""
+        ``step_seconds`` per training step (its median step), on ``instance`` bought on ``market``.  A
+        ``seconds`` that is not finite (an upload a resumed run merges: nobody measured it) counts the
+        result, not its time."""
         rec = self.record(address)
         rec.device = device or rec.device
         self.identify(address, instance, market)
         rec.done += 1
-        rec.seconds += seconds
-        rec.recent = [*rec.recent[-(RECENT - 1) :], seconds]
+        if math.isfinite(seconds):  # (an upload merged on a resume: nobody measured its time)
+            rec.timed += 1
+            rec.seconds += seconds
+            rec.recent = [*rec.recent[-(RECENT - 1) :], seconds]
         if step_seconds is not None and step_seconds >= 0:
             per_step = step_seconds
             old = rec.step_seconds

@@ -168,6 +168,7 @@ class Run:
     async def _read(self, fx: m.Read) -> None:
         future = self.tasks.futures.get(fx.key)
         if future is None:
+            self.tasks.settled(fx.task)
             return
         try:
             got = await results.read(self.tasks, self.lane, self.store, self.id, future, fx.task, self._watch_pool)

@@ -72,11 +72,13 @@ def _(event: m.Result, state: RunState) -> None:
 
 @_on.register
 def _(event: m.TaskFailed, state: RunState) -> None:
+    state.tasks.settled(event.task)  # (its result never came: not a running copy any more)
     task_failed(state, event.task, event.error)
 
 
 @_on.register
 def _(event: m.Lost, state: RunState) -> None:
+    state.tasks.settled(event.task)
     lost(state, event.task, event.why)
 
 

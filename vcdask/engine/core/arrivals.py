@@ -78,6 +78,7 @@ def completed(state: RunState, key: str, cancelled: bool) -> None:
                 why = str(state.stopping)
             state.ledger.record_copy(task, "cancelled", f"cancelled: {why}")
         return
+    state.tasks.settle(task)  # (a running copy of its shard until its result is merged or lost)
     state.out.append(Read(key, task))
 
 
@@ -86,6 +87,7 @@ def arrived(state: RunState, task: TaskRecord, rec: dict[str, Any]) -> None:
     recorded as such and its update deleted (unless kept); any other goes to the merge thread."""
     store_back(state)
     if task.kind == "validation":
+        state.tasks.settled(task)
         state.ledger.validate(rec["step"], rec["metrics"], rec.get("seconds"))
         close_epochs(state)
         return
@@ -99,7 +101,8 @@ def arrived(state: RunState, task: TaskRecord, rec: dict[str, Any]) -> None:
         instance=rec.get("instance"),
         market=rec.get("market"),
     )
-    if not state.ledger.done(epoch, shard):
+    if not state.ledger.done(epoch, shard):  # (it stays settling, a running copy, until it is merged)
+        state.tasks.settle(task)
         ahead = next((r.get("update") for t, r in state.tasks.handed if t.kind == "update"), None)
         state.out.append(
             Merge(
@@ -113,6 +116,7 @@ def arrived(state: RunState, task: TaskRecord, rec: dict[str, Any]) -> None:
             )
         )
         return
+    state.tasks.settled(task)
     fields = _row_fields(task, rec)
     outcome: Outcome
     if not state.ledger.is_merged(epoch, shard):
@@ -130,6 +134,7 @@ def arrived(state: RunState, task: TaskRecord, rec: dict[str, Any]) -> None:
 def merged(state: RunState, task: TaskRecord, rec: dict[str, Any], outcome: dict[str, Any]) -> None:
     """The merge thread merged (or turned down) a shard's result: record it; the shard's other copies
     are cancelled, or it is re-issued; a validation may be due."""
+    state.tasks.settled(task)  # (before a rejection's re-issue looks for running copies)
     epoch, shard, worker = rec["epoch"], rec["shard"], rec["worker"]
     outcome = dict(outcome)
     fault = outcome.pop("fault", None)

@@ -201,7 +201,7 @@ def give_up(state: RunState, epoch: int, shard: int, message: str) -> None:
     ledger.record(epoch, shard, state.dispatch.last_attempt(epoch, shard), "skipped", reason=f"skipped: {message}")
     if not ledger.skip(epoch, shard, state.head.step):
         return
-    if state.spec.validation is None or state.head.version_step in ledger.validations:
+    if state.spec.validation is None or state.head.step in ledger.validations:  # (the epoch ends at head.step)
         close_epochs(state)
         return
     validate_head(state)  # the epoch's end version must exist to be validated
