@@ -146,6 +146,34 @@ def test_gc_never_takes_what_other_branches_or_running_tasks_need(tmp_path):
         store.gc(5)  # type: ignore[arg-type]
 
 
+def test_a_version_only_a_pin_this_collection_deletes_kept_is_reported_removed_or_kept_by_its_branch(tmp_path):
+    """The pins of a collection (the versions it kept) and of released holds are not what keeps a version
+    in the next one: a version dropped now is reported removed, as a dry run says beforehand; a version a
+    branch without a policy starts from stays, whatever pin kept it before."""
+    store = vcdask.open_store(tmp_path / "s")
+    policy = Retention(keep_last=2, keep_epochs=False, grace=0)
+    ids = [store.commit(_params(step), {"step": step, "epoch": 1}) for step in range(5)]
+    assert store.gc(policy, branches="main").kept["main"] == [ids[4], ids[3]]  # pinned
+    with store.hold(ids[4]):
+        pass  # a hold pinned and released
+    ids += [store.commit(_params(step), {"step": step, "epoch": 1}) for step in range(5, 8)]
+    dry = store.gc(policy, branches="main", dry_run=True)
+    assert set(dry.removed["main"]) == {ids[3], ids[4], ids[5]} and dry.deferred["main"] == []
+    report = store.gc(policy, branches="main")
+    assert report.removed == dry.removed and [v.id for v in store.versions("main")] == [ids[7], ids[6]]
+    for gone in dry.removed["main"]:
+        with pytest.raises(VersionNotFoundError):
+            store.read(gone)
+    # a branch from a version the policy keeps now: once the policy drops it, the branch keeps it
+    store.create_branch("exp", ids[6])
+    store.commit(_params(100), {"step": 100}, branch="exp")
+    ids += [store.commit(_params(step), {"step": step, "epoch": 1}) for step in range(8, 10)]
+    report = store.gc(policy, branches="main")
+    assert ids[6] not in report.removed["main"] and "'exp' holds back expiry" in report.held_back[0]
+    assert [v.metadata["step"] for v in store.versions("exp")] == [100, 6]
+    assert store.read(ids[6]).params.equal(_params(6))
+
+
 def test_only_the_newest_version_keeps_the_rule_state(tmp_path):
     store = vcdask.open_store(tmp_path / "s")
     store.create_branch("run-s")

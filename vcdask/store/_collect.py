@@ -175,7 +175,11 @@ def collect(
         sel = select(versions, retention, tagged=tagged, in_use_step=floor)
         report.kept[b], drops[b] = [v.id for v in sel.keep], sel.drop
         want_pins.update((pin_name(v.id, b), v.id) for v in sel.keep)
-    refs = set(heads.values()) | tagged | held | set(want_pins.values())
+    stale_pins = {n for n in names if (p := parse_pin(n)) is not None and p[1] in drops and n not in want_pins}
+    released = {n for n in names if n.startswith(HOLD_PREFIX) and n[len(HOLD_PREFIX) :] not in held}
+    # what keeps a version after this collection: not the pins it deletes (a version kept last time and
+    # dropped now, or no longer held, is another branch's to keep, or gone)
+    refs = {v for n, v in heads.items() if n not in stale_pins | released} | tagged | held | set(want_pins.values())
     bounds = [listed_at - grace]  # (the clocks of other writers may lag this one's)
     for b in sorted(names - set(managed)):
         if not is_reserved(b):
@@ -184,7 +188,6 @@ def collect(
     for b, dropped in drops.items():
         report.removed[b] = [v.id for v in dropped if v.written_at < cutoff and v.id not in refs]
         report.deferred[b] = [v.id for v in dropped if v.id not in report.removed[b]]
-    stale_pins = {n for n in names if (p := parse_pin(n)) is not None and p[1] in drops and n not in want_pins}
     if dry_run:
         return report
     for name, version in want_pins.items():
