@@ -55,6 +55,40 @@ def test_with_nothing_learned_meanwhile_the_task_holds_the_merged_version_exactl
     assert flatten(model).equal(merged)  # bit for bit (what a learning rate of 0 relies on: early stopping)
 
 
+class _Tied(torch.nn.Module):
+    """A language model's head tied to its embedding: one tensor under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(6, 4)
+        self.head = torch.nn.Linear(4, 6, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+def test_a_tied_weight_is_corrected_once():
+    model = _Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    own = flatten(model)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.arange(6)).logsumexp(-1).mean().backward()
+        opt.step()
+
+    step()
+    learned = model.emb.weight.detach() - own["emb.weight"]
+    merged = own.clone()
+    merged.arrays["float32"] += 0.5  # the server moved every weight
+    overlap.correct(model, merged, own)
+    assert model.head.weight is model.emb.weight  # still tied
+    torch.testing.assert_close(model.emb.weight.detach(), merged["emb.weight"] + learned)
+    step()  # training goes on from there
+
+
 def test_a_boolean_buffer_takes_the_merged_value():
     model = torch.nn.Linear(2, 1)
     model.register_buffer("mask", torch.tensor([True, False]))

@@ -167,6 +167,19 @@ def take(run_id: str) -> Pending | None:
         return queue.popleft() if queue else None
 
 
+def _untied(entries: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
+    """``entries`` without the second name of a tensor tied to another (``head.weight = emb.weight``: the
+    state dict holds it under both names, as views of one storage): a correction made in place once."""
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    kept = []
+    for t, e in entries:
+        key = (t.data_ptr(), tuple(t.shape), t.stride())
+        if t.numel() == 0 or key not in seen:
+            seen.add(key)
+            kept.append((t, e))
+    return kept
+
+
 def correct(model: torch.nn.Module, merged: FlatParams, own: FlatParams) -> None:
     """``model = merged + (model - own)``, in place, between two steps: the delta rule.
 
@@ -194,6 +207,7 @@ def correct(model: torch.nn.Module, merged: FlatParams, own: FlatParams) -> None
             if torch.equal(target, own_flat):  # the merge took W_c as it was (one task in flight): nothing to
                 continue  # correct, and (model - own) + merged would round what the task learned since
             entries = [(t, e) for t, e in zip(tensors, layout.entries, strict=True) if e.dtype == dtype]
+            entries = _untied(entries)
             if own_flat.dtype == torch.bool:
                 for t, e in entries:
                     t.copy_(target[e.offset : e.offset + e.size].view(t.shape))
