@@ -51,6 +51,28 @@ def test_resume_extends_a_finished_run_and_merges_nothing_twice(client, tmp_path
         vcdask.resume(first.run_id, store=store, client=client, max_epochs=0)
 
 
+def test_the_epochs_a_resume_adds_train_at_the_rates_of_the_longer_schedule_on_the_same_workers(client, tmp_path):
+    """The workers that trained the first run must not keep its spec: a schedule over the run reads the
+    run's length from it, and with the first run's length the added epochs lie past its end (a rate of
+    0 with ``Linear()``'s default ``final``: nothing would train)."""
+    X, y = _data()
+    torch.manual_seed(0)
+    options = dict(n_shards=3, merge="vc-asgd", lr_schedule=vcdask.lr_schedules.Linear(), client=client)
+    first = vcdask.fit(torch.nn.Linear(5, 2), (X, y), max_epochs=1, store=tmp_path / "s", **options)
+    assert set(client.run(_cached_specs, first.run_id).values()) == {0}  # the run's end let go of them
+    more = vcdask.resume(first.run_id, store=tmp_path / "s", client=client, max_epochs=3, progress=False)
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(more.model.parameters(), first.model.parameters(), strict=True)
+    )
+    assert moved > 1e-3  # (at a rate of 0 every update is its base: the vc-asgd merges leave W_s as it is)
+
+
+def _cached_specs(run_id: str) -> int:
+    from vcdask.spec import _specs
+
+    return sum(key[1] == run_id for key in list(_specs))
+
+
 def test_a_live_run_cannot_be_extended_and_its_spec_is_left_alone(client, tmp_path):
     from vcdask.spec import loads, spec_path
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MOVED_MODULES", "RunSpec", "load_spec", "loads", "record_path", "save_spec", "spec_path"]
+__all__ = ["MOVED_MODULES", "RunSpec", "forget", "load_spec", "loads", "record_path", "save_spec", "spec_path"]
 
 
 def spec_path(run_id: str) -> str:
@@ -99,6 +99,16 @@ def _remember(key: tuple[str, str], spec: RunSpec) -> None:
         _specs.move_to_end(key)
         while len(_specs) > _MAX_SPECS:
             _specs.popitem(last=False)
+
+
+def forget(run_id: str) -> int:
+    """Drop this process's cached specs of run ``run_id`` (the run ended, or resumes with a spec of its own,
+    e.g. ``resume(max_epochs=)``: a worker reads it again); how many there were."""
+    with _lock:
+        keys = [key for key in _specs if key[1] == run_id]
+        for key in keys:
+            del _specs[key]
+    return len(keys)
 
 
 def save_spec(spec: RunSpec) -> None:

@@ -203,7 +203,8 @@ class Run:
         watchdog = None
         try:
             await self.tasks.open(f"vcdask-{self.id}")
-            if self.resume:  # rebuilt from its branch and folder, after the scheduler that drove it died
+            if self.resume:  # rebuilt from its branch and folder (workers keep nothing of it: old spec, optimizers)
+                await end.release_on_workers(self.scheduler, self.id, list(getattr(self.scheduler, "workers", ())))
                 await recover(self.lane, self.store, self.spec, self.step)
             else:
                 await self.lane.load()
