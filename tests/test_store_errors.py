@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import re
 import time
 
+import dask.config
 import pytest
 import torch
 
@@ -336,3 +339,92 @@ def test_a_run_id_with_403_in_its_time_is_not_access_denied():
     assert not isinstance(slow, StoreAccessDeniedError), slow
     for text in ("unhandled error (status 403)", "HTTP 403 Forbidden", "403: no"):
         assert isinstance(translate(RuntimeError(text), "reading 's3://b/p'"), StoreAccessDeniedError), text
+
+
+# -- settings, checked before anything is opened ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("setting", "value", "error", "valid"),
+    [
+        ("commit_retries", -1, InvalidLocationError, "an integer >= 0"),
+        ("commit_retries", 1.5, TypeError, "an integer >= 0"),
+        ("max_tries", 0, InvalidLocationError, "an integer >= 1"),
+        ("max_tries", "3", TypeError, "an integer >= 1"),
+        ("max_tries", True, TypeError, "an integer >= 1"),
+        ("chunk_bytes", 0, InvalidLocationError, "an integer >= 1 or a size"),
+        ("chunk_bytes", -8, InvalidLocationError, "an integer >= 1 or a size"),
+        ("chunk_bytes", 2.5, TypeError, "an integer >= 1 or a size"),
+        ("chunk_bytes", "lots", TypeError, "an integer >= 1 or a size"),
+        ("chunk_bytes", "0MiB", InvalidLocationError, "an integer >= 1 or a size"),
+    ],
+)
+def test_a_bad_setting_is_refused_by_name_before_the_store_is_opened(tmp_path, setting, value, error, valid):
+    with pytest.raises(error, match=rf"^{setting} must be {valid}.*, got {re.escape(repr(value))}$"):
+        open_store(tmp_path / "s", **{setting: value})
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(("key", "value"), [("commit-retries", -1), ("max-tries", 0), ("chunk-bytes", "none")])
+def test_a_bad_setting_in_the_config_is_refused_naming_the_config_key(tmp_path, key, value):
+    with (
+        dask.config.set({f"vcdask.store.{key}": value}),
+        pytest.raises(
+            ValueError if key != "chunk-bytes" else TypeError, match=rf"^the config value vcdask.store.{key} must be"
+        ),
+    ):
+        open_store(tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+
+
+def test_chunk_bytes_takes_a_size_in_dasks_spelling(tmp_path):
+    assert open_store(tmp_path / "a", chunk_bytes="1KiB").chunk_bytes == 1024
+    with dask.config.set({"vcdask.store.chunk-bytes": "8 kB"}):  # e.g. DASK_VCDASK__STORE__CHUNK_BYTES="8 kB"
+        store = open_store(tmp_path / "b")
+    assert store.chunk_bytes == 8000
+    v = store.commit({"w": torch.arange(3000, dtype=torch.float32)})
+    assert store.read(v).params["w"].tolist() == list(range(3000))
+
+
+# -- names, holds, snapshots that are not versions ----------------------------------------------------------------
+@pytest.mark.parametrize("name", ["", "a/b", "runs/x", "new\nline", "tab\there"])
+def test_a_bad_branch_or_tag_name_is_a_valueerror_stating_the_rule(tmp_path, name):
+    store = open_store(tmp_path / "s")
+    v = store.commit({"w": torch.zeros(3)})
+    rule = r"name must be a non-empty string without '/' or control characters, got "
+    with pytest.raises(ValueError, match="branch " + rule) as info:
+        store.create_branch(name, v)
+    assert not isinstance(info.value, OSError)
+    with pytest.raises(ValueError, match="tag " + rule):
+        store.tag(name, v)
+    assert store.tags() == {} and sorted(store.branches()) == ["main"]
+    store.create_branch("run-20260101-000000.a:b", v)  # what run ids and users' names look like still works
+    store.tag("release 1.0", v)
+
+
+@pytest.mark.parametrize(
+    ("ttl", "error"),
+    [
+        (-5, ValueError),
+        (0, ValueError),
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        ("1h", TypeError),
+        (None, TypeError),
+    ],
+)
+def test_a_hold_needs_a_finite_ttl_above_zero(tmp_path, ttl, error):
+    store = open_store(tmp_path / "s")
+    v = store.commit({"w": torch.zeros(3)})
+    with pytest.raises(error, match=r"^ttl must be a finite number of seconds > 0, got "):
+        store.hold(v, ttl=ttl)
+    with store.hold(v, ttl=0.5) as held:
+        assert held == v
+
+
+def test_the_repositorys_root_snapshot_is_no_version(tmp_path):
+    store = open_store(tmp_path / "s")
+    store.commit({"w": torch.zeros(3)})
+    *_, root = store._repo.ancestry(branch="main")
+    for take in (store.version_nbytes, store.read_state):
+        with pytest.raises(VersionNotFoundError, match=rf"'{root.id}' is not a vcdask version"):
+            take(root.id)
+

@@ -199,7 +199,8 @@ class ParamStore(ABC):
         ----------
         version : str
         ttl : float, default 3600
-            Seconds after which the hold of a process that died without releasing it stops counting.
+            Seconds after which the hold of a process that died without releasing it stops counting
+            (finite, > 0).
 
         Returns
         -------
@@ -208,6 +209,8 @@ class ParamStore(ABC):
 
         Raises
         ------
+        ValueError
+            ``ttl`` is not finite or not above zero (a ``TypeError`` when it is not a number).
         VersionNotFoundError
             The version is gone, or a collection is removing it.
         ReadOnlyStoreError

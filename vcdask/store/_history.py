@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from ..errors import VersionNotFoundError
 from ._layout import is_version, version_info
 from ._version import VersionInfo, version_id
 
@@ -129,9 +130,13 @@ def reachable(store: HistoryStore, version: str) -> bool:
 def version_nbytes(store: HistoryStore, version: str) -> int:
     """Bytes of one version's parameter arrays as stored (uncompressed chunks; metadata only is read)."""
     import zarr
+    from zarr.errors import GroupNotFoundError
 
     session = store._repo.readonly_session(snapshot_id=version_id(version))
-    group = zarr.open_group(session.store, mode="r", path="params")
+    try:
+        group = zarr.open_group(session.store, mode="r", path="params")
+    except GroupNotFoundError:  # a snapshot that is not a vcdask version (the repository's root)
+        raise VersionNotFoundError(f"{version!r} is not a vcdask version of {store._backend.describe()}") from None
     return sum(int(a.nbytes) for _, a in group.arrays())
 
 

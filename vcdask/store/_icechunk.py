@@ -16,12 +16,12 @@ import threading
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from .. import config
 from ..errors import ReadOnlyStoreError
 from ..params import FlatParams, flatten
 from ._base import Checkpoint, ParamStore, VersionInfo
 from ._collect import gc, hold
 from ._commit import LastCommit, commit_version
+from ._copies import copy_mode, reopen, split_options
 from ._credentials import register_credentials
 from ._errors import quiet_logs, ref_error
 from ._files import SideFiles
@@ -33,7 +33,7 @@ from ._read import read_version
 from ._repository import open_repository
 from ._retention import GCReport
 from ._schemes import backend_for
-from ._secrets import lookup_credentials
+from ._settings import check_ttl, resolve_settings
 from ._state import StateWriter, read_state
 
 if TYPE_CHECKING:
@@ -46,8 +46,9 @@ class IcechunkParamStore(ParamStore):
     """A :class:`ParamStore` in an Icechunk repository.  Create it with :func:`vcdask.open_store`.
 
     Thread-safe: several threads may commit and read at once.  Picklable: a copy sent to
-    another process (a Dask worker) reopens the same location with the same options, except
-    the secret ones (``backend.secret_options``): those stay in this process.  There the copy
+    another process (a Dask worker) reopens the same store with the same options, except
+    the secret ones (``backend.secret_options``): those stay in this process.  A copy opens an
+    existing store (``mode="r+"``, or ``"r"`` for a read-only original), never creates one.  There the copy
     uses the credentials registered in that process (see :func:`vcdask.store.share_credentials`),
     or else the provider's standard chain (environment, profile, instance role).
     """
@@ -66,17 +67,15 @@ class IcechunkParamStore(ParamStore):
         self.mode = mode
         self.shared_across_processes = backend.shared_across_processes
         self.durable = backend.durable
-        self.chunk_bytes = int(config.get("store.chunk-bytes", chunk_bytes))
-        self.commit_retries = int(config.get("store.commit-retries", commit_retries))
-        self.max_tries = int(config.get("store.max-tries", max_tries))
+        # (checked before anything is opened)
+        self.chunk_bytes, self.commit_retries, self.max_tries = resolve_settings(chunk_bytes, commit_retries, max_tries)
         self._files: SideFiles | None = None
         self._files_lock = threading.Lock()
-        secret = backend.secret_options
-        public = {k: v for k, v in backend.options.items() if k not in secret}
-        secrets = {k: v for k, v in backend.options.items() if k in secret}
-        # What a pickled copy reopens with: never a secret (it would land in run specs and task arguments).
+        public, secrets = split_options(backend)
+        # What a pickled copy reopens with: never a secret (it would land in run specs and task arguments),
+        # and a mode that opens the store this one opened, never a new one.
         self._open_args = dict(
-            mode=mode, chunk_bytes=chunk_bytes, commit_retries=commit_retries, max_tries=max_tries, **public
+            mode=copy_mode(mode), chunk_bytes=chunk_bytes, commit_retries=commit_retries, max_tries=max_tries, **public
         )
         self._holds_secrets = bool(secrets)
         quiet_logs()  # the SDKs' Rust warnings stay out of the terminal; failures become errors naming the cause
@@ -247,6 +246,8 @@ class IcechunkParamStore(ParamStore):
 
         Raises
         ------
+        ValueError
+            ``name`` is empty or holds ``/`` or a control character.
         TagExistsError
             A tag called ``name`` exists.
         VersionNotFoundError
@@ -264,6 +265,8 @@ class IcechunkParamStore(ParamStore):
 
         Raises
         ------
+        ValueError
+            ``name`` is empty, holds ``/`` or a control character, or starts with ``vcdask.`` + ``keep.``/``hold.``.
         BranchExistsError
             The branch exists already.
         VersionNotFoundError
@@ -286,7 +289,7 @@ class IcechunkParamStore(ParamStore):
     def hold(self, version: str, *, ttl: float = 3600.0) -> AbstractContextManager[str]:
         """Keep ``version`` readable while a ``with`` block runs; see :meth:`ParamStore.hold`."""
         self._check_writable("hold a version of")
-        return hold(self, version, float(ttl))
+        return hold(self, version, check_ttl(ttl))
 
     def version_nbytes(self, version: str) -> int:
         """Bytes of one version's parameter arrays as stored; see :meth:`ParamStore.version_nbytes`."""
@@ -335,12 +338,13 @@ def open_store(
     mode : {"a", "r", "r+", "w-"}, default "a"
         ``"a"`` opens or creates; ``"r"`` opens an existing store read-only; ``"r+"``
         opens an existing store for writing; ``"w-"`` creates and fails if one exists.
-    chunk_bytes : int, optional
-        Chunk size of the stored flat arrays (default ``vcdask.store.chunk-bytes``).
+    chunk_bytes : int or str, optional
+        Chunk size of the stored flat arrays, >= 1 byte; a string is a size in Dask's spelling (``"4MiB"``)
+        (default ``vcdask.store.chunk-bytes``).
     commit_retries : int, optional
-        Retries of a commit that lost a race with another writer (default ``vcdask.store.commit-retries``).
+        Retries of a commit that lost a race with another writer, >= 0 (default ``vcdask.store.commit-retries``).
     max_tries : int, optional
-        Attempts per storage request on transient faults (default ``vcdask.store.max-tries``).  On S3,
+        Attempts per storage request on transient faults, >= 1 (default ``vcdask.store.max-tries``).  On S3,
         finding and opening the store still take Icechunk 1.1's own 10 tries (the stores guide).
     **storage_options
         Backend options.  S3: ``endpoint_url``, ``region``, ``allow_http``, ``force_path_style``,
@@ -363,7 +367,10 @@ def open_store(
     Raises
     ------
     InvalidLocationError
-        Unknown scheme or storage option (the message lists the valid ones), or a bad mode.
+        Unknown scheme or storage option (the message lists the valid ones), a bad mode, or a setting
+        out of range (``chunk_bytes``, ``commit_retries``, ``max_tries``, as arguments or config values).
+    TypeError
+        A setting that is not an integer (or, for ``chunk_bytes``, a size).
     StoreNotFoundError
         No store there (``mode="r"``/``"r+"``), a missing bucket, or a directory that holds something else.
     StoreAccessDeniedError
@@ -392,18 +399,6 @@ def open_store(
 open_store.__module__ = "vcdask.store"
 
 
-_reopened: dict[tuple, IcechunkParamStore] = {}
-
-
 def _reopen(open_store, location, kwargs):
-    """Unpickle a store: one open store per (location, options) per process (workers reuse it).
-
-    ``kwargs`` holds no secret; the credentials registered in this process for ``location``
-    (if any) are added here, else the backend falls back to the provider's standard chain.
-    """
-    key = (location, repr(sorted(kwargs.items())))
-    store = _reopened.get(key)
-    if store is None:
-        # (a store pickled by an earlier vcdask version may still carry its secrets in kwargs)
-        store = _reopened.setdefault(key, open_store(location, **{**kwargs, **lookup_credentials(location)}))
-    return store
+    """Unpickle a store (see :func:`._copies.reopen`); its name is in the pickles of run specs: keep it."""
+    return reopen(open_store, location, kwargs)

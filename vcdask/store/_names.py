@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from ._backend import StoreBackend
 
-__all__ = ["NamedStore", "create_branch", "create_tag", "head", "require_version"]
+__all__ = ["NamedStore", "check_name", "create_branch", "create_tag", "head", "require_version"]
 
 
 class NamedStore(Protocol):
@@ -82,10 +82,32 @@ def require_version(store: NamedStore, version: str) -> str:
     return version
 
 
+def check_name(name: object, what: str) -> str:
+    """``name``, once checked to be a valid name for a branch or tag (``what``).
+
+    A name is a non-empty string without ``/`` (Icechunk keeps each ref under a key named after it)
+    and without control characters (they cannot be part of a file name on every filesystem).
+
+    Raises
+    ------
+    TypeError
+        ``name`` is not a string.
+    ValueError
+        An empty name, or one with ``/`` or a control character.
+    """
+    rule = f"a {what} name must be a non-empty string without '/' or control characters"
+    if not isinstance(name, str):
+        raise TypeError(f"{rule}, got {type(name).__name__} {name!r}")
+    if not name or "/" in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ValueError(f"{rule}, got {name!r}")
+    return name
+
+
 def create_tag(store: NamedStore, name: str, version: str) -> None:
     """Tag ``version`` of ``store`` as ``name``; see :meth:`IcechunkParamStore.tag`."""
     import icechunk
 
+    check_name(name, "tag")
     require_version(store, version)
     try:
         store._repo.create_tag(name, version)
@@ -98,6 +120,7 @@ def create_branch(store: NamedStore, name: str, version: str | None) -> None:
     :meth:`IcechunkParamStore.create_branch`."""
     import icechunk
 
+    check_name(name, "branch")
     if is_reserved(name):
         raise ValueError(f"branch names starting with 'vcdask.keep.' or 'vcdask.hold.' belong to vcdask: {name!r}")
     if name in store._repo.list_branches():

@@ -231,10 +231,13 @@ def read_state(store: Any, version: str) -> dict[str, FlatParams]:
     import zarr
 
     from ..errors import VersionNotFoundError
-    from ._layout import read_flat_at
+    from ._layout import is_version, read_flat_at
 
     session = store._repo.readonly_session(snapshot_id=version_id(version))
-    meta = store._repo.lookup_snapshot(version).metadata or {}
+    snap = store._repo.lookup_snapshot(version)
+    if not is_version(snap):  # e.g. the repository's root snapshot
+        raise VersionNotFoundError(f"{version!r} is not a vcdask version of {store.describe()}")
+    meta = snap.metadata or {}
     value = meta.get(STATE_KEY)
     if value is not None:
         try:
