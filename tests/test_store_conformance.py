@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import pickletools
 import shutil
+import time
 import uuid
 
 import cloudpickle
@@ -138,3 +140,125 @@ def test_a_copy_of_a_memory_store_is_the_same_store():
     finally:
         MemoryBackend.forget(name)
 
+
+# -- secrets inside ``config`` (GCS, Azure): kept in this process as secret options, never in a copy -----------------
+SERVICE_ACCOUNT_JSON = '{"type": "service_account", "private_key": "-----BEGIN PRIVATE KEY-----\\nGCSSECRET"}'
+
+
+@pytest.mark.parametrize(
+    ("location", "options", "secret_config", "public_config"),
+    [
+        (
+            "gs://bucket/runs",
+            {},
+            {"google_service_account_key": SERVICE_ACCOUNT_JSON, "service_account_key": "GCSSECRET2"},
+            {"google_service_account": "/keys/sa.json", "google_application_credentials": "/keys/adc.json"},
+        ),
+        (
+            "az://models/runs",
+            {"account": "acct"},
+            {
+                "azure_storage_account_key": "AZKEY==",
+                "azure_storage_sas_key": "sv=2024&sig=AZSAS",
+                "azure_storage_token": "AZBEARER",
+                "azure_client_secret": "AZCLIENTSECRET",
+                "azure_fabric_session_token": "AZFABRIC",
+            },
+            {"azure_client_id": "cid", "azure_storage_tenant_id": "tid", "azure_federated_token_file": "/t"},
+        ),
+    ],
+)
+def test_secrets_in_config_stay_in_this_process_and_a_copy_gets_them_back(
+    location, options, secret_config, public_config
+):
+    from vcdask.store._copies import split_options
+    from vcdask.store._credentials import forget_credentials, lookup_credentials, redact, register_credentials
+    from vcdask.store._schemes import backend_for
+
+    backend = backend_for(location, "a", {**options, "config": {**secret_config, **public_config}})
+    public, secrets = split_options(backend)
+    assert public == {**options, "config": public_config}  # what a pickled store carries
+    assert secrets == {f"config.{k}": v for k, v in secret_config.items()}  # store.holds_secrets
+    blob = pickle.dumps(public)
+    assert not any(v.encode() in blob for v in secret_config.values())
+    register_credentials(location, **secrets)  # as the store does when it opens
+    try:
+        assert redact(f"refused: {' '.join(secret_config.values())}") == "refused: " + " ".join(
+            ["***"] * len(secret_config)
+        )
+        copy = backend_for(location, "r+", {**public, **lookup_credentials(location)})  # as a copy reopens
+        assert copy.options == backend.options and copy.secret_options == backend.secret_options
+        copy.storage()  # Icechunk takes the joined config
+    finally:
+        forget_credentials(location)
+    alone = backend_for(location, "r+", public)  # unpickled where none are registered: the provider's chain
+    assert not (alone.secret_options - BACKENDS[alone.scheme].secret_options)
+
+
+def test_which_config_keys_are_secret():
+    from vcdask.store._object import is_secret_config_key
+
+    secret = ["google_service_account_key", "azure_storage_account_key", "azure_storage_access_key", "master_key",
+              "azure_storage_sas_token", "sas_key", "azure_storage_token", "bearer_token", "azure_client_secret",
+              "Password", "azure_fabric_session_token"]  # fmt: skip
+    public = ["google_service_account", "google_application_credentials", "azure_federated_token_file",
+              "azure_client_id", "azure_storage_tenant_id", "azure_storage_account_name", "azure_use_azure_cli",
+              "azure_msi_endpoint", "azure_skip_signature"]  # fmt: skip
+    assert [k for k in secret if not is_secret_config_key(k)] == []
+    assert [k for k in public if is_secret_config_key(k)] == []
+
+
+def test_secret_config_entries_are_named_as_secret_options():
+    from vcdask.errors import InvalidLocationError
+    from vcdask.store._credentials import StoreCredentials
+
+    plugin = StoreCredentials("az://c/p", env={"config.azure_client_secret": "TEAM_AZ_SECRET"})
+    assert repr(plugin) == "<StoreCredentials 'az://c/p' config.azure_client_secret>"
+    with pytest.raises(InvalidLocationError, match=r"\['config.azure_client_id'\] are not secret options"):
+        StoreCredentials("az://c/p", **{"config.azure_client_id": "cid"})
+    with pytest.raises(InvalidLocationError, match=r"unknown storage option\(s\) \['config.google_bucket'\]"):
+        open_store("gs://b/p", **{"config.google_bucket": "b"})
+    with pytest.raises(InvalidLocationError, match="config for 'gs://b/p' must be a mapping"):
+        open_store("gs://b/p", config="google_service_account_key=x")
+
+
+# -- side files on GCS and Azure take the store's explicit credentials (the arguments of gcsfs / adlfs) -----------
+@pytest.mark.parametrize(
+    ("options", "token"),
+    [
+        ({"service_account_key": SERVICE_ACCOUNT_JSON}, json.loads(SERVICE_ACCOUNT_JSON)),
+        ({"service_account_file": "/keys/sa.json"}, "/keys/sa.json"),
+        ({"application_credentials": "/keys/adc.json"}, "/keys/adc.json"),
+        ({"anonymous": True}, "anon"),
+        ({}, None),  # gcsfs's own chain
+    ],
+)
+def test_gcs_side_files_get_the_stores_credentials(options, token):
+    from vcdask.store._object import GCSBackend
+
+    assert GCSBackend("gs://bucket/runs", options).filesystem_kwargs() == {"token": token}
+
+
+def test_gcs_side_files_get_the_stores_bearer_token():
+    pytest.importorskip("google.oauth2.credentials")  # installed with gcsfs
+    from vcdask.store._object import GCSBackend
+
+    token = GCSBackend("gs://bucket/runs", {"bearer_token": "ya29.TOKEN"}).filesystem_kwargs()["token"]
+    assert token.token == "ya29.TOKEN" and token.valid
+
+
+def test_azure_side_files_get_the_stores_credentials():
+    import asyncio
+
+    from vcdask.store._object import AzureBackend
+
+    def kwargs(**options):
+        return AzureBackend("az://models/runs", {"account": "acct", **options}).filesystem_kwargs()
+
+    assert kwargs() == {"account_name": "acct"}  # adlfs's own chain
+    assert kwargs(access_key="AZKEY==") == {"account_name": "acct", "account_key": "AZKEY=="}
+    assert kwargs(sas_token="sv=1&sig=S") == {"account_name": "acct", "sas_token": "sv=1&sig=S"}
+    credential = kwargs(bearer_token="AZBEARER")["credential"]
+    assert "AZBEARER" not in repr(credential)
+    got = asyncio.run(credential.get_token("https://storage.azure.com/.default"))
+    assert got.token == "AZBEARER" and got.expires_on > time.time() + 300  # the SDK's policy does not refresh it

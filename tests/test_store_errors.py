@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import re
 import time
+import traceback
+import uuid
 
 import dask.config
 import pytest
@@ -15,6 +17,7 @@ from vcdask.errors import (
     InvalidLocationError,
     MissingRegionError,
     StoreAccessDeniedError,
+    StoreError,
     StoreExistsError,
     StoreNotFoundError,
     StoreUnreachableError,
@@ -428,3 +431,23 @@ def test_the_repositorys_root_snapshot_is_no_version(tmp_path):
         with pytest.raises(VersionNotFoundError, match=rf"'{root.id}' is not a vcdask version"):
             take(root.id)
 
+
+def test_a_failed_side_file_request_keeps_its_unredacted_cause_out_of_the_traceback(tmp_path):
+    """An SDK's error may quote a signed URL: the store error shows it redacted, and nothing shows the original."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from vcdask.store._credentials import forget_credentials, register_credentials
+    from vcdask.store._files import SideFiles
+
+    secret = f"sig-{uuid.uuid4().hex}"
+    location = f"s3://bucket-{uuid.uuid4().hex[:8]}/p"
+    register_credentials(location, secret_access_key=secret)
+    try:
+        (tmp_path / "runs").write_text("a file where the folder should be")
+        files = SideFiles(LocalFileSystem(), str(tmp_path / "runs"), "the store")
+        with pytest.raises(StoreError) as info:
+            files.put(f"x?sig={secret}", b"data")  # the OS error names the path, and the path holds the secret
+        assert "***" in str(info.value) and secret not in str(info.value)
+        assert secret not in "".join(traceback.format_exception(info.value))
+    finally:
+        forget_credentials(location)

@@ -28,7 +28,7 @@ from distributed import WorkerPlugin
 
 from ..errors import InvalidLocationError, StoreAccessDeniedError, StoreCredentialsError, StoreError
 from ._base import ParamStore
-from ._object import _ALIASES
+from ._object import _ALIASES, CONFIG_SECRET, is_secret_config_key
 from ._schemes import BACKENDS, scheme_of
 from ._secrets import _EnvVar, _key, forget_credentials, lookup_credentials, redact, remember, remembered
 
@@ -79,13 +79,20 @@ def _location(store_or_location: ParamStore | str | os.PathLike) -> str:
 
 def _canonical(location: str, secrets: Mapping[str, Any]) -> dict[str, Any]:
     """``secrets`` under their canonical names; a name that is not a secret option of the backend raises."""
-    scheme = scheme_of(location)
-    names: frozenset[str] = getattr(BACKENDS.get(scheme), "secret_options", frozenset())
+    backend = BACKENDS.get(scheme_of(location))
+    names: frozenset[str] = getattr(backend, "secret_options", frozenset())
+    takes_config = "config" in getattr(backend, "valid_options", ())
     out = {_ALIASES.get(k, k): v for k, v in secrets.items()}
-    unknown = sorted(set(out) - names)
+    unknown = sorted(
+        k
+        for k in set(out) - names
+        # a secret entry of the backend's config (GCS, Azure): config.<key>, e.g. config.azure_client_secret
+        if not (takes_config and k.startswith(CONFIG_SECRET) and is_secret_config_key(k[len(CONFIG_SECRET) :]))
+    )
     if unknown:
+        more = f" and {CONFIG_SECRET}<secret config key>" if takes_config else ""
         raise InvalidLocationError(
-            f"{unknown} are not secret options of {location!r}; its secret options: {sorted(names)}"
+            f"{unknown} are not secret options of {location!r}; its secret options: {sorted(names)}{more}"
         )
     return out
 

@@ -53,7 +53,10 @@ def _modified(info: Mapping[str, Any]) -> float | None:
 
 
 def _fault(e: OSError, what: str) -> StoreError:
-    """A store error for a storage request that failed (a refused credential is not transient); no secret shown."""
+    """A store error for a storage request that failed (a refused credential is not transient); no secret shown.
+
+    Raise it ``from None``: the original error (an SDK's, e.g. one quoting a signed URL) is left out of the
+    traceback, whose cause would show it unredacted."""
     if isinstance(e, StoreError):
         return e
     if isinstance(e, PermissionError):
@@ -113,7 +116,7 @@ class SideFiles:
         try:
             self.fs.pipe_file(self._path(path), data)
         except OSError as e:
-            raise _fault(e, f"writing {path!r} to {self.where}") from e
+            raise _fault(e, f"writing {path!r} to {self.where}") from None
 
     def put_parts(self, path: str, parts: Sequence[bytes | memoryview]) -> int:
         """Write the concatenation of ``parts`` to ``path`` (as :meth:`put`); return its size.
@@ -130,7 +133,7 @@ class SideFiles:
             with open(full, "wb") as f:
                 return sum(f.write(part) for part in parts)
         except OSError as e:
-            raise _fault(e, f"writing {path!r} to {self.where}") from e
+            raise _fault(e, f"writing {path!r} to {self.where}") from None
 
     def get(self, path: str) -> bytes:
         """Read the object at ``path``; FileNotFoundError if it does not exist."""
@@ -139,7 +142,7 @@ class SideFiles:
         except FileNotFoundError:
             raise FileNotFoundError(f"no object {path!r} in {self.where}") from None
         except OSError as e:
-            raise _fault(e, f"reading {path!r} from {self.where}") from e
+            raise _fault(e, f"reading {path!r} from {self.where}") from None
 
     def get_buffer(self, path: str) -> memoryview:
         """Read the object at ``path`` into new writable memory; FileNotFoundError if it does not exist.
@@ -160,13 +163,13 @@ class SideFiles:
         except FileNotFoundError:
             raise FileNotFoundError(f"no object {path!r} in {self.where}") from None
         except OSError as e:
-            raise _fault(e, f"reading {path!r} from {self.where}") from e
+            raise _fault(e, f"reading {path!r} from {self.where}") from None
 
     def exists(self, path: str) -> bool:
         try:
             return self.fs.exists(self._path(path))
         except OSError as e:
-            raise _fault(e, f"looking for {path!r} in {self.where}") from e
+            raise _fault(e, f"looking for {path!r} in {self.where}") from None
 
     def delete(self, path: str) -> None:
         """Remove ``path`` if it exists."""
@@ -175,7 +178,7 @@ class SideFiles:
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise _fault(e, f"deleting {path!r} from {self.where}") from e
+            raise _fault(e, f"deleting {path!r} from {self.where}") from None
 
     def list(self, prefix: str, *, written_before: float | None = None) -> list[str]:
         """Paths (relative to ``<store>/runs``) of the objects under ``prefix``; with ``written_before``
@@ -187,7 +190,7 @@ class SideFiles:
         except FileNotFoundError:
             return []
         except OSError as e:
-            raise _fault(e, f"listing {prefix!r} in {self.where}") from e
+            raise _fault(e, f"listing {prefix!r} in {self.where}") from None
         if written_before is not None:
             found = {p: info for p, info in found.items() if (_modified(info) or math.inf) < written_before}
         strip = len(self.root.strip("/")) + 1

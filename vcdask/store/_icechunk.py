@@ -352,8 +352,9 @@ def open_store(
         ``anonymous``, ``client_kwargs`` (s3fs spelling).  Without credentials the standard
         AWS chain is used (environment, config files, instance metadata).
         GCS: ``service_account_file``, ``service_account_key``, ``application_credentials``,
-        ``bearer_token``, ``anonymous``.  Azure: ``account`` (required), ``access_key``,
-        ``sas_token``, ``bearer_token``.
+        ``bearer_token``, ``anonymous``, ``config``.  Azure: ``account`` (required), ``access_key``,
+        ``sas_token``, ``bearer_token``, ``config`` (object_store keys; its secret entries, as
+        ``config.<key>``, are secret options: see the stores guide).
         Secret options (S3 ``access_key_id``, ``secret_access_key``, ``session_token``; GCS
         ``service_account_key``, ``bearer_token``; Azure ``access_key``, ``sas_token``,
         ``bearer_token``) are used in this process only: a pickled copy of the store (a task

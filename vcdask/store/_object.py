@@ -7,13 +7,16 @@ need no lock of ours: the loser of a race gets a conflict and vcdask retries it.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
-from typing import Any
+import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from ..errors import InvalidLocationError, StoreUnreachableError
 
-__all__ = ["AzureBackend", "GCSBackend", "S3Backend"]
+__all__ = ["CONFIG_SECRET", "AzureBackend", "GCSBackend", "S3Backend", "is_secret_config_key"]
 
 _ALIASES = {
     "key": "access_key_id",
@@ -31,9 +34,61 @@ def _split(location: str, what: str) -> tuple[str, str]:
     return parts.netloc, parts.path.strip("/")
 
 
+#: The prefix of the storage option that holds one secret entry of ``config`` (GCS, Azure): such an
+#: entry is kept apart, as a secret option (``config.azure_client_secret``), so that it never travels.
+CONFIG_SECRET = "config."
+#: A ``config`` key holding one of these words is a secret (object_store's credential keys all do:
+#: ``google_service_account_key``, ``azure_storage_account_key``, ``azure_storage_sas_key``,
+#: ``azure_storage_token``, ``azure_client_secret`` ...) ...
+_SECRET_WORDS = ("key", "secret", "token", "sas", "password", "credential")
+#: ... except these, which name a file (they travel, as ``service_account_file`` does).
+_FILE_KEYS = frozenset({"google_application_credentials", "azure_federated_token_file", "federated_token_file"})
+
+
+def is_secret_config_key(key: str) -> bool:
+    """Whether the ``config`` entry ``key`` (an object_store configuration key) holds a secret.
+
+    The rule: a key whose name holds ``key``, ``secret``, ``token``, ``sas``, ``password`` or ``credential``
+    is a secret, unless it names a file (``google_application_credentials``, ``azure_federated_token_file``).
+    """
+    k = key.lower()
+    return k not in _FILE_KEYS and any(word in k for word in _SECRET_WORDS)
+
+
+def _split_config(location: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` with the secret entries of ``config`` moved out of it, each to its own secret option."""
+    config = opts.pop("config", None)
+    if config is None:
+        return opts
+    if not isinstance(config, Mapping) or not all(isinstance(k, str) for k in config):
+        raise InvalidLocationError(
+            f"the storage option config for {location!r} must be a mapping of object_store configuration keys "
+            f"(str) to values, got {type(config).__name__}"
+        )
+    public = {k: v for k, v in config.items() if not is_secret_config_key(k)}
+    if public:
+        opts["config"] = public
+    opts.update({CONFIG_SECRET + k: v for k, v in config.items() if is_secret_config_key(k)})
+    return opts
+
+
+def _joined_config(options: dict[str, Any]) -> dict[str, Any]:
+    """The options for Icechunk: the secret entries of ``config`` back inside it."""
+    out = {k: v for k, v in options.items() if not k.startswith(CONFIG_SECRET)}
+    secret = {k[len(CONFIG_SECRET) :]: v for k, v in options.items() if k.startswith(CONFIG_SECRET)}
+    if secret:
+        out["config"] = {**out.get("config", {}), **secret}
+    return out
+
+
 def _check_options(location: str, options: dict[str, Any], valid: set[str]) -> dict[str, Any]:
     out = {_ALIASES.get(k, k): v for k, v in options.items()}
-    unknown = sorted(set(out) - valid)
+    unknown = sorted(
+        k
+        for k in set(out) - valid
+        # a secret entry of config, kept apart (a pickled copy gets it back from the credential registry)
+        if not ("config" in valid and k.startswith(CONFIG_SECRET) and is_secret_config_key(k[len(CONFIG_SECRET) :]))
+    )
     if unknown:
         raise InvalidLocationError(
             f"unknown storage option(s) {unknown} for {location!r}; valid options: {sorted(valid)}"
@@ -183,22 +238,42 @@ class GCSBackend(_ObjectBackend):
     def __init__(self, location: str, options: dict[str, Any]):
         self.location = location
         self.bucket, self.prefix = _split(location, "bucket")
-        self.options = _check_options(location, options, self.valid_options)
+        self.options = _split_config(location, _check_options(location, options, self.valid_options))
+        self.secret_options = type(self).secret_options | {k for k in self.options if k.startswith(CONFIG_SECRET)}
+
+    def filesystem_kwargs(self) -> dict[str, Any]:
+        """The credentials for gcsfs (``GCSFileSystem(token=...)``), from the store's options.
+
+        A service-account key (JSON text) becomes its dict, a bearer token a ``google.auth`` credential
+        (gcsfs takes a file path, a dict or a credential); none of them: gcsfs's own chain.
+        """
+        o = self.options
+        token: Any = None
+        if o.get("anonymous"):
+            token = "anon"
+        elif "service_account_key" in o:
+            token = json.loads(o["service_account_key"])
+        elif "bearer_token" in o:
+            from google.oauth2.credentials import Credentials  # gcsfs depends on google-auth
+
+            token = Credentials(token=o["bearer_token"])
+        else:
+            token = o.get("service_account_file") or o.get("application_credentials")
+        return {"token": token}
 
     def filesystem(self, max_tries: int = 5, *, asynchronous: bool = False):
-        """A gcsfs filesystem (install gcsfs) and the store's root path."""
+        """A gcsfs filesystem (install gcsfs) with the store's credentials, and the store's root path."""
         try:
             import gcsfs
         except ImportError:
             raise ImportError("side files on gs:// need gcsfs: pip install gcsfs") from None
-        token = self.options.get("service_account_file") or ("anon" if self.options.get("anonymous") else None)
-        fs = gcsfs.GCSFileSystem(token=token, asynchronous=asynchronous)
+        fs = gcsfs.GCSFileSystem(asynchronous=asynchronous, **self.filesystem_kwargs())
         return fs, f"{self.bucket}/{self.prefix}".rstrip("/")
 
     def storage(self):
         import icechunk
 
-        opts = dict(self.options)
+        opts = _joined_config(self.options)
         if not opts:
             opts["from_env"] = True
         return icechunk.gcs_storage(bucket=self.bucket, prefix=self.prefix or None, **opts)
@@ -214,32 +289,74 @@ class AzureBackend(_ObjectBackend):
     def __init__(self, location: str, options: dict[str, Any]):
         self.location = location
         self.container, self.prefix = _split(location, "container")
-        self.options = _check_options(location, options, self.valid_options)
+        self.options = _split_config(location, _check_options(location, options, self.valid_options))
+        self.secret_options = type(self).secret_options | {k for k in self.options if k.startswith(CONFIG_SECRET)}
         if "account" not in self.options:
             raise InvalidLocationError(
                 f"Azure location {location!r} needs the storage option account='<storage account name>'"
             )
 
+    def filesystem_kwargs(self) -> dict[str, Any]:
+        """The account and credentials for adlfs (``AzureBlobFileSystem(...)``), from the store's options.
+
+        A bearer token becomes a token credential (adlfs takes ``credential=``); none of them: adlfs's chain.
+        """
+        o = self.options
+        kwargs: dict[str, Any] = {"account_name": o["account"]}
+        if "access_key" in o:
+            kwargs["account_key"] = o["access_key"]
+        if "sas_token" in o:
+            kwargs["sas_token"] = o["sas_token"]
+        if "bearer_token" in o:
+            kwargs["credential"] = StaticTokenCredential(o["bearer_token"])
+        return kwargs
+
     def filesystem(self, max_tries: int = 5, *, asynchronous: bool = False):
-        """An adlfs filesystem (install adlfs) and the store's root path."""
+        """An adlfs filesystem (install adlfs) with the store's credentials, and the store's root path."""
         try:
             import adlfs
         except ImportError:
             raise ImportError("side files on az:// need adlfs: pip install adlfs") from None
-        o = self.options
-        fs = adlfs.AzureBlobFileSystem(
-            account_name=o["account"],
-            account_key=o.get("access_key"),
-            sas_token=o.get("sas_token"),
-            asynchronous=asynchronous,
-        )
+        fs = adlfs.AzureBlobFileSystem(asynchronous=asynchronous, **self.filesystem_kwargs())
         return fs, f"{self.container}/{self.prefix}".rstrip("/")
 
     def storage(self):
         import icechunk
 
-        opts = dict(self.options)
+        opts = _joined_config(self.options)
         account = opts.pop("account")
         if not any(k in opts for k in ("access_key", "sas_token", "bearer_token")):
             opts["from_env"] = True
         return icechunk.azure_storage(account=account, container=self.container, prefix=self.prefix, **opts)
+
+
+class AccessToken(NamedTuple):
+    """A bearer token as the Azure SDK reads one (``azure.core.credentials.AccessToken``'s fields)."""
+
+    token: str
+    expires_on: int
+
+
+class StaticTokenCredential:
+    """An Azure token credential (async, as adlfs uses) that always gives the one bearer token it holds.
+
+    The token is not renewed (as for Icechunk's own ``bearer_token``): once it expires, requests are refused.
+    """
+
+    def __init__(self, token: str):
+        self._token = token
+
+    async def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+        return AccessToken(self._token, int(time.time()) + 365 * 24 * 3600)
+
+    async def close(self) -> None:
+        return None
+
+    async def __aenter__(self) -> StaticTokenCredential:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} ***>"
