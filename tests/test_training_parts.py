@@ -456,11 +456,29 @@ def test_cached_rows_are_the_rows_already_read_or_none():
         url=None,
         read_columns=lambda a, b: reads.append((a, b)) or {"X": np.ones((b - a, 2)), "y": np.zeros(b - a)},
     )
-    assert batches.cached_rows(src, 0, 4) is None and reads == []
-    cols = batches.rows(_spec(), src, 0, 4)
-    assert batches.cached_rows(src, 0, 4) is cols and reads == [(0, 4)]
-    assert batches.cached_rows(src, 0, 4, pin=True) is None  # pinned rows are another entry
-    assert batches.cached_rows(src, 4, 6) is None and reads == [(0, 4)]
+    spec = _spec()
+    assert batches.cached_rows(spec, src, 0, 4) is None and reads == []
+    cols = batches.rows(spec, src, 0, 4)
+    assert batches.cached_rows(spec, src, 0, 4) is cols and reads == [(0, 4)]
+    assert batches.cached_rows(spec, src, 0, 4, pin=True) is None  # pinned rows are another entry
+    assert batches.cached_rows(spec, src, 4, 6) is None and reads == [(0, 4)]
+
+
+def test_rows_cached_for_one_run_are_not_given_to_a_run_that_casts_them_otherwise():
+    """Rows are kept as the run trains on them: another run over the same data (read where it lives, so
+    the same cache key) with a model of another dtype, or a regression where the first classified,
+    reads its own."""
+    src = types.SimpleNamespace(
+        cache_key=("mem", id(test_rows_cached_for_one_run_are_not_given_to_a_run_that_casts_them_otherwise)),
+        url=None,
+        read_columns=lambda a, b: {"X": np.ones((b - a, 2)), "y": np.arange(b - a)},
+    )
+    classifier = batches.rows(_spec(), src, 0, 4)
+    regression = _spec(classification=False, x_dtype=torch.float64)
+    cols = batches.rows(regression, src, 0, 4)
+    assert (classifier["X"].dtype, classifier["y"].dtype) == (torch.float32, torch.int64)
+    assert (cols["X"].dtype, cols["y"].dtype) == (torch.float64, torch.float64)
+    assert batches.cached_rows(_spec(), src, 0, 4) is classifier
 
 
 def test_check_steps_names_what_is_wrong():

@@ -25,7 +25,9 @@ from .torch_data import DatasetSource
 __all__ = ["Rows", "batches", "cast_like_training", "on_device", "prefetch", "rows"]
 
 _lock = threading.Lock()
-_cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+#: rows by :func:`_key`, each with the source they were read from: held, so that an in-memory store's
+#: ``id`` in the key (:attr:`vcdask.data.DataSource.cache_key`) is not reused by another while they are cached
+_cache: OrderedDict[tuple, tuple[dict[str, torch.Tensor], Any]] = OrderedDict()
 _MAX_ROW_BYTES = 2 << 30
 _ON_DEVICE_BYTES = 1 << 30  # a GPU shard up to this size is copied whole, then cut into batches there
 
@@ -60,17 +62,26 @@ def _tensor(a: np.ndarray, spec, name: str) -> torch.Tensor:
     return cast_like_training(torch.as_tensor(np.ascontiguousarray(a)), spec, name)
 
 
-def cached_rows(source, start: int, stop: int, *, pin: bool = False) -> Rows | None:
+def _key(spec, source, start: int, stop: int, pin: bool) -> tuple:
+    """The cache key of rows ``[start, stop)`` of ``source`` as ``spec``'s run trains on them: the rows are
+    kept cast (:func:`cast_like_training`), so another run over the same data with another model dtype or
+    task (classification or regression) has its own."""
+    cast = (spec.batch_form, spec.classification, str(spec.x_dtype), spec.cast_x)
+    return (*source.cache_key, start, stop, pin, *cast)
+
+
+def cached_rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows | None:
     """What :func:`rows` returns, if it has these rows at hand (None: they would be read); a dataset's
     items are read batch by batch, later, so its rows are always at hand."""
     if isinstance(source, DatasetSource):
         return source.slice(start, stop)
-    key = (*source.cache_key, start, stop, pin)
+    key = _key(spec, source, start, stop, pin)
     with _lock:
         hit = _cache.get(key)
-        if hit is not None:
-            _cache.move_to_end(key)
-        return hit
+        if hit is None:
+            return None
+        _cache.move_to_end(key)
+        return hit[0]
 
 
 def rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows:
@@ -81,10 +92,10 @@ def rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows:
     StoreError
         The storage holding the data failed (a store fault, not the worker's).
     """
-    hit = cached_rows(source, start, stop, pin=pin)
+    hit = cached_rows(spec, source, start, stop, pin=pin)
     if hit is not None:
         return hit
-    key = (*source.cache_key, start, stop, pin)
+    key = _key(spec, source, start, stop, pin)
     try:
         arrays = source.read_columns(start, stop)
     except (FileNotFoundError, PermissionError):
@@ -95,8 +106,8 @@ def rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows:
     if pin:
         columns = {k: t.pin_memory() for k, t in columns.items()}
     with _lock:
-        _cache[key] = columns
-        while sum(_nbytes(c) for c in _cache.values()) > _MAX_ROW_BYTES and len(_cache) > 1:
+        _cache[key] = (columns, source)
+        while sum(_nbytes(c) for c, _ in _cache.values()) > _MAX_ROW_BYTES and len(_cache) > 1:
             _cache.popitem(last=False)
     return columns
 

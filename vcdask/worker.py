@@ -47,7 +47,7 @@ def _warm_rows(store, run_id: str, shard: int) -> _batches.Rows | None:
         pin = resolve_device(spec.device).type == "cuda"
     except RuntimeError:  # (the task fails on it below, once it has said it started)
         return None
-    return _batches.cached_rows(spec.train, *spec.shards.bounds(shard), pin=pin)
+    return _batches.cached_rows(spec, spec.train, *spec.shards.bounds(shard), pin=pin)
 
 
 def _dask_worker() -> Any:
