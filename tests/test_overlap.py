@@ -125,6 +125,20 @@ def test_hand_overs_still_out_are_taken_oldest_first_once_each_per_run():
     assert overlap.take("run-b") is other and overlap.take("run-never") is None
 
 
+def test_a_worker_keeps_the_hand_overs_of_the_runs_it_trained_for_last_not_first():
+    """Past its bound of runs a worker forgets the run it used longest ago, not the one that started first
+    (a long run beside short ones kept losing its hand-overs)."""
+    long_run = [_pending("run-long") for _ in range(5)]
+    overlap.put(long_run[0])
+    for i, short in enumerate(("s1", "s2", "s3", "s4")):
+        overlap.put(_pending(short))
+        overlap.put(long_run[i + 1])  # the long run goes on between them
+    assert overlap.take("run-long") is long_run[0]
+    assert overlap.take("s1") is None  # the run used longest ago
+    for run in ("s2", "s3", "s4", "run-long"):
+        overlap.forget(run)
+
+
 def test_a_pending_base_is_fetched_in_a_thread_and_never_waited_for_between_steps():
     answer: concurrent.futures.Future = concurrent.futures.Future()
     pending = _pending("run-c", answer)

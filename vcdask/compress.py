@@ -139,7 +139,8 @@ def encode(codec: str, w_c: FlatParams, base: FlatParams, base_version: str, run
             left.spare.append(scratch)
     if all(all_finite(r) for r in left.residual.values()):
         with _lock:
-            _residuals.setdefault(run_id, []).append(left)
+            _residuals[run_id] = _residuals.pop(run_id, [])  # (the run used last, last)
+            _residuals[run_id].append(left)
             for old in list(_residuals)[:-_KEEP_RUNS]:  # a long-lived cluster: forget runs long gone
                 del _residuals[old]
     return EncodedUpdate(w_c.layout, codec, base_version, parts)

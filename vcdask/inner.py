@@ -198,7 +198,8 @@ class InnerOptimizer:
         if self.precision.scaler is not None:
             state["scaler"] = self.precision.scaler.state_dict()
         with _lock:
-            _kept.setdefault(self.spec.run_id, []).append(state)
+            _kept[self.spec.run_id] = _kept.pop(self.spec.run_id, [])  # (the run used last, last)
+            _kept[self.spec.run_id].append(state)
             for old in list(_kept)[:-_KEEP_RUNS]:  # a long-lived cluster: forget runs long gone
                 del _kept[old]
 

@@ -154,7 +154,8 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
 def put(pending: Pending) -> None:
     """Keep ``pending`` for this process's next task of its run."""
     with _lock:
-        queue = _pending.setdefault(pending.run_id, deque(maxlen=_MAX_PENDING))
+        queue = _pending.pop(pending.run_id, None) or deque(maxlen=_MAX_PENDING)
+        _pending[pending.run_id] = queue  # (the run used last, last)
         queue.append(pending)
         for old in list(_pending)[:-_KEEP_RUNS]:  # a long-lived worker: forget runs long gone
             del _pending[old]

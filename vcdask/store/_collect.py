@@ -176,10 +176,10 @@ def collect(
         report.kept[b], drops[b] = [v.id for v in sel.keep], sel.drop
         want_pins.update((pin_name(v.id, b), v.id) for v in sel.keep)
     stale_pins = {n for n in names if (p := parse_pin(n)) is not None and p[1] in drops and n not in want_pins}
-    released = {n for n in names if n.startswith(HOLD_PREFIX) and n[len(HOLD_PREFIX) :] not in held}
+    unheld = {n for n in names if n.startswith(HOLD_PREFIX) and n[len(HOLD_PREFIX) :] not in held}
     # what keeps a version after this collection: not the pins it deletes (a version kept last time and
     # dropped now, or no longer held, is another branch's to keep, or gone)
-    refs = {v for n, v in heads.items() if n not in stale_pins | released} | tagged | held | set(want_pins.values())
+    refs = {v for n, v in heads.items() if n not in stale_pins | unheld} | tagged | held | set(want_pins.values())
     bounds = [listed_at - grace]  # (the clocks of other writers may lag this one's)
     for b in sorted(names - set(managed)):
         if not is_reserved(b):
