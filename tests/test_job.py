@@ -133,6 +133,15 @@ def test_a_good_job_file_is_read_with_paths_from_its_directory(job_dir):
         ("train.zarr", "missing.zarr", r"job\.yaml: data\.path: no such file: .*missing\.zarr"),
         ("{path: train.zarr, features: x, label: y}", "train.csv", r"job\.yaml: data\.label: a csv file needs label:"),
         ("max_epochs: 2", "max_epochs: 2, resilience: {deadline: soon}", r"job\.yaml: fit\.resilience: "),
+        # a job waits for its run (it scores and releases it): wait: false would fail only after training began
+        (
+            "max_epochs: 2",
+            "max_epochs: 2, wait: false",
+            r"job\.yaml: fit\.wait: not an option of a job: a job always waits",
+        ),
+        ("max_epochs: 2", "max_epochs: 2, wait: true", r"job\.yaml: fit\.wait: not an option of a job"),
+        ("max_epochs: 2", "max_epochs: 2, collate_fn: x", r"job\.yaml: fit\.collate_fn: .*takes a Python callable"),
+        ("max_epochs: 2", "max_epochs: 2, train_step: m:f", r"job\.yaml: fit\.train_step: .*takes a Python callable"),
     ],
 )
 def test_a_bad_job_file_names_the_field(job_dir, old, new, message):
@@ -225,9 +234,16 @@ def test_run_job_with_a_bad_job_file_reports_exit_2(job_dir):
     outcome = run_job(_edit(job_dir, "max_epochs: 2", "max_epoch: 2"))
     assert outcome.exit_code == EXIT_BAD_JOB
     assert outcome.message.startswith("job.yaml: fit.max_epoch: unknown option; valid: ")
+    assert "wait" not in outcome.message.split("valid: ")[1].split(", ")  # not offered as valid
     report = json.loads((job_dir / "reports" / "report.json").read_text())
     assert report["exit_code"] == 2 and report["released"] is False and "fit.max_epoch" in report["error"]
     assert not (job_dir / "store").exists()  # nothing was created
+    outcome = run_job(_edit(job_dir, "max_epochs: 2", "max_epochs: 2, wait: false"))
+    assert outcome.exit_code == EXIT_BAD_JOB and outcome.message.startswith(
+        "job.yaml: fit.wait: not an option of a job"
+    )
+    assert "fit.wait" in json.loads((job_dir / "reports" / "report.json").read_text())["error"]
+    assert not (job_dir / "store").exists()
 
 
 def test_preflight_runs_fits_checks_and_knows_the_runs_metrics(job_dir):

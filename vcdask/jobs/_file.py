@@ -33,6 +33,15 @@ JOB_FIELDS = {
     "label": "data.label",
     "sample_dim": "data.sample_dim",
 }
+#: fit options a job cannot honour, and why: it waits for its run to score and release the result, and a
+#: YAML value is never a Python callable.
+NOT_IN_A_JOB = {
+    "wait": "a job always waits for its run (it scores and releases the result, then exits); remove it",
+    **{
+        name: "takes a Python callable, which a job file cannot give; use a script that calls vcdask.fit"
+        for name in ("train_step", "eval_step", "collate_fn", "optimizer", "lr_schedule")
+    },
+}
 #: fit options given as a mapping in YAML, and the option group they build.
 OPTION_GROUPS = {
     "merging": "Merging",
@@ -132,7 +141,8 @@ def load_job(path: str | os.PathLike) -> Job:
     ------
     JobFileError
         The file is missing, not YAML, breaks the schema, names a factory that does not import, or a
-        ``fit`` option that :func:`vcdask.fit` does not have; the message names the field and the remedy.
+        ``fit`` option that :func:`vcdask.fit` does not have or that a job cannot honour (``wait``, which a job
+        always does, and the options that take a Python callable); the message names the field and the remedy.
     """
     import yaml
 
@@ -280,11 +290,15 @@ def _fit_options(path: Path, options: dict[str, Any]) -> dict[str, Any]:
     from .. import api
 
     params = inspect.signature(api.fit).parameters
-    valid = sorted(n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in JOB_FIELDS)
+    valid = sorted(
+        n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in JOB_FIELDS and n not in NOT_IN_A_JOB
+    )
     out = {}
     for name, value in options.items():
         if name in JOB_FIELDS:
             raise JobFileError(path, f"fit.{name}", f"set by the job file's {JOB_FIELDS[name]} field, not under fit")
+        if name in NOT_IN_A_JOB:
+            raise JobFileError(path, f"fit.{name}", f"not an option of a job: {NOT_IN_A_JOB[name]}")
         if name not in valid:
             raise JobFileError(path, f"fit.{name}", f"unknown option; valid: {', '.join(valid)}")
         if name in OPTION_GROUPS and isinstance(value, dict):

@@ -20,8 +20,9 @@ __all__ = ["Prepared", "fit_kwargs", "preflight"]
 
 logger = logging.getLogger(__name__)
 
-#: fit's options that say how ``fit`` waits for the run, not what the run is: nothing to plan.
-LAUNCH_OPTIONS = ("progress", "wait")
+#: fit's options that say how ``fit`` shows the run, not what the run is: nothing to plan (a job file
+#: cannot give ``wait``: :data:`._file.NOT_IN_A_JOB`).
+LAUNCH_OPTIONS = ("progress",)
 
 
 @dataclass
