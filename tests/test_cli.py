@@ -139,6 +139,26 @@ def test_a_missing_store_is_one_line_with_the_remedy(tmp_path, capsys):
     assert code == 2 and "Traceback" in err and err.endswith("(check the path; object stores: s3://bucket/prefix)\n")
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["versions", "s", "--limit", "0"], "argument --limit: must be an integer >= 1, got 0"),
+        (["versions", "s", "--limit", "-2"], "argument --limit: must be an integer >= 1, got -2"),
+        (["versions", "s", "--limit", "ten"], "argument --limit: must be an integer >= 1, got 'ten'"),
+        (["gc", "s", "--keep-last", "0"], "argument --keep-last: must be an integer >= 1, got 0"),
+        (["gc", "s", "--every", "0"], "argument --every: must be an integer >= 1, got 0"),
+        (["demo", "--max-epochs", "0"], "argument --max-epochs: must be an integer >= 1, got 0"),
+    ],
+)
+def test_counts_below_one_are_usage_errors(argv, message, tmp_path, capsys):
+    """``--limit 0`` listed nothing and a negative limit all but the oldest: argparse refuses them (exit 2)."""
+    with pytest.raises(SystemExit) as info:
+        main([a if a != "s" else str(tmp_path / "store") for a in argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert build_parser().parse_args(["versions", "s", "--limit", "1"]).limit == 1
+
+
 def test_storage_options_from_the_command_line(capsys):
     args = build_parser().parse_args(
         ["runs", "s3://b/p", "--endpoint-url", "http://127.0.0.1:9", "--region", "eu-west-1", "--anon"]

@@ -139,3 +139,18 @@ def test_prose_check_sees_a_wrong_claim(tmp_path):
     match = _CLAIM.search(text)
     assert match and match["name"] == "optimizer_state" and _literal(match["value"]) == "worker"
     assert repr(_literal(match["value"])) != repr(inspect.signature(vcdask.fit).parameters["optimizer_state"].default)
+
+
+def test_getting_started_says_how_many_shards_its_first_run_makes():
+    """The first run passes no n_shards: the page quotes what Shards.default makes of the digits' training rows."""
+    from vcdask.data import Shards
+
+    page = (ROOT / "docs/getting-started.md").read_text()
+    example = re.search(r"result = vcdask\.fit\(model, \(X, y\),(.*)\)", page)
+    assert example and "n_shards" not in example[1] and "validation=0.1" in example[1]
+    n_train = 1797 - round(1797 * 0.1)  # the digits, 10% held out
+    assert re.search(rf"\({n_train}\s+samples\)", page)
+    quoted = re.search(r"\((\d+) shards on (\d+) cores, (\d+) on (\d+);", page)
+    assert quoted, "the page does not say how many shards the run makes"
+    for shards, cores in ((quoted[1], quoted[2]), (quoted[3], quoted[4])):
+        assert Shards.default(n_train, int(cores), 32).n_shards == int(shards)  # one worker thread per core

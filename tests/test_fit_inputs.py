@@ -163,9 +163,73 @@ def test_bad_options(kwargs, match, xy, tmp_path):
     _bad(_linear(), xy, tmp_path, (ValueError, TypeError), match, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        # numpy would refuse these only while splitting the data, in a message that does not name seed
+        ({"seed": "a"}, TypeError, r"^seed must be an integer >= 0, got 'a'$"),
+        ({"seed": -1}, ValueError, r"^seed must be an integer >= 0, got -1$"),
+        ({"seed": 1.5}, TypeError, r"^seed must be an integer >= 0, got 1\.5$"),
+        # a truthy string would switch the option on (speed_adaptive always refused one)
+        ({"shuffle": "no"}, TypeError, r"^shuffle must be True or False, got 'no'$"),
+        ({"keep_updates": 1}, TypeError, r"^keep_updates must be True or False, got 1$"),
+        ({"progress": "off"}, TypeError, r"^progress must be True or False, got 'off'$"),
+        ({"wait": None}, TypeError, r"^wait must be True or False, got None$"),
+    ],
+)
+def test_a_bad_seed_or_flag_is_named_before_any_work(kwargs, exc, match, xy, tmp_path):
+    store = tmp_path / "store"
+    with pytest.raises(exc, match=match):
+        vcdask.fit(_linear(), xy, client=NoCluster(), store=store, **{"progress": False, **kwargs})
+    assert not store.exists()
+
+
+def test_numpy_seeds_and_flags_are_taken(xy, tmp_path):
+    from vcdask.options import plan
+
+    checked = plan(_linear(), xy, seed=np.int64(3), shuffle=np.True_, keep_updates=np.False_, store=tmp_path)
+    assert (checked.seed, checked.keep_updates) == (3, False)
+    assert type(checked.seed) is int and type(checked.keep_updates) is bool
+
+
 def test_bad_client(xy, tmp_path):
-    with pytest.raises(TypeError, match="client must be a distributed.Client, a Dask cluster .* got str"):
-        vcdask.fit(_linear(), xy, client="tcp://nowhere:8786", store=tmp_path / "s", progress=False)
+    with pytest.raises(TypeError, match=r"client must be a distributed.Client, a Dask cluster .*, a scheduler address"):
+        vcdask.fit(_linear(), xy, client=8786, store=tmp_path / "s", progress=False)
+    with pytest.raises(
+        ValueError, match=r"client='nowhere' is not a scheduler address such as 'tcp://10\.0\.0\.5:8786'"
+    ):
+        vcdask.fit(_linear(), xy, client="nowhere", store=tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_scheduler_address_runs_there_and_the_run_closes_the_client_it_opened(xy, tmp_path):
+    """fit(client="tcp://...") connects as distributed.Client(address) does; the client it opened is its own:
+    closed when fit returns, or by the handle once its result is collected (wait=False)."""
+    import time
+
+    from distributed import LocalCluster
+
+    def clients(cluster) -> set[str]:
+        return {c for c in cluster.scheduler.clients if c != "fire-and-forget"}
+
+    def settled(cluster, expected: set[str]) -> set[str]:
+        deadline = time.monotonic() + 5
+        while clients(cluster) != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return clients(cluster)
+
+    options = {"max_epochs": 1, "n_shards": 2, "progress": False}
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
+        address = cluster.scheduler_address
+        before = clients(cluster)
+        result = vcdask.fit(_linear(), xy, client=address, store=tmp_path / "a", **options)
+        assert int(result.history["accepted"].sum()) == 2  # its two shards trained on that cluster and merged
+        assert set(result.workers["worker"]) <= set(cluster.scheduler.workers)
+        assert settled(cluster, before) == before  # the client fit opened is closed
+        handle = vcdask.fit(_linear(), xy, client=address, store=tmp_path / "b", wait=False, **options)
+        assert len(clients(cluster) - before) == 1  # the handle's own client, open while the run is
+        assert int(handle.result().history["accepted"].sum()) == 2
+        assert settled(cluster, before) == before
 
 
 def test_memory_store_with_worker_processes(xy):
@@ -342,3 +406,30 @@ def test_a_new_users_mistakes_get_the_matching_builtin_and_the_fix(args, kwargs,
     with pytest.raises(exc, match=match):
         vcdask.fit(model, data, *extra, client=NoCluster(), store=store, progress=False, **kwargs)
     assert not store.exists()
+
+
+def test_the_data_guides_zarr_examples_pass_the_secret_check():
+    """docs/user-guide/data.md's URL examples give storage_options that fit accepts: no credentials in them
+    (fit refuses those, so an example holding a key and a secret could never run)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from vcdask.data import _zarr_source
+
+    text = (Path(__file__).parents[1] / "docs" / "user-guide" / "data.md").read_text()
+    calls = [
+        node
+        for block in re.findall(r"```python\n(.*?)```", text, re.S)
+        for node in ast.walk(ast.parse(block))
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "vcdask.fit"
+        and any(k.arg == "storage_options" for k in node.keywords)
+    ]
+    assert calls, "the data guide shows no storage_options"
+    for call in calls:
+        url = ast.literal_eval(call.args[1])
+        options = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "storage_options"))
+        assert _zarr_source(url, options).storage_options == options
+    with pytest.raises(DataError, match=r"hold credentials \(\['key', 'secret'\]\)"):
+        _zarr_source("s3://bucket/images.zarr", {"key": "K", "secret": "S"})

@@ -82,6 +82,26 @@ def test_groups_keep_the_checked_form_of_their_values():
         training.lr = 0.1  # type: ignore[misc]
 
 
+def test_numpy_scalars_are_numbers_and_bools_are_not(tmp_path):
+    """np.float32 is no Python float, but it is a real number: every number option takes it (as a float)."""
+    from vcdask.resilience import Resilience
+
+    f32 = np.float32
+    training = Training(lr=f32(0.01), clip_grad_norm=f32(1.5))
+    assert type(training.lr) is float and training.lr == pytest.approx(0.01)
+    assert type(training.clip_grad_norm) is float and training.clip_grad_norm == 1.5
+    target = Stopping(target={"accuracy": f32(0.75)}).target
+    assert target == {"accuracy": 0.75} and type(target["accuracy"]) is float
+    assert Merging(alpha=f32(0.5)).alpha == 0.5 and type(Merging(alpha=f32(0.5)).alpha) is float
+    assert Resilience(deadline=f32(30.0), min_cosine=f32(-0.5)).deadline == 30.0
+    assert vcdask.lr_schedules.Cosine(warmup=f32(0.25)).warmup == 0.25
+    X, y = np.zeros((20, 2), "float32"), np.zeros(20, "int64")
+    assert plan(torch.nn.Linear(2, 2), (X, y), validation=f32(0.2), store=tmp_path).validation.n == 4
+    for bad in (lambda: Training(lr=True), lambda: Stopping(target={"accuracy": True}), lambda: Merging(alpha=True)):
+        with pytest.raises((TypeError, ValueError), match="True"):
+            bad()
+
+
 # -- the flat arguments and the groups: one set of defaults, and a clear refusal of both ----------------------
 def _flat_names() -> dict[str, tuple[type, str]]:
     return {

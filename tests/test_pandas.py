@@ -175,3 +175,29 @@ def test_validation_dataframe_columns_are_matched_by_name_not_position(tmp_path)
     assert plan.train.feature_names == plan.validation.feature_names == tuple(NUMERIC)
     expected = val[NUMERIC].to_numpy(np.float32)
     np.testing.assert_array_equal(np.asarray(plan.validation.X), expected)
+
+
+def test_bool_labels_are_two_classes_as_arrays_and_as_a_dataframe(tmp_path):
+    """Bool labels are classification (cross-entropy, accuracy) whether they come as an array or a DataFrame
+    column; a one-output model is refused on both paths (the array's message says what bool labels are)."""
+    from vcdask.options import plan
+
+    rng = np.random.default_rng(0)
+    X = rng.random((64, 3)).astype(np.float32)
+    y = rng.random(64) > 0.5
+    df = pd.DataFrame(X, columns=list("abc")).assign(t=y)
+    store = tmp_path / "store"
+    plans = {
+        "arrays": plan(torch.nn.Linear(3, 2), (X, y), store=store),
+        "torch": plan(torch.nn.Linear(3, 2), (torch.from_numpy(X), torch.from_numpy(y)), store=store),
+        "frame": plan(torch.nn.Linear(3, 2), df, label="t", store=store),
+        "frame, series": plan(torch.nn.Linear(3, 2), (df[list("abc")], df["t"]), store=store),
+    }
+    for how, p in plans.items():
+        assert p.train.classification, how
+        assert p.train.label_range == (0, 1), how
+        assert p.loss is torch.nn.functional.cross_entropy and list(p.metrics) == ["accuracy"], how
+    with pytest.raises(DataError, match=r"outputs 1 classes; labels must be in \[0, 0\]"):
+        plan(torch.nn.Linear(3, 1), df, label="t", store=store)
+    with pytest.raises(DataError, match=r"outputs 1 classes; .*\(bool labels are two classes, False 0 and True 1"):
+        plan(torch.nn.Linear(3, 1), (X, y), store=store)

@@ -127,3 +127,42 @@ def test_out_of_memory_says_to_use_a_smaller_batch_size(classifier_run):
     with pytest.raises(torch.OutOfMemoryError, match="smaller batch_size="):
         model_outputs(BigBatchesExhaustMemory(), spec, rows, batch_size=16)
     assert model_outputs(BigBatchesExhaustMemory(), spec, rows, batch_size=8).shape == (20, 3)
+
+
+class _Where(torch.nn.Module):
+    """Three outputs for three features, recording the device of every batch it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.devices: set[torch.device] = set()
+
+    def forward(self, x):
+        self.devices.add(x.device)
+        return self.linear(x)
+
+
+def test_predict_runs_where_the_model_is_unless_told(classifier_run):
+    """By default predict runs where result.model is (the CPU), not on this machine's accelerator because the
+    run's device was "auto"; device= takes fit's spellings ("auto" too) and names the valid ones when wrong."""
+    import dataclasses
+
+    from vcdask.device import resolve_device
+
+    here = _Where()
+    result = dataclasses.replace(classifier_run, model=here)
+    rows = _frame(10, 4)[FEATURES].to_numpy(np.float32)
+    assert result.predict(rows).shape == (10,)
+    assert here.devices == {torch.device("cpu")}  # the model's device, whatever the run's device="auto" finds here
+    auto = resolve_device("auto")
+    assert result.predict(rows, device="auto").shape == (10,)  # torch.device("auto") would be a RuntimeError
+    if auto.type == "cpu":
+        assert here.devices == {torch.device("cpu")}
+    else:  # predicted on a copy on the accelerator: the model stays where it was
+        assert {d.type for d in here.devices} == {"cpu"} and next(here.parameters()).device.type == "cpu"
+    assert result.predict(rows, device=torch.device("cpu")).shape == (10,)
+    with pytest.raises(ValueError, match=r"device must be one of \['auto', 'cpu', 'cuda', 'cuda:N', 'mps'\].*'gpu'"):
+        result.predict(rows, device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"device='cuda' but this process has no CUDA device"):
+            result.predict(rows, device="cuda")

@@ -22,6 +22,11 @@ def test_check_device_and_precision():
     assert check_device("cuda:1") == "cuda:1" and check_device(torch.device("cpu")) == "cpu"
     with pytest.raises(ValueError, match=r"device must be one of \['auto', 'cpu', 'cuda', 'cuda:N', 'mps'\].*'gpu'"):
         check_device("gpu")
+    # a machine has one MPS device: torch.device("mps", 0) is "mps", mps:1 names none
+    assert check_device(torch.device("mps", 0)) == "mps" and check_device("mps:0") == "mps"
+    assert vcdask.Training(device=torch.device("mps", 0)).device == "mps"
+    with pytest.raises(ValueError, match=r"device 'mps:1': a machine has one MPS device, 'mps' \(or 'mps:0'\)"):
+        check_device(torch.device("mps", 1))
     assert check_precision("bf16-mixed") == "bf16" and check_precision(32) == "32"
     with pytest.raises(ValueError, match=r"precision must be one of \['32', 'bf16', '16-mixed'\], got 'fp8'"):
         check_precision("fp8")

@@ -1,12 +1,21 @@
-"""Whole-number arguments, checked: :func:`positive_int` (below every module that checks an argument)."""
+"""Number and flag arguments, checked: :func:`positive_int`, :func:`is_real`, :func:`check_bool` (below every
+module that checks an argument)."""
 
 from __future__ import annotations
 
-from typing import Any
+import numbers
+from typing import Any, TypeGuard
 
 import numpy as np
 
-__all__ = ["positive_int"]
+__all__ = ["check_bool", "is_real", "positive_int"]
+
+
+def is_real(value: Any) -> TypeGuard[float]:
+    """Whether ``value`` is a real number: an int, a float or a numpy scalar of either (``np.float32(0.1)``
+    is no ``float``), but not a bool.  (Typed as a float guard: what the callers do with one, ``float(value)``
+    and comparisons, an int and a numpy scalar support.)"""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def positive_int(name: str, value: Any, minimum: int = 1, *, also: str = "") -> int:
@@ -26,3 +35,16 @@ def positive_int(name: str, value: Any, minimum: int = 1, *, also: str = "") -> 
     if value < minimum:
         raise ValueError(message)
     return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool: ``True`` or ``False`` (numpy's too), never a truthy string such as ``"no"``.
+
+    Raises
+    ------
+    TypeError
+        Naming the option and the value.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ._ints import check_bool
 from .groups import Merging, Stopping, Training, fold
 from .handle import FitResult, RunHandle
 from .lr_schedules import RunSchedule
@@ -136,16 +137,19 @@ def fit(
         title), and warns when the training loss diverged (:mod:`vcdask.diagnose`).
     metrics : list of names/callables or dict, optional
         Default: ``["accuracy"]`` for classification, ``["mae"]`` otherwise.
-    client : distributed.Client or cluster, optional
-        Where to run.  Default: the process's embedded ``LocalCluster`` (one worker process per core),
-        started by the first ``fit`` and shared by every later ``fit`` and :func:`resume` of the
-        process, closed when the interpreter exits (:func:`vcdask.cluster.embedded_client`).  Its
+    client : distributed.Client, cluster or scheduler address, optional
+        Where to run: a client (left open), a cluster object or a scheduler's address
+        (``"tcp://10.0.0.5:8786"``: the run opens a client of its own, and closes it when ``fit`` returns;
+        with ``wait=False`` the handle closes it).  Default: the process's embedded ``LocalCluster`` (one
+        worker process per core), started by the first ``fit`` and shared by every later ``fit`` and
+        :func:`resume` of the process, closed when the interpreter exits (:func:`vcdask.cluster.embedded_client`).  Its
         workers are spawned, so a script must call ``fit`` under ``if __name__ == "__main__":``
         (a script without the guard gets a :class:`~vcdask.errors.MainGuardError` before any
         process starts).
     store : str, path or ParamStore, optional
         The parameter store; default the local directory ``./vcdask-runs``.  The run writes to branch ``run_id``.
     seed : int, default 0
+        Seeds the shuffle and the held-out split: an integer >= 0.
     commit_every : int or "auto", default 1
         Commit a version every this many merges (epoch ends always commit).  ``"auto"``: every merge,
         except that results already queued behind a merge share its commit (up to 8): a merge thread
@@ -313,6 +317,7 @@ def fit(
     stopping = fold(
         Stopping, stopping, target=target, patience=patience, monitor=monitor, validate_every=validate_every
     )
+    wait, progress = check_bool("wait", wait), check_bool("progress", progress)
     checked = plan(
         model,
         data,

@@ -128,16 +128,36 @@ def torch_friendly_environ() -> dict[str, Any]:
 
 
 def check_client(client: Any) -> None:
-    """Reject anything that is not a Dask Client, a cluster object or None (before any cluster work)."""
+    """Reject anything that is not a Dask Client, a cluster object, a scheduler address or None (before any
+    cluster work).
+
+    Raises
+    ------
+    TypeError
+        Another kind of object.
+    ValueError
+        A string that is no scheduler address (``"tcp://host:8786"``, ``"host:8786"``).
+    """
     if client is None:
         return
     from distributed import Client
+    from distributed.comm.addressing import get_address_host_port, parse_address
 
     if isinstance(client, Client) or hasattr(client, "scheduler_address"):
         return
+    if isinstance(client, str):
+        try:
+            scheme, _ = parse_address(client)
+            if scheme != "inproc":  # (an in-process scheduler's address has no port)
+                get_address_host_port(client)
+        except ValueError as e:
+            raise ValueError(
+                f"client={client!r} is not a scheduler address such as 'tcp://10.0.0.5:8786' or '10.0.0.5:8786' ({e})"
+            ) from None
+        return
     raise TypeError(
-        f"client must be a distributed.Client, a Dask cluster (LocalCluster, dask-cloudprovider ...) "
-        f"or None for the embedded LocalCluster; got {type(client).__name__}"
+        f"client must be a distributed.Client, a Dask cluster (LocalCluster, dask-cloudprovider ...), "
+        f"a scheduler address ('tcp://host:8786') or None for the embedded LocalCluster; got {type(client).__name__}"
     )
 
 

@@ -22,6 +22,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ._ints import is_real
+
 __all__ = ["MARKETS", "check_prices", "instance_here", "summarize"]
 
 #: Where a worker's instance was bought.
@@ -48,7 +50,7 @@ def check_prices(prices: Any) -> dict[str, dict[str, float]]:
                 f"valid markets: {list(MARKETS)}"
             )
         for market, price in entry.items():
-            if isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 <= price < math.inf:
+            if not is_real(price) or not 0 <= price < math.inf:
                 raise ValueError(f"prices[{kind!r}][{market!r}] must be a number >= 0 ($ per hour), got {price!r}")
         table[str(kind)] = {m: float(p) for m, p in entry.items()}
     return table

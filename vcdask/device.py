@@ -42,6 +42,8 @@ _PRECISION_ALIASES = {"32": "32", "32-true": "32", "bf16": "bf16", "bf16-mixed":
 def check_device(device: Any) -> str:
     """``device`` as the string every worker resolves; raise if it names no kind of device.
 
+    ``"mps:0"`` (``torch.device("mps", 0)``) is ``"mps"``: a machine has one MPS device.
+
     Raises
     ------
     ValueError
@@ -49,6 +51,10 @@ def check_device(device: Any) -> str:
     """
     if isinstance(device, torch.device):
         device = str(device)
+    if isinstance(device, str) and device == "mps:0":
+        return "mps"
+    if isinstance(device, str) and re.fullmatch(r"mps:\d+", device):
+        raise ValueError(f"device {device!r}: a machine has one MPS device, 'mps' (or 'mps:0')")
     if isinstance(device, str) and (device in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d+", device)):
         return device
     raise ValueError(f"device must be one of {list(DEVICES)} (or a torch.device), got {device!r}")
@@ -73,11 +79,12 @@ def _mps_available() -> bool:
     return bool(mps is not None and mps.is_available())
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, where: str = "this worker") -> torch.device:
     """The torch device this process trains on for the option ``device``.
 
     ``"auto"`` is the worker's CUDA device if it has one (``torch.cuda.current_device()``, which
     ``CUDA_VISIBLE_DEVICES`` or dask-cuda choose per worker), else Apple's MPS, else the CPU.
+    ``where`` names this process in the errors (``"this process"`` for a prediction).
 
     Raises
     ------
@@ -92,13 +99,13 @@ def resolve_device(device: str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"device={device!r} but this worker has no CUDA device (torch {torch.__version__})")
+            raise RuntimeError(f"device={device!r} but {where} has no CUDA device (torch {torch.__version__})")
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
-            raise RuntimeError(f"device={device!r} but this worker has {torch.cuda.device_count()} CUDA device(s)")
+            raise RuntimeError(f"device={device!r} but {where} has {torch.cuda.device_count()} CUDA device(s)")
         return torch.device("cuda", index)
     if dev.type == "mps" and not _mps_available():
-        raise RuntimeError(f"device={device!r} but this worker has no MPS device")
+        raise RuntimeError(f"device={device!r} but {where} has no MPS device")
     return dev
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from ._ints import positive_int
+from ._ints import check_bool, is_real, positive_int
 from .compress import check_compression
 from .device import check_device, check_precision
 from .holdout import check_early_stopping
@@ -97,11 +97,13 @@ class Merging:
 
     def __post_init__(self) -> None:
         get_rule(self.rule, self.alpha)  # a bad name or alpha, before any data is read
+        if is_real(self.alpha):  # np.float32(0.5) too: a plain float from here on
+            object.__setattr__(self, "alpha", float(self.alpha))
         object.__setattr__(self, "commit_every", _every("commit_every", self.commit_every))
         object.__setattr__(self, "compression", check_compression(self.compression))
         object.__setattr__(self, "tasks_per_slot", positive_int("tasks_per_slot", self.tasks_per_slot))
-        if not isinstance(self.speed_adaptive, bool):  # (a truthy string would silently switch it on)
-            raise TypeError(f"speed_adaptive must be True or False, got {self.speed_adaptive!r}")
+        # (a truthy string would silently switch it on)
+        object.__setattr__(self, "speed_adaptive", check_bool("speed_adaptive", self.speed_adaptive))
 
 
 @dataclass(frozen=True)
@@ -153,12 +155,13 @@ class Training:
     def __post_init__(self) -> None:
         check_optimizer(self.optimizer)
         lr = self.lr
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or math.isinf(lr):
+        if not is_real(lr) or not lr > 0 or math.isinf(lr):
             raise ValueError(f"lr must be a positive number, got {lr!r}")
+        object.__setattr__(self, "lr", float(lr))
         check_schedule(self.lr_schedule)
         clip = self.clip_grad_norm
         if clip is not None:
-            if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0:
+            if not is_real(clip) or not clip > 0:
                 raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip!r}")
             object.__setattr__(self, "clip_grad_norm", float(clip))
         object.__setattr__(self, "precision", check_precision(self.precision))

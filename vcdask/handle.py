@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ._ints import is_real
 from .diagnose import annotate
 from .engine.end import best_version
 from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
@@ -276,7 +277,7 @@ class RunHandle:
                 f"result()'s first argument is timeout (seconds), got a {type(timeout).__name__}: "
                 "pass the module by keyword, handle.result(model=my_model)"
             )
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+        if timeout is not None and not is_real(timeout):
             raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
         if self._res is None:
             status = self.wait(timeout)

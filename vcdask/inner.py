@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._ints import is_real
 from .lr_schedules import RunSchedule, run_steps
 
 __all__ = [
@@ -111,7 +112,7 @@ def check_schedule(schedule: Any) -> Callable[[int, int], float] | None:
         )
     call = "lr_schedule(0, total=1000)" if isinstance(schedule, RunSchedule) else "lr_schedule(1, 0)"
     factor = schedule(0, 1000) if isinstance(schedule, RunSchedule) else schedule(1, 0)
-    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 <= float(factor) < float("inf"):
+    if not is_real(factor) or not 0 <= float(factor) < float("inf"):
         raise ValueError(f"{call} must return a finite number >= 0, got {factor!r}")
     return schedule
 

@@ -25,6 +25,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ._ints import is_real
+
 __all__ = ["Constant", "Cosine", "Linear", "OverRun", "RunSchedule", "run_steps"]
 
 
@@ -44,7 +46,7 @@ class RunSchedule:
 
 
 def _check_fraction(name: str, value: float, high: float = 1.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < high:
+    if not is_real(value) or not 0.0 <= float(value) < high:
         bound = "1)" if high == 1.0 else f"{high:g}]"
         raise ValueError(f"{name} must be a number in [0, {bound}, got {value!r}")
     return float(value)

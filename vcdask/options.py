@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import config
-from ._ints import positive_int
+from ._ints import check_bool, is_real, positive_int
 from .cluster import check_client
 from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
@@ -227,10 +227,12 @@ def plan(
         # worker's update then looked orthogonal to the server's own step, not opposite, and passed)
         overlap = "wait"
     max_epochs = positive_int("max_epochs", max_epochs)
+    seed = positive_int("seed", seed, minimum=0)  # (numpy's generators take no negative seed)
+    shuffle, keep_updates = check_bool("shuffle", shuffle), check_bool("keep_updates", keep_updates)
     checked_retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
     _check_steps(train_step, eval_step, loss, metrics)
     validation = hold_out(validation, target=stopping.target, patience=stopping.patience, monitor=stopping.monitor)
-    if validation is not None and isinstance(validation, (int, float)) and not isinstance(validation, bool):
+    if validation is not None and is_real(validation):
         if not 0.0 < float(validation) < 1.0:
             raise ValueError(f"validation as a fraction must be in (0, 1), got {validation!r}")
         validation = float(validation)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .device import cpu_copy, same_device
+from .device import check_device, cpu_copy, resolve_device, same_device
 from .errors import DataError
 
 __all__ = ["model_outputs"]
@@ -34,13 +34,18 @@ def model_outputs(
     X : numpy array, torch tensor, pandas DataFrame or array-like
         The rows, sample axis first.
     batch_size : int, default 1024
-    device : str or torch.device, optional
-        Where to run the model; default where ``model`` is (the CPU for a finished run's model).
+    device : {"auto", "cpu", "cuda", "cuda:N", "mps"} or torch.device, optional
+        Where to run the model, as ``fit``'s ``device=`` in this process (``"auto"``: its accelerator if it
+        has one, else the CPU); default where ``model`` is (the CPU for a finished run's model).
 
     Raises
     ------
     TypeError
         A run whose batches are dicts (a custom ``train_step``), or an unsupported input.
+    ValueError
+        ``device`` names no kind of device (the message lists the valid ones).
+    RuntimeError
+        ``device`` names a device this process does not have.
     DataError
         The model cannot take the rows (their shape and dtype are named), or a DataFrame lacks a column.
     """
@@ -55,7 +60,7 @@ def model_outputs(
         )
     x = _rows(X, spec)
     where = next((p.device for p in model.parameters()), torch.device("cpu"))
-    target = where if device is None else torch.device(device)
+    target = where if device is None else resolve_device(check_device(device), where="this process")
     if same_device(target, where):
         net = model
     else:  # (a copy; to the CPU without a second one on the model's GPU)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ._ints import is_real
 from .device import cpu_copy
 from .errors import DataError
 
@@ -223,11 +224,19 @@ def check_model(model, prepared: PreparedData, loss, classification: bool, x_dty
             ) from e
     if classification:
         n_classes = out.shape[-1] if out.dim() > 1 else 1
-        assert prepared.y_min is not None and prepared.y_max is not None  # set for classification data
-        if prepared.y_min < 0 or prepared.y_max >= n_classes:
+        label_range = prepared.label_range
+        assert label_range is not None  # set for classification data
+        lo, hi = label_range
+        if lo < 0 or hi >= n_classes:
+            hint = (
+                " (bool labels are two classes, False 0 and True 1: give the model 2 outputs, or for a regression "
+                "on one output pass float labels, y.astype('float32'))"
+                if prepared.bool_labels
+                else ""
+            )
             raise DataError(
-                f"labels range over [{prepared.y_min}, {prepared.y_max}] but the model outputs "
-                f"{n_classes} classes; labels must be in [0, {n_classes - 1}]"
+                f"labels range over [{lo}, {hi}] but the model outputs "
+                f"{n_classes} classes; labels must be in [0, {n_classes - 1}]{hint}"
             )
     y = torch.as_tensor(np.ascontiguousarray(prepared.sample_y))
     y = y.long() if classification else y.to(x_dtype)
@@ -260,7 +269,7 @@ def check_target(target: Any, metric_names: Sequence[str] | None = None) -> dict
     for name, goal in target.items():
         if valid is not None and name not in valid:
             raise ValueError(f"target metric {name!r} is not computed; available: {valid}")
-        if not isinstance(goal, (int, float)) or math.isnan(goal):
+        if not is_real(goal) or math.isnan(goal):
             raise ValueError(f"target value for {name!r} must be a number, got {goal!r}")
     return {k: float(v) for k, v in target.items()}
 

@@ -37,7 +37,24 @@ class PreparedData:
 
     @property
     def classification(self) -> bool:
-        return self.y_dtype is not None and np.issubdtype(np.dtype(self.y_dtype), np.integer)
+        """Whether the labels are class ids: integer or bool (two classes, False 0 and True 1, as a DataFrame's
+        bool label column is); float labels are a regression."""
+        return self.y_dtype is not None and (self.bool_labels or np.issubdtype(np.dtype(self.y_dtype), np.integer))
+
+    @property
+    def bool_labels(self) -> bool:
+        """Whether the labels are bool: two classes."""
+        return self.y_dtype is not None and np.dtype(self.y_dtype) == np.bool_
+
+    @property
+    def label_range(self) -> tuple[int, int] | None:
+        """The smallest and largest class id of classification data (bool labels: 0 and 1, their two classes,
+        whichever the data holds); None for a regression."""
+        if self.bool_labels:
+            return 0, 1
+        if not self.classification or self.y_min is None or self.y_max is None:
+            return None
+        return int(self.y_min), int(self.y_max)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:

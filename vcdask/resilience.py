@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ._ints import is_real
 from .errors import UnknownPolicyError
 
 __all__ = ["FAILURE_POLICIES", "Resilience", "UnknownPolicyError"]
@@ -111,13 +112,9 @@ class Resilience:
             value = getattr(self, name)
             if value is None and name in OPTIONAL:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+            if not is_real(value) or math.isnan(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if self.min_cosine is not None and (
-            isinstance(self.min_cosine, bool)
-            or not isinstance(self.min_cosine, (int, float))
-            or not -1 <= self.min_cosine < 1
-        ):
+        if self.min_cosine is not None and (not is_real(self.min_cosine) or not -1 <= self.min_cosine < 1):
             raise ValueError(f"min_cosine must be a number in [-1, 1), got {self.min_cosine!r}")
         if self.max_staleness not in (None, "auto") and (
             isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0

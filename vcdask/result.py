@@ -133,9 +133,9 @@ class FitResult:
         X : numpy array, torch tensor or pandas DataFrame
             The rows, sample axis first, each shaped as the training samples.
         batch_size : int, default 1024
-        device : str or torch.device, optional
-            Where to run the model (e.g. ``"cuda"``); default the run's device (``fit(device=)``,
-            ``"auto"``: this machine's accelerator if it has one), else the CPU.
+        device : {"auto", "cpu", "cuda", "cuda:N", "mps"} or torch.device, optional
+            Where to run the model (on a copy), as ``fit``'s ``device=`` in this process (``"auto"``: its
+            accelerator if it has one); default where :attr:`model` is (the CPU, unless you moved it).
 
         Returns
         -------
@@ -149,6 +149,8 @@ class FitResult:
             The model cannot take the rows, or a DataFrame lacks a column the run trained on.
         TypeError
             An unsupported input, or a run with dict batches (a custom ``train_step``).
+        ValueError
+            ``device`` names no kind of device; ``RuntimeError``: one this process does not have.
 
         Examples
         --------
@@ -159,7 +161,7 @@ class FitResult:
         from .predict import model_outputs
 
         spec = self._spec()
-        out = model_outputs(self.model, spec, X, batch_size=batch_size, device=_run_device(spec, device))
+        out = model_outputs(self.model, spec, X, batch_size=batch_size, device=device)
         if spec.classification:
             return out.argmax(dim=-1).numpy()
         return out.numpy()
@@ -187,7 +189,7 @@ class FitResult:
                 f"predict_proba is for classifiers (runs on integer class ids), but run {self.run_id} trained a "
                 "regression on float labels; use predict(X) for its outputs"
             )
-        out = model_outputs(self.model, spec, X, batch_size=batch_size, device=_run_device(spec, device))
+        out = model_outputs(self.model, spec, X, batch_size=batch_size, device=device)
         return torch.softmax(out.float(), dim=-1).numpy()
 
     def _spec(self):
@@ -261,19 +263,6 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return "–" if math.isnan(value) else f"{value:.4g}"
     return html.escape(str(value))
-
-
-def _run_device(spec: Any, device: Any) -> Any:
-    """Where ``predict`` runs: ``device`` if given, else the run's device in this process (``"auto"``: its
-    accelerator), else the CPU (a run's ``"cuda"`` on a machine without one predicts on the CPU)."""
-    if device is not None:
-        return device
-    from .device import resolve_device
-
-    try:
-        return resolve_device(getattr(spec, "device", "auto"))
-    except (RuntimeError, ValueError):
-        return torch.device("cpu")
 
 
 def run_settings(spec: Any, merge: str | None = None) -> dict[str, Any]:

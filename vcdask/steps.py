@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ._ints import is_real
 from .device import cpu_copy
 from .errors import DataError
 
@@ -53,7 +54,7 @@ def _value(v: Any, name: str) -> float:
         if v.numel() != 1:
             raise ValueError(f"eval_step's {name!r} must be a number or a 0-d tensor, got shape {tuple(v.shape)}")
         return float(v.detach())
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
+    if is_real(v):
         return float(v)
     raise TypeError(f"eval_step's {name!r} must be a number or a 0-d tensor, got {type(v).__name__}")
 

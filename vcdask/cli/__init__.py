@@ -46,6 +46,21 @@ def _train(args: argparse.Namespace) -> int:
     return outcome.exit_code
 
 
+def _at_least(minimum: int):
+    """An argparse ``type``: an integer >= ``minimum``, else argparse's usage error (exit 2) naming the value."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    return count
+
+
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     """The storage options given on the command line, as :func:`vcdask.open_store` keywords.
 
@@ -125,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = listed.add_mutually_exclusive_group()
     which.add_argument("--run", help="the run (default: the newest)")
     which.add_argument("--branch", help="any branch, e.g. main")
-    listed.add_argument("--limit", type=int, default=20)
+    listed.add_argument("--limit", type=_at_least(1), default=20, help="newest versions shown (default: 20)")
     listed.set_defaults(func=versions)
 
     collect = sub.add_parser(
@@ -135,8 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         "version and the newest --keep-last stay)",
     )
     collect.add_argument("store")
-    collect.add_argument("--keep-last", type=int, default=5, help="newest versions kept per branch (default: 5)")
-    collect.add_argument("--every", type=int, default=None, help="also keep the first version of every N merges")
+    collect.add_argument(
+        "--keep-last", type=_at_least(1), default=5, help="newest versions kept per branch (default: 5)"
+    )
+    collect.add_argument(
+        "--every", type=_at_least(1), default=None, help="also keep the first version of every N merges"
+    )
     collect.add_argument("--no-epochs", action="store_true", help="do not keep each epoch's last version")
     collect.add_argument("--branch", action="append", help="only this branch (repeatable; default: every branch)")
     collect.add_argument("--dry-run", action="store_true", help="only say what would be removed")
@@ -144,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", parents=[common], help="run the demo on the embedded default")
     demo.add_argument("--store", default="vcdask-runs", help="store location (default: %(default)s)")
-    demo.add_argument("--max-epochs", type=int, default=20)
+    demo.add_argument("--max-epochs", type=_at_least(1), default=20)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_demo)
     return parser

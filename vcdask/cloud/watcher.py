@@ -11,6 +11,7 @@ from typing import Any
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import config
+from .._ints import is_real
 from .metadata import PROVIDERS, MetadataService, Notice, detect, provider_for
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def _check_endpoint(endpoint: Any) -> str | None:
 
 
 def _check_interval(interval: Any) -> float:
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < math.inf:
+    if not is_real(interval) or not 0 < interval < math.inf:
         raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
     return float(interval)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .._ints import is_real
 from ..errors import UnknownMergeRuleError
 from ..schedules import check_alpha
 from ._base import Arrival, MergeRule, RuleState, lerp
@@ -132,7 +133,7 @@ def get_rule(
                 "'staleness'); configure the rule with an instance, e.g. vcdask.merge.Nesterov(lr=0.5)"
             )
         else:
-            if isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
+            if is_real(alpha):
                 check_alpha(float(alpha))
             rule = cls(alpha=alpha)  # type: ignore[call-arg]
     else:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .._ints import is_real
 from ..params import FlatParams
 from ._base import Arrival, MergeRule, RuleState
 from .nesterov import Nesterov
@@ -103,7 +104,7 @@ class Auto(MergeRule):
                 f"got {self.fallback!r}"
             )
         budget = self.budget
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 10:
+        if not is_real(budget) or not 0 < budget <= 10:
             raise ValueError(f"budget={budget!r}: must be a number in (0, 10]")
         for name in ("min_in_flight", "min_rows", "in_flight"):
             value = getattr(self, name)

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._ints import is_real
 from ..params import FlatParams
 from ._base import Arrival, MergeRule, RuleState, check_layout, copy_non_float, floats, scratch, zeros_like
 
@@ -21,7 +22,7 @@ def _grid(name: str, values: Sequence[float], low: float, high: float, high_open
         raise ValueError(f"{name}={values!r}: give a non-empty sequence of numbers")
     out = []
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not is_real(v) or not math.isfinite(v):
             raise ValueError(f"{name}={values!r}: {v!r} is not a finite number")
         if v < low or v > high or (high_open and v == high):
             bound = f"[{low:g}, {high:g}{')' if high_open else ']'}"

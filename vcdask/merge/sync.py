@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._ints import is_real
 from ..params import FlatParams
 from ._base import Arrival, MergeRule, RuleState, check_layout, floats, zeros_like
 
@@ -46,7 +47,7 @@ class Sync(MergeRule):
             raise ValueError(f"target_samples={self.target_samples!r}: must be >= 1")
         if self.aggregate not in AGGREGATES:
             raise ValueError(f"unknown aggregate {self.aggregate!r}; valid aggregates: {list(AGGREGATES)}")
-        if isinstance(self.trim, bool) or not isinstance(self.trim, (int, float)) or not 0 <= self.trim < 0.5:
+        if not is_real(self.trim) or not 0 <= self.trim < 0.5:
             raise ValueError(f"trim must be a number in [0, 0.5), got {self.trim!r}")
 
     def for_run(self, *, samples_per_epoch: int | None = None, in_flight: int | None = None) -> Sync:
