@@ -429,8 +429,9 @@ def test_cli_gc_and_versions_with_sizes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("16.0 KiB") == 4  # 4096 float32 parameters each (and an int64 counter)
     assert "4 versions on 'run-a'" in out and "the whole store holds" in out
-    assert cli(["gc", str(tmp_path / "s"), "--keep-last", "0"]) == 2
-    assert "keep_last=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # (a usage error, before the store is opened)
+        cli(["gc", str(tmp_path / "s"), "--keep-last", "0"])
+    assert usage.value.code == 2 and "--keep-last: must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 # -- end to end: a fit of 200 merges ----------------------------------------------------------------
