@@ -2,7 +2,8 @@
 
 Each answers "no notice" until :meth:`FakeMetadata.notify` and checks the protocol as the real one
 does (a token for AWS, the ``Metadata-Flavor`` / ``Metadata`` header for GCP / Azure); every request
-is recorded.
+is recorded.  Azure's also serves the VM's name (``/metadata/instance/compute/name``) and lists the
+events of the other VMs of its group (:attr:`FakeMetadata.group_events`), as Scheduled Events does.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ class FakeMetadata:
         self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
         self.acknowledged: list[str] = []
         self.event_id = "602d9444-d2cd-49c7-8624-8643e7171297"
+        # Azure: this VM's name, the status its lookup answers, the VMs this VM's event names (None: this one),
+        # and events for other VMs of the availability set / placement group, listed as they are
+        self.vm_name = "worker-vm"
+        self.vm_name_status = 200
+        self.resources: list[str] | None = None
+        self.group_events: list[dict] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_port}"
@@ -74,22 +81,26 @@ class FakeMetadata:
         return 404, b"Not Found"
 
     def _azure(self, method, path, headers, body):
-        if not path.startswith("/metadata/scheduledevents"):
+        if not path.startswith(("/metadata/scheduledevents", "/metadata/instance/")):
             return 404, b"Not Found"
         if headers.get("metadata") != "true":
             return 400, b'{"error": "Bad request. Required metadata header not specified"}'
+        if path.startswith("/metadata/instance/"):
+            if method == "GET" and path.split("?")[0] == "/metadata/instance/compute/name" and "format=text" in path:
+                return self.vm_name_status, self.vm_name.encode() if self.vm_name_status == 200 else b"error"
+            return 404, b"Not Found"
         if method == "POST":
             for start in json.loads(body or b"{}").get("StartRequests", []):
                 self.acknowledged.append(start["EventId"])
             return 200, b""
-        events = []
+        events = [e for e in self.group_events if e["EventId"] not in self.acknowledged]
         if self.notice_at is not None and self.event_id not in self.acknowledged:
             events.append(
                 {
                     "EventId": self.event_id,
                     "EventType": "Preempt",
                     "ResourceType": "VirtualMachine",
-                    "Resources": ["worker-vm"],
+                    "Resources": [self.vm_name] if self.resources is None else self.resources,
                     "EventStatus": "Scheduled",
                     "NotBefore": email.utils.formatdate(self.notice_at, usegmt=True),
                     "EventSource": "Platform",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import email.utils
 import pickle
 import socket
+import time
 
 import dask.config
 import pytest
@@ -72,6 +75,119 @@ def test_azure_preempt_event_and_its_acknowledgement():
     assert fake.requests[-2][0] == "POST" and b'"StartRequests"' in fake.requests[-2][3]
 
 
+def _preempt(event_id, resources, *, status="Scheduled", in_seconds=60.0):
+    """A Scheduled Events ``Preempt`` event, as Azure lists it."""
+    not_before = email.utils.formatdate(time.time() + in_seconds, usegmt=True) if status == "Scheduled" else ""
+    return {
+        "EventId": event_id,
+        "EventType": "Preempt",
+        "ResourceType": "VirtualMachine",
+        "Resources": resources,
+        "EventStatus": status,
+        "NotBefore": not_before,
+        "EventSource": "Platform",
+    }
+
+
+def test_azure_takes_only_the_events_that_name_this_vm():
+    # Scheduled Events lists the events of every VM of the placement group to all of them, here first
+    with FakeMetadata("azure") as fake:
+        fake.vm_name = "vcdask-vmss_3"  # a scale-set VM: {scale-set-name}_{instance-id}, as Resources names it
+        fake.group_events = [_preempt("other-vm-event", ["vcdask-vmss_1"]), _preempt("nobody", [])]
+        service = Azure(fake.endpoint)
+        assert service.poll() is None and service.poll() is None  # others' evictions are not this VM's notice
+        fake.notify(45)
+        notice = service.poll()
+        assert notice.event_id == fake.event_id and 43 <= notice.seconds_left <= 45
+        service.acknowledge(notice)
+        assert fake.acknowledged == [fake.event_id]  # and not the other VM's
+        assert service.poll() is None
+        assert [e["EventId"] for e in fake.group_events] == ["other-vm-event", "nobody"]
+    names = [p for p in fake.paths("GET") if p.startswith("/metadata/instance/")]
+    assert names == ["/metadata/instance/compute/name?api-version=2021-02-01&format=text"]  # learnt once, kept
+    assert service.vm_name == "vcdask-vmss_3"
+    assert len(fake.paths("POST")) == 1
+
+
+def test_azure_an_event_naming_this_vm_among_others_is_its_notice_but_not_acknowledged():
+    # acknowledging lets an event proceed for all of its Resources: the other VM would lose its notice
+    with FakeMetadata("azure") as fake:
+        fake.resources = ["vcdask-vmss_1", fake.vm_name, "vcdask-vmss_7"]
+        fake.notify(45)
+        service = Azure(fake.endpoint)
+        notice = service.poll()
+        assert notice is not None and 43 <= notice.seconds_left <= 45 and notice.event_id is None
+        service.acknowledge(notice)
+    assert fake.paths("POST") == [] and fake.acknowledged == []
+
+
+def test_azure_an_eviction_already_started_leaves_no_time():
+    with FakeMetadata("azure") as fake:
+        fake.group_events = [_preempt("started", [fake.vm_name], status="Started")]
+        notice = Azure(fake.endpoint).poll()
+        assert (notice.event_id, notice.seconds_left) == ("started", 0.0)
+        fake.group_events = [{**_preempt("unsaid", [fake.vm_name]), "NotBefore": ""}]  # scheduled, no time given
+        assert Azure(fake.endpoint).poll().seconds_left == Azure.default_window
+
+
+@pytest.mark.parametrize("status", [404, 500, 200])  # 200: an empty name
+def test_azure_without_this_vms_name_no_event_is_taken_and_the_name_is_asked_again(status):
+    with FakeMetadata("azure") as fake:
+        fake.vm_name_status = status
+        if status == 200:
+            fake.vm_name = ""
+        fake.notify(45)
+        service = Azure(fake.endpoint)
+        for _ in range(2):  # never the old behaviour: any Preempt event of the group taken as this VM's
+            with pytest.raises(ConnectionError, match=r"compute/name.* this VM's name is unknown, so no Scheduled"):
+                service.poll()
+        assert fake.paths("POST") == [] and not any(p.startswith("/metadata/sched") for p in fake.paths("GET"))
+        fake.vm_name_status, fake.vm_name = 200, "worker-vm"  # the service answers again
+        notice = service.poll()
+    assert notice.event_id == fake.event_id and service.vm_name == "worker-vm"
+    assert len([p for p in fake.paths("GET") if "compute/name" in p]) == 3
+
+
+class _Scheduler:
+    def __init__(self):
+        self.notices: list[dict] = []
+
+    async def vcdask_preempt(self, **kw):
+        self.notices.append(kw)
+
+
+def _watch_azure(fake, seconds):
+    """Run a PreemptionWatcher against ``fake`` for ``seconds`` (or until it drains), then tear it down."""
+
+    class FakeWorker:
+        address = "tcp://127.0.0.1:1"
+        scheduler = _Scheduler()
+
+    async def main():
+        worker = FakeWorker()
+        watcher = PreemptionWatcher(provider="azure", endpoint=fake.endpoint, interval=0.05, timeout=10)
+        watcher.setup(worker)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not watcher._task.done():
+            await asyncio.sleep(0.05)
+        await watcher.teardown(worker)
+        return watcher, worker.scheduler.notices
+
+    return asyncio.run(main())
+
+
+def test_the_watcher_neither_drains_nor_acknowledges_on_another_vms_eviction():
+    with FakeMetadata("azure") as fake:
+        fake.group_events = [_preempt("other-vm-event", ["worker-vm-2"])]
+        watcher, notices = _watch_azure(fake, 1.0)
+        assert watcher.notice is None and notices == []
+        assert len(fake.paths("GET")) > 3 and fake.paths("POST") == [] and fake.acknowledged == []
+        fake.notify(30)  # now this VM's own, beside the other's
+        watcher, notices = _watch_azure(fake, 10.0)
+    assert watcher.notice.event_id == fake.event_id and len(notices) == 1 and 28 <= notices[0]["window"] <= 30
+    assert fake.acknowledged == [fake.event_id]
+
+
 def test_an_unexpected_answer_is_an_oserror_naming_the_service():
     with FakeMetadata("gcp") as fake:
         service = GCP(fake.endpoint)
@@ -123,8 +239,6 @@ def test_the_watcher_reads_unset_options_from_dask_config_on_the_worker():
             watcher.setup(FakeWorker())
         watcher._task.cancel()
         return watcher
-
-    import asyncio
 
     watcher = asyncio.run(main())
     assert (watcher.provider, watcher.endpoint, watcher.interval) == ("gcp", "http://127.0.0.1:9", 0.5)

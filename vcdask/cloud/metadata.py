@@ -10,8 +10,10 @@ live on a link-local address of the instance, and answer in milliseconds):
 * **GCP**: ``GET /computeMetadata/v1/instance/preempted`` with ``Metadata-Flavor: Google``: ``FALSE``,
   then ``TRUE`` about 30 s before the instance stops.
 * **Azure**: ``GET /metadata/scheduledevents?api-version=2020-07-01`` with ``Metadata: true``: events
-  with ``EventType: "Preempt"`` and ``NotBefore`` (at least 30 s ahead); a ``POST`` of
-  ``{"StartRequests": [{"EventId": ...}]}`` acknowledges one (the instance may then go at once).
+  with ``EventType: "Preempt"`` and ``NotBefore`` (at least 30 s ahead), listed to every VM of an
+  availability set or scale-set placement group; only those whose ``Resources`` name this VM (its
+  ``/metadata/instance/compute/name``) are its notice.  A ``POST`` of ``{"StartRequests": [{"EventId": ...}]}``
+  acknowledges one (the instance may then go at once).
 
 The endpoints are configurable (``vcdask.cloud.preemption.endpoint``), so tests run a fake service on
 127.0.0.1.  Only the standard library is used: a worker needs nothing extra to watch.
@@ -38,7 +40,7 @@ class Notice:
     provider: str
     seconds_left: float
     action: str = "terminate"
-    event_id: str | None = None  # Azure: the event to acknowledge
+    event_id: str | None = None  # Azure: the event to acknowledge (None: an event shared with other VMs)
     seen: float = field(default_factory=time.time)
 
     def describe(self) -> str:
@@ -166,25 +168,68 @@ class GCP(MetadataService):
 
 
 class Azure(MetadataService):
-    """Azure Scheduled Events: a ``Preempt`` event (Spot VMs, at least 30 s ahead), acknowledged when ready."""
+    """Azure Scheduled Events: this VM's ``Preempt`` event (Spot VMs, at least 30 s ahead), acknowledged when ready.
+
+    Scheduled Events lists the events of every VM in the availability set or scale-set placement group
+    to all of them; an event's ``Resources`` names the VMs it affects.  So the service first learns this
+    VM's name from the instance metadata (``GET /metadata/instance/compute/name?...&format=text``: a
+    scale-set VM is ``{scale-set-name}_{instance-id}``, as ``Resources`` names it) and keeps it, then acts
+    only on ``Preempt`` events whose ``Resources`` include that name.  An event with no ``Resources``
+    names no VM, and is not this VM's.
+
+    While the name is unknown (the lookup failed or answered nothing), :meth:`poll` raises
+    :class:`ConnectionError` saying so, acting on no event, and asks again on the next poll.  It does not
+    fall back to draining on any ``Preempt`` event: in a group of VMs that would retire every worker of
+    the group when one of them is evicted, and acknowledge the others' events, cutting their notice
+    short.  A notice missed this way costs one worker lost without a drain, which a run survives (its
+    shards are re-issued); the watcher logs the failure.
+
+    An event that names other VMs too is not acknowledged: acknowledging lets it proceed for all of its
+    ``Resources``, so it goes at its ``NotBefore``.  An event already ``Started`` (``NotBefore`` blank)
+    leaves no time: its notice has 0 s left.
+    """
 
     name = "azure"
     PATH = "/metadata/scheduledevents?api-version=2020-07-01"
     HEADERS: ClassVar[dict[str, str]] = {"Metadata": "true"}
+    VM_NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+
+    def __init__(self, endpoint: str | None = None, timeout: float = 2.0):
+        super().__init__(endpoint, timeout)
+        self.vm_name: str | None = None  # learnt on the first poll that can, then kept
+
+    def _this_vm(self) -> str:
+        if self.vm_name is None:
+            status, body = self._request("GET", self.VM_NAME_PATH, self.HEADERS)
+            name = body.decode(errors="replace").strip() if status == 200 else ""
+            if not name:
+                answer = f"HTTP {status}" if status != 200 else "an empty name"
+                raise ConnectionError(
+                    f"{self.name} metadata service at {self.endpoint}{self.VM_NAME_PATH} answered {answer}: "
+                    "this VM's name is unknown, so no Scheduled Event is taken as its notice"
+                )
+            self.vm_name = name
+        return self.vm_name
 
     def poll(self) -> Notice | None:
-        body = self._get()
-        for event in json.loads(body).get("Events", []):
-            if event.get("EventType") != "Preempt":
+        vm = self._this_vm()
+        for event in json.loads(self._get()).get("Events", []):
+            resources = event.get("Resources")
+            if event.get("EventType") != "Preempt" or not isinstance(resources, list) or vm not in resources:
                 continue
-            left = self.default_window
             not_before = event.get("NotBefore") or ""
             if not_before:
                 left = max(0.0, email.utils.parsedate_to_datetime(not_before).timestamp() - time.time())
-            return Notice(self.name, left, action="preempt", event_id=event.get("EventId"))
+            elif event.get("EventStatus") == "Started":  # the eviction is under way
+                left = 0.0
+            else:
+                left = self.default_window
+            sole = set(resources) == {vm}  # acknowledging would let it proceed for every VM it names
+            return Notice(self.name, left, action="preempt", event_id=event.get("EventId") if sole else None)
         return None
 
     def acknowledge(self, notice: Notice) -> None:
+        """Approve the notice's event (``StartRequests``); none for an event that also names other VMs."""
         if notice.event_id is None:
             return
         body = json.dumps({"StartRequests": [{"EventId": notice.event_id}]}).encode()
