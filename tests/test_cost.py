@@ -50,6 +50,9 @@ def test_a_pool_counts_alive_and_wasted_seconds_on_its_clock():
     rows = {r["worker"]: r for r in pool.rows()}
     assert rows["a"]["alive_seconds"] == 50.0
     assert rows["b"]["alive_seconds"] == 15.0 + 10.0 and rows["b"]["wasted_seconds"] == 4.0
+    pool.stop_clocks()  # the run ended: its workers, still connected, no longer count
+    now[0] = 500.0
+    assert [r["alive_seconds"] for r in pool.rows()] == [50.0, 25.0]
 
 
 def test_bad_price_tables_are_refused_with_the_valid_markets():
@@ -96,6 +99,10 @@ def test_fit_reports_what_its_spot_workers_cost_and_what_a_preemption_wasted(dig
             moved = vcdask.preempt(client, victim, window=0)  # reclaimed now: its running shard is lost
             thread.join(300)
             notices = [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]
+            # the run's status after its end: its cost stopped with it, the workers still connected or not
+            ended = client.sync(client.scheduler.vcdask_status, run_id=run_id)["cost"]
+            time.sleep(0.5)
+            later = client.sync(client.scheduler.vcdask_status, run_id=run_id)["cost"]
     assert "error" not in out, out.get("error")
     result = out["result"]
     workers = result.workers.set_index("worker")
@@ -103,6 +110,7 @@ def test_fit_reports_what_its_spot_workers_cost_and_what_a_preemption_wasted(dig
     alive = workers.alive_seconds
     assert alive[victim] < alive.drop(victim).min()  # it stopped counting when it left
     cost = result.cost
+    assert later == ended and ended["total"] == pytest.approx(cost["total"], rel=1e-12)
     assert cost["total"] == pytest.approx(alive.sum() / 3600 * 0.3, rel=1e-12)
     assert cost["on_demand"] == pytest.approx(alive.sum() / 3600 * 1.0, rel=1e-12)
     assert cost["saving"] == pytest.approx(0.7, rel=1e-12)

@@ -73,6 +73,34 @@ def _cached_specs(run_id: str) -> int:
     return sum(key[1] == run_id for key in list(_specs))
 
 
+def test_two_resumes_at_once_drive_the_run_once(client, tmp_path):
+    """Two resumes of one run arriving together (a retried job and a notebook) start one driver: the
+    second waits for the first's start and joins it; nothing is merged twice."""
+    import asyncio
+    import pickle
+
+    X, y = _data()
+    torch.manual_seed(0)
+    first = vcdask.fit(torch.nn.Linear(5, 2), (X, y), max_epochs=1, n_shards=3, retention=False, client=client,
+                       store=tmp_path / "s", progress=False)  # fmt: skip
+    store = pickle.dumps(first.store)
+
+    async def both(dask_scheduler, store, run_id):  # (on the scheduler: the two handlers interleave for certain)
+        start = dask_scheduler.plugins["vcdask"].handle_start
+        ids = await asyncio.gather(*(start(store=store, run_id=run_id, resume=True, max_epochs=2) for _ in "ab"))
+        drivers = [
+            t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") == "Run.drive" and not t.done()
+        ]
+        return ids, sum(t.get_coro().cr_frame.f_locals["self"].id == run_id for t in drivers)
+
+    assert client.run_on_scheduler(both, store=store, run_id=first.run_id) == ([first.run_id] * 2, 1)
+    client.sync(client.scheduler.vcdask_wait, run_id=first.run_id, timeout=120)
+    versions = list(reversed(first.store.versions(first.run_id)))
+    assert [v.metadata["step"] for v in versions] == list(range(7))  # 3 merges an epoch, once each
+    counts = Counter((e, s) for v in versions for e, s, _ in v.metadata["merged"])
+    assert sorted(counts) == [(e, s) for e in (1, 2) for s in range(3)] and set(counts.values()) == {1}
+
+
 def test_a_live_run_cannot_be_extended_and_its_spec_is_left_alone(client, tmp_path):
     from vcdask.spec import loads, spec_path
 

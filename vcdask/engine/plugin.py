@@ -38,6 +38,8 @@ class VcdaskPlugin(SchedulerPlugin):
     def __init__(self) -> None:
         self.runs: dict[str, Run] = {}
         self.tasks: dict[str, asyncio.Task] = {}
+        #: Starts under way (reading the run's spec): a second start of the same run waits for the first
+        self._starting: dict[str, asyncio.Future] = {}
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -111,19 +113,28 @@ class VcdaskPlugin(SchedulerPlugin):
                     "resume(run_id, max_epochs=...)"
                 )
             return run_id
-        store_obj = pickle.loads(store)
+        starting = self._starting.get(run_id)
+        if starting is not None:  # (two resumes at once: one driver, never two on one branch)
+            await asyncio.wait([starting])
+            return await self.handle_start(comm, store, run_id, resume, max_epochs)
         loop = asyncio.get_running_loop()
-        spec = await loop.run_in_executor(None, load_spec, store_obj, run_id)
-        if max_epochs is not None:
-            spec = dataclasses.replace(spec, max_epochs=max_epochs)
-        try:  # (a metadata read; an outage is the run's to ride out, not the start's)
-            head = await loop.run_in_executor(None, store_obj.head, spec.branch)
-        except Exception:  # noqa: BLE001
-            head = None
-        run = self.runs[run_id] = Run(self.scheduler, spec, resume=resume)
-        run.state.head_at_start = head
-        task = self.tasks[run_id] = asyncio.ensure_future(run.drive())
-        task.add_done_callback(self._forget_task)
+        starting = self._starting[run_id] = loop.create_future()
+        try:
+            store_obj = pickle.loads(store)
+            spec = await loop.run_in_executor(None, load_spec, store_obj, run_id)
+            if max_epochs is not None:
+                spec = dataclasses.replace(spec, max_epochs=max_epochs)
+            try:  # (a metadata read; an outage is the run's to ride out, not the start's)
+                head = await loop.run_in_executor(None, store_obj.head, spec.branch)
+            except Exception:  # noqa: BLE001
+                head = None
+            run = self.runs[run_id] = Run(self.scheduler, spec, resume=resume)
+            run.state.head_at_start = head
+            task = self.tasks[run_id] = asyncio.ensure_future(run.drive())
+            task.add_done_callback(self._forget_task)
+        finally:
+            del self._starting[run_id]
+            starting.set_result(None)
         return run_id
 
     def _forget_task(self, task: asyncio.Task) -> None:

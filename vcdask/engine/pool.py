@@ -136,6 +136,12 @@ class WorkerPool:
         if rec is not None and rec.joined_at is not None:
             rec.alive_before, rec.joined_at = rec.alive_seconds, None
 
+    def stop_clocks(self) -> None:
+        """The run ended: every worker's time connected stops counting (its cost with it), connected or not."""
+        for rec in self.records.values():
+            if rec.joined_at is not None:
+                rec.alive_before, rec.joined_at = rec.alive_seconds, None
+
     def identify(self, address: str, instance: str | None, market: str | None) -> None:
         """``address`` says it runs on ``instance`` bought on ``market`` (for the cost accounting)."""
         rec = self.record(address)

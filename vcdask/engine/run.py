@@ -329,6 +329,7 @@ class Run:
             logger.debug("closing the client of run %s", self.id, exc_info=True)
         state = self._fresh()
         state.ended = time.time()
+        state.pool.stop_clocks()  # (its workers' time, and cost, stop with the run: its status says so later)
         state.final = views.result_dict(state, self.server.stalled())
         try:  # (best_version lists versions: not on the loop)
             await self.lane.call(lambda: end.write_record(self.store, self.id, end.record(state, state.final or {})))
