@@ -1,12 +1,16 @@
-"""The notebook panel, in a real Jupyter kernel (nbclient), fed by the run's events."""
+"""The notebook panel, in a real Jupyter kernel (nbclient), fed by the run's events; displays side by side."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import nbformat
+import numpy as np
 import pytest
+import torch
 
+import vcdask
 from vcdask.panel import PanelState
 
 SETUP = """\
@@ -202,3 +206,90 @@ def test_panel_header_shows_the_cost_so_far_with_a_price_table():
     assert "cost" not in _header_html(st)  # no price table: nothing to say
     st.apply_status({"status": "running", "cost": {"total": 1.234, "on_demand": 4.1, "saving": 0.7}})
     assert "cost $1.23 (70% below on-demand)" in _header_html(st)
+
+
+def test_panel_state_notes_a_failure_without_an_error_text():
+    st = PanelState("r")
+    st.apply({"type": "failed", "error": ""})  # an empty error has no last line to show
+    assert st.status["status"] == "error" and st.ended
+    assert st.notes == ["run failed"]
+    st.apply({"type": "failed", "error": None})
+    st.apply({"type": "failed", "error": "Traceback (most recent call last):\n  ...\nValueError: bad shard\n"})
+    assert st.notes == ["run failed", "run failed", "run failed: ValueError: bad shard"]
+
+
+# -- displays of a run on one client, beside each other (distributed keeps one handler per topic per client) --
+
+
+def _until(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _short_run(client, tmp_path, *, max_epochs: int, step_seconds: float = 0.0, wait: bool = False):
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(160, 8)).astype("float32")
+    y = (X[:, 0] > 0).astype("int64")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 2))
+
+    def slow(epoch, step):  # each local step takes a while: the run lasts long enough to watch
+        import time
+
+        time.sleep(step_seconds)
+        return 1.0
+
+    kw = dict(max_epochs=max_epochs, n_shards=4, validation=0.25, client=client, progress=False, seed=0)
+    return vcdask.fit(model, (X, y), store=tmp_path / "store", lr_schedule=slow, wait=wait, **kw)
+
+
+def test_two_panels_and_a_bar_of_one_run_on_one_client_all_follow_it(client, tmp_path):
+    from vcdask import _topics
+    from vcdask.engine.events import topic
+    from vcdask.panel import RunPanel
+    from vcdask.progress import ConsoleProgress
+
+    handle = _short_run(client, tmp_path, max_epochs=4, step_seconds=0.03)
+    name = topic(handle.run_id)
+    first = RunPanel(handle, display=False)
+    second = RunPanel(handle, display=False)  # (a re-run cell)
+    bar = ConsoleProgress(handle)  # (handle.wait(progress=True) after handle.panel())
+    assert _until(lambda: min(first.state.events, second.state.events, bar.state.events) > 0), (
+        first.state.events,
+        second.state.events,
+        bar.state.events,
+    )
+    bar.close()  # closing one display leaves the others live
+    seen = first.state.events, second.state.events
+    assert _until(lambda: first.state.events > seen[0] and second.state.events > seen[1])
+    assert not first._closed and not second._closed
+    second.close()
+    seen = first.state.events, second.state.events
+    # the last panel lets go when the run's "finished" event arrives, and draws the run's end
+    assert _until(lambda: first._closed and first.progress.bar_style == "success")
+    assert first.state.events > seen[0]
+    assert second.state.events - seen[1] <= 1  # (an event already being handed out as it closed)
+    assert first.state.status["status"] == "finished"
+    assert first.progress.value == first.progress.max == 4
+    assert (id(client), name) not in _topics._fanouts
+    # distributed's unsubscribe_topic leaves the handler (and the displays it holds) in the client
+    assert _until(lambda: name not in client._event_handlers, timeout=_topics._GRACE + 5), client._event_handlers
+
+
+def test_a_panel_of_an_ended_run_shows_its_end_and_follows_nothing(client, tmp_path):
+    from vcdask import _topics
+    from vcdask.engine.events import topic
+    from vcdask.panel import RunPanel
+
+    result = _short_run(client, tmp_path, max_epochs=2, wait=True)
+    panel = RunPanel(vcdask.attach(result.run_id, client), display=False)
+    assert panel._closed  # no "finished" event will come to close it
+    assert panel.state.status["status"] == "finished" and panel.state.ended
+    assert panel.progress.value == panel.progress.max == 2 and panel.progress.bar_style == "success"
+    assert len(panel.source.data["epoch"]) == 2 and "finished" in panel.header.value
+    assert (id(client), topic(result.run_id)) not in _topics._fanouts
+    assert _until(lambda: topic(result.run_id) not in client._event_handlers, timeout=10), client._event_handlers

@@ -171,7 +171,8 @@ class RunHandle:
 
     def panel(self):
         """Display the live progress panel of this run in a notebook (also after re-attaching to a
-        running run); it follows the run's events until the run ends.
+        running run); it follows the run's events until the run ends, beside any other panel or
+        progress bar of the run.  The panel of a run that has ended shows its final state.
 
         Returns
         -------

@@ -2,18 +2,22 @@
 
 The scheduler plugin pushes small event records on the run's Dask topic
 (:func:`vcdask.engine.events.topic`: shard states, merges, epochs, worker changes, pauses).  A panel
-subscribes to that topic, takes one snapshot of the run (so it can start, or re-attach, mid-run)
-and folds every event into :class:`~vcdask.panel_state.PanelState`; the widgets render that state.  Nothing
-here polls the store.
+follows that topic (through :func:`vcdask._topics.follow`, so that other panels and a progress bar of the
+run on the same client follow it too), takes one snapshot of the run (so it can start, or re-attach,
+mid-run) and folds every event into :class:`~vcdask.panel_state.PanelState`; the widgets render that
+state.  A panel of a run that has already ended shows its final state and follows nothing.  Nothing here
+polls the store.
 ipywidgets, bokeh and jupyter_bokeh are imported only when a panel is made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
 import threading
 import time
 
+from ._topics import follow
 from .engine.events import ShardState, topic
 from .panel_state import PanelState
 
@@ -95,12 +99,14 @@ class RunPanel:
         self._lock = threading.RLock()
         self._last_render = 0.0
         self._render_pending = False
-        self._subscribed = False
+        self._ready = False  # the widgets exist: events before only fold into the state
         self._closed = False
-        # subscribe, then snapshot: events racing the snapshot are harmless (absolute values)
-        self.client.subscribe_topic(self.topic, self._on_event)
-        self._subscribed = True
-        self.state.apply_snapshot(self._snapshot())
+        # follow, then snapshot: events racing the snapshot are harmless (absolute values)
+        self._following = follow(self.client, self.topic, self._on_event)
+        with contextlib.ExitStack() as undo:  # a snapshot that fails (no such run) leaves no follower behind
+            undo.callback(self._following.close)
+            self.state.apply_snapshot(self._snapshot())
+            undo.pop_all()
         metric = self.state.metric
 
         self.header = w.HTML()
@@ -135,7 +141,11 @@ class RunPanel:
         self.widget = w.VBox(
             [self.header, w.HBox([self.progress, self.progress_label]), w.HBox([left, right]), self.notes_html]
         )
+        with self._lock:
+            self._ready = True
         self.render()
+        if self.state.ended:  # it had ended (no "finished" event will come), or it just did
+            self.close()
         if display:
             from IPython.display import display as show
 
@@ -161,6 +171,8 @@ class RunPanel:
         _, msg = event
         with self._lock:
             self.state.apply(msg)
+            if not self._ready:  # still being made: it draws (or lets go) once it is
+                return
         if msg.get("type") in ("finished", "failed"):  # the run ended: draw its final state, then let go
             threading.Thread(target=self.close, daemon=True, name="vcdask-panel-close").start()
             return
@@ -178,17 +190,12 @@ class RunPanel:
         self.render()
 
     def close(self, status: dict | None = None) -> None:
-        """Stop following events; draw the run's final state."""
+        """Stop following events (other displays of the run go on); draw the run's final state."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        if self._subscribed:
-            try:
-                self.client.unsubscribe_topic(self.topic)
-            except (ValueError, KeyError):
-                pass
-            self._subscribed = False
+        self._following.close()
         try:
             self.refresh()
         except Exception:  # noqa: BLE001 - the scheduler may be gone; keep what the panel shows

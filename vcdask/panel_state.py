@@ -11,6 +11,7 @@ from typing import Any
 __all__ = ["PanelState"]
 
 _MAX_GRID_EPOCHS = 8  # the shard grid shows the newest epochs only
+_ENDED = ("finished", "error", "cancelled")  # a run's status once it has ended (``RunHandle.done``)
 
 
 class PanelState:
@@ -40,6 +41,11 @@ class PanelState:
     @property
     def epochs_done(self) -> int:
         return len(self.epochs)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the run has ended (finished, failed or cancelled): no more events will come."""
+        return self.status.get("status") in _ENDED
 
     def apply_snapshot(self, snap: dict) -> None:
         self.status.update(snap["status"])
@@ -95,8 +101,9 @@ class PanelState:
             self._note(f"{what} back after {event['after']:.0f} s: continuing")
         elif kind in ("finished", "failed", "started"):
             self.status["status"] = {"finished": "finished", "failed": "error", "started": "running"}[kind]
-            if kind == "failed":
-                self._note("run failed: " + str(event.get("error", "")).strip().splitlines()[-1])
+            if kind == "failed":  # the error's last line (its traceback's message), if it has one
+                lines = str(event.get("error") or "").strip().splitlines()
+                self._note("run failed" + (f": {lines[-1]}" if lines else ""))
 
     def apply_status(self, status: dict) -> None:
         """A status polled by a waiting ``fit`` (cheap counters; the panel's content comes from events)."""

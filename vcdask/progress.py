@@ -2,7 +2,8 @@
 
 :func:`make_progress` picks a display: the live notebook panel (:mod:`vcdask.panel`) in Jupyter,
 a tqdm bar with log lines elsewhere.  Both follow the run's events (its Dask topic,
-:func:`vcdask.engine.events.topic`); the console form prints the notable ones (re-issues, lost or
+:func:`vcdask.engine.events.topic`, through :func:`vcdask._topics.follow`: any number of displays of a run
+on one client follow it side by side); the console form prints the notable ones (re-issues, lost or
 excluded workers, store pauses) as concise lines above its bar.  Nothing here imports ipywidgets.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from ._topics import Following, follow
 from .engine.events import topic
 from .panel_state import PanelState
 
@@ -30,7 +32,7 @@ class ConsoleProgress:
     """A tqdm bar (one unit per epoch; the postfix shows merges in the epoch and the last metrics),
     with a line for each notable event of the run."""
 
-    def __init__(self, handle):
+    def __init__(self, handle) -> None:
         from tqdm.auto import tqdm
 
         status = handle.status()
@@ -39,10 +41,9 @@ class ConsoleProgress:
         self.client = handle.client
         self.topic = topic(handle.run_id)
         self.state = PanelState(handle.run_id)
-        self._subscribed = False
+        self._following: Following | None = None
         try:
-            self.client.subscribe_topic(self.topic, self._on_event)
-            self._subscribed = True
+            self._following = follow(self.client, self.topic, self._on_event)
         except Exception:
             logger.debug("could not subscribe to %s", self.topic, exc_info=True)
 
@@ -68,11 +69,9 @@ class ConsoleProgress:
         self.bar.set_postfix(post, refresh=True)
 
     def close(self, status: dict | None = None) -> None:
-        if self._subscribed:
-            try:
-                self.client.unsubscribe_topic(self.topic)
-            except (ValueError, KeyError):
-                pass
+        """Stop following events (other displays of the run go on) and close the bar."""
+        if self._following is not None:
+            self._following.close()
         self.bar.close()
 
 
