@@ -141,3 +141,35 @@ def test_a_shard_let_finish_that_runs_past_the_notice_is_reissued(digits_data, t
     merged = h[h.accepted & (h.epoch == epoch) & (h.shard == shard)]
     # merged from another worker: the re-issued copy, or Dask's rerun of the original once the victim left
     assert len(merged) == 1 and (merged.worker != victim).all(), merged[["attempt", "worker"]]
+
+
+def test_a_notice_that_does_not_retire_still_moves_a_kept_shard_at_its_margin(digits_data, tmp_path):
+    """``vcdask.preempt(retire=False, window=...)``: the shard let finish that still runs when only the margin
+    is left is re-issued then, as with ``retire=True``; the worker stays connected."""
+    (X, y), _ = digits_data
+    fit = {**FIT, "max_epochs": 4, "resilience": vcdask.Resilience(deadline=60, max_staleness=None)}
+    flag = tmp_path / "slow-now"
+    with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+        victim, _ = sorted(worker_info(client))
+        step = SlowerOnceFlagged(victim, 0.025, str(flag), after=10.0)  # ~0.5 s shards, then 10 s a batch
+        thread, out = fit_in_thread(
+            model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", train_step=step, **fit
+        )
+        run_id = running_run(client, min_step=2)
+        _wait(lambda: client.run_on_scheduler(copies_started_on, victim), what="no shard running on the victim")
+        flag.touch()
+        _wait(lambda: (tmp_path / "slow-now.seen").exists(), what="no batch on the victim began after the flag")
+        _wait(lambda: client.run_on_scheduler(copies_started_on, victim), what="no shard running on the victim")
+        vcdask.preempt(client, victim, retire=False, window=policy.NOTICE_MARGIN + 6)
+
+        def preempted():
+            return [e for _, e in client.get_events(topic(run_id)) if e["type"] == "preempted"]
+
+        _wait(lambda: len(preempted()) >= 2, timeout=30, what="the kept shard was not moved", then=preempted)
+        events = [(e["kept"], e["reissued"], e["window"]) for e in preempted()]
+        thread.join(300)
+        assert victim in worker_info(client)  # not retired
+    assert "error" not in out, out.get("error")
+    assert_every_shard_once(out["result"], fit["max_epochs"], fit["n_shards"])
+    first, later, *_ = events
+    assert first[0] == 1 and later[1:] == (1, 0.0), events

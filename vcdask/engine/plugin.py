@@ -192,17 +192,18 @@ class VcdaskPlugin(SchedulerPlugin):
             raise ValueError(f"window must be a number of seconds >= 0 or None, got {window!r}")
         logger.warning("preemption notice for %s%s", worker, f" ({reason})" if reason else "")
         answers = {run.id: (run, *run.preempt(worker, window)) for run in self._live()}
-        if retire and worker in self.scheduler.workers:
-            kept = [(run, keys) for run, _, keys in answers.values() if keys]
-            asyncio.ensure_future(self._retire(worker, kept, window))
+        kept = [(run, keys) for run, _, keys in answers.values() if keys]
+        if (retire and worker in self.scheduler.workers) or (kept and window is not None):
+            asyncio.ensure_future(self._settle(worker, kept, window, retire))
         return {run_id: moved for run_id, (_, moved, _) in answers.items()}
 
-    async def _retire(self, worker: str, kept: list, window: float | None) -> None:
-        """Retire ``worker`` once the copies let finish there are done (or the notice's margin is reached)."""
+    async def _settle(self, worker: str, kept: list, window: float | None, retire: bool) -> None:
+        """Re-issue the copies let finish on ``worker`` that still run there at the notice's margin; then
+        (``retire``) retire it."""
         if kept and window is not None:
             deadline = time.monotonic() + max(0.0, window - policy.NOTICE_MARGIN)
             await asyncio.gather(*(run.settle(worker, keys, deadline) for run, keys in kept))
-        if worker in self.scheduler.workers:
+        if retire and worker in self.scheduler.workers:
             await self.scheduler.retire_workers(
                 workers=[worker], close_workers=True, stimulus_id=f"vcdask-preempt-{worker}"
             )
