@@ -486,6 +486,23 @@ def test_rows_cached_for_one_run_are_not_given_to_a_run_that_casts_them_otherwis
     assert batches.cached_rows(_spec(), src, 0, 4) is classifier
 
 
+def test_rows_rewritten_where_they_live_between_two_runs_are_read_again_and_a_run_lets_go_of_its_own():
+    """Data read where it lives (a Zarr path) may be fixed in place between two fits on one cluster: the
+    next run reads it again, not the rows a worker kept for the last one; a run's end drops its rows."""
+    data = {"y": np.zeros(6)}
+    src = types.SimpleNamespace(
+        cache_key=("mem", "rewritten"),
+        url=None,
+        read_columns=lambda a, b: {"X": np.ones((b - a, 2)), "y": data["y"][a:b]},
+    )
+    assert batches.rows(_spec(run_id="first"), src, 0, 6)["y"].tolist() == [0] * 6
+    data["y"] = np.ones(6)  # rewritten in place
+    assert batches.rows(_spec(run_id="second"), src, 0, 6)["y"].tolist() == [1] * 6
+    assert batches.forget("first") == 1 and batches.cached_rows(_spec(run_id="first"), src, 0, 6) is None
+    assert batches.cached_rows(_spec(run_id="second"), src, 0, 6) is not None
+    batches.forget("second")
+
+
 def test_check_steps_names_what_is_wrong():
     model = torch.nn.Linear(2, 1)
     batch = (torch.ones(3, 2), torch.ones(3, 1))
@@ -547,6 +564,37 @@ def test_a_datasets_probe_batch_of_bf16_or_gpu_items_is_described_from_the_cpu(k
     assert prepared.sample_X.dtype == prepared.sample_y.dtype == prepared.y_dtype == np.float32
     assert prepared.sample_X.tolist() == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
     assert prepared.x_shape == (2,) and prepared.sample_y.tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+class _Labelled(torch.utils.data.Dataset):
+    """Items whose labels are int32 or bool tensors (a dataset's own choice of dtype)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.full((5,), float(i)), torch.tensor(i % 2, dtype=self.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_a_datasets_int32_or_bool_labels_reach_the_loss_as_class_ids(dtype):
+    """The pre-run check casts a dataset's labels to int64; the workers' batches must too (cross-entropy
+    refuses int32 and bool targets: every step of the run failed, after the check had passed)."""
+    from vcdask.data import prepare_data
+    from vcdask.options import resolve_loss
+    from vcdask.steps import SupervisedStep
+
+    prepared = prepare_data(_Labelled(dtype))
+    spec = _spec(batch_form=prepared.form, classification=prepared.classification)
+    assert spec.classification
+    rows = batches.rows(spec, prepared.source, 0, 12)
+    model = torch.nn.Linear(5, 2)
+    for batch, _ in batches.batches(spec, rows, torch.device("cpu"), 4, generator=torch.Generator().manual_seed(0)):
+        assert batch[1].dtype == torch.int64 and set(batch[1].tolist()) <= {0, 1}
+        SupervisedStep(resolve_loss(None, True))(model, batch).backward()
 
 
 @pytest.mark.parametrize(

@@ -147,8 +147,8 @@ def forget(run_id: str) -> int:
 
 
 async def release_run(run_id: str) -> dict[str, int]:
-    """Let go of what this worker process keeps for run ``run_id``, which ended: its spec, its threads' model
-    copies, hand-overs (each a ``W_c``) and optimizer states, on the device they trained on, and its compressed
+    """Let go of what this worker process keeps for run ``run_id``, which ended: its spec and rows, its threads'
+    model copies, hand-overs (each a ``W_c``) and optimizer states, on the device they trained on, and its compressed
     updates' residuals; then give the device memory freed back (for the next run, or another process on a
     shared GPU).  The run's end calls it on the workers that trained for it
     (:func:`vcdask.engine.end.release_on_workers`); without it they stay until the caches' bounds push them
@@ -160,10 +160,11 @@ async def release_run(run_id: str) -> dict[str, int]:
 
 
 def _release(run_id: str) -> dict[str, int]:
-    from . import compress, inner, overlap, spec
+    from . import batches, compress, inner, overlap, spec
 
     dropped = {
         "specs": spec.forget(run_id),  # (a resumed run may have a new one: more epochs, its schedule's length)
+        "rows": batches.forget(run_id),
         "models": forget(run_id),
         "hand_overs": overlap.forget(run_id),
         "optimizer_states": inner.forget(run_id),

@@ -22,7 +22,7 @@ from .device import to
 from .errors import StoreError
 from .torch_data import DatasetSource
 
-__all__ = ["Rows", "batches", "cast_like_training", "on_device", "prefetch", "rows"]
+__all__ = ["Rows", "batches", "cast_like_training", "forget", "on_device", "prefetch", "rows"]
 
 _lock = threading.Lock()
 #: rows by :func:`_key`, each with the source they were read from: held, so that an in-memory store's
@@ -63,11 +63,20 @@ def _tensor(a: np.ndarray, spec, name: str) -> torch.Tensor:
 
 
 def _key(spec, source, start: int, stop: int, pin: bool) -> tuple:
-    """The cache key of rows ``[start, stop)`` of ``source`` as ``spec``'s run trains on them: the rows are
-    kept cast (:func:`cast_like_training`), so another run over the same data with another model dtype or
-    task (classification or regression) has its own."""
+    """The cache key of rows ``[start, stop)`` of ``source`` for ``spec``'s run: its own, whatever other run
+    reads the same data.  The rows are kept cast (:func:`cast_like_training`: another run may train another
+    model dtype or task on them), and data read where it lives may be rewritten there between two runs."""
     cast = (spec.batch_form, spec.classification, str(spec.x_dtype), spec.cast_x)
-    return (*source.cache_key, start, stop, pin, *cast)
+    return (spec.run_id, *source.cache_key, start, stop, pin, *cast)
+
+
+def forget(run_id: str) -> int:
+    """Drop the rows cached for run ``run_id`` (it ended); how many shards' rows there were."""
+    with _lock:
+        keys = [key for key in _cache if key[0] == run_id]
+        for key in keys:
+            del _cache[key]
+    return len(keys)
 
 
 def cached_rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows | None:
@@ -126,6 +135,21 @@ def _cut(columns: dict[str, torch.Tensor], idx: torch.Tensor, form: str) -> Any:
     return {k: t[idx] for k, t in columns.items()}
 
 
+def _class_ids(batch: Any, spec) -> Any:
+    """A dataset's ``(x, y)`` batch with its labels as the run's class ids (int64) when it classifies: labels
+    of another integer type or bool (as the pre-run check casts them) would fail the loss on every worker."""
+    if (
+        spec.classification
+        and isinstance(batch, (tuple, list))
+        and len(batch) == 2
+        and isinstance(batch[1], torch.Tensor)
+        and not batch[1].is_floating_point()
+        and batch[1].dtype != torch.int64
+    ):
+        return type(batch)((batch[0], batch[1].long())) if isinstance(batch, tuple) else [batch[0], batch[1].long()]
+    return batch
+
+
 def batches(
     spec,
     r: Rows,
@@ -142,7 +166,9 @@ def batches(
     starts = range(0, n, batch_size)[:limit]
     spans = [order[i : i + batch_size] for i in starts]
     if isinstance(r, DatasetSource):
-        yield from prefetch((to(r.batch(idx.tolist()), device, spec.x_dtype), len(idx)) for idx in spans)
+        yield from prefetch(
+            (to(_class_ids(r.batch(idx.tolist()), spec), device, spec.x_dtype), len(idx)) for idx in spans
+        )
         return
     if device.type == "cpu":
         yield from ((_cut(r, idx, spec.batch_form), len(idx)) for idx in spans)
