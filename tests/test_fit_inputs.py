@@ -6,6 +6,7 @@ import math
 
 import dask.array as da
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import xarray as xr
@@ -433,3 +434,112 @@ def test_the_data_guides_zarr_examples_pass_the_secret_check():
         assert _zarr_source(url, options).storage_options == options
     with pytest.raises(DataError, match=r"hold credentials \(\['key', 'secret'\]\)"):
         _zarr_source("s3://bucket/images.zarr", {"key": "K", "secret": "S"})
+
+
+# -- named features and stored order (xarray / Zarr) ------------------------------------------------------
+
+_WEATHER = ("wind", "temp", "pressure", "hum")  # written in this order; sorted: hum, pressure, temp, wind
+
+
+def _weather(n=20, order=_WEATHER):
+    """One scalar variable per feature, each holding its index in ``_WEATHER`` (a row of X shows the order the
+    features were stacked in), written in ``order``; labels ``y`` in 0..2."""
+    values = {name: (("s",), np.full(n, _WEATHER.index(name), "float32")) for name in order}
+    return xr.Dataset({**values, "y": (("s",), np.arange(n) % 3)})
+
+
+_SORTED_ROW = [_WEATHER.index(name) for name in sorted(_WEATHER)]  # [3, 2, 1, 0]
+
+
+def test_zarr_features_are_stacked_sorted_by_name_at_every_opening(tmp_path):
+    """An unconsolidated Zarr v3 group lists its variables in an order that changes between openings;
+    the inferred features, and so X's columns, come out sorted by name every time, as for the Dataset."""
+    from vcdask.data import prepare_data
+
+    path = str(tmp_path / "weather.zarr")
+    _weather().to_zarr(path, zarr_format=3, consolidated=False)
+    seen = set()
+    for _ in range(8):
+        prepared = prepare_data(path)
+        seen.add(prepared.source.features)
+        np.testing.assert_array_equal(prepared.sample_X[0], _SORTED_ROW)
+    assert seen == {tuple(sorted(_WEATHER))}
+    np.testing.assert_array_equal(prepare_data(_weather()).sample_X[0], _SORTED_ROW)  # in memory: the same
+
+
+def test_features_named_by_the_caller_keep_the_callers_order(tmp_path):
+    from vcdask.data import DataSource, prepare_data
+
+    path = str(tmp_path / "weather.zarr")
+    _weather().to_zarr(path, zarr_format=3, consolidated=False)
+    named = ["temp", "wind", "pressure"]
+    assert prepare_data(path, features=named).source.features == tuple(named)
+    np.testing.assert_array_equal(prepare_data(_weather(), features=named).sample_X[0], [1, 0, 2])
+    # a spec saved by an earlier version stores its (then unsorted) features: a resume reads them in that order
+    earlier = DataSource(path, ("wind", "temp", "pressure", "hum"), "y", "s", 20)
+    X, _ = earlier.read(0, 2)
+    np.testing.assert_array_equal(X, [[0, 1, 2, 3]] * 2)
+
+
+def _plan(data, **kwargs):
+    from vcdask.options import plan
+
+    torch.manual_seed(0)
+    return plan(torch.nn.Linear(kwargs.pop("n_in", 4), 3), data, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["dataset", "zarr"])
+def test_validation_reads_the_training_features_in_the_training_order(kind, tmp_path):
+    """Validation data storing its variables in another order, with one more, is read as training is."""
+    train = _weather(order=("temp", "pressure", "wind", "hum"))
+    val = _weather(n=10, order=("hum", "wind", "pressure", "temp")).assign(extra=(("s",), np.full(10, 9.0, "f4")))
+    if kind == "zarr":
+        for name, ds in (("train", train), ("val", val)):
+            ds.to_zarr(tmp_path / f"{name}.zarr", zarr_format=3, consolidated=False)
+        train, val = str(tmp_path / "train.zarr"), str(tmp_path / "val.zarr")
+    checked = _plan(train, validation=val, store=tmp_path / "store")
+    if kind == "zarr":
+        assert checked.validation.source.features == checked.train.source.features == tuple(sorted(_WEATHER))
+    np.testing.assert_array_equal(checked.train.sample_X[0], _SORTED_ROW)
+    np.testing.assert_array_equal(checked.validation.sample_X[0], _SORTED_ROW)
+
+
+def test_validation_of_another_form_reads_the_training_features(tmp_path):
+    """xarray training, a DataFrame for validation with its columns in another order (and one more)."""
+    columns = ["hum", "extra", "temp", "y", "wind", "pressure"]
+    val = _weather(n=10).assign(extra=(("s",), np.full(10, 9.0, "f4"))).to_dataframe()[columns]
+    checked = _plan(_weather(), validation=val, store=tmp_path / "store")
+    np.testing.assert_array_equal(checked.validation.X[0], _SORTED_ROW)
+
+
+@pytest.mark.parametrize("kind", ["dataset", "zarr"])
+def test_validation_without_a_training_feature_is_refused_naming_it(kind, tmp_path):
+    val = _weather(n=10).drop_vars("temp")
+    if kind == "zarr":
+        val.to_zarr(tmp_path / "val.zarr", zarr_format=3, consolidated=False)
+        val = str(tmp_path / "val.zarr")
+    with pytest.raises(DataError, match=r"validation: feature variable\(s\) \['temp'\] not in the dataset"):
+        _plan(_weather(), validation=val, store=tmp_path / "store")
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["in-memory", "dask-backed"])
+def test_xarray_data_is_used_in_stored_order_and_the_last_rows_held_out(lazy, tmp_path):
+    n = 20
+    ds = xr.Dataset(
+        {"x": (("time", "f"), np.arange(n * 2, dtype="float32").reshape(n, 2)), "y": ("time", np.arange(n) % 3)}
+    )
+    ds = ds.chunk({"time": 5}) if lazy else ds
+    checked = _plan(ds, n_in=2, validation=0.2, store=tmp_path / "store")  # shuffle=True, the default
+    np.testing.assert_array_equal(np.asarray(checked.train.X)[:, 0], np.arange(16) * 2)
+    np.testing.assert_array_equal(np.asarray(checked.validation.X)[:, 0], np.arange(16, 20) * 2)
+
+
+def test_arrays_and_dataframes_are_still_shuffled(tmp_path):
+    n = 20
+    X = np.arange(n * 2, dtype="float32").reshape(n, 2)
+    y = np.arange(n) % 3
+    df = pd.DataFrame({"a": X[:, 0], "b": X[:, 1], "y": y})
+    for data in ((X, y), df):
+        checked = _plan(data, n_in=2, validation=0.2, store=tmp_path / "store")
+        rows = np.concatenate([checked.train.X[:, 0], checked.validation.X[:, 0]])
+        assert sorted(rows) == list(np.arange(n) * 2) and list(rows) != list(np.arange(n) * 2)

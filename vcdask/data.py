@@ -35,7 +35,7 @@ from .prepared import PreparedData
 from .store import FSSPEC_SECRET_OPTIONS
 from .variables import dict_vars, infer_sample_dim, infer_vars
 
-__all__ = ["DataError", "DataSource", "PreparedData", "Shards", "prepare_data"]
+__all__ = ["DataError", "DataSource", "PreparedData", "Shards", "prepare_data", "stored_order", "training_features"]
 
 _FEATURE_NAMES = ("X", "x", "features", "image", "images", "data")
 
@@ -284,7 +284,7 @@ def prepare_data(
         names, dim = dict_vars(data, features, label, sample_dim, what)
         return _prepare_dict({n: data[n].transpose(dim, ...).data for n in names}, what)
     if isinstance(data, xr.Dataset):
-        features, label = infer_vars(data, features, label)
+        features, label = infer_vars(data, features, label, what)
         dim = infer_sample_dim(data, features, label, sample_dim)
         n = data.sizes[dim]
         if n == 0:
@@ -303,7 +303,7 @@ def prepare_data(
             src = replace(src, features=names, sample_dim=dim, n=ds.sizes[dim], form="dict")
             sample = src.read_columns(0, min(4, src.n), ds)
             return PreparedData(src, n=src.n, form="dict", sample=sample)
-        features, label = infer_vars(ds, features, label)
+        features, label = infer_vars(ds, features, label, what)
         dim = infer_sample_dim(ds, features, label, sample_dim)
         n = ds.sizes[dim]
         if n == 0:
@@ -320,6 +320,35 @@ def prepare_data(
         f"unsupported {what} type {type(data).__name__}; expected (X, y) arrays (numpy, torch or dask), "
         "a pandas DataFrame (with label=), an xarray.Dataset, a Zarr URL/path, or an Icechunk session"
     )
+
+
+def training_features(data: Any, prepared: PreparedData, features=None, label=None) -> tuple:
+    """The named features of training ``data``, in the order ``X`` stacks them: validation data reads these.
+
+    A DataFrame's feature columns, or an xarray / Zarr dataset's feature variables (``prepared`` is
+    what :func:`prepare_data` made of ``data`` with ``features`` and ``label``); ``()`` for arrays, which
+    name none, and for dict and torch Dataset batches, which are not stacked.
+    """
+    import xarray as xr
+
+    if prepared.form != "xy":
+        return ()
+    if prepared.feature_names:
+        return tuple(prepared.feature_names)
+    if prepared.source is not None:
+        return tuple(prepared.source.features)
+    if isinstance(data, xr.Dataset):  # staged from memory: the same inference prepare_data made
+        return infer_vars(data, features, label)[0]
+    return ()
+
+
+def stored_order(data: Any) -> bool:
+    """Whether ``data`` is trained on in its stored order however ``shuffle`` is set: an xarray Dataset,
+    in memory or dask-backed alike (:func:`~vcdask.staging.split` shuffles numpy arrays only, so dask and
+    Zarr data keep their order too)."""
+    import xarray as xr
+
+    return isinstance(data, xr.Dataset)
 
 
 def _prepare_dict(data: Mapping, what: str) -> PreparedData:

@@ -22,7 +22,7 @@ from . import config
 from ._ints import check_bool, is_real, positive_int
 from .cluster import check_client
 from .cost import check_prices
-from .data import DataError, PreparedData, prepare_data
+from .data import DataError, PreparedData, prepare_data, stored_order, training_features
 from .finite import check_finite
 from .groups import Merging, Stopping, Training, check_optimizer
 from .holdout import check_early_stopping, hold_out
@@ -265,15 +265,17 @@ def plan(
         )
     val_prepared = None
     if validation is not None and not isinstance(validation, float):
-        if prepared.feature_names:  # a DataFrame: the training columns, by name, whatever the order
-            names["features"] = list(prepared.feature_names)
+        # a DataFrame's columns, an xarray / Zarr dataset's variables: training's, by name, in training's order
+        named = training_features(data, prepared, features, label)
+        if named:
+            names["features"] = list(named)
         val_prepared = prepare_data(validation, **names, what="validation")
         check_finite(val_prepared, "validation")
         if val_prepared.form != prepared.form or (
             prepared.form != "dataset" and val_prepared.shapes != prepared.shapes
         ):
             raise DataError(f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}")
-    prepared, split_val = split(prepared, validation, seed, shuffle)
+    prepared, split_val = split(prepared, validation, seed, shuffle and not stored_order(data))
     n_shards = None if n_shards is None else positive_int("n_shards", n_shards)
     if n_shards is not None and n_shards > prepared.n:
         raise ValueError(

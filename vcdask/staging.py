@@ -54,7 +54,11 @@ def _rows_per_chunk(X) -> int:
 def split(
     prepared: PreparedData, validation: float | None, seed: int, shuffle: bool
 ) -> tuple[PreparedData, PreparedData | None]:
-    """Shuffle in-memory data once (seeded) and split off a ``validation`` fraction (the last rows)."""
+    """Shuffle numpy data once (seeded) when ``shuffle`` and split off a ``validation`` fraction (the last rows).
+
+    dask and Zarr data keep their stored order; the caller passes ``shuffle=False`` for numpy data that
+    came from an xarray Dataset (:func:`~vcdask.data.stored_order`).
+    """
     rng = np.random.default_rng(seed)
     if prepared.form == "dict" and prepared.columns is not None:
         cols = prepared.columns

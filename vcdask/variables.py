@@ -1,5 +1,9 @@
 """Which variables of an xarray / Zarr dataset are the features, the label and the sample dimension
-(named by the caller, or inferred when unambiguous; each error names the candidates)."""
+(named by the caller, or inferred when unambiguous; each error names the candidates).
+
+Inferred feature variables are sorted by name: a Zarr group opened without consolidated metadata lists its
+variables in an order that can change from one opening to the next, and ``X`` stacks the features in
+this order.  Features named by the caller keep the caller's order."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ __all__ = ["dict_vars", "infer_sample_dim", "infer_vars"]
 _LABEL_NAMES = ("y", "label", "labels", "target", "targets")
 
 
-def infer_vars(ds, features, label) -> tuple[tuple[str, ...], str]:
+def infer_vars(ds, features, label, what: str = "data") -> tuple[tuple[str, ...], str]:
+    """The feature variables (the caller's, in the caller's order, or every other variable sorted by name)
+    and the label variable."""
     names = list(ds.data_vars)
     if label is None:
         found = [n for n in _LABEL_NAMES if n in ds.data_vars]
@@ -23,14 +29,17 @@ def infer_vars(ds, features, label) -> tuple[tuple[str, ...], str]:
     if label not in ds.data_vars:
         raise DataError(f"label variable {label!r} not in the dataset; variables: {names}")
     if features is None:
-        features = [n for n in names if n != label]
+        features = sorted((n for n in names if n != label), key=str)
         if not features:
             raise DataError(f"the dataset has no feature variables besides the label {label!r}")
     elif isinstance(features, str):
         features = [features]
     missing = [f for f in features if f not in ds.data_vars]
     if missing:
-        raise DataError(f"feature variable(s) {missing} not in the dataset; variables: {names}")
+        raise DataError(
+            f"{what}: feature variable(s) {missing} not in the dataset (features: {list(features)}); "
+            f"its variables: {names}"
+        )
     return tuple(features), label
 
 
