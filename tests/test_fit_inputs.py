@@ -122,6 +122,50 @@ def test_labels_out_of_range(bad_label, xy, tmp_path):
     )
 
 
+@pytest.mark.parametrize("bad_label", [10, -1])
+def test_validation_labels_out_of_range_are_refused_before_any_work(bad_label, xy, tmp_path):
+    """Every validation task would fail on them mid-run (on a GPU, a device-side assert)."""
+    X, y = xy
+    yv = y[:20].copy()
+    yv[3] = bad_label
+    _bad(
+        _linear(),
+        (X, y),
+        tmp_path,
+        DataError,
+        r"validation labels range over .* but the model outputs 10 classes",
+        validation=(X[:20], yv),
+    )
+
+
+def test_a_shard_read_from_zarr_does_not_read_the_sample_coordinate_whole():
+    """Opening the dataset for a shard's rows built an index over the sample dimension, reading its whole
+    coordinate (160 MB for 20 million int64 time stamps, over S3 at every task) to take 1,000 rows."""
+    import xarray as xr
+    import zarr
+
+    from vcdask.data import DataSource
+
+    read: list[str] = []
+
+    class Counting(zarr.storage.MemoryStore):  # (zarr makes read-only copies of a store: the list is shared)
+        async def get(self, key, prototype, byte_range=None):
+            read.append(key)
+            return await super().get(key, prototype, byte_range)
+
+    store = Counting()
+    n = 1000
+    ds = xr.Dataset(
+        {"x": (("time",), np.arange(n, dtype="f4")), "y": (("time",), np.arange(n) % 3)},
+        coords={"time": np.arange(n, dtype="i8")},
+    )
+    ds.to_zarr(store, zarr_format=3, consolidated=False, encoding={v: {"chunks": (100,)} for v in ("x", "y", "time")})
+    read.clear()
+    X, y = DataSource(url=None, features=("x",), label="y", sample_dim="time", n=n, zarr_store=store).read(200, 210)
+    assert X.ravel().tolist() == list(range(200, 210)) and y.tolist() == [i % 3 for i in range(200, 210)]
+    assert not [k for k in read if k.startswith("time/c")], read
+
+
 def test_empty_data(tmp_path):
     _bad(
         _linear(),

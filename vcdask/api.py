@@ -169,7 +169,8 @@ def fit(
     storage_options : dict, optional
         fsspec options for a Zarr URL given as ``data``.
     shuffle : bool, default True
-        Shuffle in-memory data once (seeded) before sharding.
+        Shuffle in-memory arrays, DataFrames and dicts of arrays once (seeded) before sharding; xarray and Zarr
+        data keep their stored order (``validation=0.1`` holds out their last rows).
     keep_updates : bool, default False
         Keep every client update (``history.update`` gives its path under ``<store>/runs``)
         instead of deleting it once its merge is committed: for audits and replays.

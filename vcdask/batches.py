@@ -146,7 +146,7 @@ def _class_ids(batch: Any, spec) -> Any:
         and not batch[1].is_floating_point()
         and batch[1].dtype != torch.int64
     ):
-        return type(batch)((batch[0], batch[1].long())) if isinstance(batch, tuple) else [batch[0], batch[1].long()]
+        return (batch[0], batch[1].long()) if isinstance(batch, tuple) else [batch[0], batch[1].long()]
     return batch
 
 

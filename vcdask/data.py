@@ -95,7 +95,8 @@ class DataSource:
         return (*where, self.offset, self.form, self.features, self.label)
 
     def open(self):
-        """Open the dataset lazily (no dask, no data read)."""
+        """Open the dataset lazily (no dask, no data read: no index is built, so a dimension's coordinate is not
+        read whole at every shard's read; rows are taken by position)."""
         import xarray as xr
 
         if self.store is not None:
@@ -104,7 +105,7 @@ class DataSource:
             target, kwargs = self.zarr_store, {}
         else:
             target, kwargs = self.url, {"storage_options": self.storage_options or None}
-        return xr.open_zarr(target, chunks=None, consolidated=False, **kwargs)
+        return xr.open_zarr(target, chunks=None, consolidated=False, create_default_indexes=False, **kwargs)
 
     def read(self, start: int, stop: int, ds=None) -> tuple[np.ndarray, np.ndarray]:
         """Read samples ``[start, stop)`` as numpy ``(X, y)``."""

@@ -275,6 +275,8 @@ def plan(
             prepared.form != "dataset" and val_prepared.shapes != prepared.shapes
         ):
             raise DataError(f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}")
+        if train_step is None and val_prepared.classification == prepared.classification:  # its labels fit too
+            check_model(model, val_prepared, loss_fn, prepared.classification, x_dtype, what="validation")
     prepared, split_val = split(prepared, validation, seed, shuffle and not stored_order(data))
     n_shards = None if n_shards is None else positive_int("n_shards", n_shards)
     if n_shards is not None and n_shards > prepared.n:

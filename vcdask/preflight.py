@@ -189,8 +189,9 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def check_model(model, prepared: PreparedData, loss, classification: bool, x_dtype) -> bool:
-    """One forward pass on a few rows: the model accepts the data and its outputs fit the labels.
+def check_model(model, prepared: PreparedData, loss, classification: bool, x_dtype, what: str = "training") -> bool:
+    """One forward pass on a few rows: the model accepts the data and its outputs fit the labels (``what``:
+    the ``"training"`` or ``"validation"`` data, as the messages name it).
 
     Returns whether ``X`` is cast to the model's dtype (True), or stays integer (False: integer
     inputs such as token ids that the model takes as they are, and not as floats).
@@ -219,7 +220,7 @@ def check_model(model, prepared: PreparedData, loss, classification: bool, x_dty
                 out, cast = probe(X), False
         except Exception:  # noqa: BLE001 - reported with the first error
             raise DataError(
-                f"the model cannot process the training data: samples of shape {tuple(prepared.x_shape)} "
+                f"the model cannot process the {what} data: samples of shape {tuple(prepared.x_shape)} "
                 f"and dtype {prepared.x_dtype} -> {type(e).__name__}: {e}"
             ) from e
     if classification:
@@ -235,7 +236,7 @@ def check_model(model, prepared: PreparedData, loss, classification: bool, x_dty
                 else ""
             )
             raise DataError(
-                f"labels range over [{lo}, {hi}] but the model outputs "
+                f"{what} labels range over [{lo}, {hi}] but the model outputs "
                 f"{n_classes} classes; labels must be in [0, {n_classes - 1}]{hint}"
             )
     y = torch.as_tensor(np.ascontiguousarray(prepared.sample_y))
