@@ -27,6 +27,7 @@ def two_shard_spec(tmp_path, **resilience):
     model = torch.nn.Linear(3, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     spec = SimpleNamespace(
+        run_id=f"run-{tmp_path.name}",
         resilience=vcdask.Resilience(**resilience),
         model=model,
         optimizer=functools.partial(torch.optim.SGD, lr=0.05),
