@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import vcdask
-from vcdask.cluster import _guarded, check_main_guard, close_embedded, embedded_client
+from vcdask._main_guard import _guarded
+from vcdask.cluster import check_main_guard, close_embedded, embedded_client
 
 
 def _data():

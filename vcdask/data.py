@@ -35,7 +35,7 @@ from .prepared import PreparedData
 from .store import FSSPEC_SECRET_OPTIONS
 from .variables import dict_vars, infer_sample_dim, infer_vars
 
-__all__ = ["DataError", "DataSource", "PreparedData", "Shards", "prepare_data", "stored_order", "training_features"]
+__all__ = ["DataError", "DataSource", "PreparedData", "Shards", "prepare_data"]
 
 _FEATURE_NAMES = ("X", "x", "features", "image", "images", "data")
 
@@ -321,35 +321,6 @@ def prepare_data(
         f"unsupported {what} type {type(data).__name__}; expected (X, y) arrays (numpy, torch or dask), "
         "a pandas DataFrame (with label=), an xarray.Dataset, a Zarr URL/path, or an Icechunk session"
     )
-
-
-def training_features(data: Any, prepared: PreparedData, features=None, label=None) -> tuple:
-    """The named features of training ``data``, in the order ``X`` stacks them: validation data reads these.
-
-    A DataFrame's feature columns, or an xarray / Zarr dataset's feature variables (``prepared`` is
-    what :func:`prepare_data` made of ``data`` with ``features`` and ``label``); ``()`` for arrays, which
-    name none, and for dict and torch Dataset batches, which are not stacked.
-    """
-    import xarray as xr
-
-    if prepared.form != "xy":
-        return ()
-    if prepared.feature_names:
-        return tuple(prepared.feature_names)
-    if prepared.source is not None:
-        return tuple(prepared.source.features)
-    if isinstance(data, xr.Dataset):  # staged from memory: the same inference prepare_data made
-        return infer_vars(data, features, label)[0]
-    return ()
-
-
-def stored_order(data: Any) -> bool:
-    """Whether ``data`` is trained on in its stored order however ``shuffle`` is set: an xarray Dataset,
-    in memory or dask-backed alike (:func:`~vcdask.staging.split` shuffles numpy arrays only, so dask and
-    Zarr data keep their order too)."""
-    import xarray as xr
-
-    return isinstance(data, xr.Dataset)
 
 
 def _prepare_dict(data: Mapping, what: str) -> PreparedData:

@@ -22,7 +22,7 @@ from . import config
 from ._ints import check_bool, is_real, positive_int
 from .cluster import check_client
 from .cost import check_prices
-from .data import DataError, PreparedData, prepare_data, stored_order, training_features
+from .data import DataError, PreparedData, prepare_data
 from .finite import check_finite
 from .groups import Merging, Stopping, Training, check_optimizer
 from .holdout import check_early_stopping, hold_out
@@ -34,6 +34,7 @@ from .staging import split
 from .steps import SupervisedStep, check_steps, probe_batch
 from .store import ParamStore, Retention, open_store
 from .store._retention import check_retention
+from .variables import stored_order, training_features
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,14 @@ this order.  Features named by the caller keep the caller's order."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .errors import DataError
 
-__all__ = ["dict_vars", "infer_sample_dim", "infer_vars"]
+if TYPE_CHECKING:
+    from .prepared import PreparedData
+
+__all__ = ["dict_vars", "infer_sample_dim", "infer_vars", "stored_order", "training_features"]
 
 _LABEL_NAMES = ("y", "label", "labels", "target", "targets")
 
@@ -85,3 +90,32 @@ def dict_vars(ds, features, label, sample_dim, what) -> tuple[tuple[str, ...], s
     if ds.sizes[sample_dim] == 0:
         raise DataError(f"{what} is empty (0 samples along {sample_dim!r})")
     return tuple(names), sample_dim
+
+
+def training_features(data: Any, prepared: PreparedData, features=None, label=None) -> tuple:
+    """The named features of training ``data``, in the order ``X`` stacks them: validation data reads these.
+
+    A DataFrame's feature columns, or an xarray / Zarr dataset's feature variables (``prepared`` is
+    what :func:`prepare_data` made of ``data`` with ``features`` and ``label``); ``()`` for arrays, which
+    name none, and for dict and torch Dataset batches, which are not stacked.
+    """
+    import xarray as xr
+
+    if prepared.form != "xy":
+        return ()
+    if prepared.feature_names:
+        return tuple(prepared.feature_names)
+    if prepared.source is not None:
+        return tuple(prepared.source.features)
+    if isinstance(data, xr.Dataset):  # staged from memory: the same inference prepare_data made
+        return infer_vars(data, features, label)[0]
+    return ()
+
+
+def stored_order(data: Any) -> bool:
+    """Whether ``data`` is trained on in its stored order however ``shuffle`` is set: an xarray Dataset,
+    in memory or dask-backed alike (:func:`~vcdask.staging.split` shuffles numpy arrays only, so dask and
+    Zarr data keep their order too)."""
+    import xarray as xr
+
+    return isinstance(data, xr.Dataset)
