@@ -478,12 +478,12 @@ def test_rows_cached_for_one_run_are_not_given_to_a_run_that_casts_them_otherwis
         url=None,
         read_columns=lambda a, b: {"X": np.ones((b - a, 2)), "y": np.arange(b - a)},
     )
-    classifier = batches.rows(_spec(), src, 0, 4)
-    regression = _spec(classification=False, x_dtype=torch.float64)
+    classifier = batches.rows(_spec(run_id="classifier"), src, 0, 4)
+    regression = _spec(run_id="regression", classification=False, x_dtype=torch.float64)
     cols = batches.rows(regression, src, 0, 4)
     assert (classifier["X"].dtype, classifier["y"].dtype) == (torch.float32, torch.int64)
     assert (cols["X"].dtype, cols["y"].dtype) == (torch.float64, torch.float64)
-    assert batches.cached_rows(_spec(), src, 0, 4) is classifier
+    assert batches.cached_rows(_spec(run_id="classifier"), src, 0, 4) is classifier
 
 
 def test_rows_rewritten_where_they_live_between_two_runs_are_read_again_and_a_run_lets_go_of_its_own():

@@ -25,9 +25,7 @@ from .torch_data import DatasetSource
 __all__ = ["Rows", "batches", "cast_like_training", "forget", "on_device", "prefetch", "rows"]
 
 _lock = threading.Lock()
-#: rows by :func:`_key`, each with the source they were read from: held, so that an in-memory store's
-#: ``id`` in the key (:attr:`vcdask.data.DataSource.cache_key`) is not reused by another while they are cached
-_cache: OrderedDict[tuple, tuple[dict[str, torch.Tensor], Any]] = OrderedDict()
+_cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()  # rows by :func:`_key`
 _MAX_ROW_BYTES = 2 << 30
 _ON_DEVICE_BYTES = 1 << 30  # a GPU shard up to this size is copied whole, then cut into batches there
 
@@ -64,10 +62,10 @@ def _tensor(a: np.ndarray, spec, name: str) -> torch.Tensor:
 
 def _key(spec, source, start: int, stop: int, pin: bool) -> tuple:
     """The cache key of rows ``[start, stop)`` of ``source`` for ``spec``'s run: its own, whatever other run
-    reads the same data.  The rows are kept cast (:func:`cast_like_training`: another run may train another
-    model dtype or task on them), and data read where it lives may be rewritten there between two runs."""
-    cast = (spec.batch_form, spec.classification, str(spec.x_dtype), spec.cast_x)
-    return (spec.run_id, *source.cache_key, start, stop, pin, *cast)
+    reads the same data.  The rows are kept cast as the run trains on them (:func:`cast_like_training`:
+    another run may train another model dtype or task on them), and data read where it lives may be
+    rewritten there between two runs."""
+    return (spec.run_id, *source.cache_key, start, stop, pin)
 
 
 def forget(run_id: str) -> int:
@@ -87,10 +85,9 @@ def cached_rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Ro
     key = _key(spec, source, start, stop, pin)
     with _lock:
         hit = _cache.get(key)
-        if hit is None:
-            return None
-        _cache.move_to_end(key)
-        return hit[0]
+        if hit is not None:
+            _cache.move_to_end(key)
+        return hit
 
 
 def rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows:
@@ -115,8 +112,8 @@ def rows(spec, source, start: int, stop: int, *, pin: bool = False) -> Rows:
     if pin:
         columns = {k: t.pin_memory() for k, t in columns.items()}
     with _lock:
-        _cache[key] = (columns, source)
-        while sum(_nbytes(c) for c, _ in _cache.values()) > _MAX_ROW_BYTES and len(_cache) > 1:
+        _cache[key] = columns
+        while sum(_nbytes(c) for c in _cache.values()) > _MAX_ROW_BYTES and len(_cache) > 1:
             _cache.popitem(last=False)
     return columns
 

@@ -52,6 +52,11 @@ class WorkerRecord:
     wasted_seconds: float = 0.0  # seconds of its work lost to a preemption or to its death
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
 
+    def stop_clock(self) -> None:
+        """Its time connected stops counting (it left, or the run ended)."""
+        if self.joined_at is not None:
+            self.alive_before, self.joined_at = self.alive_seconds, None
+
     @property
     def alive_seconds(self) -> float:
         return self.alive_before + (0.0 if self.joined_at is None else max(0.0, self.clock() - self.joined_at))
@@ -133,14 +138,13 @@ class WorkerPool:
     def left(self, address: str) -> None:
         self.connected.pop(address, None)
         rec = self.records.get(address)
-        if rec is not None and rec.joined_at is not None:
-            rec.alive_before, rec.joined_at = rec.alive_seconds, None
+        if rec is not None:
+            rec.stop_clock()
 
     def stop_clocks(self) -> None:
         """The run ended: every worker's time connected stops counting (its cost with it), connected or not."""
         for rec in self.records.values():
-            if rec.joined_at is not None:
-                rec.alive_before, rec.joined_at = rec.alive_seconds, None
+            rec.stop_clock()
 
     def identify(self, address: str, instance: str | None, market: str | None) -> None:
         """``address`` says it runs on ``instance`` bought on ``market`` (for the cost accounting)."""
