@@ -587,3 +587,17 @@ def test_arrays_and_dataframes_are_still_shuffled(tmp_path):
         checked = _plan(data, n_in=2, validation=0.2, store=tmp_path / "store")
         rows = np.concatenate([checked.train.X[:, 0], checked.validation.X[:, 0]])
         assert sorted(rows) == list(np.arange(n) * 2) and list(rows) != list(np.arange(n) * 2)
+
+
+@pytest.mark.parametrize("classify", [True, False])
+def test_bf16_tensors_are_taken_as_float32(classify):
+    """Tensors of a dtype NumPy lacks (bfloat16) are data like any other: floating data trains in the
+    model's dtype, so float32 loses nothing (they once ended in NumPy's raw ``TypeError``)."""
+    from vcdask.data import prepare_data
+
+    X = torch.arange(24, dtype=torch.float32).reshape(12, 2).to(torch.bfloat16)
+    y = torch.arange(12) % 3 if classify else torch.linspace(0, 1, 12).to(torch.bfloat16)
+    prepared = prepare_data((X, y))
+    assert prepared.sample_X.dtype == np.float32 and prepared.classification == classify
+    np.testing.assert_array_equal(prepared.sample_X[:2], [[0, 1], [2, 3]])
+    assert prepared.y_dtype == (np.int64 if classify else np.float32)

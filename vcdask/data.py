@@ -191,13 +191,12 @@ def _to_xy(ds, features, label, sample_dim) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _as_numpy(a: Any, what: str) -> np.ndarray:
-    try:
-        import torch
+    import torch
 
-        if isinstance(a, torch.Tensor):
-            return a.detach().cpu().numpy()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+    if isinstance(a, torch.Tensor):
+        from .torch_data import cpu_numpy
+
+        return cpu_numpy(a)
     if isinstance(a, np.ndarray):
         return a
     if hasattr(a, "__array__") and not _is_dask(a):

@@ -16,7 +16,7 @@ import torch
 
 from .errors import DataError
 
-__all__ = ["DatasetSource", "is_dataset", "prepare_dataset"]
+__all__ = ["DatasetSource", "cpu_numpy", "is_dataset", "prepare_dataset"]
 
 
 def is_dataset(data: Any) -> bool:
@@ -97,17 +97,17 @@ def prepare_dataset(data: Any, *, collate_fn=None, what: str = "data"):
     prepared.source = source  # type: ignore[assignment]  # a DatasetSource reads where the data lives too
     if isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[1], torch.Tensor):
         x, y = sample
-        prepared.y_dtype = _numpy(y).dtype
+        prepared.y_dtype = cpu_numpy(y).dtype
         if isinstance(x, torch.Tensor):
-            prepared.x_shape, prepared.sample_X, prepared.sample_y = tuple(x.shape[1:]), _numpy(x), _numpy(y)
+            prepared.x_shape, prepared.sample_X, prepared.sample_y = tuple(x.shape[1:]), cpu_numpy(x), cpu_numpy(y)
         if not y.is_floating_point():  # the probe's labels are checked against the model's outputs
             prepared.y_min, prepared.y_max = int(y.min()), int(y.max())
     return prepared
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """A probe batch's tensor as a NumPy array: from the CPU (a dataset may give items on a GPU), in float32
-    where NumPy has no such dtype (bfloat16, float8)."""
+def cpu_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as a NumPy array: from the CPU (a dataset may give items on a GPU, a user a tensor on one),
+    in float32 where NumPy has no such dtype (bfloat16, float8; floating data trains in the model's dtype)."""
     t = t.detach().cpu()
     try:
         return t.numpy()
