@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from vcdask.engine.durations import Durations
 from vcdask.engine.events import EVENT_KINDS, OUTCOMES, SHARD_STATES, EventLog, is_train_key, topic, train_key
 from vcdask.engine.ledger import Ledger
 from vcdask.result import HISTORY_COLUMNS
@@ -42,7 +43,8 @@ def test_epoch_closes_when_its_shards_are_merged_or_skipped():
     assert led.close_epochs() is None
     (row,) = led.epochs
     assert row["epoch"] == 1 and row["version"] == 2 and row["skipped"] == 1 and row["train_loss"] == 2.0
-    assert led.shard_seconds == [2.0, 4.0]
+    assert led.shard_seconds == [2.0, 4.0] and led.shard_seconds.median() == 3.0  # (kept sorted: a long run's
+    assert isinstance(led.validation_seconds, Durations)  # deadlines read them several times a second)
     kinds = [m["type"] for t, m in sched.events]
     assert kinds == ["shard", "shard", "shard", "epoch"] and {t for t, _ in sched.events} == {topic("r1")}
     assert [m["state"] for _, m in sched.events[:3]] == ["merged", "merged", "skipped"]

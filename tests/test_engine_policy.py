@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -20,6 +22,29 @@ def test_deadline_explicit_derived_cold_and_first():
     assert policy.deadline(res, [0.1], 2) == 5.0  # the floor
     assert policy.deadline(res, [0.1], 2, cold=True) == policy.COLD_START_SECONDS
     assert policy.deadline(res, [10.0], 2, cold=True) == 80.0  # a long derived deadline stays
+
+
+def test_measured_times_keep_their_median_and_total_as_they_come_in():
+    """The ledger's shard and validation times give their median and total without sorting or summing them
+    again: a long run derives deadlines from them several times a second on the scheduler's loop."""
+    import random
+    import statistics
+
+    from vcdask.engine.durations import Durations
+
+    rng = random.Random(0)
+    times, plain = Durations(), []
+    for n in range(1, 202):
+        value = rng.choice([rng.random(), 2.0, 0.5])  # (ties too)
+        times.append(value)
+        plain.append(value)
+        assert times.median() == statistics.median(plain) and len(times) == n
+        assert math.isclose(times.total, math.fsum(plain))
+    assert times == plain and list(times) == plain and times[-64:] == plain[-64:] and times[3] == plain[3]
+    assert policy.deadline(Resilience(), times, 2) == policy.deadline(Resilience(), plain, 2)
+    assert policy.validation_due("auto", 9, times[:2], times) == policy.validation_due("auto", 9, plain[:2], plain)
+    with pytest.raises(statistics.StatisticsError):
+        Durations().median()
 
 
 def test_base_wait_is_one_recent_shard_time_bounded():

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import policy
+from .durations import Durations
 from .events import ACTIVE_STATES, FINAL_STATES, EventLog, Outcome, ShardState
 
 if TYPE_CHECKING:
@@ -94,8 +95,8 @@ class Ledger:
         self.validations: dict[int, dict[str, float]] = {}  # step -> metrics
         self.history: list[dict[str, Any]] = []
         self.shard_state: dict[tuple[int, int], ShardState] = {}
-        self.shard_seconds: list[float] = []  # of merged updates: what deadlines derive from
-        self.validation_seconds: list[float] = []  # of validations: what their deadline derives from
+        self.shard_seconds = Durations()  # of merged updates: what deadlines derive from
+        self.validation_seconds = Durations()  # of validations: what their deadline derives from
         #: Early stopping: stop once ``monitor`` has not improved for ``patience`` epochs.
         self.patience, self.monitor = patience, monitor
         self.best: dict[str, Any] | None = None  # {"epoch", "step", "value"} of the best epoch so far

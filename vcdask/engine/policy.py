@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from ..params import all_finite
+from .durations import median_of, total_of
 
 if TYPE_CHECKING:
     from ..params import FlatParams
@@ -67,7 +69,7 @@ VALIDATION_SHARE = 0.05
 LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse", "mape", "error")
 
 
-def deadline(res: Resilience, shard_seconds: list[float], tasks_per_slot: int, cold: bool = False) -> float:
+def deadline(res: Resilience, shard_seconds: Sequence[float], tasks_per_slot: int, cold: bool = False) -> float:
     """Seconds a shard copy may run before a copy is re-issued elsewhere.
 
     An explicit ``res.deadline`` holds for every task.  Otherwise ``deadline_factor *
@@ -79,11 +81,11 @@ def deadline(res: Resilience, shard_seconds: list[float], tasks_per_slot: int, c
         return float(res.deadline)
     if not shard_seconds:
         return max(res.deadline_floor, FIRST_SHARDS_SECONDS)
-    derived = max(res.deadline_floor, res.deadline_factor * tasks_per_slot * statistics.median(shard_seconds))
+    derived = max(res.deadline_floor, res.deadline_factor * tasks_per_slot * median_of(shard_seconds))
     return max(derived, COLD_START_SECONDS) if cold else derived
 
 
-def base_wait(shard_seconds: list[float]) -> float:
+def base_wait(shard_seconds: Sequence[float]) -> float:
     """Seconds a task ready to train may wait for the next step of the merge path (a result settled, a
     version committed) while the results that came back before it are merged.
 
@@ -268,7 +270,7 @@ def fits_notice(expected: float, elapsed: float, window: float) -> bool:
 
 
 def validation_due(
-    validate_every: int | str, step: int, validation_seconds: list[float], shard_seconds: list[float]
+    validate_every: int | str, step: int, validation_seconds: Sequence[float], shard_seconds: Sequence[float]
 ) -> bool:
     """Whether the version committed at merge ``step`` is validated (an epoch's last one always is).
 
@@ -283,5 +285,5 @@ def validation_due(
         return step % int(validate_every) == 0
     if not shard_seconds:
         return False
-    one_more = statistics.median(validation_seconds or shard_seconds)
-    return sum(validation_seconds) + one_more <= VALIDATION_SHARE * sum(shard_seconds)
+    one_more = median_of(validation_seconds or shard_seconds)
+    return total_of(validation_seconds) + one_more <= VALIDATION_SHARE * total_of(shard_seconds)

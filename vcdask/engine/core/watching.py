@@ -200,7 +200,7 @@ def expected_seconds(state: RunState, address: str) -> float | None:
     rec = state.pool.records.get(address)
     if rec is not None and rec.recent:
         return statistics.median(rec.recent)
-    return statistics.median(state.ledger.shard_seconds) if state.ledger.shard_seconds else None
+    return state.ledger.shard_seconds.median() if state.ledger.shard_seconds else None
 
 
 def _move(state: RunState, key: str, address: str) -> str | None:
