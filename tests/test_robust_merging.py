@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 
 import dask.config
@@ -15,7 +16,7 @@ from spec_helpers import two_shard_spec
 import vcdask
 from vcdask.cluster import embedded_cluster
 from vcdask.demo import accuracy_on, digits_cnn
-from vcdask.engine.guard import WARM, Guard
+from vcdask.engine.guard import WARM, Guard, _norm
 from vcdask.params import flatten
 
 #: One run's test accuracy varies by about +-0.015 from run to run (asynchronous merges): 12 epochs, clean
@@ -159,7 +160,7 @@ def _warm_guard(**options):
     """A guard that has merged WARM updates of norm 1 along (1, 0, 0)."""
     guard = Guard(SimpleNamespace(resilience=vcdask.Resilience(**options)))
     for _ in range(WARM):
-        guard._accept(torch.tensor([1.0, 0.0, 0.0]), 1.0)
+        guard._accept(1.0)
     return guard
 
 
@@ -201,7 +202,7 @@ def test_the_screen_compares_an_update_with_the_servers_own_step_on_its_shard(tm
 def test_before_warm_up_the_norm_is_judged_against_the_servers_own_step(tmp_path):
     guard = Guard(_two_shard_spec(tmp_path, max_norm_ratio=3.0))
     base = _linear(0, 0, 0)
-    own = float(guard._own(guard._base_facts("v0", base), base, 0).norm())
+    own = _norm(guard._own(guard._base_facts("v0", base), base, 0))
     honest = _linear(0.5, 1.0, -0.5)  # norm 1.22: within 3x of the server's 8 steps (scaled to the task's 8)
     assert 1.22 < 3 * own and guard.screen("v0", base, honest, steps=8, shard=0)[1] is None
     _, problem = guard.screen("v0", base, _linear(50, 100, -50), steps=8, shard=0)
@@ -216,6 +217,34 @@ def test_clipping_scales_a_long_pseudo_gradient_down_and_merges_it():
     short, _ = guard.screen("v0", base, _flat(1.3, 1.4, 1), steps=10, shard=0)  # norm 0.5: as it is
     assert short.state_dict()["w"].tolist() == pytest.approx([1.3, 1.4, 1.0])
     assert list(guard.norms) == pytest.approx([1.0, 0.5])  # the clipped norm counts
+
+
+def test_clipping_keeps_each_dtype_in_its_own_precision():
+    """A clipped update is rebuilt in each array's own dtype: a float64 coordinate the update left alone
+    keeps its base value exactly (rebuilt from float32 copies, 1e8 + 1 moved by -1.0), and one it moved
+    moves by exactly the clipped step; the float32 array the update left alone is the base's."""
+    guard = Guard(SimpleNamespace(resilience=vcdask.Resilience(clip_update_norm=1.0)))
+    base = flatten({"w": torch.tensor([1.0 + 1e-12, 1e8 + 1.0, 0.1], dtype=torch.float64), "b": torch.ones(2)})
+    client = base.clone()
+    client.arrays["float64"][0] += 10.0  # ||d|| = 10: clipped to 1
+    clipped, problem = guard.screen("v0", base, client, steps=1, shard=0)
+    assert problem is None
+    assert (clipped.arrays["float64"] - base.arrays["float64"]).tolist() == [1.0, 0.0, 0.0]
+    assert torch.equal(clipped.arrays["float32"], base.arrays["float32"])
+    assert list(guard.norms) == [1.0]
+
+
+def test_the_screen_measures_float64_updates_in_float64():
+    """A step too small for float32 to see on a float64 parameter of 1e8 (its spacing there is 8) still
+    counts in the norm the max_norm_ratio and min_cosine checks judge, and a half-precision step is
+    measured in float32 (its squares overflow float16)."""
+    guard = Guard(SimpleNamespace(resilience=vcdask.Resilience(clip_update_norm=1000.0)))
+    base = flatten({"w": torch.tensor([1e8, 0.0], dtype=torch.float64), "h": torch.zeros(2, dtype=torch.float16)})
+    client = base.clone()
+    client.arrays["float64"][0] += 3.0
+    client.arrays["float16"].copy_(torch.tensor([300.0, 400.0]))
+    assert guard.screen("v0", base, client, steps=1, shard=0)[1] is None
+    assert list(guard.norms) == pytest.approx([math.sqrt(3.0**2 + 300.0**2 + 400.0**2)])
 
 
 def test_screens_that_reject_updates_train_each_task_from_its_merged_base():

@@ -57,9 +57,25 @@ REFERENCE_STEPS = 8
 KEPT = 8
 
 
-def _floats(params: FlatParams) -> torch.Tensor:
-    """The floating-point values of ``params`` as one float32 vector."""
-    return torch.cat([a.reshape(-1).float() for a in params.arrays.values() if a.is_floating_point()])
+def _deltas(base: FlatParams, params: FlatParams) -> dict[str, torch.Tensor]:
+    """``params - base`` per floating-point dtype, in at least float32: float64 stays float64 (a float32
+    copy moved a parameter of 1e8 + 1 by 1.0 once a clipped update was rebuilt from it), half precision
+    is taken up to float32."""
+    return {dtype: _wide(params.arrays[dtype]) - _wide(a) for dtype, a in base.arrays.items() if a.is_floating_point()}
+
+
+def _wide(a: torch.Tensor) -> torch.Tensor:
+    return a if a.dtype in (torch.float32, torch.float64) else a.float()
+
+
+def _norm(d: dict[str, torch.Tensor]) -> float:
+    """The norm of the pseudo-gradient ``d`` (one array per dtype) taken as one vector."""
+    return math.hypot(*(float(a.norm()) for a in d.values()))
+
+
+def _dot(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The dot product of two pseudo-gradients (keyed alike) taken as one vector each."""
+    return sum(float(x @ b[dtype]) for dtype, x in a.items())
 
 
 class Guard:
@@ -105,11 +121,12 @@ class Guard:
             facts["loss"] = self.probe.loss(base)
         return facts
 
-    def _own(self, facts: dict[Any, Any], base: FlatParams, shard: int) -> torch.Tensor:
-        """The server's own pseudo-gradient from ``base`` on ``shard``'s first rows, kept per base and shard."""
+    def _own(self, facts: dict[Any, Any], base: FlatParams, shard: int) -> dict[str, torch.Tensor]:
+        """The server's own pseudo-gradient from ``base`` on ``shard``'s first rows (per dtype, as
+        :func:`_deltas`), kept per base and shard."""
         key = ("own", shard)
         if key not in facts:
-            facts[key] = _floats(self.probe.own_step(base, shard, REFERENCE_STEPS)) - _floats(base)
+            facts[key] = _deltas(base, self.probe.own_step(base, shard, REFERENCE_STEPS))
         return facts[key]
 
     def screen(
@@ -117,14 +134,14 @@ class Guard:
     ) -> tuple[FlatParams, tuple[str, str] | None]:
         """``(client, None)`` to merge (clipped if need be), or ``(client, (fault, reason))`` to reject."""
         facts = self._base_facts(base_version, base)
-        d = _floats(client) - _floats(base)
-        norm = float(d.norm())
+        d = _deltas(base, client)
+        norm = _norm(d)
         if self.max_ratio is not None:
             if self.accepted >= WARM:
                 ref_norm, against = statistics.median(self.norms), "the merged updates"
             else:
                 own = self._own(facts, base, shard)
-                ref_norm = float(own.norm()) * math.sqrt(max(steps, 1) / REFERENCE_STEPS)
+                ref_norm = _norm(own) * math.sqrt(max(steps, 1) / REFERENCE_STEPS)
                 against = f"the server's own step on shard {shard}"
             if ref_norm > 0 and norm > self.max_ratio * ref_norm:
                 return client, (
@@ -134,8 +151,9 @@ class Guard:
                 )
         if self.min_cosine is not None and norm > 0:
             own = self._own(facts, base, shard)
-            if float(own.norm()) > 0:
-                cosine = float(d @ own) / (norm * float(own.norm()))
+            own_norm = _norm(own)
+            if own_norm > 0:
+                cosine = _dot(d, own) / (norm * own_norm)
                 if cosine < self.min_cosine:
                     return client, (
                         "direction",
@@ -151,25 +169,24 @@ class Guard:
                     f"(+{100 * (after / before - 1):.0f}%; probe_tolerance={self.tolerance:g})",
                 )
         if self.clip is not None and norm > self.clip:
-            client = _with_floats(client, _floats(base) + d * (self.clip / norm))
-            d, norm = d * (self.clip / norm), self.clip
-        self._accept(d, norm)
+            client = _clipped(base, client, d, self.clip / norm)
+            norm = self.clip
+        self._accept(norm)
         return client, None
 
-    def _accept(self, d: torch.Tensor, norm: float) -> None:
+    def _accept(self, norm: float) -> None:
         self.accepted += 1
         self.norms.append(norm)
 
 
-def _with_floats(params: FlatParams, values: torch.Tensor) -> FlatParams:
-    """``params`` with its floating-point arrays replaced by ``values`` (in :func:`_floats` order)."""
+def _clipped(base: FlatParams, client: FlatParams, d: dict[str, torch.Tensor], scale: float) -> FlatParams:
+    """``client`` with each floating-point array replaced by ``base + d * scale`` (``d`` from
+    :func:`_deltas`), rounded once to the array's own dtype: a coordinate the update left alone keeps
+    its base value exactly."""
     from ..params import FlatParams
 
-    arrays, at = {}, 0
-    for dtype, a in params.arrays.items():
-        if a.is_floating_point():
-            arrays[dtype] = values[at : at + a.numel()].reshape(a.shape).to(a.dtype)
-            at += a.numel()
-        else:
-            arrays[dtype] = a
-    return FlatParams(params.layout, arrays)
+    arrays = dict(client.arrays)
+    for dtype, step in d.items():
+        a = base.arrays[dtype]
+        arrays[dtype] = (_wide(a) + step * scale).to(a.dtype)
+    return FlatParams(client.layout, arrays)
