@@ -9,7 +9,7 @@ import torch
 
 import vcdask
 from vcdask.engine.params_server import ParamsServer as ServerState
-from vcdask.merge import VCASGD, Arrival, Nesterov, Staleness, Sync, UnknownMergeRuleError, get_rule
+from vcdask.merge import VCASGD, Arrival, Nesterov, RuleState, Staleness, Sync, UnknownMergeRuleError, get_rule
 from vcdask.params import flatten
 from vcdask.updates import update_path, write_update
 
@@ -120,6 +120,57 @@ def test_sync_median_of_an_even_round_is_the_mean_of_the_middle_two():
     assert w(server) == [2.5]
 
 
+@pytest.mark.parametrize("aggregate", ["median", "trimmed-mean"])
+def test_sync_robust_aggregates_keep_float64(aggregate):
+    """Four clients sending the same float64 parameters give exactly them (they were sorted in float32)."""
+    values = (1.0 + 1e-12, 2.0 + 3e-12, 0.1)
+    rule = Sync(target_samples=4, aggregate=aggregate)  # (a mean of 2 or 4 equal values is exact)
+    server = flat(0.0, 0.0, 0.0)
+    state = rule.init_state(server)
+    for _ in range(4):
+        rule.apply(server, flat(*values), state, Arrival(epoch=1, n_samples=1))
+    assert w(server) == list(values)
+
+
+def _half(dtype, value, steps):
+    return flatten(
+        {
+            "a": torch.full((2,), value, dtype=torch.float32),
+            "h": torch.full((3,), value, dtype=dtype),
+            "n": torch.tensor([steps]),
+        }
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sync_mean_sums_half_precision_in_float32(dtype):
+    """60 shards of 1000 rows of w ~ 1.5: the round's sum (~90,000) overflowed float16 to inf; it is kept in
+    float32 and rounded to the parameters' dtype once, when the round closes."""
+    rule = Sync(target_samples=60_000)
+    server = _half(dtype, 1.5, 0)
+    state = rule.init_state(server)
+    sent = [torch.tensor(1.5 + i * 0.001, dtype=dtype) for i in range(60)]
+    for i, v in enumerate(sent):
+        out = rule.apply(server, _half(dtype, float(v), i), state, Arrival(epoch=1, n_samples=1000))
+    mean = sum(float(v) for v in sent) / 60
+    assert out["applied"] is True
+    assert server["h"].dtype == dtype and server["h"].tolist() == [float(torch.tensor(mean, dtype=dtype))] * 3
+    assert server["a"].tolist() == pytest.approx([mean] * 2, abs=1e-6) and server["n"].tolist() == [59]
+    assert state.arrays["sum"]["h"].tolist() == [0.0] * 3  # ready for the next round
+    assert {a.dtype for a in state.arrays["sum"].arrays.values()} == {torch.float32, torch.int64}
+
+
+def test_sync_half_precision_sum_saved_in_the_parameters_dtype_is_taken_up_to_float32():
+    """A sum saved before it was kept in float32 (laid out as the parameters) resumes, exactly."""
+    rule = Sync(target_samples=2)
+    server = _half(torch.float16, 0.0, 0)
+    old = _half(torch.float16, 2.0, 0)  # one update of w = 2 (a = 2 in float32 too), 1 row
+    state = RuleState(arrays={"sum": old}, scalars={"samples": 1, "updates": 1})
+    assert rule.apply(server, _half(torch.float16, 4.0, 1), state, Arrival(epoch=1, n_samples=1))["applied"]
+    assert server["h"].tolist() == [3.0] * 3 and server["a"].tolist() == [3.0] * 2
+    assert state.arrays["sum"].layout == rule.init_state(server).arrays["sum"].layout
+
+
 def test_sync_bad_aggregate_options():
     with pytest.raises(
         ValueError, match=r"unknown aggregate 'mode'; valid aggregates: \['mean', 'median', 'trimmed-mean'\]"
@@ -220,6 +271,32 @@ def test_sync_buffer_survives_a_restart(tmp_path):
     s2.load()
     s2.merge(_upload(store, "run-s", 1, 1, 3.0, 1))
     assert s2.params.state_dict()["w"].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_sync_float32_sum_of_half_precision_survives_a_restart(tmp_path):
+    """The sum of a half-precision model, kept in float32 (laid out unlike the parameters), is stored and
+    resumed as it is."""
+    store = vcdask.open_store(tmp_path / "s")
+    store.create_branch("run-h")
+    store.commit(_half(torch.float16, 0.0, 0), {"run_id": "run-h", "step": 0, "merged": []}, branch="run-h")
+
+    def upload(shard, value):
+        path = update_path("run-h", 1, shard, 0)
+        write_update(store.files, path, _half(torch.float16, value, shard))
+        return {"epoch": 1, "shard": shard, "attempt": 0, "base_step": shard, "update": path, "n_samples": 5000}
+
+    s1 = ServerState(store, "run-h", Sync(target_samples=20_000), "run-h")
+    s1.load()
+    for shard, value in enumerate((10.0, 12.0, 14.0)):  # a float16 sum would reach 180,000: inf
+        s1.merge(upload(shard, value))
+    saved = store.read_state(s1.version)["sum"]
+    assert saved.layout == s1.rule_state.arrays["sum"].layout and saved["h"].dtype == torch.float32
+    assert saved["h"].tolist() == [180_000.0] * 3
+    s2 = ServerState(store, "run-h", Sync(target_samples=20_000), "run-h")
+    s2.load()
+    s2.merge(upload(3, 16.0))
+    assert s2.params["h"].dtype == torch.float16 and s2.params["h"].tolist() == [13.0] * 3
+    assert s2.params["a"].tolist() == [13.0] * 2
 
 
 def test_sync_median_round_survives_a_restart(tmp_path):

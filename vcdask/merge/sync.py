@@ -8,13 +8,16 @@ from typing import Any, ClassVar
 import torch
 
 from .._ints import is_real
-from ..params import FlatParams
-from ._base import Arrival, MergeRule, RuleState, check_layout, floats, zeros_like
+from ..params import Entry, FlatParams, Layout, torch_dtype
+from ._base import Arrival, MergeRule, RuleState, check_layout, floats
 
 __all__ = ["AGGREGATES", "Sync"]
 
 #: How :class:`Sync` combines a round's updates.
 AGGREGATES = ("mean", "median", "trimmed-mean")
+#: Half-precision parameters are summed and sorted in float32: a round's sum of ``n_i W_c_i`` overflows
+#: float16 (60 shards of 1000 rows of w = 1.5 made it inf).
+_WIDER = {"float16": "float32", "bfloat16": "float32"}
 
 
 @dataclass
@@ -32,7 +35,8 @@ class Sync(MergeRule):
         on its own and unweighted: ``"median"``, or ``"trimmed-mean"``, the mean of what is left
         once the ``trim`` share of the highest and of the lowest values is dropped.  They keep the
         round's updates (one parameter copy each) until the round closes, in the versioned rule
-        state.
+        state.  Half-precision parameters are summed (``"mean"``) or sorted in float32, and rounded
+        to their dtype once, when the round closes; float64 ones stay float64.
     trim : float, default 0.2
         ``"trimmed-mean"``: the share dropped at each end, in [0, 0.5).
     """
@@ -59,7 +63,7 @@ class Sync(MergeRule):
     def init_state(self, server: FlatParams) -> RuleState:
         if self.aggregate != "mean":  # the round's updates, "u0", "u1", ...
             return RuleState(scalars={"samples": 0, "updates": 0})
-        return RuleState(arrays={"sum": zeros_like(server)}, scalars={"samples": 0, "updates": 0})
+        return RuleState(arrays={"sum": _zero_sum(server)}, scalars={"samples": 0, "updates": 0})
 
     def apply(self, server: FlatParams, client: FlatParams, state: RuleState, arrival: Arrival) -> dict[str, Any]:
         check_layout(server, client)
@@ -67,20 +71,20 @@ class Sync(MergeRule):
             raise ValueError("Sync needs target_samples (vcdask.fit sets it to one epoch's rows)")
         if self.aggregate != "mean":
             return self._robust(server, client, state, int(arrival.n_samples))
-        total = state.arrays["sum"]
+        sums = _sums(server, state)
         n = int(arrival.n_samples)
         for dtype in floats(server):
-            total.arrays[dtype].add_(client.arrays[dtype], alpha=n)
+            sums[dtype].add_(client.arrays[dtype], alpha=n)
         for dtype, ws in server.arrays.items():
             if not ws.is_floating_point():
-                total.arrays[dtype].copy_(client.arrays[dtype])
+                sums[dtype].copy_(client.arrays[dtype])
         state.scalars["samples"] += n
         state.scalars["updates"] += 1
         if state.scalars["samples"] < self.target_samples:
             return {"alpha": None, "applied": False}
         for dtype, ws in server.arrays.items():
-            acc = total.arrays[dtype]
-            if ws.is_floating_point():
+            acc = sums[dtype]
+            if ws.is_floating_point():  # (a float32 sum of half precision is rounded here, once)
                 ws.copy_(acc / state.scalars["samples"])
                 acc.zero_()
             else:
@@ -111,10 +115,61 @@ class Sync(MergeRule):
         return out
 
 
+def _sum_places(sizes: dict[str, int]) -> dict[str, tuple[str, int]]:
+    """Where the round's sum of each dtype's array lives: the sum's dtype (see :data:`_WIDER`) and the
+    array's start in that dtype's flat vector (a dtype summed as itself first, the half-precision ones after it)."""
+    ends: dict[str, int] = {}
+    places = {}
+    for dtype in sorted(sizes, key=lambda d: d in _WIDER):
+        into = _WIDER.get(dtype, dtype)
+        places[dtype] = (into, ends.get(into, 0))
+        ends[into] = places[dtype][1] + sizes[dtype]
+    return places
+
+
+def _sum_layout(layout: Layout) -> Layout:
+    """The layout of the ``"sum"`` state: the parameters' own, but with half-precision entries in float32
+    (behind the float32 ones, where the model has both)."""
+    places = _sum_places(layout.sizes)
+    if all(into == dtype for dtype, (into, _) in places.items()):
+        return layout
+    return Layout(
+        tuple(Entry(e.name, e.shape, places[e.dtype][0], places[e.dtype][1] + e.offset) for e in layout.entries)
+    )
+
+
+def _zero_sum(server: FlatParams) -> FlatParams:
+    """A zero ``"sum"`` state for ``server`` (laid out by :func:`_sum_layout`)."""
+    layout = _sum_layout(server.layout)
+    return FlatParams(layout, {d: torch.zeros(n, dtype=torch_dtype(d)) for d, n in layout.sizes.items()})
+
+
+def _sums(server: FlatParams, state: RuleState) -> dict[str, torch.Tensor]:
+    """The round's running sum of each of the parameters' dtypes: views into the ``"sum"`` state.
+
+    A sum saved by a vcdask that kept it in half precision (the parameters' layout) is taken up to
+    float32 first (exactly).
+    """
+    total = state.arrays["sum"]
+    places = _sum_places(server.layout.sizes)
+    if any(d in _WIDER for d in total.arrays):
+        wide = _zero_sum(server)
+        for dtype, (into, start) in places.items():
+            wide.arrays[into][start : start + server.arrays[dtype].numel()].copy_(total.arrays[dtype])
+        total = state.arrays["sum"] = wide
+    return {
+        dtype: total.arrays[into][start : start + server.arrays[dtype].numel()]
+        for dtype, (into, start) in places.items()
+    }
+
+
 def _combine(stacked: torch.Tensor, aggregate: str, trim: float) -> torch.Tensor:
-    """Coordinate-wise median or trimmed mean over the first dimension (one row per update)."""
+    """Coordinate-wise median or trimmed mean over the first dimension (one row per update), in the
+    updates' own dtype (half precision in float32): a float64 parameter keeps its precision."""
     m = stacked.shape[0]
-    ordered = stacked.float().sort(dim=0).values
+    if stacked.dtype in (torch.float16, torch.bfloat16):
+        stacked = stacked.float()
+    ordered = stacked.sort(dim=0).values
     if aggregate == "median":  # of an even count: the mean of the middle two
         return ordered[(m - 1) // 2 : m // 2 + 1].mean(dim=0)
     k = int(trim * m)
