@@ -7,7 +7,7 @@ once per epoch.  The schedules here are indexed instead by the **global count of
 (as Liu et al.'s asynchronous Local-SGD does): the steps of every shard handed out before this
 task, in the order the run handed them out, plus this task's own.  A run's ``total`` is the
 steps of all its epochs (``max_epochs`` passes over every shard, ``local_epochs`` each), so a
-cosine decay reaches its end with the run's last shard, whatever the number of workers, as it
+cosine decay reaches its end as the run's last shard ends, whatever the number of workers, as it
 does in single-process torch over the same data::
 
     vcdask.fit(model, data, lr_schedule=vcdask.lr_schedules.Cosine(warmup=0.05))
@@ -81,7 +81,12 @@ class Constant(RunSchedule):
 
 @dataclass(frozen=True)
 class _Decay(RunSchedule):
-    """A linear warm-up over ``warmup`` of the run, then a decay from 1 to ``final`` (:meth:`shape`)."""
+    """A linear warm-up over ``warmup`` of the run, then a decay from 1 to ``final`` (:meth:`shape`).
+
+    ``final`` is the factor *after* the run's last local step (at ``step == total``), as
+    ``torch.optim.lr_scheduler.CosineAnnealingLR`` and Hugging Face's schedules reach their end: the
+    last step (``step == total - 1``) trains one step short of it (``Linear()(7, 8) == 0.125``).
+    """
 
     warmup: float = 0.0
     final: float = 0.0
@@ -112,7 +117,9 @@ class Cosine(_Decay):
     warmup : float, default 0
         The fraction of the run's local steps spent warming up.
     final : float, default 0
-        The factor the rate decays to at the run's last local step.
+        The factor the rate decays to, reached after the run's last local step (at ``step == total``;
+        the last step itself, ``total - 1``, trains one step short of it, as in torch's
+        ``CosineAnnealingLR``).
     """
 
     def shape(self, progress: float) -> float:
@@ -126,7 +133,11 @@ class Linear(_Decay):
     Parameters
     ----------
     warmup : float, default 0
+        The fraction of the run's local steps spent warming up.
     final : float, default 0
+        The factor the rate decays to, reached after the run's last local step (at ``step == total``;
+        the last step itself, ``total - 1``, trains at ``final + (1 - final) / (total - n)``, ``n`` the
+        warm-up's steps, as in torch's ``LinearLR``).
     """
 
     def shape(self, progress: float) -> float:
