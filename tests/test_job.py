@@ -165,6 +165,28 @@ def test_not_yaml_and_not_there(job_dir):
         load_job(job_dir / "nope.yaml")
 
 
+def test_a_job_file_that_is_not_utf8_is_a_bad_job_file(job_dir):
+    """A job file saved as Latin-1 (``# résumé``) is exit 2 naming the file, not a UnicodeDecodeError."""
+    path = job_dir / "job.yaml"
+    path.write_bytes("# r\u00e9sum\u00e9\n".encode("latin-1") + JOB.encode())
+    with pytest.raises(JobFileError, match=r"^job\.yaml: not UTF-8 text: byte 0xe9 at line 1; save the file as UTF-8$"):
+        load_job(path)
+    outcome = run_job(path)
+    assert outcome.exit_code == EXIT_BAD_JOB and outcome.message.startswith("job.yaml: not UTF-8 text")
+    assert not (job_dir / "reports").exists()  # where the report goes cannot be read either
+
+
+def test_report_under_the_home_directory(job_dir, monkeypatch):
+    """``report: ~/x.json`` is in the home directory, as ``store:`` and ``data:`` paths are, not in a ``~`` folder."""
+    home = job_dir / "home"
+    monkeypatch.setenv("HOME", str(home))
+    assert load_job(_edit(job_dir, "report: reports/report.json", "report: ~/x.json")).report == home / "x.json"
+    outcome = run_job(_write(job_dir, JOB.replace("max_epochs: 2", "max_epoch: 2").replace("reports/", "~/")))
+    assert outcome.exit_code == EXIT_BAD_JOB  # its report is written where the file says, though it failed its checks
+    assert json.loads((home / "report.json").read_text())["exit_code"] == 2
+    assert not (job_dir / "~").exists()
+
+
 def test_release_mode_defaults_from_the_metric(job_dir):
     loss = load_job(_edit(job_dir, "metric: accuracy", "metric: loss")).release
     assert (loss.mode, loss.beats(0.5, 0.6), loss.beats(0.6, 0.5)) == ("min", True, False)

@@ -140,15 +140,16 @@ def load_job(path: str | os.PathLike) -> Job:
     Raises
     ------
     JobFileError
-        The file is missing, not YAML, breaks the schema, names a factory that does not import, or a
-        ``fit`` option that :func:`vcdask.fit` does not have or that a job cannot honour (``wait``, which a job
-        always does, and the options that take a Python callable); the message names the field and the remedy.
+        The file is missing, not UTF-8 text, not YAML, breaks the schema, names a factory that does not
+        import, or a ``fit`` option that :func:`vcdask.fit` does not have or that a job cannot honour (``wait``,
+        which a job always does, and the options that take a Python callable); the message names the field and
+        the remedy.
     """
     import yaml
 
     path = Path(path).absolute()
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(job_text(path))
     except OSError as e:
         raise JobFileError(path, "", f"cannot read the job file ({e.strerror or e})") from None
     except yaml.YAMLError as e:
@@ -184,8 +185,19 @@ def load_job(path: str | os.PathLike) -> Job:
         fit=fit,
         scheduler=raw.get("scheduler"),
         release=release,
-        report=None if report is None else base / report,
+        report=None if report is None else base / os.path.expanduser(report),
     )
+
+
+def job_text(path: Path) -> str:
+    """The job file's text: UTF-8 (YAML's own encoding), whatever the locale says."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        problem = f"not UTF-8 text: byte 0x{data[e.start]:02x} at line {line}; save the file as UTF-8"
+        raise JobFileError(path, "", problem) from None
 
 
 def _check_schema(path: Path, raw: Any) -> None:

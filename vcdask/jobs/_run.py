@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ParameterMismatchError, TagExistsError
-from ._file import Job, JobFileError, load_job
+from ._file import Job, JobFileError, job_text, load_job
 from ._preflight import Prepared, fit_kwargs, preflight
 from ._release import last_release, score
 
@@ -107,11 +107,11 @@ def _report_path(path: Path) -> Path | None:
     import yaml
 
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        raw = yaml.safe_load(job_text(path))
+    except (OSError, JobFileError, yaml.YAMLError):
         return None
     report = raw.get("report") if isinstance(raw, dict) else None
-    return path.parent / report if isinstance(report, str) and report else None
+    return path.parent / os.path.expanduser(report) if isinstance(report, str) and report else None
 
 
 def _train_and_release(prepared: Prepared, report: dict[str, Any]) -> int:
