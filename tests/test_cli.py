@@ -100,6 +100,53 @@ def test_runs_reads_the_engine_record_and_never_unpickles_a_spec(runs_store, tmp
     )
 
 
+def test_runs_started_comes_from_the_record_and_a_damaged_job_record_is_skipped(tmp_path, capsys):
+    """A run's start is its record's ``started`` (its first versions may be gone: retention), else its oldest
+    version's time; a truncated job.json lists its run without it, as a damaged status.json does."""
+    from datetime import UTC, datetime
+
+    from vcdask.engine.end import write_record
+    from vcdask.spec import spec_path
+
+    store = vcdask.open_store(tmp_path / "s", mode="a")
+    model = torch.nn.Linear(2, 1)
+    recorded, bare = "run-20200101-000000-abc000", "run-20200101-000001-abc001"
+    for run_id in (recorded, bare):
+        store.create_branch(run_id)
+        store.commit(model, {"run_id": run_id, "step": 1, "max_epochs": 3}, branch=run_id)
+        store.files.put(spec_path(run_id), b"garbage")
+    started = datetime(2020, 1, 1, 0, 0, 0, tzinfo=UTC)
+    write_record(store, recorded, {"status": "running", "started": started.timestamp(), "max_epochs": 3})
+    store.files.put(f"{recorded}/job.json", b'{"released": true, "release": {"tag": "nigh')  # cut short
+    code, out, err = _run(capsys, "runs", tmp_path / "s", "--json")
+    assert code == 0 and err == ""
+    runs = {r["run_id"]: r for r in json.loads(out)}
+    assert runs[recorded]["started"] == str(started) and runs[recorded]["released"] is None
+    assert runs[bare]["started"] == str(store.versions(bare)[-1].written_at)  # no record: its oldest version
+    code, out, err = _run(capsys, "runs", tmp_path / "s")
+    assert code == 0 and err == "" and f"{recorded}    2020-01-01 00:00:00  incomplete" in out
+
+
+def test_demo_under_its_bar_says_so(tmp_path, monkeypatch, capsys):
+    """``vcdask demo --max-epochs 1`` misses its 0.95 test accuracy: exit 1 with a line saying by how much, not
+    silently; ``--help`` names the bar."""
+    seen = {}
+
+    def run_demo(store, max_epochs, progress):
+        seen.update(store=store, max_epochs=max_epochs)
+        return {"test_accuracy": 0.6992 if max_epochs == 1 else 0.97}
+
+    monkeypatch.setattr("vcdask.demo.run_demo", run_demo)
+    code, _, err = _run(capsys, "demo", "--store", tmp_path / "d", "--max-epochs", 1, "--no-progress")
+    assert code == 1 and seen == {"store": str(tmp_path / "d"), "max_epochs": 1}
+    assert err == (
+        "vcdask demo: test accuracy 0.6992 is under the demo's bar of 0.95 (exit 1); "
+        "train longer (--max-epochs, now 1)\n"
+    )
+    assert _run(capsys, "demo", "--store", tmp_path / "d", "--no-progress") == (0, "", "")
+    assert "exit 1 when its test accuracy is under 0.95" in build_parser().format_help()
+
+
 def test_versions_lists_the_newest_run_by_default(runs_store, capsys):
     path, result = runs_store
     store = vcdask.open_store(path, mode="r")

@@ -20,12 +20,24 @@ from ._listing import gc, human, runs, tags, versions
 __all__ = ["human", "main"]
 
 
+#: The test accuracy ``vcdask demo`` must reach (else it exits 1).
+DEMO_BAR = 0.95
+
+
 def _demo(args: argparse.Namespace) -> int:
-    """Train a small CNN on digits on the embedded default; exit 1 if it misses 0.95 test accuracy."""
+    """Train a small CNN on digits on the embedded default; exit 1 if it misses :data:`DEMO_BAR` test accuracy."""
     from ..demo import run_demo
 
     out = run_demo(store=args.store, max_epochs=args.max_epochs, progress=not args.no_progress)
-    return 0 if out["test_accuracy"] >= 0.95 else 1
+    accuracy = out["test_accuracy"]
+    if accuracy >= DEMO_BAR:
+        return 0
+    print(
+        f"vcdask demo: test accuracy {accuracy:.4f} is under the demo's bar of {DEMO_BAR} (exit 1); "
+        f"train longer (--max-epochs, now {args.max_epochs})",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -161,9 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     collect.set_defaults(func=gc)
 
-    demo = sub.add_parser("demo", parents=[common], help="run the demo on the embedded default")
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        help=f"run the demo on the embedded default (exit 1 when its test accuracy is under {DEMO_BAR})",
+        description=f"Train a small CNN on the digits data set on the embedded default cluster; exit 0 when its "
+        f"test accuracy reaches {DEMO_BAR}, 1 (saying so on stderr) when it is under.",
+    )
     demo.add_argument("--store", default="vcdask-runs", help="store location (default: %(default)s)")
-    demo.add_argument("--max-epochs", type=_at_least(1), default=20)
+    demo.add_argument("--max-epochs", type=_at_least(1), default=20, help="epochs to train (default: %(default)s)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_demo)
     return parser

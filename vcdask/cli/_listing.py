@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from ..errors import StoreNotFoundError
@@ -91,7 +91,7 @@ def run_info(store: Any, run_id: str) -> dict[str, Any]:
     status = run_status(record)
     return {
         "run_id": run_id,
-        "started": listed[-1].written_at if listed else None,
+        "started": _started(record, listed),
         "status": status,
         "epochs": epochs,
         "max_epochs": max_epochs,
@@ -103,6 +103,17 @@ def run_info(store: Any, run_id: str) -> dict[str, Any]:
         "start": _start_name(start),
         "released": ((job or {}).get("release") or {}).get("tag"),
     }
+
+
+def _started(record: dict[str, Any], listed: list[Any]) -> datetime | None:
+    """When the run started: its record's ``started`` (epoch seconds), or its oldest version's time, whichever
+    is earlier (a retention policy may have removed its first versions; a resumed run's record says when it
+    was resumed)."""
+    times = [listed[-1].written_at] if listed else []
+    started = record.get("started")
+    if isinstance(started, (int, float)) and not isinstance(started, bool):
+        times.append(datetime.fromtimestamp(started, UTC))
+    return min(times, default=None)
 
 
 def _record(store: Any, run_id: str, read_record: Any) -> dict[str, Any]:
@@ -128,7 +139,11 @@ def run_status(record: dict[str, Any]) -> str:
 
 def _job_record(store: Any, run_id: str) -> dict[str, Any] | None:
     path = f"{run_id}/job.json"
-    return json.loads(store.files.get(path)) if store.files.exists(path) else None
+    try:
+        job = json.loads(store.files.get(path)) if store.files.exists(path) else None
+    except (ValueError, OSError):  # a damaged record: list the run without it
+        return None
+    return job if isinstance(job, dict) else None
 
 
 def _final_metric(meta: dict[str, Any], job: dict[str, Any] | None) -> dict[str, float] | None:
