@@ -158,6 +158,28 @@ def test_a_wrong_feature_name_is_blamed_on_data_features(job_dir):
         preflight(load_job(_edit(job_dir, "label: y}", "label: nope}")))
 
 
+def test_a_model_that_does_not_fit_the_training_data_is_not_blamed_on_validation(job_dir):
+    """Five feature columns for a model that takes four: the model's field, whether or not the job holds out
+    validation data; a refusal of the validation data itself still names ``validation``."""
+    import pandas as pd
+
+    X, y = _tabular(40, 0)
+    columns = {f"f{i}": X[:, i] for i in range(4)}
+    pd.DataFrame({**columns, "f4": X[:, 0], "target": y}).to_csv(job_dir / "five.csv", index=False)
+    text = "model: mymodels:make\ndata: {path: five.csv, label: target}\nstore: store\nfit: {max_epochs: 1}\n"
+    for validation in ("", "validation: 0.25\n"):
+        with pytest.raises(JobFileError) as info:
+            preflight(load_job(_write(job_dir, text + validation)))
+        assert info.value.field == "model", (validation, str(info.value))
+        assert "the model cannot process the training data: samples of shape (5,)" in str(info.value)
+    pd.DataFrame({**columns, "target": y}).assign(f0=np.nan).to_csv(job_dir / "bad_val.csv", index=False)
+    four = text.replace("five.csv", "train.csv") + "validation: bad_val.csv\n"
+    with pytest.raises(
+        JobFileError, match=r"job\.yaml: validation: rejected by vcdask\.fit: validation: feature columns have missing"
+    ):
+        preflight(load_job(_write(job_dir, four)))
+
+
 def test_not_yaml_and_not_there(job_dir):
     with pytest.raises(JobFileError, match=r"job\.yaml: not valid YAML at line 2"):
         load_job(_write(job_dir, "model: [a\nfit: {"))

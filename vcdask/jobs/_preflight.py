@@ -86,8 +86,10 @@ def fit_kwargs(prepared: Prepared) -> dict[str, Any]:
 
 
 def _blamed(prepared: Prepared, kwargs: dict[str, Any], error: Exception) -> str:
-    """The job file's field a refusal of ``fit`` is about: the data's (``data.features``, ``data.label``,
-    ``data``) when the training data alone is refused so, ``validation`` when its data is, else ``fit``."""
+    """The job file's field a refusal of ``fit`` is about: ``fit`` for its options; for a refusal of the data,
+    the data's field (``data.features``, ``data.label``, ``data``) when the training data alone is refused so,
+    ``validation`` when the refusal names the validation data, ``model`` when it is about what the model makes
+    of the training data (it cannot take its rows, its outputs do not fit the labels), else the data's field."""
     from ..data import DataError, prepare_data
 
     if not isinstance(error, DataError):
@@ -101,12 +103,19 @@ def _blamed(prepared: Prepared, kwargs: dict[str, Any], error: Exception) -> str
             storage_options=kwargs.get("storage_options"),
         )
     except DataError as again:
-        message = str(again)
-        words = {"features": ("feature",), "label": ("label",), "sample_dim": ("sample_dim", "sample dimension")}
-        return next((f"data.{f}" for f, said in words.items() if any(w in message for w in said)), "data")
+        return _data_field(str(again))
     except Exception:  # noqa: BLE001 - only the blame is decided here; fit's message stands
         return "data"
-    return "validation" if prepared.validation is not None else "fit"
+    message = str(error)
+    if prepared.validation is not None and "validation" in message:  # fit's checks name the validation data
+        return "validation"
+    return "model" if "model" in message else _data_field(message)
+
+
+def _data_field(message: str) -> str:
+    """``data.features``, ``data.label`` or ``data.sample_dim`` when a refusal of the data names one, else ``data``."""
+    words = {"features": ("feature",), "label": ("label",), "sample_dim": ("sample_dim", "sample dimension")}
+    return next((f"data.{f}" for f, said in words.items() if any(w in message for w in said)), "data")
 
 
 def _plan(prepared: Prepared) -> None:
