@@ -20,6 +20,7 @@ import vcdask
 from vcdask.batches import cast_like_training
 from vcdask.jobs import (
     EXIT_BAD_JOB,
+    EXIT_FAILED,
     JobFileError,
     ReleaseRule,
     job_schema,
@@ -272,6 +273,39 @@ def test_preflight_checks_the_store_and_the_start(job_dir):
         prepared = preflight(load_job(_edit(job_dir, "start: last-release", f"start: {start}")))
         assert prepared.start["kind"] == where and prepared.start["version"] == v
         assert torch.equal(prepared.model[2].bias, model[2].bias)
+
+
+def test_a_store_or_data_that_does_not_answer_is_a_failure_not_a_bad_job_file(job_dir, monkeypatch):
+    """Connection refused (or a timeout, or access denied) is exit 1, as ``vcdask runs`` on the same store
+    says: the same job passes once the store answers. A store or data file that is not there stays exit 2."""
+    import socket
+
+    from vcdask.errors import StoreUnreachableError
+    from vcdask.jobs._preflight import _read
+
+    with socket.socket() as s:  # a free port, closed again: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    options = f"{{endpoint_url: 'http://127.0.0.1:{port}', region: us-east-1, allow_http: true, max_tries: 1}}"
+    down = _edit(job_dir, "store: store", f"store: {{location: 's3://bucket/runs', storage_options: {options}}}")
+    with pytest.raises(StoreUnreachableError, match=r"could not be reached"):
+        preflight(load_job(down))
+    outcome = run_job(down)
+    assert outcome.exit_code == EXIT_FAILED and outcome.message.startswith("StoreUnreachableError: "), outcome.message
+
+    job = load_job(_edit(job_dir, "{path: train.zarr, features: x, label: y}", "{path: train.csv, label: target}"))
+    errors = [ConnectionRefusedError(111, "Connection refused"), TimeoutError("timed out"), FileNotFoundError("gone")]
+
+    def read_csv(*args, **kwargs):
+        raise errors[0]
+
+    monkeypatch.setattr("pandas.read_csv", read_csv)
+    while len(errors) > 1:  # the data's server refused or did not answer: exit 1
+        with pytest.raises(OSError, match=r"cannot read .*train\.csv \(the job's data:\) as csv: ") as info:
+            _read(job, "data", job.data)
+        assert not isinstance(info.value, JobFileError) and info.value.__cause__ is errors.pop(0)
+    with pytest.raises(JobFileError, match=r"job\.yaml: data: cannot read .*train\.csv as csv: gone"):
+        _read(job, "data", job.data)  # not there: exit 2
 
 
 def test_run_job_with_a_bad_job_file_reports_exit_2(job_dir):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import MissingRegionError, ParameterMismatchError, StoreError, StoreNotFoundError, VersionNotFoundError
+from ..errors import MissingRegionError, ParameterMismatchError, StoreNotFoundError, VersionNotFoundError
 from ._file import DataRef, Job, JobFileError
 from ._release import last_release
 
@@ -47,6 +47,10 @@ def preflight(job: Job) -> Prepared:
     ------
     JobFileError
         Naming the field, e.g. ``job.yaml: start.tag: no tag 'nightly-9' in 's3://b/runs'; tags: [...]``.
+    StoreError, OSError
+        The store or a data file could not be reached, or refused access
+        (:class:`~vcdask.errors.StoreUnreachableError`, :class:`~vcdask.errors.StoreAccessDeniedError` ...):
+        a failure of the job (exit 1), not of its file.
     """
     import vcdask
 
@@ -161,10 +165,10 @@ def _open_store(job: Job) -> Any:
         else:
             problem = f"{e} ({hint})"
         raise JobFileError(job.path, "store", problem) from None
-    except StoreError as e:
-        raise JobFileError(job.path, "store", f"{e} ({hint})") from None
     except ValueError as e:  # unknown scheme or storage option
         raise JobFileError(job.path, "store", str(e)) from None
+    # Any other fault of the store (unreachable, access denied, an outage) is a failure of the job (exit 1),
+    # not of its file: the same job may pass once the store answers.
 
 
 def _build(job: Job) -> Any:
@@ -213,8 +217,10 @@ def _read(job: Job, name: str, ref: DataRef) -> Any:
             df = pd.read_csv(ref.path, storage_options=ref.storage_options or None)
         else:
             df = pd.read_parquet(ref.path, storage_options=ref.storage_options or None)
-    except (OSError, ValueError, ImportError) as e:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, ImportError) as e:
         raise JobFileError(job.path, name, f"cannot read {ref.path} as {ref.format}: {e}") from None
+    except OSError as e:  # not there is the job file's mistake; unreachable or refused is a failure (exit 1)
+        raise OSError(f"cannot read {ref.path} (the job's {name}:) as {ref.format}: {e}") from e
     wanted = [ref.label, *(ref.features or ())]
     missing = [c for c in wanted if c is not None and c not in df.columns]
     if missing:
