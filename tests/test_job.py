@@ -324,6 +324,22 @@ def test_run_job_with_a_bad_job_file_reports_exit_2(job_dir):
     assert not (job_dir / "store").exists()
 
 
+def test_a_job_refused_at_the_preflight_creates_no_store(job_dir):
+    """The store is created only once every check has passed: a job whose options fit refuses, or whose
+    model does not build, leaves nothing behind; one that passes creates it (a first release needs none)."""
+    for old, new in (("lr: 0.05", "lr: -1"), ("hidden: 16", "width: 16"), ("metric: accuracy", "metric: mae")):
+        outcome = run_job(_edit(job_dir, old, new))
+        assert outcome.exit_code == EXIT_BAD_JOB, outcome.message
+        assert not (job_dir / "store").exists(), outcome.message
+    (job_dir / "notes").mkdir()
+    (job_dir / "notes" / "todo.txt").write_text("not a store")
+    with pytest.raises(JobFileError, match=r"job\.yaml: store: .*notes' exists but is not a vcdask store"):
+        preflight(load_job(_edit(job_dir, "store: store", "store: notes")))
+    prepared = preflight(load_job(_write(job_dir, JOB)))  # start: last-release, with no store yet: a fresh model
+    assert prepared.start is None and prepared.store.writable and prepared.store.tags() == {}
+    assert prepared.store.location == str(job_dir / "store") and (job_dir / "store").is_dir()
+
+
 def test_preflight_runs_fits_checks_and_knows_the_runs_metrics(job_dir):
     # the labels are integers (a classifier): the run computes loss and accuracy, so mae is refused before training
     with pytest.raises(JobFileError) as info:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ class Prepared:
     """A job that passed every check, ready to train."""
 
     job: Job
-    store: Any  # ParamStore, open for writing
+    store: Any  # ParamStore, open for writing (None while the pre-flight runs on a store that is not there yet)
     model: Any  # torch.nn.Module: fresh, or holding the start version
     start: dict[str, Any] | None  # {"tag", "version", "branch"} of the start; None: a fresh model
     data: Any
@@ -54,7 +55,8 @@ def preflight(job: Job) -> Prepared:
     """
     import vcdask
 
-    store = _open_store(job)
+    # Read only until every check has passed: a job refused here leaves no new store behind.
+    store = _open_store(job, "r")
     model = _build(job)
     start = _start(job, store)
     if start is not None:
@@ -71,6 +73,8 @@ def preflight(job: Job) -> Prepared:
     prepared = Prepared(job, store, model, start, data, validation)
     _plan(prepared)
     _pickle_by_value(job)
+    # A start that names something needs the store to exist; a fresh model or the first release may create it.
+    prepared.store = _open_store(job, "r+" if isinstance(job.start, dict) else "a")
     return prepared
 
 
@@ -133,7 +137,11 @@ def _plan(prepared: Prepared) -> None:
     kwargs = fit_kwargs(prepared)
     options = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
     try:
-        names = list(plan(prepared.model, prepared.data, **fold_options(options)).metric_names)
+        with tempfile.TemporaryDirectory(prefix="vcdask-preflight-") as scratch:
+            # plan opens the store as fit does, with mode "a": a store that is not there yet is created after
+            # the checks (preflight), so plan gets a stand-in here that nobody sees
+            options["store"] = prepared.store if prepared.store is not None else str(Path(scratch) / "store")
+            names = list(plan(prepared.model, prepared.data, **fold_options(options)).metric_names)
     except (ValueError, TypeError) as e:  # fit's own checks: the job's options are wrong
         raise JobFileError(job.path, _blamed(prepared, kwargs, e), f"rejected by vcdask.fit: {e}") from None
     rule = job.release
@@ -144,11 +152,13 @@ def _plan(prepared: Prepared) -> None:
         )
 
 
-def _open_store(job: Job) -> Any:
+def _open_store(job: Job, mode: str) -> Any:
+    """The job's store, opened with ``mode``; None for ``mode="r"`` when there is none yet and the job does
+    not need one (a fresh model, or the first release: the job creates it once every check has passed)."""
     import vcdask
 
-    # A start that names something needs the store to exist; a fresh model or the first release may create it.
-    mode = "r+" if isinstance(job.start, dict) else "a"
+    if mode == "r" and job.store.startswith("memory://"):  # this process's only: opening it leaves nothing behind
+        mode = "a"
     hint = "check store.location and store.storage_options"
     try:
         return vcdask.open_store(job.store, mode=mode, **job.storage_options)
@@ -160,6 +170,8 @@ def _open_store(job: Job) -> Any:
         )
         raise JobFileError(job.path, "store.storage_options.region", problem) from None
     except StoreNotFoundError as e:
+        if e.missing == "store" and mode == "r" and not isinstance(job.start, dict):
+            return None
         if e.missing == "store":  # the store itself: start: names a version in it, so it must be there
             problem = f"no vcdask store at {e.location}; start: {job.start} needs one ({hint}, or drop start:)"
         else:
@@ -189,6 +201,8 @@ def _start(job: Job, store: Any) -> dict[str, Any] | None:
         return None
     if start == "last-release":
         assert job.release is not None
+        if store is None:  # no store yet: no release either, a fresh model
+            return None
         _, tag = last_release(store.tags(), job.release.tag_prefix)
         return None if tag is None else {"kind": "last-release", "tag": tag, "version": None, "branch": None}
     assert isinstance(start, dict)
