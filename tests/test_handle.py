@@ -158,3 +158,54 @@ def test_a_client_opened_for_a_cluster_is_closed_when_the_launch_fails(cluster):
     c.close()
     with resolve_client(cluster[1], keep=True) as c:
         assert c is cluster[1]  # a Client you pass is yours
+
+
+def _step(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _slow_eval(model, batch):
+    """An eval_step that takes half a second a batch (a large validation set, a slow model)."""
+    import time
+
+    time.sleep(0.5)
+    return {"loss": _step(model, batch)}
+
+
+def test_a_stopped_run_validates_its_final_version_once_however_long_that_takes(client, tmp_path, caplog):
+    """A run stopped mid-epoch validates its head as it ends.  That validation was taken for lost unless
+    it finished within a quarter of a second: each attempt was cancelled and sent again, and after 1,000
+    the run failed (a stopped run, a time limit, a Ctrl-C)."""
+    X, y = _data(n=1200)
+
+    def slow(epoch, step):
+        import time
+
+        time.sleep(0.02)
+        return 1.0
+
+    handle = vcdask.fit(
+        _model(),
+        (X, y),
+        validation=0.25,
+        train_step=_step,
+        eval_step=_slow_eval,
+        max_epochs=50,
+        n_shards=20,
+        lr_schedule=slow,
+        client=client,
+        store=tmp_path / "store",
+        wait=False,
+        progress=False,
+    )
+    while handle.status()["step"] < 2:
+        assert not handle.done(), handle.status()
+    with caplog.at_level("WARNING", logger="vcdask.engine.results"):
+        handle.stop("the test stops it")
+        result = handle.result(timeout=90)
+    assert result.stop_reason == "the test stops it" and len(result.epochs) < 50
+    final = result.store.read(result.version).metadata["step"]
+    assert final % 20 != 0  # (mid-epoch: no epoch's validation covered it)
+    assert np.isfinite(result.metrics["loss"])
+    assert not [r for r in caplog.records if "final validation" in r.getMessage()], caplog.text

@@ -116,6 +116,17 @@ async def _await(future: Any) -> Any:
     return await future
 
 
+async def _run_then_fetch(tasks: InFlight, future: Any, watch: Callable[[], Awaitable[None]]) -> dict[str, Any] | str:
+    """:func:`fetch` for a task just sent: first wait until it has finished (or erred; a worker that
+    dies running it leaves it to Dask, which runs it elsewhere), then read its result.  (:func:`fetch`
+    on a task still running took it for one whose worker left with its result: a final validation
+    that took longer than :data:`POLL` was cancelled and sent again, until the run failed.)"""
+    while not future.done() and tasks.state(future.key) not in ("memory", "erred"):
+        await asyncio.sleep(POLL)
+        await watch()
+    return await fetch(tasks, future, watch)
+
+
 async def validate_final(
     tasks: InFlight,
     store: Any,
@@ -146,7 +157,7 @@ async def validate_final(
         )
         limit = 2 * deadline()
         try:
-            rec = await asyncio.wait_for(fetch(tasks, future, watch), limit)
+            rec = await asyncio.wait_for(_run_then_fetch(tasks, future, watch), limit)
         except TimeoutError:
             on = tasks.processing_on(future.key)
             logger.warning(
@@ -156,6 +167,7 @@ async def validate_final(
                 limit,
             )
             avoid |= {on} if on else set()
+            await tasks.client.cancel([future])  # (its slot is the next attempt's)
             continue
         except StoreError as exc:
             task = TaskRecord("validation", step=step, version=version, attempt=attempt)
