@@ -324,6 +324,54 @@ def test_run_job_with_a_bad_job_file_reports_exit_2(job_dir):
     assert not (job_dir / "store").exists()
 
 
+def test_the_report_location_is_checked_at_the_preflight(job_dir, monkeypatch):
+    """A report that cannot be written is a bad job file (exit 2) before any training, not exit 1 after a
+    release (which a retry on exit 1 would train and release again); its missing folders are created."""
+    import os
+
+    for report, problem in (
+        ("train.csv/r.json", r"report: .*train\.csv is a file, not a folder; the report goes to .*r\.json$"),
+        ("reports/a.csv/b/r.json", r"report: .*a\.csv is a file, not a folder"),
+        ("val.zarr", r"report: .*val\.zarr is a folder; name a file in it, e.g. .*val\.zarr/report\.json$"),
+    ):
+        (job_dir / "reports").mkdir(exist_ok=True)
+        (job_dir / "reports" / "a.csv").write_text("")
+        path = _edit(job_dir, "report: reports/report.json", f"report: {report}")
+        with pytest.raises(JobFileError, match=problem):
+            preflight(load_job(path))
+        outcome = run_job(path)
+        assert outcome.exit_code == EXIT_BAD_JOB and re.search(problem, outcome.message), outcome.message
+    assert not (job_dir / "store").exists()
+    (job_dir / "locked").mkdir(mode=0o555)
+    with monkeypatch.context() as m:
+        if os.geteuid() == 0:  # root writes in a read-only folder: refused as it would refuse another user
+
+            def refused(*args, dir, **kwargs):
+                raise PermissionError(13, "Permission denied", str(dir))
+
+            m.setattr("tempfile.NamedTemporaryFile", refused)
+        with pytest.raises(JobFileError, match=r"report: cannot write the report to .*locked/r\.json: Permission"):
+            preflight(load_job(_edit(job_dir, "report: reports/report.json", "report: locked/r.json")))
+    preflight(load_job(_edit(job_dir, "report: reports/report.json", "report: out/nightly/r.json")))
+    assert list((job_dir / "out").rglob("*")) == [job_dir / "out" / "nightly"]  # the folder, and nothing in it
+
+    # the place changed while the job trained: the line says that the report was not written, and what was done
+    def trained(prepared, report):
+        report.update(released=True, reason="released nightly-2 = version V: accuracy 0.9 beats nightly-1 0.8")
+        (job_dir / "reports").rename(job_dir / "moved")
+        (job_dir / "reports").write_text("")
+        return 0
+
+    monkeypatch.setattr("vcdask.jobs._run._train_and_release", trained)
+    outcome = run_job(_write(job_dir, JOB))
+    assert outcome.exit_code == EXIT_FAILED and outcome.message.startswith(
+        f"could not write the report to {job_dir / 'reports' / 'report.json'}: "
+    )
+    assert outcome.message.endswith(
+        "(the job itself: released nightly-2 = version V: accuracy 0.9 beats nightly-1 0.8)"
+    )
+
+
 def test_a_job_refused_at_the_preflight_creates_no_store(job_dir):
     """The store is created only once every check has passed: a job whose options fit refuses, or whose
     model does not build, leaves nothing behind; one that passes creates it (a first release needs none)."""

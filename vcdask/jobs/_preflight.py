@@ -39,7 +39,8 @@ class Prepared:
 
 
 def preflight(job: Job) -> Prepared:
-    """Check what the job names: the store (reachable), the start (exists), the model (builds, loads), the data.
+    """Check what the job names: the report (its folder writable), the store (reachable), the start (exists),
+    the model (builds, loads), the data.
 
     Then every check of :func:`vcdask.fit` runs on the job's options (:func:`vcdask.options.plan`: no
     cluster work), and the release metric is checked against the metrics the run will compute.
@@ -55,6 +56,7 @@ def preflight(job: Job) -> Prepared:
     """
     import vcdask
 
+    _check_report(job)
     # Read only until every check has passed: a job refused here leaves no new store behind.
     store = _open_store(job, "r")
     model = _build(job)
@@ -150,6 +152,30 @@ def _plan(prepared: Prepared) -> None:
         raise JobFileError(
             job.path, "release.metric", f"the run computes no {rule.metric!r}; it computes {names}{remedy}"
         )
+
+
+def _check_report(job: Job) -> None:
+    """Check that the report can be written where the job says, creating its folder if it is missing: found
+    only when the job ends, a bad ``report:`` made a job that trained and released exit 1 (and a retry of it
+    train and release again)."""
+    where = job.report
+    if where is None:
+        return
+    nearest = next((p for p in (where.parent, *where.parent.parents) if p.exists()), None)
+    if nearest is not None and not nearest.is_dir():
+        raise JobFileError(job.path, "report", f"{nearest} is a file, not a folder; the report goes to {where}")
+    if where.is_dir():
+        raise JobFileError(job.path, "report", f"{where} is a folder; name a file in it, e.g. {where / 'report.json'}")
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        if where.exists():
+            with where.open("a"):  # writable, and left as it is
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=where.parent, prefix=f".{where.name}.", suffix=".check"):
+                pass
+    except OSError as e:
+        raise JobFileError(job.path, "report", f"cannot write the report to {where}: {e.strerror or e}") from None
 
 
 def _open_store(job: Job, mode: str) -> Any:

@@ -50,8 +50,8 @@ class JobOutcome:
 
     @property
     def message(self) -> str:
-        """One line for the terminal."""
-        return self.report.get("reason") or self.report.get("error") or ""
+        """One line for the terminal: the error of a job that failed, else what the job did."""
+        return self.report.get("error") or self.report.get("reason") or ""
 
 
 def run_job(path: str | os.PathLike) -> JobOutcome:
@@ -94,11 +94,12 @@ def run_job(path: str | os.PathLike) -> JobOutcome:
         try:
             where.parent.mkdir(parents=True, exist_ok=True)
             where.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        except OSError as e:
+        except OSError as e:  # (the pre-flight checked the place: it changed since)
             logger.error("could not write the report to %s: %s", where, e)
             if error is None:
                 code, error = EXIT_FAILED, e
-                report.update(exit_code=code, error=f"could not write the report to {where}: {e}")
+                done = f" (the job itself: {report['reason']})" if report.get("reason") else ""
+                report.update(exit_code=code, error=f"could not write the report to {where}: {e}{done}")
     return JobOutcome(code, report, error)
 
 
