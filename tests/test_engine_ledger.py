@@ -117,3 +117,17 @@ def test_event_contract():
     with pytest.raises(ValueError, match=r"unknown event kind 'merge'; valid kinds: \['started'"):
         log.emit("merge")  # type: ignore[arg-type]
     assert "update" in EVENT_KINDS
+
+
+def test_a_resumed_runs_target_counts_from_the_epochs_it_trains():
+    """``resume(max_epochs=N)`` of a run that stopped at its target: the restored epoch reached it, and the
+    run stopped again at once, training nothing; the target counts from the resume, as patience does."""
+    led, _ = _ledger(n_shards=1, validated=True, target={"accuracy": 0.9})
+    led.resumed_at = 1  # (epoch 1 ended before the restart; the store's versions say so)
+    led.epoch_end[1] = (1, math.nan)
+    led.validate(1, {"accuracy": 0.95})
+    assert led.close_epochs() is None and led.epochs[0]["accuracy"] == 0.95
+    led.record(2, 0, 0, "merged", accepted=True, train_loss=0.4, new_version=2)
+    led.note_merged(2, 0, 1.0, step=2)
+    led.validate(2, {"accuracy": 0.96})
+    assert led.close_epochs() == "target {'accuracy': 0.9} reached at epoch 2"

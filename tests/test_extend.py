@@ -41,6 +41,7 @@ def test_resume_extends_a_finished_run_and_merges_nothing_twice(client, tmp_path
     # the store: every (epoch, shard) merged by exactly one version, steps 0..9 without a gap
     versions = list(reversed(more.store.versions(more.run_id)))
     assert [v.metadata["step"] for v in versions] == list(range(10))
+    assert "(step 9) on branch" in more._repr_html_()  # the run's step, not this session's 6 merges
     counts = Counter((e, s) for v in versions for e, s, _ in v.metadata["merged"])
     assert sorted(counts) == [(e, s) for e in (1, 2, 3) for s in range(3)] and set(counts.values()) == {1}
     assert versions[1].metadata["merged"] == first.store.versions(first.run_id)[-2].metadata["merged"]

@@ -289,6 +289,11 @@ def trained_with(settings: dict[str, Any]) -> str:
     )
 
 
+def _step(result: FitResult, merged: int) -> int:
+    """The final version's step: the merges of the whole run (a resumed run's history has only its own)."""
+    return int((getattr(result.model, "vcdask_version", None) or {}).get("step", merged))
+
+
 def _html(result: FitResult) -> str:
     """A compact HTML table: run id, final metrics, epochs, merges, versions, workers, store."""
     h = result.history
@@ -315,7 +320,7 @@ def _html(result: FitResult) -> str:
         ),
         (
             "final version",
-            f"<code>{html.escape(str(result.version))}</code> (step {merged}) on branch "
+            f"<code>{html.escape(str(result.version))}</code> (step {_step(result, merged)}) on branch "
             f"<code>{html.escape(result.run_id)}</code>",
         ),
         *((("trained with", html.escape(trained_with(result.settings))),) if result.settings else ()),

@@ -100,7 +100,7 @@ class Ledger:
         #: Early stopping: stop once ``monitor`` has not improved for ``patience`` epochs.
         self.patience, self.monitor = patience, monitor
         self.best: dict[str, Any] | None = None  # {"epoch", "step", "value"} of the best epoch so far
-        self.resumed_at = 0  # epochs done before a resume: patience counts from there
+        self.resumed_at = 0  # epochs done before a resume: the target and patience count from there
 
     # -- shards ---------------------------------------------------------------------------------
     def done(self, epoch: int, shard: int) -> bool:
@@ -201,7 +201,11 @@ class Ledger:
             row = self._epoch_row(epoch, end_step, wall)
             self.epochs.append(row)
             self.events.emit("epoch", **row)
-            if self.target and all(policy.reached(n, goal, row.get(n)) for n, goal in self.target.items()):
+            if (
+                self.target
+                and epoch > self.resumed_at  # (a resumed run's target counts from the epochs it trains, as patience)
+                and all(policy.reached(n, goal, row.get(n)) for n, goal in self.target.items())
+            ):
                 stop = stop or f"target {self.target} reached at epoch {epoch}"
             early = self._patience_out(epoch, end_step, row)
             if stop is None and early is not None:

@@ -157,7 +157,7 @@ def _(event: m.Resumed, state: RunState) -> None:
     merged, the epochs that ended (their versions validated again), the attempt numbers used; the
     uploads no committed version holds are taken out of the queues (the shell merges them next)."""
     state.ledger.merged = event.merged
-    state.ledger.resumed_at = max(event.ends, default=0)  # early stopping's patience counts from here
+    state.ledger.resumed_at = max(event.ends, default=0)  # the target and patience count from here
     last = max([*event.merged, *(meta["epoch"] for meta in event.pending), 0])
     state.dispatch.restore(event.merged, event.attempts, last)
     for epoch, (step, version) in event.ends.items():  # epochs finished before the restart
