@@ -273,3 +273,27 @@ def test_bad_robust_options_raise_clear_errors_before_cluster_work(digits_data, 
     with pytest.raises(ValueError, match=r"Resilience\(probe_tolerance=...\) screens updates on a probe of the valid"):
         vcdask.fit(digits_cnn(0), (X, y), resilience=vcdask.Resilience(probe_tolerance=1.0), store=tmp_path / "s")
     assert not (tmp_path / "s").exists()
+
+
+def _probed_guard(base_loss: float, client_loss: float, tolerance: float = 2.0):
+    """A guard whose probe gives the base ``base_loss`` and the update ``client_loss``; the two versions."""
+    base, client = flatten(torch.nn.Linear(2, 1)), flatten(torch.nn.Linear(2, 1))
+    losses = {id(base): base_loss, id(client): client_loss}
+    guard = Guard(SimpleNamespace(resilience=vcdask.Resilience(probe_tolerance=tolerance)))
+    guard._probe = SimpleNamespace(loss=lambda params: losses[id(params)])
+    return guard, base, client
+
+
+def test_the_probe_judges_a_negative_loss_by_how_much_it_rose():
+    """A loss may be negative (GaussianNLLLoss's is): an update that lowers it merges, and one that raises
+    it by more than the tolerance's share of its size is rejected, the rise named with its sign."""
+    for lower in (-1.10, -5.0):
+        guard, base, client = _probed_guard(-1.0, lower)
+        assert guard.screen("v0", base, client, steps=4, shard=0)[1] is None
+    guard, base, client = _probed_guard(-1.0, 0.5)  # +1.5: within 2.0 x |-1.0|
+    assert guard.screen("v0", base, client, steps=4, shard=0)[1] is None
+    guard, base, client = _probed_guard(-1.0, 1.5)  # +2.5
+    problem = guard.screen("v0", base, client, steps=4, shard=0)[1]
+    assert problem == ("probe", "probe loss 1.5 against -1 for its base (+250%; probe_tolerance=2)")
+    guard, base, client = _probed_guard(2.0, 7.0)  # a positive loss, as before: +250%
+    assert guard.screen("v0", base, client, steps=4, shard=0)[1][1].endswith("(+250%; probe_tolerance=2)")

@@ -9,9 +9,10 @@ its task changed, from the version it trained from) before the rule sees it:
 * ``max_norm_ratio``: ``d`` is rejected when ``||d||`` exceeds this multiple of the reference norm.
 * ``min_cosine``: ``d`` is rejected when its cosine with the reference direction is below this.
 * ``probe_tolerance``: ``W_c`` is rejected when its loss on a probe of the validation set exceeds its
-  base version's by more than this fraction.  (Not the server's loss after the merge: a rule with
-  momentum or a delay, like the default, applies an update's effect over later merges, so a merge's
-  effect cannot be laid at one update's door; measured, honest updates were then blamed.)
+  base version's by more than this fraction of the base's size (``after - before > probe_tolerance *
+  |before|``: a loss may be negative).  (Not the server's loss after the merge: a rule with momentum or a
+  delay, like the default, applies an update's effect over later merges, so a merge's effect cannot be
+  laid at one update's door; measured, honest updates were then blamed.)
 
 **The reference** is the server's own pseudo-gradient on the update's own shard (FLTrust, Cao et al. 2021,
 with the shard's rows as the trusted data): the run's optimizer for :data:`REFERENCE_STEPS` steps from the
@@ -162,11 +163,13 @@ class Guard:
                     )
         if self.tolerance is not None:
             before, after = facts["loss"], self.probe.loss(client)
-            if not after <= before * (1 + self.tolerance):  # (a NaN loss is worse)
+            rise = after - before  # (measured against |before|: a loss may be negative, GaussianNLLLoss's is)
+            if not rise <= self.tolerance * abs(before):  # (a NaN loss is worse)
+                by = f"{100 * rise / abs(before):+.0f}%" if before else f"{rise:+.4g}"
                 return client, (
                     "probe",
                     f"probe loss {after:.4g} against {before:.4g} for its base "
-                    f"(+{100 * (after / before - 1):.0f}%; probe_tolerance={self.tolerance:g})",
+                    f"({by}; probe_tolerance={self.tolerance:g})",
                 )
         if self.clip is not None and norm > self.clip:
             client = _clipped(base, client, d, self.clip / norm)
