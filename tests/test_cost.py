@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 
 import dask.config
 import pytest
@@ -124,3 +125,51 @@ def test_fit_reports_what_its_spot_workers_cost_and_what_a_preemption_wasted(dig
     )
     assert cost["wasted_seconds"] == pytest.approx(workers.wasted_seconds.sum())
     assert (workers.wasted_seconds.drop(victim) == 0).all()
+
+
+def test_a_resumed_runs_cost_per_merge_counts_the_merges_since_it_was_resumed():
+    """A resumed run's workers are counted from the resume on, so its cost per merge divides by the merges
+    made since then (its history's accepted rows), not by every merge on its branch (its head's step)."""
+    import torch
+
+    from vcdask.data import Shards
+    from vcdask.engine import views
+    from vcdask.engine.committing import Head
+    from vcdask.engine.core import RunState
+    from vcdask.spec import RunSpec
+
+    spec = RunSpec(
+        run_id="run-resumed",
+        store=SimpleNamespace(location="memory://resumed"),
+        branch="run-resumed",
+        model=torch.nn.Linear(1, 1),
+        loss=None,
+        optimizer=None,
+        local_epochs=1,
+        batch_size=8,
+        seed=0,
+        train=None,
+        shards=Shards(40, 4),
+        validation=None,
+        metrics={},
+        classification=True,
+        x_dtype=torch.float32,
+        max_epochs=2,
+        merge=None,
+        target=None,
+        commit_every=1,
+        validate_every="auto",
+        keep_updates=False,
+        resilience=vcdask.Resilience(),
+        prices=PRICES,
+    )
+    run = RunState(spec, {"a": 1}, SimpleNamespace(tasks={}))
+    run.head = Head(step=20, version="v20", version_step=20)  # 16 merges before the resume, 4 since
+    for shard in range(4):
+        run.ledger.record(2, shard, 1, "merged", accepted=True, staleness=0)
+    run.ledger.record(2, 0, 2, "rejected")
+    run.pool = SimpleNamespace(
+        rows=lambda: [{"worker": "a", "instance": "m.test", "market": "spot", "alive_seconds": 3600.0}]
+    )
+    cost = views.result_dict(run)["cost"]
+    assert cost["total"] == pytest.approx(0.3) and cost["per_merge"] == pytest.approx(0.3 / 4)

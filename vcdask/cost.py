@@ -71,6 +71,9 @@ def summarize(rows: list[dict[str, Any]], prices: Mapping[str, Mapping[str, floa
     Returns ``total`` and ``on_demand`` ($; the same worker time at on-demand prices), ``saving`` (the
     share of ``on_demand`` saved), ``per_merge``, ``wasted_seconds`` and ``unpriced`` (workers whose
     instance type has no price, left out of the totals).  Each row gets its ``cost``.
+
+    ``merges`` are those the rows' worker time made: a resumed run's since it was resumed (its workers'
+    clocks start afresh then), not every merge on its branch.
     """
     total = on_demand = wasted = 0.0
     unpriced = []

@@ -54,8 +54,14 @@ def _cost_so_far(run: RunState) -> dict[str, float] | None:
     """What the workers cost so far, and the saving against on-demand (None without a price table)."""
     if not run.spec.prices:
         return None
-    cost = summarize(run.pool.rows(), run.spec.prices, run.head.step)
+    cost = summarize(run.pool.rows(), run.spec.prices, _merges(run))
     return {"total": cost["total"], "on_demand": cost["on_demand"], "saving": cost["saving"]}
+
+
+def _merges(run: RunState) -> int:
+    """The merges since the run started or was resumed: what its workers' time (``run.pool``, which a
+    resumed run starts afresh) paid for.  Not ``head.step``, which counts the merges of every session."""
+    return sum(1 for row in run.ledger.history if row["accepted"])
 
 
 def _alpha_now(run: RunState) -> float | None:
@@ -98,7 +104,7 @@ def result_dict(run: RunState, stalled: str | None = None) -> dict[str, Any]:
         "history": ledger.history,
         "epochs": ledger.epochs,
         "workers": workers,
-        "cost": summarize(workers, run.spec.prices or {}, run.head.step),
+        "cost": summarize(workers, run.spec.prices or {}, _merges(run)),
         "final_metrics": ledger.validations.get(run.head.version_step),
         "branch": run.spec.branch,
         "best": ledger.best,  # {"epoch", "step", "value"} of the monitored metric's best epoch, or None
