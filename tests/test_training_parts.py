@@ -326,7 +326,7 @@ def test_a_gpu_shard_is_copied_once_a_task_and_cut_there_without_a_copy_per_batc
     assert copies == []
     on_gpu = list(batches.batches(spec, rows, ACCELERATOR, 3, generator=torch.Generator().manual_seed(1)))
     assert sorted(copies) == [(10,), (10,), (10, 3)]  # the shard's two columns and the order, once each
-    assert [n for _, n in on_gpu] == [n for _, n in on_cpu] == [3, 3, 3, 1]
+    assert [n for _, n in on_gpu] == [n for _, n in on_cpu] == [3, 3, 2, 2]  # (no lone last row)
     for (gpu, _), (cpu, _) in zip(on_gpu, on_cpu, strict=True):
         assert all(t.device == ACCELERATOR for t in gpu)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu, cpu, strict=True))
@@ -450,7 +450,127 @@ def test_integer_inputs_stay_integer_without_cast():
     cols = batches.rows(_spec(cast_x=True), src, 1, 6)
     assert cols["X"].dtype == torch.float32
     got = list(batches.batches(_spec(), cols, torch.device("cpu"), 2))
-    assert [n for _, n in got] == [2, 2, 1] and torch.equal(got[0][0][0], cols["X"][:2])
+    assert [n for _, n in got] == [2, 3] and torch.equal(got[0][0][0], cols["X"][:2])
+
+
+def _stand_in_copies(monkeypatch) -> None:
+    """Copies to a CUDA device made to the accelerator stand-in (as the GPU shard test does)."""
+    from vcdask.testing.devices import OnAccelerator, on_accelerator
+
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        target = args[0] if args else kwargs.get("device")
+        if isinstance(target, torch.device) and target.type == "cuda":
+            return self if isinstance(self, OnAccelerator) else on_accelerator(self.clone())
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Item ``i`` is ``([i], i % 2)``: a batch names the rows it holds."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), i % 2
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu", "gpu-prefetched", "dataset"])
+@pytest.mark.parametrize(
+    ("n", "batch_size", "sizes"),
+    [
+        (13, 4, [4, 4, 3, 2]),  # a remainder of 1: the batch before gives the last one a row
+        (129, 32, [32, 32, 32, 31, 2]),  # (a shard of the reviewer's run at the default batch_size)
+        (12, 4, [4, 4, 4]),  # no remainder
+        (14, 4, [4, 4, 4, 2]),  # a remainder of 2 or more is a batch as it is
+        (5, 4, [3, 2]),  # the shard's one full batch gives the row
+        (7, 2, [2, 2, 3]),  # batch_size=2 has none to give: the row joins the batch before
+        (1, 4, [1]),  # a shard of one row stays one batch of it
+        (3, 1, [1, 1, 1]),  # so do batches of one, asked for
+    ],
+)
+def test_a_shard_never_trains_a_lone_last_row_and_every_row_once(monkeypatch, path, n, batch_size, sizes):
+    """A lone last row was a batch of its own: a model with BatchNorm failed every try of that shard's task
+    ("Expected more than 1 value per channel when training"), on every way a worker cuts its batches."""
+    from vcdask.data import prepare_data
+    from vcdask.testing.devices import ACCELERATOR
+
+    _stand_in_copies(monkeypatch)
+    if path == "gpu-prefetched":  # a shard too large to copy whole: cut on the CPU, each batch copied
+        monkeypatch.setattr(batches, "_ON_DEVICE_BYTES", 0)
+    if path == "dataset":
+        prepared = prepare_data(_Rows(n))
+        spec = _spec(batch_form=prepared.form)
+        rows = batches.rows(spec, prepared.source, 0, n)
+    else:
+        spec = _spec()
+        rows = {"X": torch.arange(n, dtype=torch.float32)[:, None], "y": torch.arange(n) % 2}
+    device = torch.device("cpu") if path in ("cpu", "dataset") else ACCELERATOR
+    got = list(batches.batches(spec, rows, device, batch_size, generator=torch.Generator().manual_seed(3)))
+    assert [k for _, k in got] == [len(x) for (x, _y), _ in got] == sizes
+    assert sorted(int(v) for (x, _y), _ in got for v in x.cpu().flatten()) == list(range(n))
+    assert [(i, j) for i, j in batches.batch_bounds(n, batch_size)] == [
+        (sum(sizes[:k]), sum(sizes[: k + 1])) for k in range(len(sizes))
+    ]
+    if batch_size != 2:  # the steps a shard takes, as the run counts them for its schedule and record
+        assert len(got) == -(-n // batch_size)
+
+
+def test_a_speed_adapted_share_of_a_shard_is_its_first_batches_without_a_lone_row():
+    """``limit`` takes the first batches of the shard's own cut (a share of all of them ends as the whole)."""
+    rows = {"X": torch.arange(13, dtype=torch.float32)[:, None], "y": torch.zeros(13, dtype=torch.int64)}
+
+    def sizes(limit):
+        g = torch.Generator().manual_seed(0)
+        return [k for _, k in batches.batches(_spec(), rows, torch.device("cpu"), 4, generator=g, limit=limit)]
+
+    assert sizes(None) == sizes(4) == [4, 4, 3, 2]
+    assert sizes(3) == [4, 4, 3] and sizes(1) == [4]
+
+
+def test_a_batchnorm_model_trains_every_shard_of_a_run_and_the_schedule_counts_its_steps():
+    """The reviewer's run: 288 rows, 10% held out, the default batch_size over two shards left one of 129 rows
+    (4 x 32 + 1), whose task failed on every try in train mode; the pre-flight probe runs in eval mode and
+    passed.  Each shard's batches now train, in the number of steps the learning-rate schedule counts."""
+    from vcdask.data import Shards
+    from vcdask.lr_schedules import run_steps
+    from vcdask.options import resolve_loss
+    from vcdask.steps import SupervisedStep
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(259, 4)).astype("float32")
+    y = (X[:, 0] > 0).astype("int64")
+    src = types.SimpleNamespace(
+        cache_key=("mem", id(test_a_batchnorm_model_trains_every_shard_of_a_run_and_the_schedule_counts_its_steps)),
+        url=None,
+        read_columns=lambda a, b: {"X": X[a:b], "y": y[a:b]},
+    )
+    shards = Shards(259, 2)
+    spec = _spec(run_id="batchnorm-run", shards=shards, batch_size=32, local_epochs=2, max_epochs=3)
+    assert [b - a for a, b in map(shards.bounds, range(2))] == [130, 129]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+    ).train()
+    step = SupervisedStep(resolve_loss(None, True))
+    taken = 0
+    try:
+        for shard in range(2):
+            rows = batches.rows(spec, src, *shards.bounds(shard))
+            g = torch.Generator().manual_seed(shard)
+            for _ in range(spec.local_epochs):
+                for batch, _n in batches.batches(spec, rows, torch.device("cpu"), spec.batch_size, generator=g):
+                    step(model, batch).backward()
+                    taken += 1
+    finally:
+        batches.forget(spec.run_id)
+    assert taken * spec.max_epochs == run_steps(spec)[1] == 3 * 2 * (5 + 5)
 
 
 def test_cached_rows_are_the_rows_already_read_or_none():

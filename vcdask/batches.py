@@ -22,7 +22,7 @@ from .device import to
 from .errors import StoreError
 from .torch_data import DatasetSource
 
-__all__ = ["Rows", "batches", "cast_like_training", "forget", "on_device", "prefetch", "rows"]
+__all__ = ["Rows", "batch_bounds", "batches", "cast_like_training", "forget", "on_device", "prefetch", "rows"]
 
 _lock = threading.Lock()
 _cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()  # rows by :func:`_key`
@@ -147,6 +147,45 @@ def _class_ids(batch: Any, spec) -> Any:
     return batch
 
 
+def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` of each batch :func:`batches` cuts from ``n`` rows: ``batch_size`` rows each, the
+    last one short, but never a lone row after another batch.
+
+    A lone last row trained as a batch of its own fails every model with a ``torch.nn.BatchNorm1d`` in train
+    mode ("Expected more than 1 value per channel when training") on every try of its task, and the shards'
+    sizes are the run's, not the user's (with ``batch_size=32``, 343 training sizes from 100 to 3000 left a
+    shard such a row).  The batch before gives it one of its rows instead, so no row is left out and a shard
+    still takes ``ceil(n / batch_size)`` steps, as :func:`vcdask.lr_schedules.run_steps`, the worker's share
+    of a speed-adapted shard and the run's record count them.  With ``batch_size=2`` there is none to give: the
+    row joins the batch before (3 rows), one step fewer.  A batch of one row is left only where the run asks for
+    it: a shard of one row (nothing to join it to), or ``batch_size=1``.
+
+    Parameters
+    ----------
+    n : int
+        The shard's rows.
+    batch_size : int
+        The rows of a batch (at least 1).
+
+    Returns
+    -------
+    list of tuple of int
+        Contiguous, in order, covering ``range(n)`` once; empty for ``n == 0``.
+
+    Examples
+    --------
+    >>> batch_bounds(7, 3)
+    [(0, 3), (3, 5), (5, 7)]
+    >>> batch_bounds(5, 2)
+    [(0, 2), (2, 5)]
+    """
+    bounds = [(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+    if batch_size > 1 and len(bounds) > 1 and n - bounds[-1][0] == 1:  # a lone last row after a full batch
+        start, stop = bounds[-2]
+        bounds[-2:] = [(start, stop - 1), (stop - 1, n)] if batch_size > 2 else [(start, n)]
+    return bounds
+
+
 def batches(
     spec,
     r: Rows,
@@ -156,12 +195,13 @@ def batches(
     generator: torch.Generator | None = None,
     limit: int | None = None,
 ) -> Iterator[tuple[Any, int]]:
-    """``(batch, n_samples)`` pairs over ``r`` on ``device``: shuffled by ``generator``, else in order;
-    only the first ``limit`` batches when given (a speed-adapted task's share of its shard)."""
+    """``(batch, n_samples)`` pairs over ``r`` on ``device``, cut as :func:`batch_bounds` says: shuffled by
+    ``generator``, else in order; only the first ``limit`` batches when given (a speed-adapted task's share
+    of its shard)."""
     n = n_rows(r)
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    starts = range(0, n, batch_size)[:limit]
-    spans = [order[i : i + batch_size] for i in starts]
+    bounds = batch_bounds(n, batch_size)[:limit]
+    spans = [order[i:j] for i, j in bounds]
     if isinstance(r, DatasetSource):
         yield from prefetch(
             (to(_class_ids(r.batch(idx.tolist()), spec), device, spec.x_dtype), len(idx)) for idx in spans
@@ -175,10 +215,7 @@ def batches(
         # the order copied once: a copy from pageable memory per batch would wait for the device's queue each
         # time, so the next step could not be queued while the last one ran
         order = order.to(device)
-        yield from (
-            (_cut(columns, order[i : i + batch_size], spec.batch_form), len(idx))
-            for i, idx in zip(starts, spans, strict=True)
-        )
+        yield from ((_cut(columns, order[i:j], spec.batch_form), j - i) for i, j in bounds)
         return
     yield from prefetch((to(_cut(r, idx, spec.batch_form), device), len(idx)) for idx in spans)
 
