@@ -139,6 +139,13 @@ def test_cancel_stops_the_run_and_leaves_the_store_readable_at_its_head(cluster,
     assert loaded.vcdask_version["id"] == ids[0] == status["version"]
     assert loaded.vcdask_version["step"] >= 2
     assert handle.cancel() is True  # already cancelled (as a Future answers)
+    assert handle.stop() == status  # nothing to stop: how it ended, without the closed client
+    from vcdask.panel import RunPanel
+
+    panel = RunPanel(handle, display=False)  # made of what the handle kept: its client is closed
+    assert panel._closed and panel.state.status["status"] == "cancelled" and "cancelled" in panel.header.value
+    assert panel.state.epochs_done == status["epochs_done"] and panel.state.metric == "train_loss"
+    assert sum(s == "merged" for e in panel.state.grid_epochs() for s in panel.state.grid(e)) >= 2
     # no shard of the run is left on the cluster
     assert not [k for keys in client.processing().values() for k in keys if handle.run_id in str(k)]
 

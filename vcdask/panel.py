@@ -101,10 +101,13 @@ class RunPanel:
         self._render_pending = False
         self._ready = False  # the widgets exist: events before only fold into the state
         self._closed = False
+        # a run that ended, its handle's client closed: what the handle kept is all there is to show
+        self._kept = handle._ended_panel()
         # follow, then snapshot: events racing the snapshot are harmless (absolute values)
-        self._following = follow(self.client, self.topic, self._on_event)
+        self._following = None if self._kept is not None else follow(self.client, self.topic, self._on_event)
         with contextlib.ExitStack() as undo:  # a snapshot that fails (no such run) leaves no follower behind
-            undo.callback(self._following.close)
+            if self._following is not None:
+                undo.callback(self._following.close)
             self.state.apply_snapshot(self._snapshot())
             undo.pop_all()
         metric = self.state.metric
@@ -158,6 +161,8 @@ class RunPanel:
 
     # -- feeding ----------------------------------------------------------------------------
     def _snapshot(self) -> dict:
+        if self._kept is not None:
+            return self._kept
         return self.client.sync(self.client.scheduler.vcdask_panel, run_id=self.handle.run_id)
 
     def refresh(self) -> None:
@@ -195,7 +200,8 @@ class RunPanel:
             if self._closed:
                 return
             self._closed = True
-        self._following.close()
+        if self._following is not None:
+            self._following.close()
         try:
             self.refresh()
         except Exception:  # noqa: BLE001 - the scheduler may be gone; keep what the panel shows

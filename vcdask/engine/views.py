@@ -13,7 +13,7 @@ from ..cost import summarize
 if TYPE_CHECKING:
     from .core import RunState
 
-__all__ = ["panel_state", "result_dict", "status_dict"]
+__all__ = ["panel_metric", "panel_state", "result_dict", "status_dict"]
 
 
 def status_dict(run: RunState, stalled: str | None = None) -> dict[str, Any]:
@@ -82,14 +82,20 @@ def panel_state(run: RunState, stalled: str | None = None, recent_epochs: int = 
     """Everything the progress panel shows, for a panel that starts (or re-attaches) mid-run;
     events keep it current from there."""
     first = max(1, run.dispatch.epoch - recent_epochs + 1)
-    metrics = list(run.spec.metric_names or run.spec.metrics) or ["loss"]
     return {
         "status": status_dict(run, stalled),
         "epochs": list(run.ledger.epochs),
         "workers": run.pool.rows(),
         "shards": [[e, s, st] for (e, s), st in run.ledger.shard_state.items() if e >= first],
-        "metric": metrics[0] if run.spec.validation is not None else "train_loss",
+        "metric": panel_metric(run.spec),
     }
+
+
+def panel_metric(spec: Any) -> str:
+    """The metric the panel plots for the run of ``spec``: its first validation metric, or the training
+    loss of a run without validation data."""
+    metrics = list(spec.metric_names or spec.metrics) or ["loss"]
+    return metrics[0] if spec.validation is not None else "train_loss"
 
 
 def result_dict(run: RunState, stalled: str | None = None) -> dict[str, Any]:
