@@ -80,6 +80,29 @@ def test_a_script_without_the_main_guard_is_refused_before_any_worker_starts(tmp
     assert 'if __name__ == "__main__":' in proc.stderr and "Safe importing of main module" in proc.stderr
     assert f"{tmp_path / 'train.py'} (line 8)" in proc.stderr
     assert "Nanny failed to start" not in proc.stderr and proc.stderr.count("Traceback") == 1
+    _assert_no_run_left(tmp_path / "store")  # the data was not staged for a cluster that would not start
+
+
+def _assert_no_run_left(location):
+    """Neither a branch nor a folder of a run that never started: nothing of it in the store."""
+    store = vcdask.open_store(str(location))
+    assert [b for b in store.branches() if b.startswith("run-")] == []
+    assert store.files.list("") == [] and not list(location.glob("**/run-*"))
+
+
+def test_a_run_whose_cluster_fails_to_start_leaves_nothing_in_the_store(tmp_path, monkeypatch):
+    """In-memory data staged while the embedded cluster starts (a branch, the data, the initial version) is
+    deleted again when the cluster fails to start."""
+    import vcdask.runs
+
+    def no_cluster(client, *, keep=False):
+        raise RuntimeError("the embedded cluster failed to start")
+
+    monkeypatch.setattr(vcdask.runs, "resolve_client", no_cluster)
+    X, y = _data()
+    with pytest.raises(RuntimeError, match="failed to start"):
+        vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=1, store=tmp_path / "store", progress=False)
+    _assert_no_run_left(tmp_path / "store")
 
 
 @pytest.mark.cluster

@@ -9,6 +9,7 @@ stopping, ``resume(max_epochs=)``) and where a run's initial parameters came fro
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -64,22 +65,28 @@ def launch(
     """Stage, commit the initial version, start the run; wait for it (``wait``) or return its handle.
 
     In-memory data for the embedded cluster is staged in a thread while that cluster starts (seconds,
-    the first time in a process); a cluster of the caller's may write dask data itself, so it is there first.
+    the first time in a process; not from a script's unguarded top level, where it will not start: see
+    :func:`~vcdask._main_guard.check_main_guard`); a cluster of the caller's may write dask data itself, so
+    it is there first.  A launch that fails before the run's spec is saved (the cluster did not start, the
+    staging failed) deletes the run's branch and folder: without a spec, ``vcdask runs`` would not list
+    them, and the copy of the data would stay.
     """
     t0 = time.perf_counter()
     run_id = new_run_id()
     start = start_record(model, plan.store)
     early = None
-    if client is None and _in_memory(plan):
+    if client is None and _in_memory(plan) and _guarded():
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vcdask-stage")
         early = pool.submit(_stage_data, plan, run_id, None, start)
         pool.shutdown(wait=False)
+    saved = False
     try:
         with resolve_client(client, keep=not wait) as c:
             _check_cluster(c, plan.store, embedded=client is None)
             staged = early.result() if early is not None else _stage_data(plan, run_id, c, start)
             spec = _stage(plan, run_id, c, *staged)
             save_spec(dataclasses.replace(spec, start=start))
+            saved = True
             handle = _start(
                 c, plan.store, run_id, model=model, setup_seconds=time.perf_counter() - t0, owns=owns_client(client)
             )
@@ -87,9 +94,42 @@ def launch(
                 return handle
             handle.wait(progress=progress)
             return handle.result(wall_time=time.perf_counter() - t0)
-    finally:
-        if early is not None:  # (the cluster failed to start: nothing writes to the store once fit has raised)
+    except BaseException:
+        if early is not None:  # (nothing writes to the store once it is done and fit has raised)
             concurrent.futures.wait([early])
+        if not saved:
+            _discard(plan.store, run_id)
+        raise
+
+
+def _guarded() -> bool:
+    """Whether the embedded cluster may start from here (:func:`~vcdask._main_guard.check_main_guard`):
+    when it may not, the data is not staged early; starting the cluster raises the error."""
+    from ._main_guard import check_main_guard
+    from .errors import MainGuardError
+
+    try:
+        check_main_guard()
+    except MainGuardError:
+        return False
+    return True
+
+
+def _discard(store: ParamStore, run_id: str) -> None:
+    """Delete what staging wrote for a run that never started: its branch (its initial version) and its
+    folder (the staged data).  What cannot be deleted is logged: the launch's own error is what the caller
+    hears of."""
+    try:
+        repo = getattr(store, "_repo", None)  # (an Icechunk store's repository: no ParamStore method deletes a branch)
+        if repo is not None and run_id in repo.list_branches():
+            repo.delete_branch(run_id)
+        files = store.files
+        with contextlib.suppress(FileNotFoundError):
+            files.fs.rm(f"{files.root}/{run_id}", recursive=True)
+    except Exception:
+        logger.warning(
+            "run %s did not start; could not delete its branch and folder in %s", run_id, store.location, exc_info=True
+        )
 
 
 def _in_memory(plan: RunPlan) -> bool:
