@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import vcdask
 from vcdask.engine.params_server import ParamsServer as ServerState
-from vcdask.merge import VCASGD, Arrival, Nesterov, RuleState, Staleness, Sync, UnknownMergeRuleError, get_rule
+from vcdask.merge import (
+    VCASGD,
+    Arrival,
+    Auto,
+    Nesterov,
+    Probe,
+    RuleState,
+    Staleness,
+    Sync,
+    UnknownMergeRuleError,
+    get_rule,
+)
 from vcdask.params import flatten
 from vcdask.updates import update_path, write_update
 
@@ -549,3 +561,190 @@ def test_the_default_rule_with_one_task_in_flight_takes_each_fresh_update_and_av
     stale = server.clone()
     ONE_IN_FLIGHT.apply(stale, client, state, Arrival(1, staleness=1))  # a joined worker, a re-issued copy
     torch.testing.assert_close(stale.arrays["float32"], (server.arrays["float32"] + client.arrays["float32"]) / 2)
+
+
+# -- float buffers (BatchNorm's running statistics): averaged by every rule, never extrapolated ----------------
+
+_BUFFERS = {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)).double()
+
+
+def _parameters_only(params):
+    """``params`` without its buffers: what the rule merges for a model that has none."""
+    return flatten({n: t.clone() for n, t in params.items() if n not in params.layout.buffers})
+
+
+def _trend(server, n=7):
+    """Updates whose parameters drift one way (momentum builds up) and whose running variance falls toward
+    zero, staying positive: a step past the trend takes it below zero."""
+    g = torch.Generator().manual_seed(1)
+    updates = []
+    for i, var in enumerate((0.8, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05)[:n]):
+        c = server.clone()
+        for name in c:
+            if name not in c.layout.buffers:
+                c[name].add_(0.3 * (i + 1) + 0.05 * torch.randn(c[name].shape, generator=g, dtype=torch.float64))
+        c["1.running_var"].fill_(var)
+        c["1.running_mean"].fill_(0.2 * (i + 1))
+        c["1.num_batches_tracked"].fill_(10 * (i + 1))
+        updates.append(c)
+    return updates
+
+
+class _Loss:
+    """The probe's loss: distance of the parameters (never the buffers) to a target far along their drift."""
+
+    def __init__(self, server):
+        self.target = {n: t + 5.0 for n, t in server.items() if n not in server.layout.buffers}
+
+    def __call__(self, params, rows=None):
+        return float(sum(((params[n] - t) ** 2).sum() for n, t in self.target.items()))
+
+
+def _auto(seconds):
+    """``fit``'s default for 4 tasks in flight, each task taking ``seconds``."""
+    return Auto().for_run(in_flight=4), seconds
+
+
+@pytest.mark.parametrize(
+    "make, exact",
+    [
+        (lambda: (Nesterov(lr=0.5, momentum=0.9, delay=1, bias_correction=False), None), True),
+        (lambda: (Nesterov(lr=0.5, momentum=0.9, delay=3, bias_correction=True), None), True),
+        (lambda: (Nesterov(lr=0.5, momentum=0.9, delay=1), None), False),  # "trust": its bound is on |W_s|
+        (lambda: (Nesterov(lr=0.5, momentum=0.9, delay=2), None), False),
+        (lambda: (Probe(), None), True),
+        (lambda: _auto(1e6), True),  # the probe is affordable: "auto" probes
+        (lambda: _auto(1e-9), False),  # it is not: delayed Nesterov
+    ],
+    ids=[
+        "nesterov",
+        "nesterov-delayed-corrected",
+        "nesterov-trust",
+        "nesterov-delayed-trust",
+        "probe",
+        "auto-probe",
+        "auto-nesterov",
+    ],
+)
+def test_float_buffers_are_averaged_and_parameters_take_the_rules_full_step(make, exact):
+    """BatchNorm's running variance, falling toward zero in every update, stays what a convex average of the
+    updates makes it (1 / (staleness + 1) of each; the buffers get no momentum), never below zero: momentum
+    took it there, and eval-mode outputs were NaN.  The parameters get exactly what the rule gives a model
+    without buffers."""
+    model = _bn_model()
+    server = flatten(model)
+    assert server.layout.buffers == _BUFFERS
+    rule, seconds = make()
+    alone = _parameters_only(server)
+    state, state_alone = rule.init_state(server), rule.init_state(alone)
+    loss = _Loss(server)
+    history, history_alone = [server.clone()], [alone.clone()]
+    var, mean = 1.0, 0.0
+    for i, (client, staleness) in enumerate(zip(_trend(server), (0, 1, 0, 2, 1, 0, 3), strict=True)):
+        base = history[max(0, len(history) - 1 - staleness)]
+        base_alone = history_alone[max(0, len(history_alone) - 1 - staleness)]
+        arrival = Arrival(1, staleness, base=base, loss=loss, seconds=seconds)
+        rule.apply(server, client, state, arrival)
+        arrival_alone = Arrival(1, staleness, base=base_alone, loss=loss, seconds=seconds)
+        rule.apply(alone, _parameters_only(client), state_alone, arrival_alone)
+        history.append(server.clone())
+        history_alone.append(alone.clone())
+        weight = 1 / (staleness + 1)
+        var, mean = var + weight * (client["1.running_var"][0].item() - var), mean + weight * (0.2 * (i + 1) - mean)
+        assert (server["1.running_var"] >= 0).all()
+        assert server["1.running_var"].tolist() == pytest.approx([var] * 4, abs=1e-12)
+        assert server["1.running_mean"].tolist() == pytest.approx([mean] * 4, abs=1e-12)
+        assert server["1.num_batches_tracked"].item() == 10 * (i + 1)  # integer state: the client's, as before
+        for name in alone:
+            if exact:
+                assert torch.equal(server[name], alone[name]), name
+            else:  # (|W_s| summed in another order: the last bits of the correction's bound)
+                torch.testing.assert_close(server[name], alone[name], rtol=1e-12, atol=1e-12)
+        for key in ("momentum", "pending"):  # no momentum on the buffers
+            if key in state.arrays:
+                assert not state.arrays[key]["1.running_var"].any() and not state.arrays[key]["1.running_mean"].any()
+    if isinstance(rule, Auto):  # (each of the rules it chooses between: both cases are covered)
+        assert state.scalars["chosen"] == ("probe" if seconds > 1 else "nesterov")
+
+
+def test_momentum_saved_on_the_buffers_by_an_earlier_vcdask_is_dropped():
+    """A rule state saved before the buffers were told apart holds momentum on them: it is not applied."""
+    server = flatten(_bn_model())
+    client = _trend(server, 1)[0]
+    for rule in (Nesterov(lr=0.5, momentum=0.9, delay=1), Nesterov(lr=0.5, momentum=0.9, delay=2)):
+        for arrivals in range(rule.delay):
+            ws, state = server.clone(), rule.init_state(server)
+            state.arrays["momentum"]["1.running_var"].fill_(5.0)  # would take 0.5 * 0.9 * 5 off the variance
+            if "pending" in state.arrays:
+                state.arrays["pending"]["1.running_var"].fill_(5.0)
+                state.scalars["arrivals"] = arrivals
+            rule.apply(ws, client, state, Arrival(1, 0))
+            assert ws["1.running_var"].tolist() == [0.8] * 4
+            if arrivals == rule.delay - 1:  # the window closed: the momentum moved, not on the buffers
+                assert not state.arrays["momentum"]["1.running_var"].any()
+
+
+def test_buffers_are_stored_with_the_layout_and_an_old_stores_layout_still_merges_them(tmp_path):
+    """The buffers travel with the layout (store, updates) and survive a restart; a layout stored by an
+    earlier vcdask (no ``buffers``) reads as before, and the update's own layout tells the rule."""
+    from vcdask.params import FlatParams, Layout
+
+    store = vcdask.open_store(tmp_path / "s")
+    store.create_branch("run-bn")
+    model = _bn_model()
+    store.commit(model, {"run_id": "run-bn", "step": 0, "merged": []}, branch="run-bn")
+    head = store.read(branch="run-bn")
+    assert head.params.layout.buffers == _BUFFERS
+    described = head.params.layout.to_dict()
+    assert described["buffers"] == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    assert "buffers" not in flatten(torch.nn.Linear(2, 1)).layout.to_dict()  # (as before, without buffers)
+    old = Layout.from_dict({k: v for k, v in described.items() if k != "buffers"})
+    assert old == head.params.layout and old.buffers == frozenset()
+
+    def start():
+        state = ServerState(store, "run-bn", Nesterov(lr=0.5, momentum=0.9, delay=1), "run-bn")
+        state.load()
+        return state
+
+    updates = _trend(flatten(model), 3)
+    server = start()
+    for i, client in enumerate(updates):
+        if i == 2:  # the server dies; a new one resumes from the branch
+            server = start()
+            assert server.params.layout.buffers == _BUFFERS
+        path = update_path("run-bn", 1, i, 0)
+        write_update(store.files, path, client)
+        record = {"epoch": 1, "shard": i, "attempt": 0, "base_step": i, "update": path, "n_samples": 10}
+        assert server.merge(record)["accepted"]
+        assert server.params["1.running_var"].tolist() == client["1.running_var"].tolist()  # fresh: the client's
+    # a server whose layout came from an old store: the update's layout names the buffers
+    ws = FlatParams(old, {d: a.clone() for d, a in head.params.arrays.items()})
+    rule = Nesterov(lr=0.5, momentum=0.9, delay=1)
+    state = rule.init_state(ws)
+    for client in updates:
+        rule.apply(ws, client, state, Arrival(1, 0))
+        assert ws["1.running_var"].tolist() == client["1.running_var"].tolist()
+
+
+def test_fit_with_batchnorm_and_the_default_rule_keeps_the_running_variance_valid(client, tmp_path):
+    """The reviewer's run: BatchNorm under fit's default rule (delayed Nesterov on 2 tasks in flight).  The
+    outer momentum took running_var below zero: validation loss NaN, in every version stored."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 4)).astype("float32")
+    y = (X[:, 0] + X[:, 1] > 0).astype("int64")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    r = vcdask.fit(model, (X, y), validation=0.2, max_epochs=2, client=client, store=tmp_path / "s", progress=False)
+    assert r.store.read(r.version).metadata["merge"]["name"] == "nesterov"
+    assert np.isfinite(r.epochs["loss"]).all() and len(r.epochs) == 2
+    assert (r.model[1].running_var >= 0).all()
+    versions = r.store.versions(r.run_id)
+    assert len(versions) >= 3
+    for v in versions:
+        params = r.store.read(v.id).params
+        assert (params["1.running_var"] >= 0).all() and torch.isfinite(params["1.running_var"]).all(), v.id

@@ -11,8 +11,8 @@ one array to write.  This module does no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -97,20 +97,29 @@ class Layout:
 
     Layouts compare equal exactly when two states have the same names, shapes and
     dtypes in the same order, which is what merging two parameter sets requires.
+
+    ``buffers`` names the entries that are not parameters (BatchNorm's ``running_mean``,
+    ``running_var`` and ``num_batches_tracked``, any other registered buffer): the merge rules
+    that step beyond a convex average (:class:`vcdask.merge.Nesterov`, :class:`vcdask.merge.Probe`)
+    average those instead.  :func:`flatten` of a module records them; a state dict cannot tell,
+    and gives none.  They do not take part in comparisons (a layout read from a store written
+    before they were recorded still matches the model's).
     """
 
     entries: tuple[Entry, ...]
+    buffers: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod
-    def from_shapes(cls, items: list[tuple[str, tuple[int, ...], str]]) -> Layout:
-        """Build a layout from ``(name, shape, dtype_name)`` triples, packing in order."""
+    def from_shapes(cls, items: list[tuple[str, tuple[int, ...], str]], buffers: Iterable[str] = ()) -> Layout:
+        """Build a layout from ``(name, shape, dtype_name)`` triples, packing in order; ``buffers``: the
+        names among them that are not parameters."""
         offsets: dict[str, int] = {}
         entries = []
         for name, shape, dtype in items:
             start = offsets.get(dtype, 0)
             entries.append(Entry(name, tuple(int(s) for s in shape), dtype, start))
             offsets[dtype] = start + math.prod(shape)
-        return cls(tuple(entries))
+        return cls(tuple(entries), frozenset(buffers))
 
     @property
     def names(self) -> list[str]:
@@ -132,20 +141,30 @@ class Layout:
         raise KeyError(name)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready description (stored as Zarr attributes)."""
-        return {
+        """A JSON-ready description (stored as Zarr attributes).
+
+        ``buffers`` (in layout order) only where there are some: a model without buffers is described
+        as before, and a vcdask that does not know the key reads the layout all the same.
+        """
+        out: dict[str, Any] = {
             "format": 1,
             "entries": [
                 {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "offset": e.offset} for e in self.entries
             ],
         }
+        if self.buffers:
+            out["buffers"] = [e.name for e in self.entries if e.name in self.buffers]
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Layout:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict` (a layout stored without ``buffers``, by an earlier vcdask: none)."""
         if d.get("format") != 1:
             raise ValueError(f"unsupported layout format {d.get('format')!r}; this vcdask reads format 1")
-        return cls(tuple(Entry(e["name"], tuple(e["shape"]), e["dtype"], int(e["offset"])) for e in d["entries"]))
+        return cls(
+            tuple(Entry(e["name"], tuple(e["shape"]), e["dtype"], int(e["offset"])) for e in d["entries"]),
+            frozenset(str(n) for n in d.get("buffers", ())),
+        )
 
     def diff(self, other: Layout) -> list[str]:
         """Human-readable differences between two layouts (empty when equal)."""
@@ -313,7 +332,9 @@ def state_tensors(obj: torch.nn.Module | Mapping[str, Any]) -> tuple[Layout, lis
     """The layout :func:`flatten` gives ``obj`` and its tensors in layout order, not copied (detached;
     wherever they are).
 
-    What :func:`flatten` packs, for a caller that writes the tensors out one by one instead.
+    What :func:`flatten` packs, for a caller that writes the tensors out one by one instead.  Of a
+    module, the layout's ``buffers`` are the state's entries that are not its parameters (a parameter
+    shared under two names is a parameter under both).
 
     Raises
     ------
@@ -324,7 +345,11 @@ def state_tensors(obj: torch.nn.Module | Mapping[str, Any]) -> tuple[Layout, lis
     for name, value in _as_state(obj).items():
         t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
         tensors.append((str(name), t.detach()))
-    layout = Layout.from_shapes([(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors])
+    buffers: set[str] = set()
+    if isinstance(obj, torch.nn.Module):
+        parameters = {n for n, _ in obj.named_parameters(remove_duplicate=False)}
+        buffers = {n for n, _ in tensors if n not in parameters}
+    layout = Layout.from_shapes([(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors], buffers)
     return layout, [t for _, t in tensors]
 
 

@@ -8,7 +8,11 @@ leaves to the run.  The state is committed with every version (the store's ``/ru
 groups and the version's metadata), so a resumed run continues exactly.
 
 Floating-point vectors are merged; integer and boolean state (e.g. BatchNorm's
-``num_batches_tracked``) cannot be averaged and takes the client's value, for every rule.
+``num_batches_tracked``) cannot be averaged and takes the client's value, for every rule.  Float
+buffers (BatchNorm's running statistics: the layout's ``buffers``) are averaged, never extrapolated:
+the rules that step past the update (``"nesterov"``, ``"probe"``, so ``"auto"``) give them no step
+and no momentum, and take ``1 / (staleness + 1)`` of the client's; the others average every float
+entry already.
 
 Rules by name (``fit(..., merge=...)``), one per module:
 

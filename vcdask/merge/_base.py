@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ParameterMismatchError
-from ..params import FlatParams
+from ..params import FlatParams, torch_dtype
 from ..schedules import Constant, EpochSchedule
 
 __all__ = ["Arrival", "MergeRule", "RuleState", "lerp"]
@@ -129,6 +129,60 @@ def check_layout(server: FlatParams, client: FlatParams) -> None:
 def floats(params: FlatParams) -> dict[str, torch.Tensor]:
     """The floating-point vectors (the ones rules merge)."""
     return {d: a for d, a in params.arrays.items() if a.is_floating_point()}
+
+
+def float_buffers(server: FlatParams, client: FlatParams) -> dict[str, list[slice]]:
+    """Where the floating-point buffers (BatchNorm's running statistics: the layout's ``buffers``) lie
+    in each float vector of ``server``, adjacent ones as one slice; empty for a model without them.
+
+    The buffers of either layout: one stored by a vcdask that did not record them (a run resumed
+    from an older store) knows none, the update a worker packs from its model does.
+    """
+    names = server.layout.buffers | client.layout.buffers
+    spans: dict[str, list[slice]] = {}
+    if not names:
+        return spans
+    for e in server.layout.entries:
+        if e.name not in names or not e.size or not torch_dtype(e.dtype).is_floating_point:
+            continue
+        runs = spans.setdefault(e.dtype, [])
+        if runs and runs[-1].stop == e.offset:
+            runs[-1] = slice(runs[-1].start, e.offset + e.size)
+        else:
+            runs.append(slice(e.offset, e.offset + e.size))
+    return spans
+
+
+def zero_buffers(vectors: dict[str, torch.Tensor], spans: dict[str, list[slice]]) -> None:
+    """Zero the buffers' places (:func:`float_buffers`) of vectors laid out like the server's float ones:
+    a pseudo-gradient or momentum that is zero there leaves the buffers where they are."""
+    for dtype, vector in vectors.items():
+        for run in spans.get(dtype, ()):
+            vector[run].zero_()
+
+
+def buffer_weight(arrival: Arrival) -> float:
+    """The client's weight in the buffers' average, for the rules whose step is no convex average
+    (:class:`~vcdask.merge.Nesterov`, :class:`~vcdask.merge.Probe`): ``1 / (staleness + 1)``.
+
+    Momentum or a step longer than the update extrapolates, and a running variance extrapolated past
+    its trend goes below zero (the model's outputs in eval mode are then NaN).  The buffers are
+    statistics of the model, not trained, and are averaged instead, as :data:`~vcdask.merge.ONE_IN_FLIGHT`
+    merges everything: an update based on the newest version brings its worker's statistics (with its
+    ``num_batches_tracked``), one ``s`` merges old is averaged in with weight ``1 / (s + 1)``.
+    """
+    return 1.0 / (max(0, arrival.staleness) + 1)
+
+
+def average_buffers(server: FlatParams, client: FlatParams, spans: dict[str, list[slice]], weight: float) -> None:
+    """``buffer <- (1 - weight) * buffer + weight * client's`` in place, over :func:`float_buffers`."""
+    for dtype, runs in spans.items():
+        ws, wc = server.arrays[dtype], client.arrays[dtype]
+        for run in runs:
+            if weight == 1.0:  # exact replacement, without rounding
+                ws[run].copy_(wc[run])
+            else:
+                ws[run].lerp_(wc[run], weight)
 
 
 def scratch(state: RuleState, key: str, like: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,20 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from ..params import FlatParams
-from ._base import Arrival, MergeRule, RuleState, check_layout, copy_non_float, floats, scratch, zeros_like
+from ._base import (
+    Arrival,
+    MergeRule,
+    RuleState,
+    average_buffers,
+    buffer_weight,
+    check_layout,
+    copy_non_float,
+    float_buffers,
+    floats,
+    scratch,
+    zero_buffers,
+    zeros_like,
+)
 
 __all__ = ["Nesterov"]
 
@@ -42,8 +55,8 @@ class Nesterov(MergeRule):
         m   <- momentum * m + mean(g over the N);  W_s <- W_s - lr * momentum * m   (every N-th)
 
     so ``N`` arrivals together make one Nesterov step on their mean pseudo-gradient, as DiLoCo's
-    synchronous outer step does, without waiting for anyone.  With ``lr=1, momentum=0`` it is
-    ``W_s <- W_c``.
+    synchronous outer step does, without waiting for anyone.  With ``lr=1, momentum=0`` and
+    ``delay=1`` it is ``W_s <- W_c``.
 
     With ``bias_correction=True`` the momentum term of the ``t``-th momentum step is divided
     by ``1 - momentum**t``, as Adam corrects its first moment: ``m`` starts at zero, so without it the
@@ -82,6 +95,13 @@ class Nesterov(MergeRule):
     bound never cuts, ``w = 0``) gets Adam's correction; one whose first updates are large (the wide
     CNN, ``w`` about 0.8; the char-LM about 0.3) gets nearly ``"agreement"``'s.  ``w`` is kept in the
     rule's state (``bounded``), so a resumed run keeps it.
+
+    Float buffers (BatchNorm's ``running_mean`` and ``running_var``: the layout's ``buffers``) are no
+    parameters and take no step: momentum carried a running variance that fell from update to update
+    below zero (eval-mode outputs NaN).  Their pseudo-gradient and momentum are zero (a state saved
+    with momentum on them has it dropped), the bound above is on the parameters' norm, and they take
+    ``1 / (staleness + 1)`` of the client's: a fresh update's replace them, as its
+    ``num_batches_tracked`` does (see the merge-rules guide).  A model without buffers merges as before.
 
     Parameters
     ----------
@@ -134,9 +154,17 @@ class Nesterov(MergeRule):
             scalars["arrivals"] = 0
         return RuleState(arrays=arrays, scalars=scalars)
 
-    def _momentum_gain(self, state: RuleState, m: FlatParams, g: dict[str, torch.Tensor], server: FlatParams) -> float:
+    def _momentum_gain(
+        self,
+        state: RuleState,
+        m: FlatParams,
+        g: dict[str, torch.Tensor],
+        server: FlatParams,
+        spans: dict[str, list[slice]],
+    ) -> float:
         """Count one more momentum step; the factor on its momentum term.  ``g`` is the sum of the
-        window's pseudo-gradients, ``m`` the momentum before this step."""
+        window's pseudo-gradients, ``m`` the momentum before this step (both zero at the float buffers,
+        ``spans``: the bound is on the parameters' norm, without the buffers)."""
         steps = int(state.scalars.get("steps", 0))
         if steps == 0 and any(bool(b.any()) for b in floats(m).values()):
             steps = _WARM  # a state saved before the count existed: its momentum is already built up
@@ -153,7 +181,9 @@ class Nesterov(MergeRule):
         dot, gg, mm = (_dot(g, mom), _dot(g, g), _dot(mom, mom))
         # |m| after this step (mu * m + g / n), from the same sums
         after = math.sqrt(max(0.0, mu * mu * mm + 2 * mu * dot / n + gg / (n * n)))
-        room = _TRUST * math.sqrt(_dot(floats(server), floats(server)))
+        ws = floats(server)  # (|W_s| of the parameters: the buffers' share taken out)
+        norm2 = _dot(ws, ws) - sum(_dot({d: ws[d][run]}, {d: ws[d][run]}) for d, runs in spans.items() for run in runs)
+        room = _TRUST * math.sqrt(max(0.0, norm2))
         gain = full if after == 0.0 else min(full, max(1.0, room / (self.lr * mu * after)))
         if gain < full:
             logger.debug("momentum step %d: correction bounded to %.3g (Adam's: %.3g)", steps, gain, full)
@@ -170,9 +200,15 @@ class Nesterov(MergeRule):
     def apply(self, server: FlatParams, client: FlatParams, state: RuleState, arrival: Arrival) -> dict[str, Any]:
         check_layout(server, client)
         m = state.arrays["momentum"]
+        # the float buffers get no pseudo-gradient and no momentum (zero there: the steps leave them as
+        # they are), and are averaged with the client's at the end (buffer_weight)
+        spans = float_buffers(server, client)
         if self._delay() == 1:
             g = {d: torch.sub(ws, client.arrays[d], out=scratch(state, d, ws)) for d, ws in floats(server).items()}
-            gain = self._momentum_gain(state, m, g, server)
+            if spans:  # (and the momentum of a state saved before the buffers were told apart)
+                zero_buffers(g, spans)
+                zero_buffers(floats(m), spans)
+            gain = self._momentum_gain(state, m, g, server, spans)
             for dtype, ws in floats(server).items():
                 buf = m.arrays[dtype]
                 buf.mul_(self.momentum).add_(g[dtype])
@@ -185,18 +221,24 @@ class Nesterov(MergeRule):
             for dtype, ws in floats(server).items():
                 if opens:  # the pseudo-gradient goes straight into the sum: a pass fewer
                     pseudo = torch.sub(ws, client.arrays[dtype], out=pending.arrays[dtype])
+                    zero_buffers({dtype: pseudo}, spans)
                 else:
                     pseudo = torch.sub(ws, client.arrays[dtype], out=scratch(state, dtype, ws))
+                    zero_buffers({dtype: pseudo}, spans)
                     pending.arrays[dtype].add_(pseudo)
                 ws.sub_(pseudo, alpha=self.lr / self._delay())
             if window_done:
-                gain = self._momentum_gain(state, m, floats(pending), server)
+                if spans:  # (a state saved before the buffers were told apart)
+                    zero_buffers(floats(pending), spans)
+                    zero_buffers(floats(m), spans)
+                gain = self._momentum_gain(state, m, floats(pending), server, spans)
                 for dtype, ws in floats(server).items():
                     buf = m.arrays[dtype]
                     buf.mul_(self.momentum).add_(pending.arrays[dtype], alpha=1.0 / self._delay())
                     ws.sub_(buf, alpha=self.lr * self.momentum * gain)
                     pending.arrays[dtype].zero_()
                 state.scalars["arrivals"] = 0
+        average_buffers(server, client, spans, buffer_weight(arrival))
         copy_non_float(server, client)
         return {"alpha": None, "applied": True}
 

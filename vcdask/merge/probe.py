@@ -11,7 +11,19 @@ import torch
 
 from .._ints import is_real
 from ..params import FlatParams
-from ._base import Arrival, MergeRule, RuleState, check_layout, copy_non_float, floats, scratch, zeros_like
+from ._base import (
+    Arrival,
+    MergeRule,
+    RuleState,
+    buffer_weight,
+    check_layout,
+    copy_non_float,
+    float_buffers,
+    floats,
+    scratch,
+    zero_buffers,
+    zeros_like,
+)
 
 __all__ = ["Probe"]
 
@@ -50,6 +62,11 @@ class Probe(MergeRule):
 
     Then heavy-ball momentum on the applied moves is probed: ``m <- d + mu * m``, ``W_s <- W_s + m``, with
     ``mu`` from :attr:`momenta` (the state's ``momentum``; ``momenta=(0,)``: none).
+
+    Float buffers (BatchNorm's running statistics: the layout's ``buffers``) take neither ``a``, ``b``
+    nor the momentum, which would carry a falling running variance below zero: every candidate, and
+    the merge, has them at ``a = b = 1``'s (FedAsync's ``1 / (s + 1)`` of the client's), with no
+    momentum on them.
 
     Costs ``len(steps) + len(momenta) - 1`` forward passes over the probe's :attr:`rows` for a fresh
     update (7 with the defaults), and ``len(pulls) - 1`` more for a stale one (9), on the scheduler's CPU,
@@ -106,6 +123,10 @@ class Probe(MergeRule):
         check_layout(server, base)
         k = 1.0 / (max(0, arrival.staleness) + 1)
         ws = floats(server)
+        # the float buffers move by neither the progress, the pull nor the momentum (zero there): every
+        # candidate, and the merge, takes their average with the client's (buffer_weight: k)
+        spans, weight = float_buffers(server, client), buffer_weight(arrival)
+        averaged = {d: [torch.lerp(ws[d][r], client.arrays[d][r], weight) for r in runs] for d, runs in spans.items()}
         p = {d: torch.sub(client.arrays[d], base.arrays[d], out=scratch(state, f"p.{d}", w)) for d, w in ws.items()}
         back = {d: torch.sub(base.arrays[d], w, out=scratch(state, f"back.{d}", w)) for d, w in ws.items()}
         move = {d: scratch(state, f"move.{d}", w) for d, w in ws.items()}
@@ -114,7 +135,16 @@ class Probe(MergeRule):
             {d: scratch(state, f"cand.{d}", a) if d in ws else client.arrays[d] for d, a in server.arrays.items()},
         )
         momentum = floats(state.arrays["momentum"]) if self.with_momentum else {}
+        if spans:  # (and the momentum of a state saved before the buffers were told apart)
+            zero_buffers(p, spans)
+            zero_buffers(back, spans)
+            zero_buffers(momentum, spans)
         losses: dict[tuple[float, float, float], float] = {}
+
+        def put(vectors: dict[str, torch.Tensor]) -> None:  # the buffers' average, in place
+            for d, runs in spans.items():
+                for run, value in zip(runs, averaged[d], strict=True):
+                    vectors[d][run].copy_(value)
 
         def fill(a: float, b: float, mu: float) -> None:  # move = k (a p + b back) [+ mu m]; candidate = W_s + move
             for d, w in ws.items():
@@ -122,6 +152,7 @@ class Probe(MergeRule):
                 if mu:
                     move[d].add_(momentum[d], alpha=mu)
                 torch.add(w, move[d], out=candidate.arrays[d])
+            put(candidate.arrays)
 
         def best(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
             if len(points) == 1:
@@ -143,6 +174,7 @@ class Probe(MergeRule):
             if self.with_momentum:
                 momentum[d].copy_(move[d])
             w.add_(move[d])
+        put(ws)
         copy_non_float(server, client)
         state.scalars.update(step=a, pull=b, momentum=mu, probes=len(losses))
         return {"alpha": None, "applied": True}
