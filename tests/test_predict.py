@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -166,3 +168,43 @@ def test_predict_runs_where_the_model_is_unless_told(classifier_run):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match=r"device='cuda' but this process has no CUDA device"):
             result.predict(rows, device="cuda")
+
+
+def _stored(tmp_path, **variables) -> str:
+    """A Zarr dataset of ``variables`` (their order kept), with labels ``y``: its location."""
+    import xarray as xr
+
+    path = str(tmp_path / "d.zarr")
+    xr.Dataset({**variables, "y": ("sample", np.arange(4) % 2)}).to_zarr(path, consolidated=False)
+    return path
+
+
+def test_a_run_on_a_zarr_dataset_records_its_features_in_the_order_x_stacks_them(tmp_path):
+    """Inferred features stack sorted by name (a, b), while the dataset, and its DataFrame, list them as
+    stored (b, a): the run records the names, so predict picks a DataFrame's columns and a Dataset's variables
+    by them.  A variable of several values per sample names no one column: nothing is recorded then."""
+    import xarray as xr
+
+    from vcdask.data import prepare_data
+    from vcdask.predict import model_outputs
+    from vcdask.runs import _feature_names
+
+    b, a = np.arange(4, dtype=np.float32), 10 * np.arange(4, dtype=np.float32)
+    prepared = prepare_data(_stored(tmp_path / "one", b=("sample", b), a=("sample", a)))
+    assert _feature_names(prepared) == ("a", "b")
+    wide = prepare_data(_stored(tmp_path / "wide", b=(("sample", "k"), np.ones((4, 2))), a=("sample", a)))
+    assert _feature_names(wide) == ()
+
+    spec = types.SimpleNamespace(
+        batch_form="xy", feature_names=("a", "b"), classification=False, x_dtype=torch.float32, cast_x=True
+    )
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 0.0]]))  # the output is the first column, a
+    ds = xr.Dataset({"b": ("sample", b), "a": ("sample", a), "y": ("sample", np.zeros(4))})
+    for X in (ds.to_dataframe(), ds):  # columns b, a, y; variables b, a, y
+        assert model_outputs(model, spec, X).flatten().tolist() == a.tolist()
+    with pytest.raises(DataError, match=r"X lacks the feature variable\(s\) \['a'\] the run trained on"):
+        model_outputs(model, spec, ds.drop_vars("a"))
+    with pytest.raises(TypeError, match="did not train on named features"):
+        model_outputs(model, types.SimpleNamespace(**{**vars(spec), "feature_names": ()}), ds)

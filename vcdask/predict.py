@@ -1,9 +1,9 @@
 """Using a trained model: :meth:`FitResult.predict` and :meth:`FitResult.predict_proba`.
 
 The rows go through the model in batches, without gradients, in eval mode, on one device; inputs are
-read the way the run read its training data (a DataFrame's feature columns, selected by the names the run
-recorded, as float32; arrays cast to the model's dtype unless the run kept integer inputs), and the
-outputs come back as numpy.
+read the way the run read its training data (a DataFrame's feature columns, or an xarray Dataset's feature
+variables, selected by the names the run recorded, as float32; arrays cast to the model's dtype unless the
+run kept integer inputs), and the outputs come back as numpy.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def model_outputs(
         The trained model (left in the mode and on the device it was: another device gets a copy).
     spec : RunSpec
         The run's spec: its batch form, feature columns, input dtype.
-    X : numpy array, torch tensor, pandas DataFrame or array-like
-        The rows, sample axis first.
+    X : numpy array, torch tensor, pandas DataFrame, xarray Dataset or array-like
+        The rows, sample axis first (a Dataset's feature variables, one value per sample each).
     batch_size : int, default 1024
     device : {"auto", "cpu", "cuda", "cuda:N", "mps"} or torch.device, optional
         Where to run the model, as ``fit``'s ``device=`` in this process (``"auto"``: its accelerator if it
@@ -47,7 +47,8 @@ def model_outputs(
     RuntimeError
         ``device`` names a device this process does not have.
     DataError
-        The model cannot take the rows (their shape and dtype are named), or a DataFrame lacks a column.
+        The model cannot take the rows (their shape and dtype are named), or a DataFrame lacks a column (a
+        Dataset a variable).
     """
     from ._ints import positive_int
     from .batches import cast_like_training
@@ -97,6 +98,8 @@ def _rows(X: Any, spec: Any) -> torch.Tensor:
     """``X`` as a CPU tensor, a DataFrame's columns picked as the run picked them."""
     from .frames import frame_features, is_frame
 
+    if type(X).__name__ == "Dataset" and type(X).__module__.startswith("xarray"):
+        X = _dataset_frame(X, spec)
     if is_frame(X):
         names = list(spec.feature_names) or list(X.columns)
         missing = [c for c in names if c not in X.columns]
@@ -120,3 +123,35 @@ def _rows(X: Any, spec: Any) -> torch.Tensor:
             f"of dtype {a.dtype} and shape {a.shape}"
         )
     return torch.from_numpy(np.require(a, requirements=["W", "C"]))
+
+
+def _dataset_frame(ds: Any, spec: Any) -> Any:
+    """An xarray Dataset's feature variables, those the run trained on, as the columns of a DataFrame.
+
+    Raises
+    ------
+    TypeError
+        The run recorded no feature names (arrays, or a feature variable of several values per sample).
+    DataError
+        A feature variable is missing, or they are not one value per sample along one shared dimension.
+    """
+    names = list(spec.feature_names)
+    if not names:
+        raise TypeError(
+            "this run did not train on named features, one column each (arrays, or a feature variable of several "
+            "values per sample), so predict cannot pick them from a Dataset; pass the rows as an array, the "
+            "features stacked as the run stacked them"
+        )
+    missing = [n for n in names if n not in ds.data_vars]
+    if missing:
+        raise DataError(
+            f"X lacks the feature variable(s) {missing} the run trained on; it trained on {names} "
+            f"(X's variables: {list(ds.data_vars)})"
+        )
+    dims = {ds[n].dims for n in names}
+    if len(dims) != 1 or len(next(iter(dims))) != 1:
+        raise DataError(
+            f"X's feature variables {names} must hold one value per sample along one shared dimension, as the "
+            f"run trained on them; their dimensions: {[ds[n].dims for n in names]}"
+        )
+    return ds[names].reset_coords(drop=True).to_dataframe()

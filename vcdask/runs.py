@@ -31,6 +31,7 @@ from .holdout import check_early_stopping
 from .inner import memory_steps, resolve_optimizer_state
 from .merge import DEFAULT_RULE, for_run
 from .options import DEFAULT_STORE, RunPlan
+from .prepared import PreparedData
 from .spec import RunSpec, loads, save_spec, spec_path
 from .staging import in_memory, stage
 from .store import ParamStore, check_cluster_access, open_store, share_credentials, store_holds_secrets
@@ -228,11 +229,22 @@ def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
         compression=merging.compression,
         speed_adaptive=merging.speed_adaptive,
         prices=plan.prices,
-        feature_names=plan.train.feature_names,
+        feature_names=_feature_names(plan.train),
         patience=stopping.patience,
         monitor=stopping.monitor,
         overlap=plan.overlap,
     )
+
+
+def _feature_names(train: PreparedData) -> tuple:
+    """The names of ``X``'s columns, in its order: a DataFrame's feature columns, or the feature variables
+    of an xarray / Zarr dataset when each is one column of ``X`` (a variable of several values per sample
+    names no one column); ``()`` when they name none.  ``FitResult.predict`` selects a DataFrame's columns
+    by them."""
+    names = tuple(train.feature_names)
+    if not names and train.source is not None and train.form == "xy":
+        names = tuple(train.source.features)
+    return names if tuple(train.x_shape) == (len(names),) else ()
 
 
 def _optimizer_state(plan: RunPlan, shards: Shards) -> str:

@@ -75,7 +75,7 @@ class RunSpec:
     compression: str | None = None  # vcdask.compress codec of the updates; None: full W_c
     speed_adaptive: bool = False  # a slow worker's task trains a share of its shard (engine.policy.work_fraction)
     prices: dict[str, dict[str, float]] | None = None  # vcdask.cost: $/h per instance type and market
-    feature_names: tuple = ()  # pandas data: the feature columns, in X's order (FitResult.predict selects them)
+    feature_names: tuple = ()  # X's columns by name, in its order (FitResult.predict selects them): pandas, xarray data
     patience: int | None = None  # early stopping: epochs without improvement of `monitor`
     monitor: str | None = None  # the validation metric early stopping (and FitResult.best_version) follows
     start: dict[str, Any] | None = None  # where the model came from: {"version", "tag", "store"} or None
