@@ -307,6 +307,24 @@ def test_a_version_whose_parent_a_collection_just_removed_reads_with_no_parent(t
     assert reader.read(run[1][0]).info.parent == run[0][0]  # (a parent that is there is still named)
 
 
+def test_a_store_kept_open_collects_after_another_collection_rewrote_and_removed_its_history(tmp_path):
+    """A run's store stays open (and a resumed run's, read back from its spec, for the next run): it keeps
+    the versions it read as they were read.  Another collection (the run before, another process) rewrites
+    their parents and deletes the old ones; the next collection of this store walked its own copies into
+    snapshots that are gone: "collecting old versions failed ... not found", at every collection."""
+    writer = vcdask.open_store(tmp_path / "s")
+    run = _commit_run(writer, "run-k", merges=8, per_epoch=4)
+    resumed = vcdask.open_store(tmp_path / "s")
+    assert resumed.read(run[8][0]).metadata["step"] == 8  # (a resumed run reads its branch's head)
+    policy = Retention(keep_last=2, keep_epochs=False, grace=0)
+    assert len(vcdask.open_store(tmp_path / "s").gc(policy, branches="run-k").removed["run-k"]) == 7  # steps 0-6
+    for step in range(9, 12):  # the run goes on, and collects
+        writer.commit(_params(step), {"run_id": "run-k", "step": step, "epoch": 3}, branch="run-k")
+    report = resumed.gc(policy, branches="run-k")
+    assert [resumed.read(v).metadata["step"] for v in report.kept["run-k"]] == [11, 10]
+    assert [v.metadata["step"] for v in vcdask.open_store(tmp_path / "s").versions("run-k")] == [11, 10]
+
+
 # -- resume after a collection -----------------------------------------------------------------------
 def _upload(store, run: str, epoch: int, shard: int, base_step: int) -> dict:
     path = update_path(run, epoch, shard, 0)

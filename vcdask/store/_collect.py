@@ -198,9 +198,12 @@ def collect(
         _unpin(repo, name)
     if any(report.removed.values()) or stale_pins or released:
         with store._backend.commit_lock():  # no vcdask commit (whose chunks no branch reaches yet) meanwhile
-            repo.expire_snapshots(cutoff)
-            _pin_holds(repo, set(repo.list_branches()), _live_holds(store))  # readers that came meanwhile
-            summary = repo.garbage_collect(datetime.now(UTC) - grace)
+            # a repository opened now: one kept open holds snapshots as they were read, whose parents an
+            # earlier expiry rewrote and a garbage collection deleted (walked again, they are not found)
+            now = repo.reopen()
+            now.expire_snapshots(cutoff)
+            _pin_holds(now, set(now.list_branches()), _live_holds(store))  # readers that came meanwhile
+            summary = now.garbage_collect(datetime.now(UTC) - grace)
         deleted = summary.chunks_deleted + summary.manifests_deleted + summary.snapshots_deleted
         report = replace(
             report, bytes_deleted=summary.bytes_deleted, objects_deleted=deleted + summary.transaction_logs_deleted
