@@ -291,7 +291,8 @@ def prepare_data(
             raise DataError(f"{what} is empty (0 samples along {dim!r})")
         X = _stack(data, features, dim)
         y = data[label].transpose(dim, ...).data
-        return prepare_data((X, y), what=what)
+        # (the variables by name, in X's order: predict picks a DataFrame's columns or a Dataset's variables by them)
+        return replace(prepare_data((X, y), what=what), feature_names=tuple(features))
     src = _zarr_source(data, storage_options)
     if src is not None:
         try:

@@ -33,7 +33,7 @@ class PreparedData:
     form: str = "xy"  # "xy", "dict" or "dataset": the shape of a batch
     columns: dict[str, Any] | None = None  # dict data to stage (form "dict")
     sample: Any = None  # dict data: a few rows of each column; a Dataset: a collated probe batch
-    feature_names: tuple = ()  # pandas data: the feature columns, in X's order (what predict selects)
+    feature_names: tuple = ()  # pandas, xarray data: feature columns or variables, in X's order (predict picks them)
 
     @property
     def classification(self) -> bool:

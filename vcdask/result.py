@@ -125,12 +125,13 @@ class FitResult:
         """Predictions of the trained model for the rows of ``X``.
 
         The rows go through :attr:`model` in batches of ``batch_size``, without gradients and in eval mode
-        (the model's mode is restored after).  A DataFrame's feature columns are picked by the names the
-        run trained on (``features=``), as float32.
+        (the model's mode is restored after).  A DataFrame's feature columns, or an xarray Dataset's
+        feature variables, are picked by the names the run trained on (``features=``, or the variables an
+        xarray / Zarr run inferred), as float32.
 
         Parameters
         ----------
-        X : numpy array, torch tensor or pandas DataFrame
+        X : numpy array, torch tensor, pandas DataFrame or xarray Dataset
             The rows, sample axis first, each shaped as the training samples.
         batch_size : int, default 1024
         device : {"auto", "cpu", "cuda", "cuda:N", "mps"} or torch.device, optional
@@ -146,7 +147,7 @@ class FitResult:
         Raises
         ------
         DataError
-            The model cannot take the rows, or a DataFrame lacks a column the run trained on.
+            The model cannot take the rows, or a DataFrame or Dataset lacks a feature the run trained on.
         TypeError
             An unsupported input, or a run with dict batches (a custom ``train_step``).
         ValueError
