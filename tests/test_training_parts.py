@@ -740,3 +740,31 @@ def test_bad_training_options_fail_before_cluster_work(tmp_path, data, kwargs, e
     with pytest.raises(error, match=match):
         vcdask.fit(torch.nn.Linear(2, 2), data, store=str(tmp_path / "s"), progress=False, **kwargs)
     assert not (tmp_path / "s").exists()
+
+
+def test_auto_is_each_worker_threads_own_gpu_whatever_a_run_before_set(monkeypatch):
+    """CUDA's current device is per thread, and Dask's worker threads outlive tasks: a run on ``cuda:1``
+    left it current, and the next run's ``device="auto"`` trained there (under dask-cuda, on another
+    worker's GPU).  A stand-in for CUDA's per-thread current device (CI has no GPU)."""
+    import concurrent.futures
+    import threading
+
+    from vcdask import _held
+
+    current = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "index", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(current, "index", torch.device(d).index))
+
+    threads = torch.get_num_threads()  # (setup sets the process's: left as it is)
+
+    def tasks():
+        first = _held.setup(_spec(run_id="a", device="cuda:1", torch_threads=threads, precision="32"))[0]
+        auto = _held.setup(_spec(run_id="b", device="auto", torch_threads=threads, precision="32"))[0]
+        return first, auto, torch.cuda.current_device()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a fresh thread: a worker's
+        first, auto, now = pool.submit(tasks).result()
+    assert first == torch.device("cuda", 1)
+    assert auto == torch.device("cuda", 0) and now == 0  # its own, and current for the task

@@ -194,10 +194,28 @@ def to_cpu(model: torch.nn.Module, device: torch.device) -> FlatParams:
     return FlatParams(on_device.layout, arrays)
 
 
+#: Each worker thread's CUDA device before a run set one: what ``device="auto"`` means there.
+_own_cuda = threading.local()
+
+
 def setup(spec: RunSpec) -> tuple[torch.device, Precision]:
+    """The device a task of ``spec`` trains on (made the thread's current CUDA device), and its precision.
+
+    ``device="auto"`` is the thread's own CUDA device, the one it had before any run set one: CUDA's current
+    device is per thread and Dask's worker threads outlive tasks, so after a run on ``"cuda:1"`` the next
+    run's ``"auto"`` trained on that GPU too (under dask-cuda, another worker's).
+    """
     torch.set_num_threads(spec.torch_threads)
-    device = resolve_device(spec.device)
+    if spec.device == "auto" and torch.cuda.is_available():
+        own = getattr(_own_cuda, "index", None)
+        if own is None:
+            own = _own_cuda.index = torch.cuda.current_device()
+        device = torch.device("cuda", own)
+    else:
+        device = resolve_device(spec.device)
     if device.type == "cuda":
+        if getattr(_own_cuda, "index", None) is None:
+            _own_cuda.index = torch.cuda.current_device()  # (before this run sets another)
         torch.cuda.set_device(device)
     if device.type != "cpu":
         _trained_on.add(device)
