@@ -187,17 +187,17 @@ def test_a_run_on_a_zarr_dataset_records_its_features_in_the_order_x_stacks_them
 
     from vcdask.data import prepare_data
     from vcdask.predict import model_outputs
-    from vcdask.runs import _feature_names
+    from vcdask.variables import recorded_features
 
     b, a = np.arange(4, dtype=np.float32), 10 * np.arange(4, dtype=np.float32)
     prepared = prepare_data(_stored(tmp_path / "one", b=("sample", b), a=("sample", a)))
-    assert _feature_names(prepared) == ("a", "b")
+    assert recorded_features(prepared) == ("a", "b")
     wide = prepare_data(_stored(tmp_path / "wide", b=(("sample", "k"), np.ones((4, 2))), a=("sample", a)))
-    assert _feature_names(wide) == ()
+    assert recorded_features(wide) == ()
     in_memory = xr.Dataset({"b": ("sample", b), "a": ("sample", a), "y": ("sample", np.zeros(4))})
-    assert _feature_names(prepare_data(in_memory)) == ("a", "b")  # (staged from memory: the same names)
+    assert recorded_features(prepare_data(in_memory)) == ("a", "b")  # (staged from memory: the same names)
     wide_in_memory = in_memory.assign(b=(("sample", "k"), np.ones((4, 2))))
-    assert _feature_names(prepare_data(wide_in_memory)) == ()
+    assert recorded_features(prepare_data(wide_in_memory)) == ()
 
     spec = types.SimpleNamespace(
         batch_form="xy", feature_names=("a", "b"), classification=False, x_dtype=torch.float32, cast_x=True

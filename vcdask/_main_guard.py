@@ -9,7 +9,7 @@ import types
 
 from .errors import MainGuardError
 
-__all__ = ["MAIN_GUARD_DOCS", "check_main_guard"]
+__all__ = ["MAIN_GUARD_DOCS", "check_main_guard", "may_start_here"]
 
 #: Python's guide to the spawn start method's "Safe importing of main module".
 MAIN_GUARD_DOCS = "https://docs.python.org/3/library/multiprocessing.html#the-spawn-and-forkserver-start-methods"
@@ -53,6 +53,16 @@ def check_main_guard(stacklevel: int = 2) -> None:
         '`if __name__ == "__main__":` (Python\'s "Safe importing of main module": '
         f"{MAIN_GUARD_DOCS}), or pass client= a cluster started elsewhere."
     )
+
+
+def may_start_here() -> bool:
+    """Whether the embedded cluster may start from the caller's place (:func:`check_main_guard` passes):
+    where it may not, ``fit`` stages no data early; starting the cluster raises the error."""
+    try:
+        check_main_guard(stacklevel=3)
+    except MainGuardError:
+        return False
+    return True
 
 
 def _guarded(path: str, line: int) -> bool:

@@ -183,29 +183,6 @@ class RunHandle:
 
         return RunPanel(self)
 
-    def _ended_panel(self) -> dict | None:
-        """The panel's snapshot of the run (as the scheduler's ``vcdask_panel`` gives it) made of the result
-        this handle kept, once the run has ended and the handle has closed its client; None otherwise (the
-        panel asks the scheduler)."""
-        from .engine.views import panel_metric
-        from .spec import load_spec
-
-        if self._res is None or not self._closed:
-            return None
-        res = self._res
-        shards: dict[tuple[int, int], str] = {}
-        for row in res.get("history") or ():  # the grid's final states: merged, or skipped
-            if row["accepted"] or row["outcome"] == "skipped":
-                where = (row["epoch"], row["shard"])
-                shards[where] = "merged" if row["accepted"] else shards.get(where, "skipped")
-        return {
-            "status": self.status(),
-            "epochs": list(res.get("epochs") or ()),
-            "workers": list(res.get("workers") or ()),
-            "shards": [[e, s, state] for (e, s), state in shards.items()],
-            "metric": panel_metric(load_spec(pickle.loads(res["store"]), self.run_id)),
-        }
-
     def stop(self, reason: str = "stopped by the user") -> dict:
         """Stop dispatching; the run commits what it merged and finishes (with a result, unlike :meth:`cancel`).
 

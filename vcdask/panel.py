@@ -19,7 +19,7 @@ import time
 
 from ._topics import follow
 from .engine.events import ShardState, topic
-from .panel_state import PanelState
+from .panel_state import PanelState, ended_snapshot
 
 __all__ = ["PanelState", "RunPanel", "in_kernel", "load_bokehjs"]
 
@@ -102,7 +102,7 @@ class RunPanel:
         self._ready = False  # the widgets exist: events before only fold into the state
         self._closed = False
         # a run that ended, its handle's client closed: what the handle kept is all there is to show
-        self._kept = handle._ended_panel()
+        self._kept = ended_snapshot(handle)
         # follow, then snapshot: events racing the snapshot are harmless (absolute values)
         self._following = None if self._kept is not None else follow(self.client, self.topic, self._on_event)
         with contextlib.ExitStack() as undo:  # a snapshot that fails (no such run) leaves no follower behind

@@ -8,10 +8,36 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PanelState"]
+__all__ = ["PanelState", "ended_snapshot"]
 
 _MAX_GRID_EPOCHS = 8  # the shard grid shows the newest epochs only
 _ENDED = ("finished", "error", "cancelled")  # a run's status once it has ended (``RunHandle.done``)
+
+
+def ended_snapshot(handle: Any) -> dict[str, Any] | None:
+    """The panel's snapshot of ``handle``'s run (as the scheduler's ``vcdask_panel`` gives it) made of the
+    result the handle kept, once the run has ended and the handle has closed its client; None otherwise (the
+    panel asks the scheduler)."""
+    import pickle
+
+    from .engine.views import panel_metric
+    from .spec import load_spec
+
+    res = handle._res
+    if res is None or not handle._closed:
+        return None
+    shards: dict[tuple[int, int], str] = {}
+    for row in res.get("history") or ():  # the grid's final states: merged, or skipped
+        if row["accepted"] or row["outcome"] == "skipped":
+            where = (row["epoch"], row["shard"])
+            shards[where] = "merged" if row["accepted"] else shards.get(where, "skipped")
+    return {
+        "status": handle.status(),
+        "epochs": list(res.get("epochs") or ()),
+        "workers": list(res.get("workers") or ()),
+        "shards": [[e, s, state] for (e, s), state in shards.items()],
+        "metric": panel_metric(load_spec(pickle.loads(res["store"]), handle.run_id)),
+    }
 
 
 class PanelState:

@@ -22,6 +22,7 @@ from typing import Any, Literal, overload
 import torch
 
 from ._ints import positive_int
+from ._main_guard import may_start_here
 from .cluster import check_client, owns_client, resolve_client
 from .data import Shards
 from .device import cpu_copy
@@ -31,10 +32,10 @@ from .holdout import check_early_stopping
 from .inner import memory_steps, resolve_optimizer_state
 from .merge import DEFAULT_RULE, for_run
 from .options import DEFAULT_STORE, RunPlan
-from .prepared import PreparedData
 from .spec import RunSpec, loads, save_spec, spec_path
 from .staging import in_memory, stage
 from .store import ParamStore, check_cluster_access, open_store, share_credentials, store_holds_secrets
+from .variables import recorded_features
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def launch(
     run_id = new_run_id()
     start = start_record(model, plan.store)
     early = None
-    if client is None and _in_memory(plan) and _guarded():
+    if client is None and _in_memory(plan) and may_start_here():
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vcdask-stage")
         early = pool.submit(_stage_data, plan, run_id, None, start)
         pool.shutdown(wait=False)
@@ -101,19 +102,6 @@ def launch(
         if not saved:
             _discard(plan.store, run_id)
         raise
-
-
-def _guarded() -> bool:
-    """Whether the embedded cluster may start from here (:func:`~vcdask._main_guard.check_main_guard`):
-    when it may not, the data is not staged early; starting the cluster raises the error."""
-    from ._main_guard import check_main_guard
-    from .errors import MainGuardError
-
-    try:
-        check_main_guard()
-    except MainGuardError:
-        return False
-    return True
 
 
 def _discard(store: ParamStore, run_id: str) -> None:
@@ -229,22 +217,11 @@ def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
         compression=merging.compression,
         speed_adaptive=merging.speed_adaptive,
         prices=plan.prices,
-        feature_names=_feature_names(plan.train),
+        feature_names=recorded_features(plan.train),
         patience=stopping.patience,
         monitor=stopping.monitor,
         overlap=plan.overlap,
     )
-
-
-def _feature_names(train: PreparedData) -> tuple:
-    """The names of ``X``'s columns, in its order: a DataFrame's feature columns, or the feature variables
-    of an xarray / Zarr dataset when each is one column of ``X`` (a variable of several values per sample
-    names no one column); ``()`` when they name none.  ``FitResult.predict`` selects a DataFrame's columns
-    by them."""
-    names = tuple(train.feature_names)
-    if not names and train.source is not None and train.form == "xy":
-        names = tuple(train.source.features)
-    return names if tuple(train.x_shape) == (len(names),) else ()
 
 
 def _optimizer_state(plan: RunPlan, shards: Shards) -> str:

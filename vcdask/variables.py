@@ -14,7 +14,7 @@ from .errors import DataError
 if TYPE_CHECKING:
     from .prepared import PreparedData
 
-__all__ = ["dict_vars", "infer_sample_dim", "infer_vars", "stored_order", "training_features"]
+__all__ = ["dict_vars", "infer_sample_dim", "infer_vars", "recorded_features", "stored_order", "training_features"]
 
 _LABEL_NAMES = ("y", "label", "labels", "target", "targets")
 
@@ -110,6 +110,17 @@ def training_features(data: Any, prepared: PreparedData, features=None, label=No
     if isinstance(data, xr.Dataset):  # staged from memory: the same inference prepare_data made
         return infer_vars(data, features, label)[0]
     return ()
+
+
+def recorded_features(train: PreparedData) -> tuple:
+    """The names of ``X``'s columns, in its order, as a run records them: a DataFrame's feature columns, or
+    the feature variables of an xarray / Zarr dataset when each is one column of ``X`` (a variable of several
+    values per sample names no one column); ``()`` when they name none.  ``FitResult.predict`` selects a
+    DataFrame's columns, or a Dataset's variables, by them."""
+    names = tuple(train.feature_names)
+    if not names and train.source is not None and train.form == "xy":
+        names = tuple(train.source.features)
+    return names if tuple(train.x_shape) == (len(names),) else ()
 
 
 def stored_order(data: Any) -> bool:
