@@ -748,3 +748,33 @@ def test_fit_with_batchnorm_and_the_default_rule_keeps_the_running_variance_vali
     for v in versions:
         params = r.store.read(v.id).params
         assert (params["1.running_var"] >= 0).all() and torch.isfinite(params["1.running_var"]).all(), v.id
+
+
+def test_the_trust_bound_is_the_parameters_norm_whatever_the_buffers_hold():
+    """The default rule bounds its momentum correction by |W_s| of the parameters.  It was the whole
+    vector's norm less the buffers', in float32: a BatchNorm on raw features (running variances of 1e8
+    and more) left nothing of it, switched the correction off for the run, and the parameters moved by
+    what the buffers held."""
+    from vcdask.merge._base import Arrival
+
+    def run(var):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+        with torch.no_grad():
+            model[0].running_var.fill_(var)
+        server = flatten(model)
+        rule = Nesterov(lr=0.5, momentum=0.9, bias_correction="trust", delay=1)
+        state = rule.init_state(server)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):  # fresh updates of the parameters alone
+            client = torch.nn.Sequential(torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+            client.load_state_dict(server.state_dict())
+            with torch.no_grad():
+                for p in client.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            rule.apply(server, flatten(client), state, Arrival(epoch=1, staleness=0))
+        return state.scalars.get("bounded", 0.0), server["1.weight"].clone()
+
+    (small, w_small), (large, w_large) = run(1.0), run(3e9)
+    assert small == large < 1.0
+    assert torch.equal(w_small, w_large)

@@ -181,9 +181,7 @@ class Nesterov(MergeRule):
         dot, gg, mm = (_dot(g, mom), _dot(g, g), _dot(mom, mom))
         # |m| after this step (mu * m + g / n), from the same sums
         after = math.sqrt(max(0.0, mu * mu * mm + 2 * mu * dot / n + gg / (n * n)))
-        ws = floats(server)  # (|W_s| of the parameters: the buffers' share taken out)
-        norm2 = _dot(ws, ws) - sum(_dot({d: ws[d][run]}, {d: ws[d][run]}) for d, runs in spans.items() for run in runs)
-        room = _TRUST * math.sqrt(max(0.0, norm2))
+        room = _TRUST * math.sqrt(_parameters_norm2(floats(server), spans))
         gain = full if after == 0.0 else min(full, max(1.0, room / (self.lr * mu * after)))
         if gain < full:
             logger.debug("momentum step %d: correction bounded to %.3g (Adam's: %.3g)", steps, gain, full)
@@ -250,6 +248,21 @@ class Nesterov(MergeRule):
             "delay": self.delay,
             "bias_correction": self.bias_correction,
         }
+
+
+def _parameters_norm2(ws: dict[str, torch.Tensor], spans: dict[str, list[slice]]) -> float:
+    """|W_s|^2 of the parameters: summed over what lies between the float buffers (``spans``), not the whole
+    less the buffers' share (running variances of raw features, 1e8 and more, left nothing of it in float32)."""
+    parts: dict[str, torch.Tensor] = {}
+    for dtype, vector in ws.items():
+        start = 0
+        for run in sorted(spans.get(dtype, ()), key=lambda r: r.start):
+            if run.start > start:
+                parts[f"{dtype}:{start}"] = vector[start : run.start]
+            start = max(start, run.stop)
+        if start < vector.numel():
+            parts[f"{dtype}:{start}"] = vector[start:]
+    return _dot(parts, parts)
 
 
 def _dot(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
