@@ -762,9 +762,11 @@ def test_auto_is_each_worker_threads_own_gpu_whatever_a_run_before_set(monkeypat
     def tasks():
         first = _held.setup(_spec(run_id="a", device="cuda:1", torch_threads=threads, precision="32"))[0]
         auto = _held.setup(_spec(run_id="b", device="auto", torch_threads=threads, precision="32"))[0]
-        return first, auto, torch.cuda.current_device()
+        _held.setup(_spec(run_id="c", device="cuda:1", torch_threads=threads, precision="32"))
+        cuda = _held.setup(_spec(run_id="d", device="cuda", torch_threads=threads, precision="32"))[0]
+        return first, (auto, cuda), torch.cuda.current_device()
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a fresh thread: a worker's
         first, auto, now = pool.submit(tasks).result()
     assert first == torch.device("cuda", 1)
-    assert auto == torch.device("cuda", 0) and now == 0  # its own, and current for the task
+    assert auto == (torch.device("cuda", 0),) * 2 and now == 0  # its own ("cuda" too), current for the task

@@ -198,15 +198,26 @@ def to_cpu(model: torch.nn.Module, device: torch.device) -> FlatParams:
 _own_cuda = threading.local()
 
 
+def _own_gpu(device: Any) -> bool:
+    """Whether ``device`` (a run's) means the worker's own GPU: ``"auto"``, or CUDA without an index."""
+    if isinstance(device, str) and device == "auto":
+        return True
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError):
+        return False
+    return dev.type == "cuda" and dev.index is None
+
+
 def setup(spec: RunSpec) -> tuple[torch.device, Precision]:
     """The device a task of ``spec`` trains on (made the thread's current CUDA device), and its precision.
 
-    ``device="auto"`` is the thread's own CUDA device, the one it had before any run set one: CUDA's current
-    device is per thread and Dask's worker threads outlive tasks, so after a run on ``"cuda:1"`` the next
-    run's ``"auto"`` trained on that GPU too (under dask-cuda, another worker's).
+    ``device="auto"`` (and ``"cuda"``, no index) is the thread's own CUDA device, the one it had before any
+    run set one: CUDA's current device is per thread and Dask's worker threads outlive tasks, so after a run
+    on ``"cuda:1"`` the next run's ``"auto"`` trained on that GPU too (under dask-cuda, another worker's).
     """
     torch.set_num_threads(spec.torch_threads)
-    if spec.device == "auto" and torch.cuda.is_available():
+    if _own_gpu(spec.device) and torch.cuda.is_available():
         own = getattr(_own_cuda, "index", None)
         if own is None:
             own = _own_cuda.index = torch.cuda.current_device()
