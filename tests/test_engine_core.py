@@ -778,3 +778,43 @@ def test_an_upload_merged_on_a_resume_has_no_time_and_leaves_deadlines_and_worke
     assert s.state.ledger.shard_seconds == [20.0] and s.state.pool.record("b").mean_seconds == 20.0
     s.clock.advance(6.0)  # the copy on the warm worker "a", 6 s into a shard that takes 20: not late
     assert not emitted(s(m.Tick()), "reissue") and warm.timed_out == 0
+
+
+def test_a_copy_the_hand_over_counted_started_is_timed_from_its_own_start_and_not_blamed_while_it_waits():
+    """The copy sent with a hand-over's answer is counted started then, but its worker may run other work
+    first (another run's task, another user's): past its deadline it was blamed on the worker, three times
+    over excluded it, and a run sharing its cluster failed with no usable worker.  It is waited for as a
+    queued copy until it says it began; from then on its deadline counts."""
+    s = Script(n_shards=6, deadline=5.0)
+    first = keys(s(m.Poll()))[0]
+    s.start(first, "a")
+    s.dask.finish(first)
+    [nxt] = [fx.value for fx in s(m.HandOver(first, s.record(first, "a"))) if isinstance(fx, m.Reply)]
+    queued = nxt[0]
+    s.dask.run(queued, "a")  # Dask has it processing on a; a's thread still runs something else
+    s(m.Started(queued, "a", handed=True))  # the hand-over's answer took its base
+    task = s.state.tasks.records[queued]
+    assert task.handed and task.started == s.clock.t
+    s.clock.advance(6.0)
+    assert not emitted(s(m.Tick()), "reissue")  # past the deadline, within a queued copy's patience
+    s.clock.advance(60.0)
+    [why] = [e["why"] for e in emitted(s(m.Tick()), "reissue") if e["shard"] == task.shard]
+    assert why == "never started" and s.state.pool.record("a").timed_out == 0
+    assert s.state.dispatch.failures.get((task.epoch, task.shard), 0) == 0  # nor the shard's failure
+    # a copy that says it began: its deadline counts from then, and its worker answers for it
+    s = Script(n_shards=6, deadline=5.0, workers=("a",))
+    first = keys(s(m.Poll()))[0]
+    s.start(first, "a")
+    s.dask.finish(first)
+    [[later]] = [fx.value for fx in s(m.HandOver(first, s.record(first, "a"))) if isinstance(fx, m.Reply)]
+    s.dask.run(later, "a")
+    s(m.Started(later, "a", handed=True))
+    s.clock.advance(12.0)
+    s(m.Started(later, "a"))  # it begins, 12 s after the hand-over
+    task = s.state.tasks.records[later]
+    assert task.started == s.clock.t and not task.handed
+    s.clock.advance(4.0)
+    assert not emitted(s(m.Tick()), "reissue")
+    s.clock.advance(2.0)
+    assert [e["why"] for e in emitted(s(m.Tick()), "reissue")] == ["ran past its 5.0 s deadline"]
+    assert s.state.pool.record("a").timed_out == 1

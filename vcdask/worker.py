@@ -180,6 +180,8 @@ def train_shard(
     pending = overlap.take(run_id) if handed is None else None
     if warm is None and handed is None and pending is None:
         _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here; what it costs
+    elif handed is not None:  # the hand-over counted it started; it may have waited here behind other
+        _tell_run_later("vcdask_started", run_id, **instance_here())  # work: it begins now (no answer awaited)
     spec = load_spec(store, run_id)
     device, precision = _held.setup(spec)
     start, stop = spec.shards.bounds(shard)

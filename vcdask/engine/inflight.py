@@ -27,6 +27,9 @@ class TaskRecord:
     version: str | None = None  # the version a validation task measures
     submitted: float = 0.0
     started: float | None = None  # reported by the task when it begins to run
+    # started as far as the hand-over before it knows (its base went back with it): it may still wait
+    # behind other work on its worker; the task's own start, or its deadline as a queued copy's, decides
+    handed: bool = False
     worker: str | None = None
     placed: str | None = None  # the one worker a shard copy was placed on (loosely: Dask may move it)
     based: bool = False  # the task asked for its base version (``step`` is the version it trains from)

@@ -226,8 +226,9 @@ class VcdaskPlugin(SchedulerPlugin):
 
         ``next_base``: the worker would take the base of the shard copy it runs next with the answer
         (``{"next": {"key": ..., "version": ..., "step": ...}}``), once the run has merged the results
-        that came before (see :func:`vcdask.engine.handshake.next_base`); the copy is recorded as started
-        (unless it said so itself: with ``vcdask.worker.overlap="delta"`` it starts before this answer).
+        that came before (see :func:`vcdask.engine.handshake.next_base`); the copy is recorded as started,
+        as far as this answer knows (unless it said so itself: with ``vcdask.worker.overlap="delta"`` it
+        starts before this answer): it may wait on the worker behind other work, and says when it begins.
         """
         run = self.runs.get(run_id)
         if run is None or run.done.is_set() or not isinstance(record, dict):
@@ -238,9 +239,7 @@ class VcdaskPlugin(SchedulerPlugin):
         base = await run.next_base(nxt, worker)
         if base is None:
             return None
-        self.handle_started(
-            run_id=run_id, key=nxt, worker=worker, instance=record.get("instance"), market=record.get("market")
-        )
+        run.task_started(nxt, worker, record.get("instance"), record.get("market"), handed=True)
         return {"next": {"key": nxt, **base}}
 
     async def handle_base(

@@ -365,8 +365,10 @@ class Run:
     async def next_base(self, key: str, worker: str) -> dict[str, Any] | None:
         return await self.bases.next_base(key, worker)
 
-    def task_started(self, key: str, worker: str, instance: str | None = None, market: str | None = None) -> None:
-        self.step_now(m.Started(key, worker, instance, market))
+    def task_started(
+        self, key: str, worker: str, instance: str | None = None, market: str | None = None, handed: bool = False
+    ) -> None:
+        self.step_now(m.Started(key, worker, instance, market, handed))
 
     def joined(self, worker: str, nthreads: int) -> None:
         self.step_now(m.Joined(worker, nthreads))

@@ -42,9 +42,11 @@ def _on(event: object, state: RunState) -> None:  # noqa: ARG001 - the handlers 
 def _(event: m.Started, state: RunState) -> None:
     task = state.tasks.records.get(event.key)
     # a start recorded already on that worker stands (its clock runs from the first: with
-    # ``overlap="delta"`` the answer that brings a copy's base may come before the task says it started)
-    if task is not None and (task.started is None or task.worker != event.worker):
+    # ``overlap="delta"`` the answer that brings a copy's base may come before the task says it started),
+    # unless the hand-over recorded it: the task's own start, later, is when it began
+    if task is not None and (task.started is None or task.worker != event.worker or (task.handed and not event.handed)):
         started(state, event.key, event.worker)
+        task.handed = event.handed
     state.pool.identify(event.worker, event.instance, event.market)
 
 

@@ -242,12 +242,13 @@ def overdue(state: RunState, task: TaskRecord, verdict: policy.Overdue, worker: 
     if not verdict.blame:
         retry_or_give_up(state, task.epoch, task.shard, verdict.why, avoid=worker, count=False)
         return
-    if worker is not None and task.started is not None:
+    began = task.started is not None and not task.handed  # (one the hand-over counted may wait behind other work)
+    if worker is not None and began:
         blame(state, worker, "timed_out")
         state.emit("worker", worker_row=state.pool.record(worker).as_row())
         move_queued_off(state, {worker})  # stuck behind it: move, no blame
     # a copy that never started (queued while workers died and restarted) is not the shard's failure
-    retry_or_give_up(state, task.epoch, task.shard, verdict.why, avoid=worker, count=task.started is not None)
+    retry_or_give_up(state, task.epoch, task.shard, verdict.why, avoid=worker, count=began)
 
 
 def move_queued_off(state: RunState, stuck: set[str]) -> None:
@@ -259,7 +260,8 @@ def move_queued_off(state: RunState, stuck: set[str]) -> None:
     if not stuck:
         return
     for key, other in list(state.tasks.updates()):
-        if not other.overdue and other.started is None and state.tasks.processing_on(key) in stuck:
+        waiting = other.started is None or other.handed
+        if not other.overdue and waiting and state.tasks.processing_on(key) in stuck:
             other.overdue = True
             submit_shard(state, other.epoch, other.shard, avoid=stuck)
 

@@ -101,12 +101,15 @@ class RunFailed(RuntimeError):
 @dataclass(frozen=True)
 class Started:
     """Task ``key`` began to run on ``worker`` (its deadline counts from now), an ``instance`` bought on
-    ``market`` (for the cost accounting), as far as the worker knows."""
+    ``market`` (for the cost accounting), as far as the worker knows.  ``handed``: as far as the hand-over
+    of the task before it on that worker knows (it went out with that answer; it may wait there behind
+    other work, another run's or another user's, before it begins)."""
 
     key: str
     worker: str
     instance: str | None = None
     market: str | None = None
+    handed: bool = False
 
 
 @dataclass(frozen=True)

@@ -127,8 +127,9 @@ def deadlines(state: RunState) -> list[str]:
         running_on = tasks.processing_on(key)
         verdict = policy.overdue(
             now=now,
-            submitted=task.submitted,
-            started=task.started,
+            # a copy started only as far as the hand-over before it knows is waited for as a queued one
+            submitted=task.started if task.handed and task.started is not None else task.submitted,
+            started=None if task.handed else task.started,
             running_on=running_on,
             worker=task.worker,
             # a copy that has not asked for its base yet will train from the newest version
@@ -141,7 +142,7 @@ def deadlines(state: RunState) -> list[str]:
         if verdict == "restart":  # its worker died: Dask is moving it, it starts afresh
             task.started, task.submitted, task.based = None, now, False
         elif verdict is not None:
-            where = task.worker if verdict.blame and task.started is not None else running_on
+            where = task.worker if verdict.blame and task.started is not None and not task.handed else running_on
             overdue(state, task, verdict, where)
             if state.failure is not None:
                 return redundant
