@@ -216,3 +216,21 @@ def test_a_stopped_run_validates_its_final_version_once_however_long_that_takes(
     assert final % 20 != 0  # (mid-epoch: no epoch's validation covered it)
     assert np.isfinite(result.metrics["loss"])
     assert not [r for r in caplog.records if "final validation" in r.getMessage()], caplog.text
+
+
+def _plugin_id(dask_scheduler=None):
+    from vcdask.engine.plugin import PLUGIN_NAME
+
+    return id(dask_scheduler.plugins[PLUGIN_NAME])
+
+
+def test_a_second_registration_of_the_plugin_keeps_the_one_that_drives_the_runs(client):
+    """Two clients starting their first runs at once both find no plugin and both register one: the
+    second replaced the first, took over its handlers and orphaned the runs it drove."""
+    from vcdask.engine.plugin import PLUGIN_NAME, VcdaskPlugin
+    from vcdask.handle import ensure_plugin
+
+    ensure_plugin(client)
+    first = client.run_on_scheduler(_plugin_id)
+    client.register_plugin(VcdaskPlugin(), name=PLUGIN_NAME)  # (the other client, past the same check)
+    assert client.run_on_scheduler(_plugin_id) == first

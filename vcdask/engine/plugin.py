@@ -34,6 +34,9 @@ class VcdaskPlugin(SchedulerPlugin):
     """Registered once per scheduler by :func:`vcdask.fit`; hosts any number of runs."""
 
     name = PLUGIN_NAME
+    #: A second registration (two clients starting their first runs at once) is skipped by the scheduler:
+    #: replacing the plugin took over its handlers and orphaned the runs the first one drove.
+    idempotent = True
 
     def __init__(self) -> None:
         self.runs: dict[str, Run] = {}
