@@ -325,6 +325,37 @@ def test_a_store_kept_open_collects_after_another_collection_rewrote_and_removed
     assert [v.metadata["step"] for v in vcdask.open_store(tmp_path / "s").versions("run-k")] == [11, 10]
 
 
+class _ListsAGhost:
+    """A repository whose next branch listing still names a pin that another run's collection deletes right
+    after (two runs collecting in one store): Icechunk's own repository, but for that one listing."""
+
+    def __init__(self, repo, ghost: str | None) -> None:
+        self._repo, self._ghost = repo, ghost
+
+    def __getattr__(self, name):
+        return getattr(self._repo, name)
+
+    def reopen(self):  # (the collection's own look at the store)
+        ghost, self._ghost = self._ghost, None
+        return _Listing(self._repo.reopen(), ghost)
+
+
+class _Listing(_ListsAGhost):
+    def list_branches(self):
+        ghost, self._ghost = self._ghost, None
+        return {*self._repo.list_branches(), *([ghost] if ghost else [])}
+
+
+def test_a_pin_deleted_between_the_listing_and_its_look_up_is_gone_not_an_error(tmp_path):
+    """Another run's collection removed one of its pins meanwhile: the collection failed ("ref not found"),
+    and at a run's end, where no later one comes, that run's retention was never applied."""
+    store = vcdask.open_store(tmp_path / "s")
+    _commit_run(store, "run-g", merges=6, per_epoch=3)
+    store._repo = _ListsAGhost(store._repo, "vcdask.keep.0000000000000000GONE.run-other")
+    report = store.gc(Retention(keep_last=2, keep_epochs=False, grace=0), branches="run-g")
+    assert len(report.kept["run-g"]) == 2 and len(report.removed["run-g"]) == 5
+
+
 # -- resume after a collection -----------------------------------------------------------------------
 def _upload(store, run: str, epoch: int, shard: int, base_step: int) -> dict:
     path = update_path(run, epoch, shard, 0)

@@ -159,8 +159,8 @@ def collect(
     grace = timedelta(seconds=retention.grace if retention.grace is not None else _default_grace(store))
     listed_at = datetime.now(UTC)  # anything committed after this is newer than the cutoff
     fresh = repo.reopen()  # another process may have expired history since this one last looked
-    names = set(fresh.list_branches())
-    heads = {b: fresh.lookup_branch(b) for b in names}
+    heads = _heads(fresh)
+    names = set(heads)
     tagged = {fresh.lookup_tag(t) for t in fresh.list_tags()}
     held = _live_holds(store, tidy=not dry_run)
     managed = sorted(b for b in names if not is_reserved(b)) if branches is None else list(branches)
@@ -214,6 +214,21 @@ def collect(
         elif _still_idle(store, fresh, b, heads[b], listed_at):
             _sweep(store, b, listed_at - grace)
     return report
+
+
+def _heads(repo: Any) -> dict[str, str]:
+    """Branch -> its head snapshot; a branch deleted between the listing and its look-up (a pin another
+    run's collection removed meanwhile: two runs collecting in one store) is left out, not an error."""
+    import icechunk
+
+    heads = {}
+    for branch in repo.list_branches():
+        try:
+            heads[branch] = repo.lookup_branch(branch)
+        except icechunk.IcechunkError:
+            if branch in repo.reopen().list_branches():
+                raise
+    return heads
 
 
 def _still_idle(store: CollectedStore, repo: Any, branch: str, head: str, now: datetime) -> bool:
