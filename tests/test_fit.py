@@ -391,12 +391,12 @@ def _uncount_started_messages(dask_scheduler):
 
 @pytest.mark.parametrize("overlap", ["wait", "delta"])
 def test_a_warm_task_says_it_started_with_its_request_for_a_base(overlap, client, digits_data, tmp_path):
-    """A shard task on a worker that has the run's spec and the shard's rows at hand sends at most one
-    message before it trains (its request for a base, which says it started; none when the hand-over
-    before it brought its base and the run recorded its start then), not two; a cold one sends both.
-    With ``overlap="delta"`` a task trains before its base comes, so that one message says it started
-    (a worker its shard kills is charged to it).  Either way every shard is merged once, none re-issued
-    for want of a start, and every start is recorded once."""
+    """A shard task on a worker that has the run's spec and the shard's rows at hand sends one message
+    before it trains, not two (its request for a base, which says it started; or, when the hand-over before
+    it brought its base, a word that it began, which waits for no answer: it may have waited behind other
+    work there); a cold one sends both.  With ``overlap="delta"`` a task trains before its base comes, so
+    that one message says it started (a worker its shard kills is charged to it).  Either way every shard
+    is merged once, none re-issued for want of a start, and every task says it started once."""
     import dask
 
     from vcdask.handle import ensure_plugin
@@ -416,16 +416,13 @@ def test_a_warm_task_says_it_started_with_its_request_for_a_base(overlap, client
     messages = [k for k in messages if str(k).startswith("vcdask-train-")]
     starts = [k for k in starts if str(k).startswith("vcdask-train-")]
     # 12 shard tasks on 2 workers: a worker is cold for its first task of each shard only (its rows)
-    if overlap == "wait":
-        assert 1 <= len(messages) <= 8, messages
-        assert len(messages) < len(h), (messages, len(h))
-    else:  # each says it started: before training from its worker's own update, or as a cold task
+    if overlap != "wait":  # each says it started: before training from its worker's own update, or as a cold task
         assert len(messages) >= len(h) - 2 and len(set(messages)) == len(messages), (messages, len(h))
         # (the answer that brings its base may say so first: the run keeps the first, plugin.handle_started)
         assert len(set(messages) | set(starts)) == len(h), (messages, starts, len(h))
         return
-    # every task's start is recorded once: from its own message (cold), or from its request for a base or
-    # the hand-over that brought its base (warm)
+    # every task says it started once: in its own message (cold, or its base came with the hand-over
+    # before it), or in its request for a base (warm)
     assert len(set(messages + starts)) == len(messages + starts) == len(h), (messages, starts, len(h))
 
 
