@@ -601,3 +601,21 @@ def test_bf16_tensors_are_taken_as_float32(classify):
     assert prepared.sample_X.dtype == np.float32 and prepared.classification == classify
     np.testing.assert_array_equal(prepared.sample_X[:2], [[0, 1], [2, 3]])
     assert prepared.y_dtype == (np.int64 if classify else np.float32)
+
+
+def test_metrics_are_tried_before_any_work_and_a_classifiers_errors_are_of_its_class_ids(xy, tmp_path):
+    """A metric that cannot compare the model's outputs with the labels failed the run's first validation,
+    after training, without naming the metric; ``"mae"`` on a classifier did (scores per class against class
+    ids), though the scheduled jobs' guide offers it for integer labels: it is the error of the predicted
+    class ids (ordered classes)."""
+    from vcdask.options import mae, mse
+
+    def broken(output, target):
+        return float((output - target).abs().mean())  # (n, 10) against (n,): they do not broadcast
+
+    with pytest.raises(DataError, match=r"metric 'broken' cannot compare model outputs of shape \(\d+, 10\)"):
+        vcdask.fit(_linear(), xy, metrics=[broken], store=tmp_path / "s", client=NoCluster(), progress=False)
+    scores = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.0, 0.2, 0.7]])
+    labels = torch.tensor([1, 2, 0])  # predicted 1, 0, 2
+    assert mae(scores, labels) == pytest.approx((0 + 2 + 2) / 3) and mse(scores, labels) == pytest.approx(8 / 3)
+    assert mae(torch.tensor([[1.0], [3.0]]), torch.tensor([2.0, 2.0])) == 1.0  # a regression's, as before

@@ -69,13 +69,21 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> float:
 
 
 def mae(output: torch.Tensor, target: torch.Tensor) -> float:
-    """Mean absolute error."""
-    return float(torch.nn.functional.l1_loss(output.reshape(target.shape), target))
+    """Mean absolute error; of a classifier, that of its predicted class ids (ordered classes: ratings)."""
+    return float(torch.nn.functional.l1_loss(*_predicted(output, target)))
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> float:
-    """Mean squared error."""
-    return float(torch.nn.functional.mse_loss(output.reshape(target.shape), target))
+    """Mean squared error; of a classifier, that of its predicted class ids (ordered classes: ratings)."""
+    return float(torch.nn.functional.mse_loss(*_predicted(output, target)))
+
+
+def _predicted(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an error metric compares: a classifier's arg-max class ids (its scores per class, integer
+    labels) as numbers, or a regression's outputs in the labels' shape."""
+    if not target.is_floating_point() and output.dim() == target.dim() + 1:
+        return output.argmax(dim=-1).float(), target.float()
+    return output.reshape(target.shape), target
 
 
 METRICS: dict[str, Callable] = {"accuracy": accuracy, "mae": mae, "mse": mse}
@@ -252,7 +260,7 @@ def plan(
     if train_step is None:
         loss_fn = resolve_loss(loss, prepared.classification)
         metric_fns = resolve_metrics(metrics, prepared.classification)
-        cast_x = check_model(model, prepared, loss_fn, prepared.classification, x_dtype)
+        cast_x = check_model(model, prepared, loss_fn, prepared.classification, x_dtype, metrics=metric_fns)
         metric_names = ("loss", *metric_fns)
     else:
         loss_fn, metric_fns, cast_x = resolve_loss(loss, prepared.classification), {}, False

@@ -189,9 +189,12 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def check_model(model, prepared: PreparedData, loss, classification: bool, x_dtype, what: str = "training") -> bool:
-    """One forward pass on a few rows: the model accepts the data and its outputs fit the labels (``what``:
-    the ``"training"`` or ``"validation"`` data, as the messages name it).
+def check_model(
+    model, prepared: PreparedData, loss, classification: bool, x_dtype, what: str = "training", metrics=None
+) -> bool:
+    """One forward pass on a few rows: the model accepts the data and its outputs fit the labels and the loss
+    and ``metrics`` (name -> fn(output, target)) can compare them (``what``: the ``"training"`` or
+    ``"validation"`` data, as the messages name it).
 
     Returns whether ``X`` is cast to the model's dtype (True), or stays integer (False: integer
     inputs such as token ids that the model takes as they are, and not as floats).
@@ -248,6 +251,14 @@ def check_model(model, prepared: PreparedData, loss, classification: bool, x_dty
             f"the loss cannot compare model outputs of shape {tuple(out.shape)} with labels of "
             f"shape {tuple(y.shape)}: {type(e).__name__}: {e}"
         ) from e
+    for name, fn in (metrics or {}).items():  # (a metric that fails here failed the run's first validation)
+        try:
+            float(fn(out.float(), y))
+        except Exception as e:
+            raise DataError(
+                f"metric {name!r} cannot compare model outputs of shape {tuple(out.shape)} with labels of "
+                f"shape {tuple(y.shape)} (as validation gives them: outputs as float32): {type(e).__name__}: {e}"
+            ) from e
     return cast
 
 
