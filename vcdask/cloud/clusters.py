@@ -48,7 +48,7 @@ PROVIDER_CLUSTERS: dict[str, tuple[str, str, str, str, str, str, str]] = {
         "environment",
         "",  # Fargate sizes tasks by CPU and memory (worker_cpu=, worker_mem=, passed on as they are)
         "",
-        "aws",
+        "",  # no watcher: a Fargate task has no instance metadata; AWS sends it a SIGTERM (docs: spot-fleets)
     ),
     "gcp": (
         "dask_cloudprovider.gcp:GCPCluster",
@@ -133,7 +133,9 @@ def spot_cluster_spec(
     minimum, maximum : int, optional
         Adaptive scaling bounds (``cluster.adapt``); without ``maximum``, no adaptive scaling.
     worker_type, scheduler_type : str, optional
-        Instance / machine types (Fargate: memory in MiB), given to the provider's option for them.
+        Instance / machine types, given to the provider's option for them.  Fargate sizes its tasks by
+        ``worker_cpu=`` / ``worker_mem=`` (and the scheduler's), passed on in ``**cluster_kwargs``; these two
+        are refused there.
     image : str, optional
         The container image (default: dask-cloudprovider's, with ``packages`` installed at start).
     packages : sequence of str, optional
@@ -185,7 +187,7 @@ def spot_cluster_spec(
 
     environment = {
         "DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": WORKER_TTL,
-        "DASK_VCDASK__CLOUD__PREEMPTION__PROVIDER": watch_as,
+        **({"DASK_VCDASK__CLOUD__PREEMPTION__PROVIDER": watch_as} if watch_as else {}),
         # what the workers report for the run's cost accounting (vcdask.cost)
         "DASK_VCDASK__CLOUD__INSTANCE__MARKET": "spot",
         **({"DASK_VCDASK__CLOUD__INSTANCE__TYPE": worker_type} if worker_type else {}),
@@ -200,7 +202,8 @@ def spot_cluster_spec(
     for key, value in ((image_key, image), (worker_key, worker_type), (scheduler_key, scheduler_type)):
         if key and value is not None:
             kwargs[key] = value
-    plugins = [watcher if watcher is not None else PreemptionWatcher(provider=watch_as)]
+    # (Fargate: none, unless given: a watcher there polls a metadata service that is not there, forever)
+    plugins = [watcher] if watcher is not None else [PreemptionWatcher(provider=watch_as)] if watch_as else []
     return SpotClusterSpec(provider, cls, kwargs, plugins, minimum=low, maximum=high)
 
 
