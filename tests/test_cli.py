@@ -281,3 +281,22 @@ def test_a_reader_that_leaves_early_stops_the_listing_quietly(runs_store, monkey
         closed.close()
     assert code == 141
     assert capsys.readouterr().err == ""
+
+
+def test_runs_counts_an_ended_runs_epochs_as_its_result_does(tmp_path, capsys):
+    """An epoch whose shards were all merged after the run decided to stop (early stopping, a Ctrl-C) is no
+    epoch of its result: the listing showed 6/30 where the run's record and result said 5."""
+    from vcdask.engine.end import write_record
+    from vcdask.spec import spec_path
+
+    store = vcdask.open_store(tmp_path / "s", mode="a")
+    run_id = "run-20200101-000000-abc000"
+    store.create_branch(run_id)
+    store.files.put(spec_path(run_id), b"garbage")  # (listed by its spec; never unpickled)
+    progress = {"done": [[e, 4 * e] for e in range(1, 7)], "open": []}
+    store.commit(torch.nn.Linear(2, 1), {"run_id": run_id, "step": 24, "progress": progress}, branch=run_id)
+    write_record(
+        store, run_id, {"status": "stopped", "stop_kind": "early_stopping", "epochs_done": 5, "max_epochs": 30}
+    )
+    code, out, _ = _run(capsys, "runs", tmp_path / "s", "--json")
+    assert code == 0 and json.loads(out)[0]["epochs"] == 5

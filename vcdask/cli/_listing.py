@@ -83,6 +83,9 @@ def run_info(store: Any, run_id: str) -> dict[str, Any]:
     done = meta.get("progress", {}).get("done", [])
     epochs = len(done)  # epochs may finish out of order: [[2, 3], [1, 4]] is two epochs done
     record = _record(store, run_id, read_record)
+    if record.get("status") not in (None, "running") and isinstance(record.get("epochs_done"), int):
+        # an ended run's: its result's epochs (one merged after an early stop or a Ctrl-C is not one of them)
+        epochs = record["epochs_done"]
     first = listed[-1].metadata if listed else {}
     max_epochs = record.get("max_epochs") or first.get("max_epochs")
     job = _job_record(store, run_id)
