@@ -27,7 +27,7 @@ from vcdask.errors import VersionNotFoundError
 from vcdask.merge import Nesterov
 from vcdask.params import FlatParams, flatten
 from vcdask.store._retention import check_retention, select
-from vcdask.updates import read_update, update_path, write_update
+from vcdask.updates import list_updates, read_update, update_path, write_update
 
 
 def _params(step: int, n: int = 4096) -> FlatParams:
@@ -585,3 +585,20 @@ def test_versions_tasks_still_read_are_never_collected(client, tmp_path):
     assert result.history.accepted.sum() == 32
     assert [v.metadata["step"] for v in result.store.versions(result.run_id)] == [32]
     assert len(result.epochs) == 4 and result.epochs.loss.notna().all()
+
+
+def test_a_torn_leftover_updates_attempt_is_not_used_again(tmp_path):
+    """An upload cut short by a crash is not an update: its shard is trained again, and under the next
+    attempt number (the same one would share its path with a worker that outlived the crash and finishes
+    writing the old file over the new upload)."""
+    from vcdask.updates import update_key
+
+    store = vcdask.open_store(tmp_path / "s")
+    server = _server(store, "run-t", None)
+    path = _upload(store, "run-t", 1, 2, 0)["update"]
+    whole = store.files.get(path)
+    store.files.put(path, whole[: len(whole) // 2])  # (the upload the crash cut short)
+    assert update_key(path) == (1, 2, 0) and update_key("run-t/notes.txt") is None
+    merged, _, attempts, pending = read_back(server, store, "run-t", "run-t", 4)
+    assert pending == [] and merged == {} and attempts[(1, 2)] == 1
+    assert list_updates(store.files, "run-t") == []  # (not an update: deleted)

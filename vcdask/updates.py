@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Literal
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "read_update",
     "read_update_meta",
     "update_gone",
+    "update_key",
     "update_path",
     "write_update",
 ]
@@ -42,6 +44,15 @@ logger = logging.getLogger(__name__)
 def update_path(run_id: str, epoch: int, shard: int, attempt: int) -> str:
     """Where the update of one shard-training attempt lives, relative to ``<store>/runs``."""
     return f"{_folder(run_id)}/e{epoch:05d}-s{shard:05d}-a{attempt:03d}.safetensors"
+
+
+_NAME = re.compile(r"e(\d{5,})-s(\d{5,})-a(\d{3,})\.safetensors$")
+
+
+def update_key(path: str) -> tuple[int, int, int] | None:
+    """``(epoch, shard, attempt)`` that :func:`update_path` named ``path`` after; None for another name."""
+    found = _NAME.search(path)
+    return None if found is None else (int(found[1]), int(found[2]), int(found[3]))
 
 
 def _folder(run_id: str) -> str:

@@ -13,7 +13,7 @@ import zipfile
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..updates import delete_update, list_updates, read_update_meta, update_gone
+from ..updates import delete_update, list_updates, read_update_meta, update_gone, update_key
 from .core import messages as m
 from .inflight import TaskRecord
 
@@ -72,6 +72,9 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
             logger.warning("run %s: leftover update %s unreadable (%s); its shard is trained again", run_id, path, e)
             meta = {}
         if not meta:  # not an update of this run's format: nothing to merge
+            named = update_key(path)  # (a torn one's attempt is not used again: a worker still writing it
+            if named is not None:  # after the crash would overwrite the new attempt's upload)
+                attempts[named[:2]] = max(attempts.get(named[:2], 0), named[2] + 1)
             if update_gone("foreign", server.keep_updates):
                 delete_update(store.files, path, strict=True)
             continue
