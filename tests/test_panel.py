@@ -293,3 +293,20 @@ def test_a_panel_of_an_ended_run_shows_its_end_and_follows_nothing(client, tmp_p
     assert len(panel.source.data["epoch"]) == 2 and "finished" in panel.header.value
     assert (id(client), topic(result.run_id)) not in _topics._fanouts
     assert _until(lambda: topic(result.run_id) not in client._event_handlers, timeout=10), client._event_handlers
+
+
+def test_the_console_bar_in_a_log_is_redrawn_when_what_it_shows_changes(client, tmp_path, capsys):
+    """Where stderr is no terminal (a scheduled job's log), each redraw is a line of the log: the bar was
+    redrawn at every look at the run, twice a second, the same but for the clock."""
+    from vcdask.progress import ConsoleProgress
+
+    result = _short_run(client, tmp_path, max_epochs=2, wait=True)
+    handle = vcdask.attach(result.run_id, client)
+    capsys.readouterr()
+    bar = ConsoleProgress(handle)  # (pytest's captured stderr is no terminal)
+    status = handle.status()
+    for _ in range(20):
+        bar.update(status)
+    written = capsys.readouterr().err
+    bar.close()
+    assert 1 <= written.count(result.run_id) <= 2, written  # the bar's first line, the epochs' redraw
