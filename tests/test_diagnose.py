@@ -47,8 +47,9 @@ def test_a_run_without_validation_says_so_and_warns_when_it_diverged(client, dig
     fine = vcdask.fit(digits_cnn(0), (X, y), store=tmp_path / "a", **kw)  # no warning (an error here)
     assert fine.metrics == {} and fine.notes == [NOT_VALIDATED]
     assert "not validated>" in repr(fine) and "nothing checked the model" in fine._repr_html_()
-    with pytest.warns(RuntimeWarning, match=r"the training loss rose from .* the training diverged; lower"):
+    with pytest.warns(RuntimeWarning, match=r"the training loss rose from .* the training diverged; lower") as seen:
         wild = vcdask.fit(digits_cnn(0), (X, y), lr=10, store=tmp_path / "b", **kw)
+    assert [w.filename for w in seen] == [__file__]  # the user's line, not vcdask's
     assert wild.notes[0] == NOT_VALIDATED and wild.notes[1].startswith("diverged: ")
     assert repr(wild).endswith("; not validated; diverged>")
     with warnings.catch_warnings():

@@ -88,4 +88,17 @@ def annotate(result: Any) -> None:
     diverged = divergence(result.history, result.epochs)
     if diverged is not None:
         result.notes.append(f"diverged: {diverged}")
-        warnings.warn(f"run {result.run_id}: {diverged}", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"run {result.run_id}: {diverged}", RuntimeWarning, stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside vcdask, for a warning from :func:`annotate`'s caller: the
+    user's line (``fit``, ``resume``, ``handle.result()``: each reaches here through a different path)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(2), 2  # (annotate's caller: what stacklevel=2 names)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
