@@ -105,6 +105,18 @@ def test_panel_reattached_to_a_running_run_keeps_updating(tmp_path):
     assert state["progress"] == state["epochs"] == state["points"] == 4
 
 
+def test_an_ended_runs_grid_shows_the_copies_it_cancelled_as_not_run():
+    """A run that stops (a target, stop(), cancel()) cancels the copies still out, and no event says so: its
+    final grid showed them running."""
+    st = PanelState("r")
+    snapshot = {"epochs": [], "workers": [], "metric": "accuracy"}
+    shards = [[1, 0, "merged"], [1, 1, "running"], [1, 2, "re-issued"], [1, 3, "skipped"]]
+    st.apply_snapshot({**snapshot, "status": {"n_shards": 4, "status": "running"}, "shards": shards})
+    assert st.grid(1) == ["merged", "running", "re-issued", "skipped"]
+    st.apply_snapshot({**snapshot, "status": {"n_shards": 4, "status": "finished"}, "shards": shards})
+    assert st.grid(1) == ["merged", "queued", "queued", "skipped"]
+
+
 def test_panel_state_folds_events_idempotently():
     st = PanelState("r")
     st.apply_snapshot(

@@ -145,8 +145,12 @@ class PanelState:
         return epochs[-_MAX_GRID_EPOCHS:]
 
     def grid(self, epoch: int) -> list[str]:
-        """The state of each shard of ``epoch``, in shard order."""
-        return [self.shards.get((epoch, s), "queued") for s in range(self.n_shards)]
+        """The state of each shard of ``epoch``, in shard order.  Once the run has ended, a copy still out
+        (cancelled at the end: no event says so) is not running: its shard shows as not run, "queued"."""
+        states = [self.shards.get((epoch, s), "queued") for s in range(self.n_shards)]
+        if self.ended:
+            states = ["queued" if s in ("running", "re-issued") else s for s in states]
+        return states
 
     def metric_series(self) -> dict[str, list]:
         """One point per finished epoch: wall time, the metric of its last version, and its band."""
