@@ -96,9 +96,11 @@ def _callers_level() -> int:
     user's line (``fit``, ``resume``, ``handle.result()``: each reaches here through a different path)."""
     import os
     import sys
+    import types
 
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(2), 2  # (annotate's caller: what stacklevel=2 names)
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2  # (annotate's caller: what stacklevel=2 names)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
