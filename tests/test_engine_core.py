@@ -818,3 +818,42 @@ def test_a_copy_the_hand_over_counted_started_is_timed_from_its_own_start_and_no
     s.clock.advance(2.0)
     assert [e["why"] for e in emitted(s(m.Tick()), "reissue")] == ["ran past its 5.0 s deadline"]
     assert s.state.pool.record("a").timed_out == 1
+
+
+def _handed_copy(s: Script, worker: str = "a") -> str:
+    """A copy sent with the hand-over's answer of the task before it on ``worker``, which has not said it
+    began (Dask has it processing there; the worker's thread may run other work first)."""
+    first = keys(s(m.Poll()))[0]
+    s.start(first, worker)
+    s.dask.finish(first)
+    [[key]] = [fx.value for fx in s(m.HandOver(first, s.record(first, worker))) if isinstance(fx, m.Reply)]
+    s.dask.run(key, worker)
+    s(m.Started(key, worker, handed=True))
+    return key
+
+
+def test_a_copy_only_the_hand_over_counted_started_is_a_queued_copy_everywhere_its_worker_answers():
+    """Stuck workers, a preemption notice, a worker lost: a copy that has not said it began is a queued
+    copy for each of them, as for its deadline (its worker is not stuck for holding it, a notice moves it
+    at once, and a worker lost under it is not blamed for it)."""
+    from distributed.scheduler import KilledWorker
+
+    s = Script(n_shards=6, deadline=5.0)
+    key = _handed_copy(s)
+    s.clock.advance(60.0)
+    assert [e["why"] for e in emitted(s(m.Tick()), "reissue") if e["shard"] == s.state.tasks.records[key].shard]
+    assert s.state.stuck_workers() == set()  # (busy with other work: not frozen)
+
+    s = Script(n_shards=6, deadline=5.0)
+    key = _handed_copy(s)
+    s.clock.advance(3.0)
+    [(moved, kept)] = [fx.value for fx in s(m.Preempt("a", window=60.0)) if isinstance(fx, m.Reply)]
+    assert kept == [] and len(moved) >= 1 and s.state.tasks.records[key].overdue
+    assert s.state.pool.record("a").wasted_seconds == 0.0  # (no work of it was lost with the instance)
+
+    s = Script(n_shards=6, deadline=5.0, max_worker_failures=1)
+    key = _handed_copy(s)
+    task = s.state.tasks.records[key]
+    s(m.TaskFailed(task, KilledWorker(key, _Worker("a"), 3)))
+    assert s.state.pool.record("a").failed == 0 and s.state.pool.record("a").excluded is None
+    assert s.state.dispatch.failures.get((task.epoch, task.shard), 0) == 0

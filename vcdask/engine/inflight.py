@@ -39,6 +39,12 @@ class TaskRecord:
     def copy_of(self, epoch: int, shard: int) -> bool:
         return self.kind == "update" and (self.epoch, self.shard) == (epoch, shard)
 
+    @property
+    def began(self) -> bool:
+        """Whether it said it began to run (not only the hand-over before it: it may wait behind other work).
+        What a worker answers for: a late copy, a copy lost with it, the work a preemption wastes."""
+        return self.started is not None and not self.handed
+
 
 def run_client_security(scheduler: Any) -> Any:
     """The security a run's client inside the scheduler connects with: the scheduler's own, its
@@ -111,7 +117,7 @@ class TaskTable:
     def unstarted_copies(self, epoch: int, shard: int) -> tuple[str, ...]:
         """The keys of the copies of (epoch, shard) in flight that no worker has started (they can be
         cancelled; a running one cannot be stopped)."""
-        return tuple(k for k, t in self.updates() if t.copy_of(epoch, shard) and t.started is None)
+        return tuple(k for k, t in self.updates() if t.copy_of(epoch, shard) and not t.began)
 
     def validating(self, step: int) -> bool:
         """Whether a validation of the version at ``step`` was handed over and waits to be recorded."""

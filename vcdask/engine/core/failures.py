@@ -64,7 +64,7 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
     if task.kind == "update" and was_lost:
         # Dask already retried it on other workers (allowed-failures); each loss is a worker failure,
         # but only a task that was running counts against its worker: queued ones were collateral
-        for address in _suspects(exc) if task.started is not None else ():
+        for address in _suspects(exc) if task.began else ():
             blame(state, address, "failed")
             state.pool.wasted(address, state.clock() - (task.started or state.clock()))
             state.emit(
@@ -78,7 +78,7 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
         state.ledger.record_copy(task, "lost", f"lost: {type(exc).__name__}: {exc}")
         if not state.ledger.is_merged(task.epoch, task.shard):
             # A task that never started was only queued on the dead worker: not its fault.
-            retry_or_give_up(state, task.epoch, task.shard, f"{type(exc).__name__}", count=task.started is not None)
+            retry_or_give_up(state, task.epoch, task.shard, f"{type(exc).__name__}", count=task.began)
         return
     # an epoch may be waiting for these numbers; a validation dies mostly as collateral of a shard
     # that killed its worker, so it gets more attempts than a shard does
@@ -242,7 +242,7 @@ def overdue(state: RunState, task: TaskRecord, verdict: policy.Overdue, worker: 
     if not verdict.blame:
         retry_or_give_up(state, task.epoch, task.shard, verdict.why, avoid=worker, count=False)
         return
-    began = task.started is not None and not task.handed  # (one the hand-over counted may wait behind other work)
+    began = task.began  # (not one only the hand-over counted started: it may wait behind other work)
     if worker is not None and began:
         blame(state, worker, "timed_out")
         state.emit("worker", worker_row=state.pool.record(worker).as_row())
@@ -260,8 +260,7 @@ def move_queued_off(state: RunState, stuck: set[str]) -> None:
     if not stuck:
         return
     for key, other in list(state.tasks.updates()):
-        waiting = other.started is None or other.handed
-        if not other.overdue and waiting and state.tasks.processing_on(key) in stuck:
+        if not other.overdue and not other.began and state.tasks.processing_on(key) in stuck:
             other.overdue = True
             submit_shard(state, other.epoch, other.shard, avoid=stuck)
 

@@ -159,6 +159,6 @@ class RunState:
         for key, t in list(self.tasks.records.items()):
             on = self.tasks.processing_on(key) if t.overdue else None
             # a shard copy only where it started (one queued there was moved off, not stuck)
-            if on is not None and (t.kind == "validation" or (t.started is not None and t.worker == on)):
+            if on is not None and (t.kind == "validation" or (t.began and t.worker == on)):
                 stuck.add(on)
         return stuck

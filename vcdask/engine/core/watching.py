@@ -142,7 +142,7 @@ def deadlines(state: RunState) -> list[str]:
         if verdict == "restart":  # its worker died: Dask is moving it, it starts afresh
             task.started, task.submitted, task.based = None, now, False
         elif verdict is not None:
-            where = task.worker if verdict.blame and task.started is not None and not task.handed else running_on
+            where = task.worker if verdict.blame and task.began else running_on
             overdue(state, task, verdict, where)
             if state.failure is not None:
                 return redundant
@@ -209,8 +209,8 @@ def _move(state: RunState, key: str, address: str) -> str | None:
     if task is None or task.overdue or state.ledger.is_merged(task.epoch, task.shard):
         return None
     task.overdue = True  # its slot is free; if it still finishes, the first result wins
-    if task.started is not None and task.worker == address:  # its work so far is lost with the instance
-        state.pool.wasted(address, state.clock() - task.started)
+    if task.began and task.worker == address:  # its work so far is lost with the instance
+        state.pool.wasted(address, state.clock() - (task.started or state.clock()))
     return submit_shard(state, task.epoch, task.shard, avoid=address)
 
 
@@ -228,7 +228,7 @@ def preempt(state: RunState, address: str, window: float | None = None) -> tuple
     for key, task in state.tasks.updates():
         if state.tasks.processing_on(key) != address or task.overdue:
             continue
-        on_it = task.started is not None and task.worker == address
+        on_it = task.began and task.worker == address
         if (
             window is not None
             and on_it
