@@ -613,8 +613,25 @@ def test_metrics_are_tried_before_any_work_and_a_classifiers_errors_are_of_its_c
     def broken(output, target):
         return float((output - target).abs().mean())  # (n, 10) against (n,): they do not broadcast
 
-    with pytest.raises(DataError, match=r"metric 'broken' cannot compare model outputs of shape \(\d+, 10\)"):
-        vcdask.fit(_linear(), xy, metrics=[broken], store=tmp_path / "s", client=NoCluster(), progress=False)
+    from vcdask.data import prepare_data
+    from vcdask.options import accuracy
+    from vcdask.preflight import check_model
+
+    prepared = prepare_data(xy)
+    message = r"metric 'broken' cannot compare model outputs of shape \(\d+, 10\)"
+    with pytest.raises(DataError, match=message):  # one of vcdask's: refused
+        check_model(
+            _linear(),
+            prepared,
+            torch.nn.functional.cross_entropy,
+            True,
+            torch.float32,
+            metrics={"broken": broken},
+            strict=["broken"],
+        )
+    with pytest.warns(UserWarning, match=message + r".*on these 4 rows only"):  # the user's: said
+        fit_metrics = {"accuracy": accuracy, "broken": broken}
+        check_model(_linear(), prepared, torch.nn.functional.cross_entropy, True, torch.float32, metrics=fit_metrics)
     scores = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.0, 0.2, 0.7]])
     labels = torch.tensor([1, 2, 0])  # predicted 1, 0, 2
     assert mae(scores, labels) == pytest.approx((0 + 2 + 2) / 3) and mse(scores, labels) == pytest.approx(8 / 3)

@@ -260,7 +260,10 @@ def plan(
     if train_step is None:
         loss_fn = resolve_loss(loss, prepared.classification)
         metric_fns = resolve_metrics(metrics, prepared.classification)
-        cast_x = check_model(model, prepared, loss_fn, prepared.classification, x_dtype, metrics=metric_fns)
+        ours = [n for n, fn in metric_fns.items() if any(fn is f for f in METRICS.values())]
+        cast_x = check_model(
+            model, prepared, loss_fn, prepared.classification, x_dtype, metrics=metric_fns, strict=ours
+        )
         metric_names = ("loss", *metric_fns)
     else:
         loss_fn, metric_fns, cast_x = resolve_loss(loss, prepared.classification), {}, False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -190,11 +190,19 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 def check_model(
-    model, prepared: PreparedData, loss, classification: bool, x_dtype, what: str = "training", metrics=None
+    model,
+    prepared: PreparedData,
+    loss,
+    classification: bool,
+    x_dtype,
+    what: str = "training",
+    metrics=None,
+    strict: Collection[str] = (),
 ) -> bool:
     """One forward pass on a few rows: the model accepts the data and its outputs fit the labels and the loss
     and ``metrics`` (name -> fn(output, target)) can compare them (``what``: the ``"training"`` or
-    ``"validation"`` data, as the messages name it).
+    ``"validation"`` data, as the messages name it).  A metric named in ``strict`` (vcdask's own) that fails
+    is refused; another (the user's, which may need more rows than these) is warned of.
 
     Returns whether ``X`` is cast to the model's dtype (True), or stays integer (False: integer
     inputs such as token ids that the model takes as they are, and not as floats).
@@ -255,10 +263,17 @@ def check_model(
         try:
             float(fn(out.float(), y))
         except Exception as e:
-            raise DataError(
+            message = (
                 f"metric {name!r} cannot compare model outputs of shape {tuple(out.shape)} with labels of "
                 f"shape {tuple(y.shape)} (as validation gives them: outputs as float32): {type(e).__name__}: {e}"
-            ) from e
+            )
+            if name not in strict:
+                # a function of the user's may need more than these few rows (both classes, say): said, not refused
+                warnings.warn(
+                    f"{message}; on these {len(y)} rows only: the run's validation fails if it does", stacklevel=3
+                )
+                continue
+            raise DataError(message) from e
     return cast
 
 
