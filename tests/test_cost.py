@@ -163,13 +163,13 @@ def test_a_resumed_runs_cost_per_merge_counts_the_merges_since_it_was_resumed():
         resilience=vcdask.Resilience(),
         prices=PRICES,
     )
-    run = RunState(spec, {"a": 1}, SimpleNamespace(tasks={}))
+    now = [0.0]
+    run = RunState(spec, {"a": 1}, SimpleNamespace(tasks={}), wall=lambda: now[0])
+    run.pool.identify("a", "m.test", "spot")
     run.head = Head(step=20, version="v20", version_step=20)  # 16 merges before the resume, 4 since
     for shard in range(4):
         run.ledger.record(2, shard, 1, "merged", accepted=True, staleness=0)
     run.ledger.record(2, 0, 2, "rejected")
-    run.pool = SimpleNamespace(
-        rows=lambda: [{"worker": "a", "instance": "m.test", "market": "spot", "alive_seconds": 3600.0}]
-    )
+    now[0] = 3600.0  # an hour of its worker since the resume
     cost = views.result_dict(run)["cost"]
     assert cost["total"] == pytest.approx(0.3) and cost["per_merge"] == pytest.approx(0.3 / 4)
