@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -138,33 +139,52 @@ def test_export_version_both_formats(released, tmp_path):
     assert not (tmp_path / "x.pt2").exists()
 
 
-@pytest.mark.timeout(600)
-def test_char_lm_within_5_percent_of_single_process_torch(tmp_path):
-    """examples/char_lm.py --quick --check: a character-level GPT on the standard library's source, trained with
-    vcdask on the embedded cluster, reaches a validation loss within 5% of plain single-process torch trained on
-    the same number of tokens from the same initial weights; both learn far beyond byte frequencies."""
+#: The char-LM test's seeds (initial weights and data order).  At its size a small GPT sits on the byte-frequency
+#: plateau (about 3.0 nats) for a while and then leaves it, when depends on the seed: plain torch's 2-epoch losses
+#: for seeds 0-4 were 2.73, 2.99, 2.73, 3.02 and 2.67 (seeds 1 and 3 still on it; seed 1 after 3 epochs too).  A
+#: run near that edge compares when each left it, not how well each trains: vcdask at seed 0 left it late in 1 of
+#: 27 runs here and in one CI run (1.07x torch).  So three seeds whose torch run has left it, and their median.
+CHAR_LM_SEEDS = (0, 2, 4)
+
+
+def _char_lm(cwd: Path, seed: int) -> tuple[float, float, float]:
+    """examples/char_lm.py at ``seed``, checked: ``(vcdask's loss, torch's, the byte frequencies')``."""
+    cwd.mkdir()
     proc = subprocess.run(
-        # --quick at the notebook's size (64 KiB, 16 shards), 2 epochs instead of its 3: a third of --quick's CI time
+        # --quick at the notebook's size (64 KiB, 16 shards), 2 epochs instead of its 3
         [sys.executable, str(EXAMPLES / "char_lm.py"), "--quick", "--train-kb", "64", "--val-kb", "16", "--epochs", "2"]
-        + ["--shards", "16", "--device", "cpu", "--check", "--store", "store"],
+        + ["--shards", "16", "--device", "cpu", "--check", "--store", "store", "--seed", str(seed)],
         capture_output=True,
         text=True,
         timeout=540,
-        cwd=tmp_path,
+        cwd=cwd,
     )
     print(proc.stdout)  # both losses, in the test's log
-    assert proc.returncode == 0, f"exit code {proc.returncode}:\n{proc.stdout}{proc.stderr}"
     rows = {  # the table: method, tokens, val loss, perplexity, wall (s)
         m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4)))
         for m in re.finditer(r"^(\S.*?)\s{2,}(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+\S+$", proc.stdout, re.M)
     }
-    assert set(rows) == {"unigram (byte counts)", "vcdask", "torch, 1 process (cpu)"}, proc.stdout
+    assert set(rows) == {"unigram (byte counts)", "vcdask", "torch, 1 process (cpu)"}, proc.stdout + proc.stderr
     (tokens, loss, perplexity), (base_tokens, base_loss, _) = rows["vcdask"], rows["torch, 1 process (cpu)"]
+    # --check: exit 3 exactly when vcdask's loss is not within 5% of torch's
+    assert proc.returncode == (0 if loss <= 1.05 * base_loss else 3), f"exit code {proc.returncode}:\n{proc.stderr}"
     assert tokens == base_tokens > 120_000  # equal tokens: every shard of every epoch was merged
-    assert loss <= 1.05 * base_loss
     assert perplexity == pytest.approx(math.exp(loss), rel=1e-3)
     unigram = rows["unigram (byte counts)"][1]
-    # both use the context, not just byte frequencies (at 64 KiB and 3 epochs: 0.27 nats below them, measured)
-    assert base_loss < unigram - 0.15 and loss < unigram - 0.15
+    assert base_loss < unigram - 0.15  # torch used the context, not just byte frequencies (the seeds are chosen so)
     run_id = re.search(r"run (run-[\w-]+)", proc.stdout).group(1)
-    assert run_id in vcdask.open_store(str(tmp_path / "store"), mode="r").branches()
+    assert run_id in vcdask.open_store(str(cwd / "store"), mode="r").branches()
+    return loss, base_loss, unigram
+
+
+@pytest.mark.timeout(1500)
+def test_char_lm_within_5_percent_of_single_process_torch(tmp_path):
+    """examples/char_lm.py --quick --check: a character-level GPT on the standard library's source, trained with
+    vcdask on the embedded cluster, reaches a validation loss within 5% of plain single-process torch trained on
+    the same number of tokens from the same initial weights (the median over three seeds); both learn far beyond
+    byte frequencies."""
+    runs = [_char_lm(tmp_path / f"seed-{seed}", seed) for seed in CHAR_LM_SEEDS]
+    ratios = [loss / base_loss for loss, base_loss, _ in runs]
+    assert statistics.median(ratios) <= 1.05, ratios
+    # vcdask used the context too (at 64 KiB and 3 epochs: 0.27 nats below byte frequencies, measured)
+    assert statistics.median(loss - unigram for loss, _, unigram in runs) < -0.15, runs
