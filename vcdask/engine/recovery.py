@@ -55,31 +55,34 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
         merged[epoch] = set(range(n_shards))
         at_or_after = [v for v in versions if v.metadata.get("step", -1) >= step]  # the epoch's end, if kept
         ends[epoch] = (step, (at_or_after[0] if at_or_after else versions[-1]).id)
+
+    def used(epoch: int, shard: int, attempt: int) -> None:  # the next attempt of (epoch, shard) comes after it
+        attempts[(epoch, shard)] = max(attempts.get((epoch, shard), 0), attempt + 1)
+
     for epoch, shard, attempt in server.progress["open"]:
         merged.setdefault(epoch, set()).add(shard)
-        attempts[(epoch, shard)] = max(attempts.get((epoch, shard), 0), attempt + 1)
+        used(epoch, shard, attempt)
     for info in versions:
         for epoch, shard, attempt in info.metadata.get("merged", []):
             merged.setdefault(epoch, set()).add(shard)
-            attempts[(epoch, shard)] = max(attempts.get((epoch, shard), 0), attempt + 1)
+            used(epoch, shard, attempt)
             if len(merged[epoch]) == n_shards and epoch not in ends:
                 ends[epoch] = (info.metadata["step"], info.id)
     pending = []
     for path in list_updates(store.files, run_id):
+        named = update_key(path)  # every upload's attempt is used, torn or not: a worker still writing
+        if named is not None:  # it after the crash would overwrite a new attempt's upload at that path
+            used(*named)
         try:
             meta = read_update_meta(store.files, path)
         except (ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # torn: its shard is not merged
             logger.warning("run %s: leftover update %s unreadable (%s); its shard is trained again", run_id, path, e)
             meta = {}
         if not meta:  # not an update of this run's format: nothing to merge
-            named = update_key(path)  # (a torn one's attempt is not used again: a worker still writing it
-            if named is not None:  # after the crash would overwrite the new attempt's upload)
-                attempts[named[:2]] = max(attempts.get(named[:2], 0), named[2] + 1)
             if update_gone("foreign", server.keep_updates):
                 delete_update(store.files, path, strict=True)
             continue
-        key = (int(meta["epoch"]), int(meta["shard"]))
-        attempts[key] = max(attempts.get(key, 0), meta.get("attempt", 0) + 1)
+        used(int(meta["epoch"]), int(meta["shard"]), int(meta.get("attempt", 0)))
         if meta["shard"] in merged.get(meta["epoch"], ()):  # merged and committed before the crash
             if update_gone("merged before a crash", server.keep_updates):
                 delete_update(store.files, path, strict=True)
