@@ -1,6 +1,6 @@
 """A character-level GPT trained on the Python standard library's own source: vcdask beside plain torch.
 
-usage: python examples/char_lm.py [--quick] [--device auto|cpu|cuda|cuda:N|mps] [--store DIR] [--seed N]
+usage: python examples/char_lm.py [--quick] [--device auto|cpu|cuda|cuda:N|mps] [--store DIR] [--seeds N[,N...]]
                                   [--check] [--tolerance 0.05] [--merge default|vc-asgd|staleness|sync|nesterov]
                                   [--train-kb N] [--epochs N] [--local-epochs N] [--shards N] ...
 
@@ -16,8 +16,9 @@ usage: python examples/char_lm.py [--quick] [--device auto|cpu|cuda|cuda:N|mps] 
    byte), perplexity, wall seconds.
 
 With ``--check`` the exit code is 3 when vcdask's validation loss is more than ``--tolerance`` (default 5%)
-above the baseline's; 0 otherwise.  ``--device auto`` trains on the GPU when there is one (the workers
-use their own accelerators; the baseline uses this process's).
+above the baseline's, or with several seeds (``--seeds 0,2,4``) when the median of the ratios is; 0 otherwise.
+``--device auto`` trains on the GPU when there is one (the workers use their own accelerators; the baseline
+uses this process's).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import functools
 import math
+import statistics
 import sys
 import sysconfig
 import time
@@ -426,6 +428,17 @@ def generate(model: CharGPT, prompt: str, n_bytes: int = 200, *, temperature: fl
 QUICK = {"train_kb": 128, "val_kb": 32, "epochs": 4, "shards": 32}
 
 
+def seeds(text: str) -> tuple[int, ...]:
+    """``--seed``'s value: ``"0"`` or ``"0,2,4"``."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or integers separated by commas, got {text!r}") from None
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"a seed given twice: {text!r}")
+    return values
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"a small run for CI (a few minutes on 2 cores): {QUICK}")
@@ -460,7 +473,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         help="worker processes of the embedded LocalCluster (default: one per GPU, else one per core)",
     )
-    ap.add_argument("--seed", type=int, default=0, help="initial weights and data order (default: %(default)s)")
+    ap.add_argument(
+        "--seed",
+        "--seeds",
+        dest="seed",
+        type=seeds,
+        metavar="N[,N...]",
+        default=(0,),
+        help="initial weights and data order; several, comma-separated, train one after the other on one cluster, "
+        "and --check takes the median of their ratios to torch (default: 0)",
+    )
     ap.add_argument("--skip-baseline", action="store_true", help="train with vcdask only")
     ap.add_argument("--check", action="store_true", help="exit 3 if vcdask's loss is not within --tolerance")
     ap.add_argument("--tolerance", type=float, default=0.05, help="relative (default: %(default)s)")
@@ -489,21 +511,25 @@ def lr_schedule(args: argparse.Namespace):
     return functools.partial(cosine_schedule, epochs=args.epochs) if args.schedule == "cosine" else None
 
 
-def train_vcdask(model: nn.Module, train, val, args: argparse.Namespace):
-    """Train ``model`` with :func:`vcdask.fit` as ``args`` say; return its :class:`vcdask.FitResult`."""
+def embedded_client(args: argparse.Namespace, stack: contextlib.ExitStack):
+    """The Dask client the vcdask runs use: ``--scheduler``'s, or an embedded cluster's (one worker per core,
+    or per GPU where there are GPUs), closed with ``stack``."""
+    if args.scheduler:
+        from distributed import Client
+
+        return stack.enter_context(Client(args.scheduler))
+    from vcdask.cluster import embedded_cluster
+
+    gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
+    return stack.enter_context(embedded_cluster(n_workers=args.workers or gpus or None))
+
+
+def train_vcdask(model: nn.Module, train, val, args: argparse.Namespace, *, client=None, seed: int | None = None):
+    """Train ``model`` with :func:`vcdask.fit` as ``args`` say (at ``seed``, default the first of ``--seed``) on
+    ``client`` (default: :func:`embedded_client`'s); return its :class:`vcdask.FitResult`."""
     import vcdask
 
     with contextlib.ExitStack() as stack:
-        client = None
-        if args.scheduler:
-            from distributed import Client
-
-            client = stack.enter_context(Client(args.scheduler))
-        else:  # the embedded cluster: one worker per core, or per GPU where there are GPUs
-            from vcdask.cluster import embedded_cluster
-
-            gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
-            client = stack.enter_context(embedded_cluster(n_workers=args.workers or gpus or None))
         return vcdask.fit(
             model,
             train,
@@ -522,29 +548,22 @@ def train_vcdask(model: nn.Module, train, val, args: argparse.Namespace):
             merge=None if args.merge == "default" else args.merge,
             tasks_per_slot=args.tasks_per_slot,
             validate_every=args.shards,  # an epoch's last version is always validated; skip the others
-            client=client,
+            client=client if client is not None else embedded_client(args, stack),
             store=args.store,
-            seed=args.seed,
+            seed=args.seed[0] if seed is None else seed,
             progress=False,
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    device = resolve_device(args.device)
-    (X, Y), (Xv, Yv) = load_data(args.train_kb * 1024, args.val_kb * 1024, args.context)
-    config = GPTConfig(context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+def compare(args: argparse.Namespace, seed: int, data, config: GPTConfig, device: torch.device, client) -> float:
+    """One seed: vcdask on ``client``, then (unless ``--skip-baseline``) plain torch on the same tokens; print
+    both and the table; return vcdask's validation loss over torch's (NaN without the baseline)."""
+    (X, Y), (Xv, Yv) = data
     passes = args.epochs * args.local_epochs
-    print(
-        f"corpus: the standard library's source, {len(X)} training and {len(Xv)} validation sequences of "
-        f"{args.context} bytes; CharGPT {n_parameters(CharGPT(config)) / 1e6:.2f}M parameters; "
-        f"{args.epochs} epochs x {args.local_epochs} local passes over {args.shards} shards = {passes} passes, "
-        f"AdamW lr {args.lr:g} ({args.schedule}), batch {args.batch_size}"
-    )
     rows = [("unigram (byte counts)", X.size, unigram_loss(X, Yv), float("nan"))]
 
     t0 = time.perf_counter()
-    result = train_vcdask(CharGPT(config, seed=args.seed), (X, Y), (Xv, Yv), args)
+    result = train_vcdask(CharGPT(config, seed=seed), (X, Y), (Xv, Yv), args, client=client, seed=seed)
     wall = time.perf_counter() - t0
     merged = int(result.history["accepted"].sum())
     tokens = passes * X.size * merged // (args.epochs * args.shards)  # exact when every shard was merged
@@ -561,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  sample: {generate(model, 'def ', 120)!r}")
 
     if not args.skip_baseline:
-        baseline = CharGPT(config, seed=args.seed)
+        baseline = CharGPT(config, seed=seed)
         by_epoch: list[float] = []
 
         def on_epoch(_epoch: int, m: nn.Module) -> None:
@@ -579,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             lr_schedule=lr_schedule(args),
             on_epoch=on_epoch if args.epochs > 1 else None,
             device=device,
-            seed=args.seed,
+            seed=seed,
         )
         wall = time.perf_counter() - t0
         loss = validation_loss(baseline, Xv, Yv, device=device)
@@ -593,12 +612,38 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'method':<26} {'tokens':>10} {'val loss':>9} {'perplexity':>10} {'wall (s)':>9}")
     for method, tokens, loss, wall in rows:
         print(f"{method:<26} {tokens:>10} {loss:>9.4f} {math.exp(loss):>10.3f} {wall:>9.1f}")
+    return float("nan") if args.skip_baseline else rows[1][2] / rows[2][2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    data = load_data(args.train_kb * 1024, args.val_kb * 1024, args.context)
+    (X, _), (Xv, _) = data
+    config = GPTConfig(context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+    passes = args.epochs * args.local_epochs
+    print(
+        f"corpus: the standard library's source, {len(X)} training and {len(Xv)} validation sequences of "
+        f"{args.context} bytes; CharGPT {n_parameters(CharGPT(config)) / 1e6:.2f}M parameters; "
+        f"{args.epochs} epochs x {args.local_epochs} local passes over {args.shards} shards = {passes} passes, "
+        f"AdamW lr {args.lr:g} ({args.schedule}), batch {args.batch_size}"
+    )
+    ratios = []
+    with contextlib.ExitStack() as stack:  # one cluster for every seed: its workers stay warm
+        client = embedded_client(args, stack)
+        for seed in args.seed:
+            if len(args.seed) > 1:
+                print(f"\n== seed {seed}")
+            ratios.append(compare(args, seed, data, config, device, client))
     if args.skip_baseline:
         return 0
-    ratio = rows[1][2] / rows[2][2]
+    ratio = statistics.median(ratios)
     within = ratio <= 1 + args.tolerance
+    by_seed = ""
+    if len(ratios) > 1:
+        by_seed = f", seeds {', '.join(map(str, args.seed))}: {', '.join(f'{r:.4f}' for r in ratios)}; median"
     print(
-        f"\nvcdask / torch validation loss at equal tokens: {ratio:.4f} "
+        f"\nvcdask / torch validation loss at equal tokens{by_seed}: {ratio:.4f} "
         f"({'within' if within else 'NOT within'} {args.tolerance:.0%})"
     )
     return 0 if within or not args.check else WORSE_THAN_BASELINE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import re
@@ -147,34 +148,39 @@ def test_export_version_both_formats(released, tmp_path):
 CHAR_LM_SEEDS = (0, 2, 4)
 
 
-def _char_lm(cwd: Path, seed: int) -> tuple[float, float, float]:
-    """examples/char_lm.py at ``seed``, checked: ``(vcdask's loss, torch's, the byte frequencies')``."""
-    cwd.mkdir()
+def _char_lm(cwd: Path, seeds: tuple[int, ...]) -> tuple[list[tuple[float, float, float]], float, int]:
+    """examples/char_lm.py at ``seeds`` (one process, one cluster), each seed's table checked: ``(vcdask's loss,
+    torch's, the byte frequencies')`` by seed, the median ratio it printed, and its exit code."""
     proc = subprocess.run(
         # --quick at the notebook's size (64 KiB, 16 shards), 2 epochs instead of its 3
         [sys.executable, str(EXAMPLES / "char_lm.py"), "--quick", "--train-kb", "64", "--val-kb", "16", "--epochs", "2"]
-        + ["--shards", "16", "--device", "cpu", "--check", "--store", "store", "--seed", str(seed)],
+        + ["--shards", "16", "--device", "cpu", "--check", "--store", "store", "--seeds", ",".join(map(str, seeds))],
         capture_output=True,
         text=True,
-        timeout=540,
+        timeout=1200,
         cwd=cwd,
     )
     print(proc.stdout)  # both losses, in the test's log
-    rows = {  # the table: method, tokens, val loss, perplexity, wall (s)
-        m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4)))
-        for m in re.finditer(r"^(\S.*?)\s{2,}(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+\S+$", proc.stdout, re.M)
-    }
-    assert set(rows) == {"unigram (byte counts)", "vcdask", "torch, 1 process (cpu)"}, proc.stdout + proc.stderr
-    (tokens, loss, perplexity), (base_tokens, base_loss, _) = rows["vcdask"], rows["torch, 1 process (cpu)"]
-    # --check: exit 3 exactly when vcdask's loss is not within 5% of torch's
-    assert proc.returncode == (0 if loss <= 1.05 * base_loss else 3), f"exit code {proc.returncode}:\n{proc.stderr}"
-    assert tokens == base_tokens > 120_000  # equal tokens: every shard of every epoch was merged
-    assert perplexity == pytest.approx(math.exp(loss), rel=1e-3)
-    unigram = rows["unigram (byte counts)"][1]
-    assert base_loss < unigram - 0.15  # torch used the context, not just byte frequencies (the seeds are chosen so)
-    run_id = re.search(r"run (run-[\w-]+)", proc.stdout).group(1)
-    assert run_id in vcdask.open_store(str(cwd / "store"), mode="r").branches()
-    return loss, base_loss, unigram
+    sections = re.split(r"^== seed (\d+)$", proc.stdout, flags=re.M)
+    assert [int(s) for s in sections[1::2]] == list(seeds), proc.stdout + proc.stderr
+    store = vcdask.open_store(str(cwd / "store"), mode="r")
+    runs = []
+    for section in sections[2::2]:
+        rows = {  # the table: method, tokens, val loss, perplexity, wall (s)
+            m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4)))
+            for m in re.finditer(r"^(\S.*?)\s{2,}(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+\S+$", section, re.M)
+        }
+        assert set(rows) == {"unigram (byte counts)", "vcdask", "torch, 1 process (cpu)"}, section + proc.stderr
+        (tokens, loss, perplexity), (base_tokens, base_loss, _) = rows["vcdask"], rows["torch, 1 process (cpu)"]
+        assert tokens == base_tokens > 120_000  # equal tokens: every shard of every epoch was merged
+        assert perplexity == pytest.approx(math.exp(loss), rel=1e-3)
+        unigram = rows["unigram (byte counts)"][1]
+        assert base_loss < unigram - 0.15  # torch used the context, not just byte frequencies (the seeds are chosen so)
+        assert re.search(r"run (run-[\w-]+)", section).group(1) in store.branches()
+        runs.append((loss, base_loss, unigram))
+    printed = re.search(r"at equal tokens, seeds [\d, ]+: ([0-9., ]+); median: ([0-9.]+) ", proc.stdout)
+    assert [float(r) for r in printed.group(1).split(", ")] == pytest.approx([a / b for a, b, _ in runs], abs=1e-3)
+    return runs, float(printed.group(2)), proc.returncode
 
 
 @pytest.mark.timeout(1500)
@@ -183,8 +189,26 @@ def test_char_lm_within_5_percent_of_single_process_torch(tmp_path):
     vcdask on the embedded cluster, reaches a validation loss within 5% of plain single-process torch trained on
     the same number of tokens from the same initial weights (the median over three seeds); both learn far beyond
     byte frequencies."""
-    runs = [_char_lm(tmp_path / f"seed-{seed}", seed) for seed in CHAR_LM_SEEDS]
+    runs, median, returncode = _char_lm(tmp_path, CHAR_LM_SEEDS)
     ratios = [loss / base_loss for loss, base_loss, _ in runs]
+    assert median == pytest.approx(statistics.median(ratios), abs=1e-3)
+    # --check: exit 3 exactly when the median is not within 5% of torch's
+    assert returncode == (0 if median <= 1.05 else 3)
     assert statistics.median(ratios) <= 1.05, ratios
     # vcdask used the context too (at 64 KiB and 3 epochs: 0.27 nats below byte frequencies, measured)
     assert statistics.median(loss - unigram for loss, _, unigram in runs) < -0.15, runs
+
+
+def test_char_lm_seed_takes_one_or_several_distinct_integers(capsys, monkeypatch):
+    """``--seeds 0,2,4`` (or ``--seed``) trains each seed in turn (their median is what ``--check`` compares); a
+    bad list is refused by the argument parser, naming the value."""
+    spec = importlib.util.spec_from_file_location("char_lm_example", EXAMPLES / "char_lm.py")
+    char_lm = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, char_lm)  # (its dataclasses look their module up there)
+    spec.loader.exec_module(char_lm)
+    assert char_lm.parse_args([]).seed == (0,)
+    assert char_lm.parse_args(["--seeds", "0,2,4"]).seed == char_lm.parse_args(["--seed", "0,2,4"]).seed == (0, 2, 4)
+    for bad, said in [("0,x", "expected an integer or integers separated by commas, got '0,x'"), ("1,1", "twice")]:
+        with pytest.raises(SystemExit) as exit_:
+            char_lm.parse_args(["--seed", bad])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
