@@ -15,10 +15,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 def test_demo_console_command(tmp_path):
-    """As the README's user runs it: on Dask's default start method, spawn (conftest.py forks the suite's
-    other workers)."""
+    """As the README's user runs it: on Dask's default start method, spawn, and with Dask's worker profiler
+    (conftest.py forks the suite's other workers and turns the profiler off)."""
     store = tmp_path / "runs"
-    env = {k: v for k, v in os.environ.items() if k != "DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"}
+    suite_only = {"DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"}
+    env = {k: v for k, v in os.environ.items() if k not in suite_only}
     proc = subprocess.run(
         [sys.executable, "-m", "vcdask.cli", "demo", "--store", str(store), "--no-progress"],
         env=env,
