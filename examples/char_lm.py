@@ -511,7 +511,7 @@ def lr_schedule(args: argparse.Namespace):
     return functools.partial(cosine_schedule, epochs=args.epochs) if args.schedule == "cosine" else None
 
 
-def embedded_client(args: argparse.Namespace, stack: contextlib.ExitStack):
+def open_client(args: argparse.Namespace, stack: contextlib.ExitStack):
     """The Dask client the vcdask runs use: ``--scheduler``'s, or an embedded cluster's (one worker per core,
     or per GPU where there are GPUs), closed with ``stack``."""
     if args.scheduler:
@@ -526,7 +526,7 @@ def embedded_client(args: argparse.Namespace, stack: contextlib.ExitStack):
 
 def train_vcdask(model: nn.Module, train, val, args: argparse.Namespace, *, client=None, seed: int | None = None):
     """Train ``model`` with :func:`vcdask.fit` as ``args`` say (at ``seed``, default the first of ``--seed``) on
-    ``client`` (default: :func:`embedded_client`'s); return its :class:`vcdask.FitResult`."""
+    ``client`` (default: :func:`open_client`'s); return its :class:`vcdask.FitResult`."""
     import vcdask
 
     with contextlib.ExitStack() as stack:
@@ -548,7 +548,7 @@ def train_vcdask(model: nn.Module, train, val, args: argparse.Namespace, *, clie
             merge=None if args.merge == "default" else args.merge,
             tasks_per_slot=args.tasks_per_slot,
             validate_every=args.shards,  # an epoch's last version is always validated; skip the others
-            client=client if client is not None else embedded_client(args, stack),
+            client=client if client is not None else open_client(args, stack),
             store=args.store,
             seed=args.seed[0] if seed is None else seed,
             progress=False,
@@ -630,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ratios = []
     with contextlib.ExitStack() as stack:  # one cluster for every seed: its workers stay warm
-        client = embedded_client(args, stack)
+        client = open_client(args, stack)
         for seed in args.seed:
             if len(args.seed) > 1:
                 print(f"\n== seed {seed}")
