@@ -234,3 +234,45 @@ def test_a_second_registration_of_the_plugin_keeps_the_one_that_drives_the_runs(
     first = client.run_on_scheduler(_plugin_id)
     client.register_plugin(VcdaskPlugin(), name=PLUGIN_NAME)  # (the other client, past the same check)
     assert client.run_on_scheduler(_plugin_id) == first
+
+
+def test_a_scheduler_keeps_only_the_newest_ended_runs(tmp_path):
+    """Beyond ``vcdask.scheduler.ended-runs-kept`` the oldest ended runs whose result was collected are dropped
+    from the scheduler's memory (a long-lived scheduler running scheduled jobs grew by each run's history); a
+    dropped run is not found, and the error says why and where its versions are; the newest stay attachable;
+    a bad setting fails the start."""
+    import dask.config
+    from distributed import Client, LocalCluster
+
+    from vcdask.errors import RunNotFoundError
+
+    X, y = _data()
+    fit = dict(max_epochs=1, n_shards=2, store=tmp_path / "store", progress=False)
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster, set_as_default=False) as client,
+        dask.config.set({"vcdask.scheduler.ended-runs-kept": 2}),
+    ):
+        ids = [vcdask.fit(_model(i), (X, y), client=client, **fit).run_id for i in range(3)]
+        assert sorted(client.sync(client.scheduler.vcdask_runs)) == sorted(ids[1:])
+        with pytest.raises(RunNotFoundError) as gone:
+            vcdask.attach(ids[0], client)
+        said = str(gone.value)
+        assert f"no vcdask run {ids[0]!r}" in said and "1 ended runs were dropped" in said
+        assert "vcdask.scheduler.ended-runs-kept=2" in said and "vcdask.load(store, branch=run_id)" in said
+        assert vcdask.attach(ids[2], client).result().run_id == ids[2]
+        assert vcdask.open_store(tmp_path / "store", mode="r").head(ids[0])  # its versions stay in the store
+        # neither a run still going nor an ended one whose result nobody collected yet is dropped; a fit's own
+        # run is collected by it first, even when no ended run is kept
+        with dask.config.set({"vcdask.scheduler.ended-runs-kept": 0}):
+            slow = vcdask.fit(_model(3), (X, y), client=client, lr_schedule=_slow_first_step(2.0), wait=False, **fit)
+            assert vcdask.fit(_model(4), (X, y), client=client, **fit).run_id not in ids
+            assert list(client.sync(client.scheduler.vcdask_runs)) == [slow.run_id]
+            assert slow.wait()["status"] == "finished"
+            vcdask.fit(_model(5), (X, y), client=client, **fit)
+            assert list(client.sync(client.scheduler.vcdask_runs)) == [slow.run_id]  # ended, not collected
+            assert slow.result().run_id == slow.run_id
+            assert client.sync(client.scheduler.vcdask_runs) == {}
+        with dask.config.set({"vcdask.scheduler.ended-runs-kept": -1}):
+            with pytest.raises(ValueError, match=r"ended-runs-kept must be an integer >= 0, got -1"):
+                vcdask.fit(_model(6), (X, y), client=client, **fit)

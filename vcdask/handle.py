@@ -15,7 +15,7 @@ import torch
 from ._ints import is_real
 from .diagnose import annotate
 from .engine.end import best_version
-from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
+from .engine.plugin import PLUGIN_NAME, VcdaskPlugin, not_found
 from .errors import RunCancelledError, RunFailedError, RunNotFoundError
 from .params import load_into
 from .result import HISTORY_COLUMNS, FitResult, run_settings
@@ -374,7 +374,8 @@ def attach(run_id: str, client: Any = None) -> RunHandle:
     Raises
     ------
     RunNotFoundError
-        The scheduler has no such run (the message lists those it has).
+        The scheduler has no such run (the message lists those it has, and says when it dropped ended runs:
+        ``vcdask.scheduler.ended-runs-kept``).
     """
     from distributed import Client, default_client
 
@@ -397,5 +398,6 @@ def _attach(run_id: str, client: Any, owns_client: bool = False) -> RunHandle:
         )
     runs = client.sync(client.scheduler.vcdask_runs)
     if run_id not in runs:
-        raise RunNotFoundError(f"no vcdask run {run_id!r} on {client.scheduler.address}; runs: {sorted(runs)}")
+        gone = client.sync(client.scheduler.vcdask_dropped)
+        raise RunNotFoundError(not_found(run_id, client.scheduler.address, runs, gone["dropped"], gone["kept"]))
     return RunHandle(run_id, client, owns_client=owns_client)

@@ -18,6 +18,7 @@ import time
 
 from distributed import SchedulerPlugin
 
+from .. import config
 from ..errors import RunNotFoundError
 from ..spec import load_spec
 from . import policy
@@ -28,6 +29,27 @@ logger = logging.getLogger(__name__)
 __all__ = ["PLUGIN_NAME", "RunNotFoundError", "VcdaskPlugin"]
 
 PLUGIN_NAME = "vcdask"
+
+
+def ended_runs_kept() -> int:
+    """``vcdask.scheduler.ended-runs-kept``, checked."""
+    value = config.get("scheduler.ended-runs-kept")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"vcdask.scheduler.ended-runs-kept must be an integer >= 0, got {value!r}")
+    return value
+
+
+def not_found(run_id: str, where: str, runs, dropped: int, kept: int) -> str:
+    """The message of a :class:`RunNotFoundError`: the runs there are, and whether ended ones were dropped
+    (``dropped`` of them, beyond the newest ``kept``)."""
+    said = f"no vcdask run {run_id!r} on {where}; runs: {sorted(runs)}"
+    if dropped:
+        said += (
+            f" ({dropped} ended runs were dropped from its memory, beyond the newest "
+            f"vcdask.scheduler.ended-runs-kept={kept}; a run's versions stay in its store: "
+            "vcdask.load(store, branch=run_id))"
+        )
+    return said
 
 
 class VcdaskPlugin(SchedulerPlugin):
@@ -43,6 +65,10 @@ class VcdaskPlugin(SchedulerPlugin):
         self.tasks: dict[str, asyncio.Task] = {}
         #: Starts under way (reading the run's spec): a second start of the same run waits for the first
         self._starting: dict[str, asyncio.Future] = {}
+        #: Ended runs whose result a handle has collected, and how many ended runs were dropped from ``runs``
+        #: (``vcdask.scheduler.ended-runs-kept``)
+        self._collected: set[str] = set()
+        self._dropped = 0
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -55,6 +81,7 @@ class VcdaskPlugin(SchedulerPlugin):
                 "vcdask_stop": self.handle_stop,
                 "vcdask_reissue": self.handle_reissue,
                 "vcdask_runs": self.handle_runs,
+                "vcdask_dropped": self.handle_dropped,
                 "vcdask_preempt": self.handle_preempt,
                 "vcdask_started": self.handle_started,
                 "vcdask_base": self.handle_base,
@@ -98,7 +125,8 @@ class VcdaskPlugin(SchedulerPlugin):
         try:
             return self.runs[run_id]
         except KeyError:
-            raise RunNotFoundError(f"no vcdask run {run_id!r} on this scheduler; runs: {sorted(self.runs)}") from None
+            said = not_found(run_id, "this scheduler", self.runs, self._dropped, ended_runs_kept())
+            raise RunNotFoundError(said) from None
 
     async def handle_start(
         self, comm=None, store: bytes = b"", run_id: str = "", resume: bool = False, max_epochs: int | None = None
@@ -107,6 +135,7 @@ class VcdaskPlugin(SchedulerPlugin):
 
         With ``resume=True`` the run continues from its branch and folder in the store (after
         the scheduler that drove it died, or to train more epochs: ``max_epochs``)."""
+        ended_runs_kept()  # (checked now: a bad value fails the start, not the end of a run)
         live = self.runs.get(run_id)
         if live is not None and not live.done.is_set():
             if max_epochs is not None and max_epochs != live.spec.max_epochs:
@@ -132,6 +161,7 @@ class VcdaskPlugin(SchedulerPlugin):
             except Exception:  # noqa: BLE001
                 head = None
             run = self.runs[run_id] = Run(self.scheduler, spec, resume=resume)
+            self._collected.discard(run_id)
             run.state.head_at_start = head
             task = self.tasks[run_id] = asyncio.ensure_future(run.drive())
             task.add_done_callback(self._forget_task)
@@ -141,10 +171,22 @@ class VcdaskPlugin(SchedulerPlugin):
         return run_id
 
     def _forget_task(self, task: asyncio.Task) -> None:
-        """A run's driver returned: drop its task (the Run keeps only its small result, see engine.end)."""
+        """A run's driver returned: drop its task (the Run keeps only its small result, see engine.end), and
+        the oldest ended runs beyond ``vcdask.scheduler.ended-runs-kept``."""
         for run_id, t in list(self.tasks.items()):
             if t is task:
                 del self.tasks[run_id]
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop the oldest ended runs beyond ``vcdask.scheduler.ended-runs-kept`` whose result a handle has
+        collected (one nobody collected is kept, as Dask keeps a result while a future holds it)."""
+        ended = [run_id for run_id, run in self.runs.items() if run.done.is_set() and run_id not in self._starting]
+        excess = len(ended) - ended_runs_kept()
+        for run_id in [run_id for run_id in ended if run_id in self._collected][: max(0, excess)]:
+            del self.runs[run_id]
+            self._collected.discard(run_id)
+            self._dropped += 1
 
     async def handle_status(self, comm=None, run_id: str = "") -> dict:
         return self._run(run_id).status_dict()
@@ -155,7 +197,11 @@ class VcdaskPlugin(SchedulerPlugin):
 
     async def handle_result(self, comm=None, run_id: str = "") -> dict:
         run = self._run(run_id)
-        return {**run.result_dict(), "store": pickle.dumps(run.store)}
+        result = {**run.result_dict(), "store": pickle.dumps(run.store)}
+        if run.done.is_set():
+            self._collected.add(run_id)
+            self._prune()
+        return result
 
     async def handle_wait(self, comm=None, run_id: str = "", timeout: float | None = None) -> dict:
         run = self._run(run_id)
@@ -179,6 +225,11 @@ class VcdaskPlugin(SchedulerPlugin):
 
     async def handle_runs(self, comm=None) -> dict:
         return {run_id: run.status for run_id, run in self.runs.items()}
+
+    async def handle_dropped(self, comm=None) -> dict[str, int]:
+        """How many ended runs this scheduler has dropped, and how many it keeps
+        (``vcdask.scheduler.ended-runs-kept``)."""
+        return {"dropped": self._dropped, "kept": ended_runs_kept()}
 
     def live_runs(self) -> list[str]:
         """The ids of the runs still going (``vcdask.cluster`` keeps a cluster that has some)."""
