@@ -15,7 +15,7 @@ import torch
 from ._ints import is_real
 from .diagnose import annotate
 from .engine.end import best_version
-from .engine.plugin import PLUGIN_NAME, VcdaskPlugin, not_found
+from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
 from .errors import RunCancelledError, RunFailedError, RunNotFoundError
 from .params import load_into
 from .result import HISTORY_COLUMNS, FitResult, run_settings
@@ -374,8 +374,7 @@ def attach(run_id: str, client: Any = None) -> RunHandle:
     Raises
     ------
     RunNotFoundError
-        The scheduler has no such run (the message lists those it has, and says when it dropped ended runs:
-        ``vcdask.scheduler.ended-runs-kept``).
+        No such run on the scheduler, or one it dropped (``vcdask.scheduler.ended-runs-kept``); the message says.
     """
     from distributed import Client, default_client
 
@@ -396,8 +395,7 @@ def _attach(run_id: str, client: Any, owns_client: bool = False) -> RunHandle:
         raise RunNotFoundError(
             f"no vcdask run {run_id!r}: the scheduler at {client.scheduler.address} has never run vcdask"
         )
-    runs = client.sync(client.scheduler.vcdask_runs)
-    if run_id not in runs:
-        gone = client.sync(client.scheduler.vcdask_dropped)
-        raise RunNotFoundError(not_found(run_id, client.scheduler.address, runs, gone["dropped"], gone["kept"]))
+    missing = client.sync(client.scheduler.vcdask_missing, run_id=run_id)
+    if missing is not None:
+        raise RunNotFoundError(missing)
     return RunHandle(run_id, client, owns_client=owns_client)

@@ -39,19 +39,6 @@ def ended_runs_kept() -> int:
     return value
 
 
-def not_found(run_id: str, where: str, runs, dropped: int, kept: int) -> str:
-    """The message of a :class:`RunNotFoundError`: the runs there are, and whether ended ones were dropped
-    (``dropped`` of them, beyond the newest ``kept``)."""
-    said = f"no vcdask run {run_id!r} on {where}; runs: {sorted(runs)}"
-    if dropped:
-        said += (
-            f" ({dropped} ended runs were dropped from its memory, beyond the newest "
-            f"vcdask.scheduler.ended-runs-kept={kept}; a run's versions stay in its store: "
-            "vcdask.load(store, branch=run_id))"
-        )
-    return said
-
-
 class VcdaskPlugin(SchedulerPlugin):
     """Registered once per scheduler by :func:`vcdask.fit`; hosts any number of runs."""
 
@@ -81,7 +68,7 @@ class VcdaskPlugin(SchedulerPlugin):
                 "vcdask_stop": self.handle_stop,
                 "vcdask_reissue": self.handle_reissue,
                 "vcdask_runs": self.handle_runs,
-                "vcdask_dropped": self.handle_dropped,
+                "vcdask_missing": self.handle_missing,
                 "vcdask_preempt": self.handle_preempt,
                 "vcdask_started": self.handle_started,
                 "vcdask_base": self.handle_base,
@@ -125,8 +112,18 @@ class VcdaskPlugin(SchedulerPlugin):
         try:
             return self.runs[run_id]
         except KeyError:
-            said = not_found(run_id, "this scheduler", self.runs, self._dropped, ended_runs_kept())
-            raise RunNotFoundError(said) from None
+            raise RunNotFoundError(self._not_found(run_id)) from None
+
+    def _not_found(self, run_id: str) -> str:
+        """Why ``run_id`` is not here: the runs there are, and whether ended ones were dropped."""
+        said = f"no vcdask run {run_id!r} on {self.scheduler.address}; runs: {sorted(self.runs)}"
+        if self._dropped:
+            said += (
+                f" ({self._dropped} ended runs were dropped from its memory, beyond the newest "
+                f"vcdask.scheduler.ended-runs-kept={ended_runs_kept()}; a run's versions stay in its store: "
+                "vcdask.load(store, branch=run_id))"
+            )
+        return said
 
     async def handle_start(
         self, comm=None, store: bytes = b"", run_id: str = "", resume: bool = False, max_epochs: int | None = None
@@ -226,10 +223,9 @@ class VcdaskPlugin(SchedulerPlugin):
     async def handle_runs(self, comm=None) -> dict:
         return {run_id: run.status for run_id, run in self.runs.items()}
 
-    async def handle_dropped(self, comm=None) -> dict[str, int]:
-        """How many ended runs this scheduler has dropped, and how many it keeps
-        (``vcdask.scheduler.ended-runs-kept``)."""
-        return {"dropped": self._dropped, "kept": ended_runs_kept()}
+    async def handle_missing(self, comm=None, run_id: str = "") -> str | None:
+        """None when this scheduler has the run; else why not (:class:`RunNotFoundError`'s message)."""
+        return None if run_id in self.runs else self._not_found(run_id)
 
     def live_runs(self) -> list[str]:
         """The ids of the runs still going (``vcdask.cluster`` keeps a cluster that has some)."""
