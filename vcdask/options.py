@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import config
@@ -287,7 +288,8 @@ def plan(
             prepared.form != "dataset" and val_prepared.shapes != prepared.shapes
         ):
             raise DataError(f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}")
-        if train_step is None and val_prepared.classification == prepared.classification:  # its labels fit too
+        if train_step is None:  # its labels fit too: of the training's kind (cast like them), in range
+            _check_label_kind(prepared, val_prepared)
             check_model(model, val_prepared, loss_fn, prepared.classification, x_dtype, what="validation")
     prepared, split_val = split(prepared, validation, seed, shuffle and not stored_order(data))
     n_shards = None if n_shards is None else positive_int("n_shards", n_shards)
@@ -352,3 +354,17 @@ def _check_steps(train_step: Any, eval_step: Any, loss: Any, metrics: Any) -> No
             "loss= and metrics= belong to the default step; with train_step, compute the loss there "
             "and return metrics from eval_step"
         )
+
+
+def _check_label_kind(train: PreparedData, val: PreparedData) -> None:
+    """Validation labels are cast as the training's are (class ids or the model's dtype): refuse the other kind,
+    whose float class ids would be truncated (0.6 -> 0) or out of range on the workers."""
+    if train.y_dtype is None or val.y_dtype is None or train.classification == val.classification:
+        return
+    kinds = {True: "integer class ids (classification)", False: "floats (regression)"}
+    fix = "y_val.astype('int64') when they are whole class ids" if train.classification else "y_val.astype('float32')"
+    raise DataError(
+        f"validation labels are {np.dtype(val.y_dtype)}, {kinds[val.classification]}, but the training labels "
+        f"are {np.dtype(train.y_dtype)}, {kinds[train.classification]}; validation labels must be of the "
+        f"training's kind: {fix}"
+    )

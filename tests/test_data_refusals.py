@@ -1,0 +1,86 @@
+"""Data that cannot train as given is refused before any cluster work, naming the bad value and the remedy:
+validation labels of another kind than training's, dtypes a model cannot take, values a cast would make inf,
+duplicate columns, dask DataFrames, and the probe rows that torch would warn about."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import vcdask
+from vcdask.data import DataError
+
+
+class NoCluster:
+    """A client stand-in that fails the test if fit ever reaches for the cluster."""
+
+    scheduler_address = "tcp://127.0.0.1:1"
+
+    def __getattr__(self, name):
+        raise AssertionError(f"fit touched the cluster ({name}) before rejecting its input")
+
+
+def _refused(model, data, tmp_path, exc, *fragments, **kwargs) -> str:
+    """fit refuses ``data`` before touching the cluster or the store; its message holds every fragment."""
+    store = tmp_path / "store"
+    with pytest.raises(exc) as info:
+        vcdask.fit(model, data, client=NoCluster(), store=store, progress=False, **kwargs)
+    assert not store.exists(), "the store was created before the input was rejected"
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+@pytest.fixture
+def xy():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 3)).astype("float32")
+    return X, (X[:, 0] > 0).astype("int64")
+
+
+def _linear(n_out=2, n_in=3):
+    torch.manual_seed(0)
+    return torch.nn.Linear(n_in, n_out)
+
+
+@pytest.mark.parametrize("labels", ["whole", "fractional", "out_of_range"])
+def test_float_validation_labels_for_a_classifier_are_refused(labels, xy, tmp_path):
+    """Cast to class ids on the workers, 0.6 would silently become 0, and 5.0 fail there with an IndexError."""
+    X, y = xy
+    yv = y.astype("float32") + {"whole": 0.0, "fractional": 0.6, "out_of_range": 5.0}[labels]
+    _refused(
+        _linear(),
+        (X, y),
+        tmp_path,
+        DataError,
+        "validation labels are float32",
+        "training labels are int64",
+        "classification",
+        "y_val.astype('int64')",
+        validation=(X, yv),
+    )
+
+
+def test_integer_validation_labels_for_a_regression_are_refused(xy, tmp_path):
+    X, y = xy
+    _refused(
+        _linear(1),
+        (X, X[:, 0].copy()),
+        tmp_path,
+        DataError,
+        "validation labels are int64",
+        "training labels are float32",
+        "regression",
+        "y_val.astype('float32')",
+        validation=(X, y),
+    )
+
+
+def test_validation_labels_of_the_same_kind_are_taken(xy, tmp_path):
+    from vcdask.options import plan
+
+    X, y = xy
+    planned = plan(_linear(), (X, y), validation=(X, y.astype("int32")), store=tmp_path / "s")
+    assert planned.validation is not None and planned.validation.n == 40
