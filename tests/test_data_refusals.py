@@ -84,3 +84,28 @@ def test_validation_labels_of_the_same_kind_are_taken(xy, tmp_path):
     X, y = xy
     planned = plan(_linear(), (X, y), validation=(X, y.astype("int32")), store=tmp_path / "s")
     assert planned.validation is not None and planned.validation.n == 40
+
+
+def test_a_tensor_datasets_labels_are_range_checked_whole(xy, tmp_path):
+    """Not only on the probe batch of its first items: a label out of range further in is refused too."""
+    X, y = xy
+    y = y.copy()
+    y[30] = 9
+    data = torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(y))
+    _refused(_linear(), data, tmp_path, DataError, "labels range over [0, 9]", "labels must be in [0, 1]")
+
+
+def test_another_datasets_labels_are_range_checked_on_its_first_items(xy):
+    """As docs/user-guide/data.md says: an arbitrary Dataset is not read whole."""
+    from vcdask.data import prepare_data
+
+    X, y = xy
+
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(X)
+
+        def __getitem__(self, i):
+            return torch.from_numpy(X[i]), 9 if i == 30 else int(y[i])
+
+    assert prepare_data(Pairs()).label_range == (int(y[:4].min()), int(y[:4].max()))

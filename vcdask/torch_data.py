@@ -100,9 +100,19 @@ def prepare_dataset(data: Any, *, collate_fn=None, what: str = "data"):
         prepared.y_dtype = cpu_numpy(y).dtype
         if isinstance(x, torch.Tensor):
             prepared.x_shape, prepared.sample_X, prepared.sample_y = tuple(x.shape[1:]), cpu_numpy(x), cpu_numpy(y)
-        if not y.is_floating_point():  # the probe's labels are checked against the model's outputs
-            prepared.y_min, prepared.y_max = int(y.min()), int(y.max())
+        if not y.is_floating_point():  # the labels' range is checked against the model's outputs
+            labels = _all_labels(data) if collate_fn is None else None
+            labels = y if labels is None else labels  # (another dataset: its probe batch's labels only)
+            prepared.y_min, prepared.y_max = int(labels.min()), int(labels.max())
     return prepared
+
+
+def _all_labels(data: Any) -> torch.Tensor | None:
+    """Every label of a ``TensorDataset`` of ``(x, y)`` (its labels tensor: cheap to range); None for another
+    dataset, whose labels would have to be read item by item."""
+    if isinstance(data, torch.utils.data.TensorDataset) and len(data.tensors) == 2:
+        return data.tensors[1].detach()
+    return None
 
 
 def cpu_numpy(t: torch.Tensor) -> np.ndarray:
