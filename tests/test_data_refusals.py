@@ -109,3 +109,65 @@ def test_another_datasets_labels_are_range_checked_on_its_first_items(xy):
             return torch.from_numpy(X[i]), 9 if i == 30 else int(y[i])
 
     assert prepare_data(Pairs()).label_range == (int(y[:4].min()), int(y[:4].max()))
+
+
+def _overflowing(xy):
+    X, y = xy
+    Xb = X.astype("float64")
+    Xb[10, 1] = 1e39
+    return Xb, y
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_float64_values_beyond_the_models_float32_are_refused(lazy, xy, tmp_path):
+    """They pass a finite check as float64, and become inf in the cast to the model's dtype."""
+    import dask.array as da
+
+    X, y = _overflowing(xy)
+    data = (da.from_array(X, chunks=8), da.from_array(y, chunks=8)) if lazy else (X, y)
+    _refused(
+        _linear(),
+        data,
+        tmp_path,
+        DataError,
+        "data X has 1 value(s) beyond the range of float32",
+        "sample 10 (index [10, 1])",
+        "cast to the model's dtype, float32",
+        "model.double()",
+    )
+
+
+def test_float64_labels_beyond_float32_are_refused_for_validation_too(xy, tmp_path):
+    X, y = xy
+    yv = X[:, 0].astype("float64")
+    yv[3] = -1e39
+    _refused(
+        _linear(1),
+        (X, X[:, 0].copy()),
+        tmp_path,
+        DataError,
+        "validation y has 1 value(s) beyond the range of float32",
+        validation=(X, yv),
+    )
+
+
+def test_a_float64_model_takes_float64_values_beyond_float32(xy, tmp_path):
+    from vcdask.options import plan
+
+    X, y = _overflowing(xy)
+    planned = plan(_linear().double(), (X, y), store=tmp_path / "s")
+    assert planned.x_dtype == torch.float64 and planned.train.n == 40
+
+
+def test_a_dataframe_column_beyond_float32_is_refused_naming_the_cast(xy, tmp_path):
+    """Not as non-finite values: the DataFrame holds none until its features are cast to float32."""
+    import pandas as pd
+
+    X, y = _overflowing(xy)
+    df = pd.DataFrame({"a": X[:, 0], "b": X[:, 1], "c": X[:, 2], "y": y})
+    message = _refused(
+        _linear(), df, tmp_path, DataError, "beyond float32's range", "{'b': 1}", "cast to float32", "clip"
+    )
+    assert "non-finite" not in message
+    reg = df.assign(y=X[:, 1], b=X[:, 0])
+    _refused(_linear(1), reg, tmp_path, DataError, "labels in column 'y' has 1 value(s) beyond float32's range")

@@ -9,6 +9,9 @@ Numpy arrays are checked in blocks of rows (no copy of the whole array); dask ar
 xarray data, read through dask) in one pass over their chunks.  Integer and boolean arrays hold no
 NaN and are skipped.  A ``torch.utils.data.Dataset`` is checked on the batch the run probes (reading
 every sample of an arbitrary dataset is not cheap): a NaN further in shows up as rejected updates.
+
+Floating values are cast to the model's dtype for training: float64 values beyond float32's range
+(``1e39``) would become inf there, so, given that dtype, they are refused the same way, in the same pass.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from .errors import DataError
 if TYPE_CHECKING:
     from .prepared import PreparedData
 
-__all__ = ["BLOCK_BYTES", "check_finite", "first_non_finite"]
+__all__ = ["BLOCK_BYTES", "check_finite", "first_non_finite", "scan"]
 
 #: Bytes of a numpy array checked at a time (one boolean mask of this many elements at most).
 BLOCK_BYTES = 64 * 2**20
@@ -35,23 +38,40 @@ def _floating(a: Any) -> bool:
     return kind in "fc"
 
 
-def first_non_finite(a: Any) -> tuple[int, tuple[int, ...] | None]:
+Found = tuple[int, tuple[int, ...] | None]  # how many values, and the index of the first (None: none)
+
+
+def first_non_finite(a: Any) -> Found:
     """``(count, index)``: how many values of ``a`` are NaN or inf, and the index of the first (None
     when there is none).  ``a`` is a numpy or dask array; an integer one has none."""
+    return scan(a)[0]
+
+
+def scan(a: Any, limit: float | None = None) -> tuple[Found, Found]:
+    """``(non-finite, beyond)``: the values of ``a`` that are NaN or inf, and the finite ones whose magnitude
+    exceeds ``limit`` (none without one), each as :func:`first_non_finite` gives them; in one pass."""
     if not _floating(a):
-        return 0, None
+        return (0, None), (0, None)
+    if limit is not None and (np.dtype(a.dtype).kind != "f" or np.finfo(a.dtype).max <= limit):
+        limit = None  # (no value of this dtype can exceed it)
     if type(a).__module__.startswith("dask"):
-        return _dask(a)
+        return _dask(a, limit)
     a = np.asarray(a)
-    count, first = 0, None
+    found: list[list[Any]] = [[0, None], [0, None]]
     for start, block in _blocks(a):
-        bad = ~np.isfinite(block)
-        n = int(np.count_nonzero(bad))
-        if n and first is None:
-            local = np.unravel_index(int(np.argmax(bad)), bad.shape)
-            first = (start + int(local[0]), *map(int, local[1:]))
-        count += n
-    return count, first
+        for entry, bad in zip(found, _masks(np, block, limit), strict=False):
+            n = int(np.count_nonzero(bad))
+            if n and entry[1] is None:
+                local = np.unravel_index(int(np.argmax(bad)), bad.shape)
+                entry[1] = (start + int(local[0]), *map(int, local[1:]))
+            entry[0] += n
+    return (found[0][0], found[0][1]), (found[1][0], found[1][1])
+
+
+def _masks(xp: Any, a: Any, limit: float | None) -> list[Any]:
+    """The non-finite values of ``a`` and, with a limit, the finite ones beyond it (``xp``: numpy or dask.array)."""
+    finite = xp.isfinite(a)
+    return [~finite] if limit is None else [~finite, finite & (abs(a) > limit)]
 
 
 def _blocks(a: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
@@ -64,18 +84,27 @@ def _blocks(a: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         yield start, a[start : start + step]
 
 
-def _dask(a: Any) -> tuple[int, tuple[int, ...] | None]:
+def _dask(a: Any, limit: float | None) -> tuple[Found, Found]:
     import dask
     import dask.array as da
 
-    bad = ~da.isfinite(a)
-    rows = bad.reshape(a.shape[0], -1).any(axis=1) if a.ndim > 1 else bad
-    count, n_rows, row = dask.compute(bad.sum(), rows.sum(), da.argmax(rows))
-    if not int(n_rows):
-        return 0, None
-    within = np.asarray(a[int(row)])  # the first bad sample's values, to name the element
-    rest = np.unravel_index(int(np.argmax(~np.isfinite(within))), within.shape) if within.ndim else ()
-    return int(count), (int(row), *map(int, rest))
+    masks = _masks(da, a, limit)
+    sums = []
+    for bad in masks:
+        rows = bad.reshape(a.shape[0], -1).any(axis=1) if a.ndim > 1 else bad
+        sums += [bad.sum(), rows.sum(), da.argmax(rows)]
+    computed = dask.compute(*sums)  # (one pass over the chunks for both)
+    found: list[Found] = []
+    for i in range(len(masks)):
+        count, n_rows, row = computed[3 * i : 3 * i + 3]
+        if not int(n_rows):
+            found.append((0, None))
+            continue
+        within = np.asarray(a[int(row)])  # the first bad sample's values, to name the element
+        bad = _masks(np, within, limit)[i]
+        rest = np.unravel_index(int(np.argmax(bad)), bad.shape) if within.ndim else ()
+        found.append((int(count), (int(row), *map(int, rest))))
+    return found[0], found[1] if len(found) > 1 else (0, None)
 
 
 def _arrays(prepared: PreparedData) -> Iterator[tuple[str, Any]]:
@@ -119,21 +148,39 @@ def _batch_arrays(batch: Any, where: str) -> Iterator[tuple[str, Any]]:
             yield from _batch_arrays(value, f"{where}[{i}]")
 
 
-def check_finite(prepared: PreparedData, what: str = "data") -> None:
-    """Refuse data with NaN or inf values, naming the array, the count and the first bad index.
+def check_finite(prepared: PreparedData, what: str = "data", dtype: Any = None) -> None:
+    """Refuse data with NaN or inf values, naming the array, the count and the first bad index; and, given the
+    model's ``dtype`` (a ``torch.dtype``), floating values beyond its range, which the cast to it makes inf.
 
     Raises
     ------
     DataError
-        A ValueError: ``what`` holds non-finite values.
+        A ValueError: ``what`` holds non-finite values, or values the cast to ``dtype`` would make inf.
     """
+    limit = None
+    if dtype is not None:
+        import torch
+
+        limit = float(torch.finfo(dtype).max) if dtype.is_floating_point else None
     for name, array in _arrays(prepared):
-        count, first = first_non_finite(array)
+        (count, first), (beyond, first_beyond) = scan(array, limit)
         if count:
-            index = ", ".join(map(str, first or ()))
-            sample = f"sample {first[0]}" if first else "a value"
             raise DataError(
-                f"{what}{name} has {count} non-finite value(s) (NaN or inf); the first at {sample} "
-                f"(index [{index}]). Every update of a shard holding one would be NaN: drop those samples "
+                f"{what}{name} has {count} non-finite value(s) (NaN or inf); the first at {_at(first)}. Every "
+                "update of a shard holding one would be NaN: drop those samples "
                 "(X[np.isfinite(X).all(axis=tuple(range(1, X.ndim)))]) or fill them (np.nan_to_num) before fit"
             )
+        if beyond:
+            kind = str(dtype).removeprefix("torch.")
+            raise DataError(
+                f"{what}{name} has {beyond} value(s) beyond the range of {kind} (magnitude above {limit:.4g}); "
+                f"the first at {_at(first_beyond)}. Samples are cast to the model's dtype, {kind}, for training, "
+                f"which would make them inf (and every update of their shard NaN): scale them (standardize), clip "
+                f"them (np.clip(X, -{limit:.3g}, {limit:.3g})), drop those samples, or train a float64 model "
+                "(model.double())"
+            )
+
+
+def _at(first: tuple[int, ...] | None) -> str:
+    """Where the first bad value is: ``"sample 3 (index [3, 1])"``."""
+    return f"sample {first[0]} (index [{', '.join(map(str, first))}])" if first else "a value (index [])"

@@ -139,8 +139,28 @@ def frame_features(df: Any, names: Sequence, what: str) -> tuple[np.ndarray, tup
             f"{what}: feature columns have missing values {nulls} (column: count); drop the rows with "
             f"df.dropna(subset={list(nulls)}) or fill them with df.fillna(...)"
         )
+    beyond = {c: n for c in names if (n := _beyond_float32(part[c]))}
+    if beyond:
+        raise DataError(
+            f"{what}: feature columns hold values beyond float32's range (magnitude above {_F32_MAX:.4g}) "
+            f"{beyond} (column: count); the features are cast to float32, which would make them inf: scale "
+            f"those columns (standardize), clip them (df[col].clip(-{_F32_MAX:.3g}, {_F32_MAX:.3g})) or drop "
+            "those rows"
+        )
     X = part.to_numpy(dtype=np.float32)
     return _writable(X), tuple(names)
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _beyond_float32(s: Any) -> int:
+    """How many values of a column (a float one wider than float32) the cast to float32 would make inf."""
+    import pandas as pd
+
+    if not pd.api.types.is_float_dtype(s.dtype) or np.dtype(getattr(s.dtype, "numpy_dtype", s.dtype)).itemsize <= 4:
+        return 0
+    return int(np.count_nonzero(np.abs(s.to_numpy(dtype=np.float64)) > _F32_MAX))
 
 
 def _labels(s: Any, name: str) -> np.ndarray:
@@ -160,6 +180,11 @@ def _labels(s: Any, name: str) -> np.ndarray:
     if pd.api.types.is_bool_dtype(dtype) or pd.api.types.is_integer_dtype(dtype):
         return _writable(s.to_numpy(dtype=np.int64))
     if pd.api.types.is_float_dtype(dtype):
+        if beyond := _beyond_float32(s):
+            raise DataError(
+                f"{name} has {beyond} value(s) beyond float32's range (magnitude above {_F32_MAX:.4g}); float labels "
+                "are cast to float32, which would make them inf: scale them (or clip them) first"
+            )
         return _writable(s.to_numpy(dtype=np.float32))
     raise DataError(f"{name} has dtype {dtype}; labels must be integer class ids, bool or floats")
 

@@ -29,7 +29,7 @@ from .groups import Merging, Stopping, Training, check_optimizer
 from .holdout import check_early_stopping, hold_out
 from .merge import Auto, MergeRule, get_rule
 from .overlap import check_overlap
-from .preflight import check_model, check_probe_cost, check_run, check_target, model_dtype
+from .preflight import HALF_DTYPES, check_model, check_probe_cost, check_run, check_target, model_dtype
 from .resilience import NEEDS_VALIDATION, Resilience
 from .staging import split
 from .steps import SupervisedStep, check_steps, probe_batch
@@ -250,13 +250,14 @@ def plan(
     names = {"features": features, "label": label, "sample_dim": sample_dim, "storage_options": storage_options}
     names.update(batches="dict" if train_step is not None else "xy", collate_fn=collate_fn)
     prepared = prepare_data(data, **names)
-    check_finite(prepared)  # NaN / inf in the data, named, before a NaN update blames a worker
+    x_dtype = model_dtype(model)
+    cast_to = None if x_dtype in HALF_DTYPES else x_dtype  # (a half-precision model: check_run says what to do)
+    check_finite(prepared, dtype=cast_to)  # NaN / inf (or inf once cast), named, before a NaN update blames a worker
     if train_step is None and prepared.form == "dict":
         raise TypeError(
             "dict data gives dict batches, which the default step (loss(model(X), y)) cannot train on; "
             "pass train_step=fn(model, batch) -> loss (and eval_step=fn(model, batch) -> dict of metrics)"
         )
-    x_dtype = model_dtype(model)
     check_run(model, prepared, loss=loss, train_step=train_step)  # causes and remedies, before the probes below
     if train_step is None:
         loss_fn = resolve_loss(loss, prepared.classification)
@@ -283,7 +284,7 @@ def plan(
         if named:
             names["features"] = list(named)
         val_prepared = prepare_data(validation, **names, what="validation")
-        check_finite(val_prepared, "validation")
+        check_finite(val_prepared, "validation", dtype=cast_to)
         if val_prepared.form != prepared.form or (
             prepared.form != "dataset" and val_prepared.shapes != prepared.shapes
         ):
