@@ -171,3 +171,31 @@ def test_a_dataframe_column_beyond_float32_is_refused_naming_the_cast(xy, tmp_pa
     assert "non-finite" not in message
     reg = df.assign(y=X[:, 1], b=X[:, 0])
     _refused(_linear(1), reg, tmp_path, DataError, "labels in column 'y' has 1 value(s) beyond float32's range")
+
+
+@pytest.mark.parametrize("duplicated", ["feature", "label", "tuple"])
+def test_duplicate_dataframe_columns_are_refused_naming_them(duplicated, xy, tmp_path):
+    """pandas gives a DataFrame for such a name, where vcdask expects a column (a raw AttributeError before)."""
+    import pandas as pd
+
+    X, y = xy
+    df = pd.DataFrame({"a": X[:, 0], "b": X[:, 1], "y": y})
+    if duplicated == "feature":
+        data = pd.concat([df[["a"]], df], axis=1)
+    elif duplicated == "label":
+        data = pd.concat([df, df[["y"]]], axis=1)
+    else:
+        data = (pd.concat([df[["a"]], df[["a", "b"]]], axis=1), df["y"])
+    name = "'y': 2" if duplicated == "label" else "'a': 2"
+    _refused(_linear(), data, tmp_path, DataError, "duplicate column names", name, "df.columns.duplicated()")
+
+
+def test_a_duplicate_column_left_out_of_features_is_no_matter(xy, tmp_path):
+    import pandas as pd
+
+    from vcdask.options import plan
+
+    X, y = xy
+    df = pd.concat([pd.DataFrame({"a": X[:, 0], "b": X[:, 1], "c": X[:, 2], "y": y}), pd.DataFrame({"c": y})], axis=1)
+    planned = plan(_linear(2, 2), df, features=["a", "b"], store=tmp_path / "s")
+    assert planned.train.feature_names == ("a", "b")

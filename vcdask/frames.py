@@ -10,6 +10,7 @@ warns about).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +65,7 @@ def from_pandas(data: Any, features: Any, label: Any, what: str) -> tuple[tuple[
             label = found[0]
         if label not in columns:
             raise DataError(f"{what}: label column {label!r} is not in the DataFrame; columns: {columns}")
+        _check_unique(data, [label], what)
         chosen = [c for c in columns if c != label] if features is None else _names(features)
         if label in chosen:
             raise DataError(f"{what}: the label column {label!r} is also among features={chosen}; leave it out")
@@ -105,6 +107,7 @@ def frame_features(df: Any, names: Sequence, what: str) -> tuple[np.ndarray, tup
         raise DataError(f"{what}: feature column(s) {missing} not in the DataFrame; columns: {columns}")
     if not names:
         raise DataError(f"{what}: no feature columns; the DataFrame's columns: {columns}")
+    _check_unique(df, names, what)
     part = df[list(names)]
     categorical = [c for c in names if isinstance(part[c].dtype, pd.CategoricalDtype)]
     text = [
@@ -161,6 +164,17 @@ def _beyond_float32(s: Any) -> int:
     if not pd.api.types.is_float_dtype(s.dtype) or np.dtype(getattr(s.dtype, "numpy_dtype", s.dtype)).itemsize <= 4:
         return 0
     return int(np.count_nonzero(np.abs(s.to_numpy(dtype=np.float64)) > _F32_MAX))
+
+
+def _check_unique(df: Any, names: Sequence, what: str) -> None:
+    """Columns are picked by name: one that names several columns (``pd.concat(..., axis=1)``) is refused."""
+    counts = Counter(df.columns)
+    duplicates = {c: counts[c] for c in dict.fromkeys(names) if counts[c] > 1}
+    if duplicates:
+        raise DataError(
+            f"{what}: the DataFrame has duplicate column names {duplicates} (name: columns); vcdask picks columns "
+            "by name: rename them (df.columns = [...]) or drop the copies (df.loc[:, ~df.columns.duplicated()])"
+        )
 
 
 def _labels(s: Any, name: str) -> np.ndarray:
