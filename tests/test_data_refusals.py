@@ -199,3 +199,44 @@ def test_a_duplicate_column_left_out_of_features_is_no_matter(xy, tmp_path):
     df = pd.concat([pd.DataFrame({"a": X[:, 0], "b": X[:, 1], "c": X[:, 2], "y": y}), pd.DataFrame({"c": y})], axis=1)
     planned = plan(_linear(2, 2), df, features=["a", "b"], store=tmp_path / "s")
     assert planned.train.feature_names == ("a", "b")
+
+
+def _dask_collection(name):
+    """A stand-in of dask.dataframe's ``name`` (dask.dataframe needs pyarrow, which the test environment may lack):
+    of its module, and a dask collection as far as ``__dask_graph__`` tells."""
+    return type(name, (), {"__module__": "dask.dataframe.dask_expr._collection", "__dask_graph__": lambda self: {}})()
+
+
+@pytest.mark.parametrize("form", ["frame", "tuple", "frame-and-pandas-labels"])
+def test_a_dask_dataframe_is_refused_naming_its_type_and_to_dask_array(form, xy, tmp_path):
+    import pandas as pd
+
+    frame = _dask_collection("DataFrame")
+    data = {
+        "frame": frame,
+        "tuple": (frame, _dask_collection("Series")),
+        "frame-and-pandas-labels": (frame, pd.Series(xy[1])),
+    }[form]
+    message = _refused(
+        _linear(),
+        data,
+        tmp_path,
+        TypeError,
+        "(dask.dataframe.dask_expr._collection.DataFrame)",
+        "ddf[features].to_dask_array(lengths=True)",
+        "ddf.compute()",
+        label="y" if form == "frame" else None,
+    )
+    assert "compute_chunk_sizes" not in message
+    assert ("ddf['y'].to_dask_array(lengths=True)" in message) == (form == "frame")
+
+
+def test_a_real_dask_dataframe_is_refused_naming_to_dask_array(xy, tmp_path):
+    """As the stand-ins above are (this one needs pyarrow for dask.dataframe)."""
+    dd = pytest.importorskip("dask.dataframe")
+    import pandas as pd
+
+    X, y = xy
+    ddf = dd.from_pandas(pd.DataFrame({"a": X[:, 0], "b": X[:, 1], "y": y}), npartitions=4)
+    _refused(_linear(2, 2), ddf, tmp_path, TypeError, "DataFrame)", "to_dask_array(lengths=True)", label="y")
+    _refused(_linear(2, 2), (ddf[["a", "b"]], ddf["y"]), tmp_path, TypeError, "to_dask_array(lengths=True)")
