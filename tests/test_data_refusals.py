@@ -204,7 +204,7 @@ def test_a_duplicate_column_left_out_of_features_is_no_matter(xy, tmp_path):
 def _dask_collection(name):
     """A stand-in of dask.dataframe's ``name`` (dask.dataframe needs pyarrow, which the test environment may lack):
     of its module, and a dask collection as far as ``__dask_graph__`` tells."""
-    return type(name, (), {"__module__": "dask.dataframe.dask_expr._collection", "__dask_graph__": lambda self: {}})()
+    return type(name, (), {"__module__": "dask.dataframe.dask_expr._collection", "__dask_graph__": None})()
 
 
 @pytest.mark.parametrize("form", ["frame", "tuple", "frame-and-pandas-labels"])
