@@ -124,3 +124,23 @@ def test_stored_version_params_by_name(tmp_path):
     params = store.read(store.commit(model)).params
     assert torch.equal(params["0.weight"], model.state_dict()["0.weight"])
     assert list(params) == list(model.state_dict())
+
+
+def test_a_tied_weight_is_named_once_as_an_alias_of_its_first_name_and_read_back_from_older_layouts():
+    """``head.weight = emb.weight`` puts one tensor in the state dict under two names: the layout records
+    the second as an alias (kept through its JSON form); equal tensors that are not one are no alias, and a
+    layout stored before ties were recorded reads with none and still matches."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False), torch.nn.Linear(4, 4))
+    model[1].weight = model[0].weight
+    with torch.no_grad():
+        model[2].weight.copy_(model[0].weight[:4])  # same values, not the same tensor
+    layout = flatten(model).layout
+    assert layout.names == ["0.weight", "1.weight", "2.weight", "2.bias"]
+    assert layout.tied == (("1.weight", "0.weight"),)
+    assert layout.to_dict()["tied"] == {"1.weight": "0.weight"}
+    assert Layout.from_dict(layout.to_dict()).tied == layout.tied
+    older = {k: v for k, v in layout.to_dict().items() if k != "tied"}
+    assert Layout.from_dict(older).tied == () and Layout.from_dict(older) == layout
+    untied = flatten(torch.nn.Linear(3, 2)).layout
+    assert untied.tied == () and "tied" not in untied.to_dict()
+    assert flatten({"a": torch.zeros(0), "b": torch.zeros(0)}).layout.tied == ()  # no memory: nothing shared

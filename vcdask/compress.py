@@ -12,7 +12,9 @@ What quantization leaves out is not lost: the worker keeps it (*error feedback*,
 worker process) and adds it to its next update, as DiLoCo-style systems do with their compressed
 outer gradients.  The merge thread adds the decoded difference to the base version (which it keeps,
 or reads from the store) and merges the resulting ``W_c`` with any rule, checks included.  Integer
-state (e.g. BatchNorm's counters) travels as it is.
+state (e.g. BatchNorm's counters) travels as it is.  A tensor the model holds under two names (a head
+tied to its embedding) is encoded once per name, each copy in its own blocks; the decoded ``W_c``
+takes the first name's values for both, so the merged versions hold one value for it.
 """
 
 from __future__ import annotations
@@ -102,7 +104,19 @@ class EncodedUpdate:
             else:
                 wide = torch.float64 if b.dtype == torch.float64 else torch.float32
                 arrays[dtype] = (b.to(wide) + delta.to(wide)).to(b.dtype)
-        return FlatParams(self.layout, arrays)
+        return _copy_tied(FlatParams(self.layout, arrays), self.layout.tied or base.layout.tied)
+
+
+def _copy_tied(params: FlatParams, tied: tuple[tuple[str, str], ...]) -> FlatParams:
+    """``params`` with each alias of a tied tensor (``(alias, first)`` pairs, :attr:`Layout.tied`) set to
+    its first name's values, in place: quantized in different blocks, the decoded copies differ.
+
+    The update's own layout names the ties (its worker packed it from the model); an update written
+    before layouts recorded them takes its base version's, where that was."""
+    for alias, first in tied:
+        if alias in params and first in params:
+            params[alias].copy_(params[first])
+    return params
 
 
 def encode(codec: str, w_c: FlatParams, base: FlatParams, base_version: str, run_id: str) -> EncodedUpdate:

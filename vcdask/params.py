@@ -102,24 +102,33 @@ class Layout:
     ``running_var`` and ``num_batches_tracked``, any other registered buffer): the merge rules
     that step beyond a convex average (:class:`vcdask.merge.Nesterov`, :class:`vcdask.merge.Probe`)
     average those instead.  :func:`flatten` of a module records them; a state dict cannot tell,
-    and gives none.  They do not take part in comparisons (a layout read from a store written
-    before they were recorded still matches the model's).
+    and gives none.  ``tied`` pairs each later name of a tensor the state holds under several (a head
+    tied to its embedding: ``head.weight`` is ``emb.weight``) with its first name, ``(alias, first)``;
+    the flat vectors hold such a tensor once per name (a decoded update's copies are made equal
+    again, :mod:`vcdask.compress`).  Neither takes part in comparisons (a layout read from a store
+    written before they were recorded still matches the model's).
     """
 
     entries: tuple[Entry, ...]
     buffers: frozenset[str] = field(default=frozenset(), compare=False)
+    tied: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @classmethod
-    def from_shapes(cls, items: list[tuple[str, tuple[int, ...], str]], buffers: Iterable[str] = ()) -> Layout:
+    def from_shapes(
+        cls,
+        items: list[tuple[str, tuple[int, ...], str]],
+        buffers: Iterable[str] = (),
+        tied: Iterable[tuple[str, str]] = (),
+    ) -> Layout:
         """Build a layout from ``(name, shape, dtype_name)`` triples, packing in order; ``buffers``: the
-        names among them that are not parameters."""
+        names among them that are not parameters; ``tied``: ``(alias, first)`` name pairs of one tensor."""
         offsets: dict[str, int] = {}
         entries = []
         for name, shape, dtype in items:
             start = offsets.get(dtype, 0)
             entries.append(Entry(name, tuple(int(s) for s in shape), dtype, start))
             offsets[dtype] = start + math.prod(shape)
-        return cls(tuple(entries), frozenset(buffers))
+        return cls(tuple(entries), frozenset(buffers), tuple(tied))
 
     @property
     def names(self) -> list[str]:
@@ -143,8 +152,9 @@ class Layout:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready description (stored as Zarr attributes).
 
-        ``buffers`` (in layout order) only where there are some: a model without buffers is described
-        as before, and a vcdask that does not know the key reads the layout all the same.
+        ``buffers`` (in layout order) and ``tied`` (alias -> first name) only where there are some: a
+        model without them is described as before, and a vcdask that does not know the keys reads the
+        layout all the same.
         """
         out: dict[str, Any] = {
             "format": 1,
@@ -154,16 +164,20 @@ class Layout:
         }
         if self.buffers:
             out["buffers"] = [e.name for e in self.entries if e.name in self.buffers]
+        if self.tied:
+            out["tied"] = dict(self.tied)
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Layout:
-        """Inverse of :meth:`to_dict` (a layout stored without ``buffers``, by an earlier vcdask: none)."""
+        """Inverse of :meth:`to_dict` (a layout stored without ``buffers`` or ``tied``, by an earlier
+        vcdask: none)."""
         if d.get("format") != 1:
             raise ValueError(f"unsupported layout format {d.get('format')!r}; this vcdask reads format 1")
         return cls(
             tuple(Entry(e["name"], tuple(e["shape"]), e["dtype"], int(e["offset"])) for e in d["entries"]),
             frozenset(str(n) for n in d.get("buffers", ())),
+            tuple((str(alias), str(first)) for alias, first in d.get("tied", {}).items()),
         )
 
     def diff(self, other: Layout) -> list[str]:
@@ -334,7 +348,9 @@ def state_tensors(obj: torch.nn.Module | Mapping[str, Any]) -> tuple[Layout, lis
 
     What :func:`flatten` packs, for a caller that writes the tensors out one by one instead.  Of a
     module, the layout's ``buffers`` are the state's entries that are not its parameters (a parameter
-    shared under two names is a parameter under both).
+    shared under two names is a parameter under both).  The layout's ``tied`` names the tensors the
+    state holds under more than one name (views of the same memory), as the delta rule tells them
+    (:func:`vcdask.overlap.correct`).
 
     Raises
     ------
@@ -349,8 +365,24 @@ def state_tensors(obj: torch.nn.Module | Mapping[str, Any]) -> tuple[Layout, lis
     if isinstance(obj, torch.nn.Module):
         parameters = {n for n, _ in obj.named_parameters(remove_duplicate=False)}
         buffers = {n for n, _ in tensors if n not in parameters}
-    layout = Layout.from_shapes([(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors], buffers)
+    layout = Layout.from_shapes([(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors], buffers, _ties(tensors))
     return layout, [t for _, t in tensors]
+
+
+def _ties(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str]]:
+    """``(alias, first)`` for each later name of a tensor already named (the same memory, shape, strides
+    and dtype: ``head.weight = emb.weight`` puts one tensor in the state dict under both names)."""
+    first: dict[tuple[Any, ...], str] = {}
+    ties = []
+    for name, t in tensors:
+        if t.numel() == 0 or t.device.type == "meta":  # (no memory of their own: nothing to tell apart)
+            continue
+        key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if key in first:
+            ties.append((name, first[key]))
+        else:
+            first[key] = name
+    return ties
 
 
 def load_into(module: torch.nn.Module, params: FlatParams | Mapping[str, Any]) -> torch.nn.Module:
