@@ -100,7 +100,7 @@ def test_sync_averages_by_samples_once_the_target_is_reached():
     assert w(server) == [(10 * 1.0 + 20 * 4.0) / 30]  # 3.0
     assert server.state_dict()["n"].tolist() == [9]  # integer state: the client's value
     assert state.scalars == {"samples": 0, "updates": 0}
-    assert state.arrays["sum"].state_dict()["w"].tolist() == [0.0]
+    assert state.arrays["moved"].state_dict()["w"].tolist() == [0.0]
 
 
 @pytest.mark.parametrize(
@@ -120,7 +120,7 @@ def test_sync_robust_aggregates_shrug_off_an_outlier(aggregate, expected):
         assert out["applied"] is (i == 4)
         assert w(server) == ([0.0, 0.0] if i < 4 else pytest.approx(expected))
     assert server.state_dict()["n"].tolist() == [4]  # integer state: the last client's value
-    assert state.scalars == {"samples": 0, "updates": 0} and set(state.arrays) <= {"sum"}
+    assert state.scalars == {"samples": 0, "updates": 0} and set(state.arrays) <= {"moved"}
 
 
 def test_sync_median_of_an_even_round_is_the_mean_of_the_middle_two():
@@ -168,19 +168,66 @@ def test_sync_mean_sums_half_precision_in_float32(dtype):
     assert out["applied"] is True
     assert server["h"].dtype == dtype and server["h"].tolist() == [float(torch.tensor(mean, dtype=dtype))] * 3
     assert server["a"].tolist() == pytest.approx([mean] * 2, abs=1e-6) and server["n"].tolist() == [59]
-    assert state.arrays["sum"]["h"].tolist() == [0.0] * 3  # ready for the next round
-    assert {a.dtype for a in state.arrays["sum"].arrays.values()} == {torch.float32, torch.int64}
+    assert state.arrays["moved"]["h"].tolist() == [0.0] * 3  # ready for the next round
+    assert {a.dtype for a in state.arrays["moved"].arrays.values()} == {torch.float32, torch.int64}
 
 
 def test_sync_half_precision_sum_saved_in_the_parameters_dtype_is_taken_up_to_float32():
-    """A sum saved before it was kept in float32 (laid out as the parameters) resumes, exactly."""
+    """A sum (of ``n_i W_c_i``) saved before it was kept in float32 (laid out as the parameters) resumes, exactly."""
     rule = Sync(target_samples=2)
     server = _half(torch.float16, 0.0, 0)
     old = _half(torch.float16, 2.0, 0)  # one update of w = 2 (a = 2 in float32 too), 1 row
     state = RuleState(arrays={"sum": old}, scalars={"samples": 1, "updates": 1})
     assert rule.apply(server, _half(torch.float16, 4.0, 1), state, Arrival(epoch=1, n_samples=1))["applied"]
     assert server["h"].tolist() == [3.0] * 3 and server["a"].tolist() == [3.0] * 2
-    assert state.arrays["sum"].layout == rule.init_state(server).arrays["sum"].layout
+    assert set(state.arrays) == {"moved"}
+    assert state.arrays["moved"].layout == rule.init_state(server).arrays["moved"].layout
+
+
+@pytest.mark.parametrize("aggregate", ["mean", "trimmed-mean", "median"])
+def test_sync_leaves_what_no_update_moved_exactly_as_it_was_round_after_round(aggregate):
+    """A frozen layer or a constant buffer comes back from every update as it went out: the round combines
+    what each update moved, so it stays bit for bit, where the average of its copies (7 shards of 38 or 39
+    rows) was a few ulps off it and drifted further each round."""
+    g = torch.Generator().manual_seed(1)
+    w0 = torch.randn(10_000, generator=g)
+    frozen = flatten({"backbone": w0[:5000].clone(), "head": w0[5000:].clone()})
+    rows = [39, 39, 39, 39, 38, 38, 38]
+    rule = Sync(target_samples=sum(rows), aggregate=aggregate)
+    server = frozen.clone()
+    state = rule.init_state(server)
+    for _ in range(10):
+        for n in rows:
+            w_c = server.clone()
+            w_c["head"].add_(1e-2 * torch.randn(5000, generator=g))
+            out = rule.apply(server, w_c, state, Arrival(epoch=1, n_samples=n))
+        assert out["applied"] is True
+    assert torch.equal(server["backbone"], frozen["backbone"])
+    assert (server["head"] - frozen["head"]).abs().max() > 1e-3  # (the trained part did move)
+
+
+def test_sync_round_moves_w_s_by_the_sample_weighted_mean_of_what_the_updates_moved():
+    """W_s = (1, -2); updates (3, -2) of 10 rows and (0, 4) of 30: W_s + (10 (2, 0) + 30 (-1, 6)) / 40."""
+    rule = Sync(target_samples=40)
+    server = flat(1.0, -2.0)
+    state = rule.init_state(server)
+    rule.apply(server, flat(3.0, -2.0), state, Arrival(epoch=1, n_samples=10))
+    assert w(server) == [1.0, -2.0] and state.arrays["moved"]["w"].tolist() == [20.0, 0.0]
+    rule.apply(server, flat(0.0, 4.0), state, Arrival(epoch=1, n_samples=30))
+    assert w(server) == [1.0 + (20 - 30) / 40, -2.0 + 180 / 40]  # 0.75, 2.5
+
+
+def test_sync_sum_of_client_weights_saved_by_an_earlier_vcdask_is_taken_over_mid_round():
+    """An earlier vcdask saved the round's sum of ``n_i W_c_i`` as ``"sum"``: a resumed run accepts it
+    (ParamsServer's check asks ``state_arrays``) and finishes the round as it would have."""
+    rule = Sync(target_samples=40)
+    server = flat(1.0, -2.0)
+    old = RuleState(arrays={"sum": flat(10 * 3.0, 10 * -2.0)}, scalars={"samples": 10, "updates": 1})
+    assert rule.state_arrays(server, old) == {"sum"}
+    assert rule.state_arrays(server, rule.init_state(server)) == {"moved"}
+    rule.apply(server, flat(0.0, 4.0), old, Arrival(epoch=1, n_samples=30))
+    assert w(server) == [(10 * 3.0 + 30 * 0.0) / 40, (10 * -2.0 + 30 * 4.0) / 40]
+    assert set(old.arrays) == {"moved"} and old.arrays["moved"]["w"].tolist() == [0.0, 0.0]
 
 
 def test_sync_bad_aggregate_options():
@@ -301,9 +348,9 @@ def test_sync_float32_sum_of_half_precision_survives_a_restart(tmp_path):
     s1.load()
     for shard, value in enumerate((10.0, 12.0, 14.0)):  # a float16 sum would reach 180,000: inf
         s1.merge(upload(shard, value))
-    saved = store.read_state(s1.version)["sum"]
-    assert saved.layout == s1.rule_state.arrays["sum"].layout and saved["h"].dtype == torch.float32
-    assert saved["h"].tolist() == [180_000.0] * 3
+    saved = store.read_state(s1.version)["moved"]
+    assert saved.layout == s1.rule_state.arrays["moved"].layout and saved["h"].dtype == torch.float32
+    assert saved["h"].tolist() == [180_000.0] * 3  # 5000 (10 + 12 + 14) - 15000 * 0
     s2 = ServerState(store, "run-h", Sync(target_samples=20_000), "run-h")
     s2.load()
     s2.merge(upload(3, 16.0))

@@ -9,14 +9,14 @@ import torch
 
 from .._ints import is_real
 from ..params import Entry, FlatParams, Layout, torch_dtype
-from ._base import Arrival, MergeRule, RuleState, check_layout, floats
+from ._base import Arrival, MergeRule, RuleState, check_layout, floats, scratch
 
 __all__ = ["AGGREGATES", "Sync"]
 
 #: How :class:`Sync` combines a round's updates.
 AGGREGATES = ("mean", "median", "trimmed-mean")
-#: Half-precision parameters are summed and sorted in float32: a round's sum of ``n_i W_c_i`` overflows
-#: float16 (60 shards of 1000 rows of w = 1.5 made it inf).
+#: Half-precision parameters are summed and sorted in float32: a round's sum of ``n_i W_c_i`` overflowed
+#: float16 (60 shards of 1000 rows of w = 1.5 made it inf), and its sum of ``n_i (W_c_i - W_s)`` may.
 _WIDER = {"float16": "float32", "bfloat16": "float32"}
 
 
@@ -24,6 +24,11 @@ _WIDER = {"float16": "float32", "bfloat16": "float32"}
 class Sync(MergeRule):
     """Synchronous large-batch merging (DeDLOC): collect updates until ``target_samples`` samples,
     then ``W_s <- sum(n_i W_c_i) / sum(n_i)`` at once; ``W_s`` is unchanged in between.
+
+    The round sums what each update moved, ``n_i (W_c_i - W_s)``, and closes with
+    ``W_s <- W_s + sum / sum(n_i)`` (the robust aggregates combine the moves too): a parameter no
+    update moved (a frozen layer, a constant buffer) keeps its value exactly, where the average of
+    its copies was a few ulps off it, and went on drifting round after round.
 
     Parameters
     ----------
@@ -63,7 +68,14 @@ class Sync(MergeRule):
     def init_state(self, server: FlatParams) -> RuleState:
         if self.aggregate != "mean":  # the round's updates, "u0", "u1", ...
             return RuleState(scalars={"samples": 0, "updates": 0})
-        return RuleState(arrays={"sum": _zero_sum(server)}, scalars={"samples": 0, "updates": 0})
+        return RuleState(arrays={"moved": _zero_sum(server)}, scalars={"samples": 0, "updates": 0})
+
+    def state_arrays(self, server: FlatParams, state: RuleState) -> set[str]:
+        """``"moved"``, the round's sum of ``n_i (W_c_i - W_s)``; or the ``"sum"`` of ``n_i W_c_i`` that a
+        vcdask before it saved (taken over at the next merge)."""
+        if self.aggregate != "mean":
+            return set()
+        return {"sum"} if "sum" in state.arrays and "moved" not in state.arrays else {"moved"}
 
     def apply(self, server: FlatParams, client: FlatParams, state: RuleState, arrival: Arrival) -> dict[str, Any]:
         check_layout(server, client)
@@ -73,8 +85,10 @@ class Sync(MergeRule):
             return self._robust(server, client, state, int(arrival.n_samples))
         sums = _sums(server, state)
         n = int(arrival.n_samples)
-        for dtype in floats(server):
-            sums[dtype].add_(client.arrays[dtype], alpha=n)
+        for dtype, ws in floats(server).items():
+            moved = scratch(state, f"moved.{dtype}", sums[dtype])  # W_c - W_s, in the sum's dtype
+            moved.copy_(client.arrays[dtype]).sub_(ws)
+            sums[dtype].add_(moved, alpha=n)
         for dtype, ws in server.arrays.items():
             if not ws.is_floating_point():
                 sums[dtype].copy_(client.arrays[dtype])
@@ -84,8 +98,8 @@ class Sync(MergeRule):
             return {"alpha": None, "applied": False}
         for dtype, ws in server.arrays.items():
             acc = sums[dtype]
-            if ws.is_floating_point():  # (a float32 sum of half precision is rounded here, once)
-                ws.copy_(acc / state.scalars["samples"])
+            if ws.is_floating_point():  # (a float32 sum of half precision: W_s + mean rounded here, once)
+                ws.copy_(acc.div_(state.scalars["samples"]).add_(ws))
                 acc.zero_()
             else:
                 ws.copy_(acc)
@@ -103,8 +117,11 @@ class Sync(MergeRule):
             if not ws.is_floating_point():
                 ws.copy_(updates[-1].arrays[dtype])
                 continue
-            stacked = torch.stack([u.arrays[dtype] for u in updates])
-            ws.copy_(_combine(stacked, self.aggregate, self.trim).to(ws.dtype))
+            moved = torch.stack([u.arrays[dtype] for u in updates])
+            if moved.dtype in (torch.float16, torch.bfloat16):
+                moved = moved.float()
+            moved.sub_(ws)  # W_c_i - W_s
+            ws.copy_(_combine(moved, self.aggregate, self.trim).add_(ws))
         state.scalars.update(samples=0, updates=0)
         return {"alpha": None, "applied": True}
 
@@ -128,7 +145,7 @@ def _sum_places(sizes: dict[str, int]) -> dict[str, tuple[str, int]]:
 
 
 def _sum_layout(layout: Layout) -> Layout:
-    """The layout of the ``"sum"`` state: the parameters' own, but with half-precision entries in float32
+    """The layout of the ``"moved"`` state: the parameters' own, but with half-precision entries in float32
     (behind the float32 ones, where the model has both)."""
     places = _sum_places(layout.sizes)
     if all(into == dtype for dtype, (into, _) in places.items()):
@@ -139,24 +156,31 @@ def _sum_layout(layout: Layout) -> Layout:
 
 
 def _zero_sum(server: FlatParams) -> FlatParams:
-    """A zero ``"sum"`` state for ``server`` (laid out by :func:`_sum_layout`)."""
+    """A zero ``"moved"`` state for ``server`` (laid out by :func:`_sum_layout`)."""
     layout = _sum_layout(server.layout)
     return FlatParams(layout, {d: torch.zeros(n, dtype=torch_dtype(d)) for d, n in layout.sizes.items()})
 
 
 def _sums(server: FlatParams, state: RuleState) -> dict[str, torch.Tensor]:
-    """The round's running sum of each of the parameters' dtypes: views into the ``"sum"`` state.
+    """The round's running sum of ``n_i (W_c_i - W_s)`` of each of the parameters' dtypes: views into the
+    ``"moved"`` state (integer dtypes: the last update's values).
 
-    A sum saved by a vcdask that kept it in half precision (the parameters' layout) is taken up to
-    float32 first (exactly).
+    The ``"sum"`` of ``n_i W_c_i`` an earlier vcdask saved (``W_s`` has not changed since the round began)
+    becomes ``"moved"``: less ``sum(n_i) W_s``; one it kept in half precision (the parameters' layout) is
+    taken up to float32 first (exactly).
     """
-    total = state.arrays["sum"]
     places = _sum_places(server.layout.sizes)
-    if any(d in _WIDER for d in total.arrays):
-        wide = _zero_sum(server)
+    total = state.arrays.get("moved")
+    if total is None:
+        old = state.arrays.pop("sum")
+        total = state.arrays["moved"] = _zero_sum(server)
+        as_params = any(d in _WIDER for d in old.arrays)  # (else laid out as "moved" is)
         for dtype, (into, start) in places.items():
-            wide.arrays[into][start : start + server.arrays[dtype].numel()].copy_(total.arrays[dtype])
-        total = state.arrays["sum"] = wide
+            n = server.arrays[dtype].numel()
+            view = total.arrays[into][start : start + n]
+            view.copy_(old.arrays[dtype] if as_params else old.arrays[into][start : start + n])
+            if view.is_floating_point():
+                view.sub_(server.arrays[dtype].to(view.dtype), alpha=state.scalars["samples"])
     return {
         dtype: total.arrays[into][start : start + server.arrays[dtype].numel()]
         for dtype, (into, start) in places.items()
@@ -164,11 +188,9 @@ def _sums(server: FlatParams, state: RuleState) -> dict[str, torch.Tensor]:
 
 
 def _combine(stacked: torch.Tensor, aggregate: str, trim: float) -> torch.Tensor:
-    """Coordinate-wise median or trimmed mean over the first dimension (one row per update), in the
-    updates' own dtype (half precision in float32): a float64 parameter keeps its precision."""
+    """Coordinate-wise median or trimmed mean over the first dimension (one row per update), in
+    ``stacked``'s dtype (the caller's: half precision taken up to float32, float64 kept)."""
     m = stacked.shape[0]
-    if stacked.dtype in (torch.float16, torch.bfloat16):
-        stacked = stacked.float()
     ordered = stacked.sort(dim=0).values
     if aggregate == "median":  # of an even count: the mean of the middle two
         return ordered[(m - 1) // 2 : m // 2 + 1].mean(dim=0)
