@@ -240,3 +240,64 @@ def test_a_real_dask_dataframe_is_refused_naming_to_dask_array(xy, tmp_path):
     ddf = dd.from_pandas(pd.DataFrame({"a": X[:, 0], "b": X[:, 1], "y": y}), npartitions=4)
     _refused(_linear(2, 2), ddf, tmp_path, TypeError, "DataFrame)", "to_dask_array(lengths=True)", label="y")
     _refused(_linear(2, 2), (ddf[["a", "b"]], ddf["y"]), tmp_path, TypeError, "to_dask_array(lengths=True)")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "holds", "fix"),
+    [
+        ("datetime64[s]", "datetimes (datetime64[s])", "np.timedelta64(1, 's')"),
+        ("timedelta64[s]", "durations (timedelta64[s])", "np.timedelta64(1, 's')"),
+        ("complex64", "complex numbers (complex64)", "np.stack([X.real, X.imag], axis=-1)"),
+        ("V8", "structured records (or raw bytes) (|V8)", "structured_to_unstructured"),
+    ],
+)
+def test_inputs_a_model_cannot_take_as_numbers_are_refused_naming_them(dtype, holds, fix, xy, tmp_path):
+    """torch refused datetimes with a raw TypeError, and cast complex inputs to floats without their imaginary part."""
+    X, y = xy
+    bad = np.zeros((len(X), 3), dtype=dtype) if dtype.startswith("V") else np.arange(X.size).reshape(X.shape)
+    _refused(_linear(), (bad.astype(dtype), y), tmp_path, TypeError, f"data X holds {holds}", fix)
+
+
+def test_complex_labels_are_refused(xy, tmp_path):
+    X, y = xy
+    _refused(_linear(1), (X, X[:, 0] + 1j), tmp_path, TypeError, "data y holds complex numbers (complex64)")
+
+
+@pytest.mark.parametrize("zarr", [False, True])
+def test_an_xarray_variable_a_model_cannot_take_is_named_before_stacking(zarr, xy, tmp_path):
+    """Among numeric ones, numpy refused to stack it (DTypePromotionError), naming no variable."""
+    import xarray as xr
+
+    X, y = xy
+    n = len(X)
+    ds = xr.Dataset(
+        {
+            "a": (("s",), X[:, 0]),
+            "t": (("s",), np.arange(n).astype("datetime64[s]")),
+            "z": (("s",), X[:, 1] + 1j),
+            "y": (("s",), y),
+        }
+    )
+    if zarr:
+        ds.to_zarr(tmp_path / "d.zarr", consolidated=False)
+    _refused(
+        _linear(),
+        str(tmp_path / "d.zarr") if zarr else ds,
+        tmp_path,
+        TypeError,
+        "data variable 't' holds datetimes (datetime64[",  # ([ns] once through Zarr)
+        "]); data variable 'z' holds complex numbers (complex64)",
+        "np.timedelta64(1, 's')",
+        "imaginary part",
+    )
+
+
+def test_a_complex_dataframe_column_is_refused(xy, tmp_path):
+    import pandas as pd
+
+    X, y = xy
+    df = pd.DataFrame({"a": X[:, 0], "z": X[:, 1] + 1j, "y": y})
+    message = _refused(
+        _linear(), df, tmp_path, DataError, "complex ['z']", "z: complex64", "real and imaginary parts of ['z']"
+    )
+    assert "get_dummies" not in message  # (one-hot encoding is no remedy for it)

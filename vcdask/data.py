@@ -250,6 +250,7 @@ def prepare_data(
     import xarray as xr
 
     from .frames import from_pandas
+    from .preflight import check_input_dtypes
     from .torch_data import is_dataset, prepare_dataset
 
     if is_dataset(data):
@@ -310,6 +311,7 @@ def prepare_data(
         n = data.sizes[dim]
         if n == 0:
             raise DataError(f"{what} is empty (0 samples along {dim!r})")
+        check_input_dtypes({f"variable {f!r}": data[f].dtype for f in features}, what)  # (each, before stacking)
         X = _stack(data, features, dim)
         y = data[label].transpose(dim, ...).data
         # (the variables by name, in X's order: predict picks a DataFrame's columns or a Dataset's variables by them)
@@ -331,6 +333,7 @@ def prepare_data(
         if n == 0:
             raise DataError(f"{what} {data!r} is empty (0 samples along {dim!r})")
         src = DataSource(src.url, features, label, dim, n, src.storage_options, src.zarr_store)
+        check_input_dtypes({f"variable {f!r}": ds[f].dtype for f in features}, what)
         sx, sy = src.read(0, min(4, n), ds)
         labels = ds[label]
         lo = hi = None

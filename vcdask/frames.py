@@ -116,25 +116,35 @@ def frame_features(df: Any, names: Sequence, what: str) -> tuple[np.ndarray, tup
         if c not in categorical
         and (pd.api.types.is_string_dtype(part[c].dtype) or pd.api.types.is_object_dtype(part[c].dtype))
     ]
+    complex_ = [c for c in names if pd.api.types.is_complex_dtype(part[c].dtype)]  # (numeric to pandas)
     other = [
         c
         for c in names
         if c not in categorical
         and c not in text
+        and c not in complex_
         and not (pd.api.types.is_numeric_dtype(part[c].dtype) or pd.api.types.is_bool_dtype(part[c].dtype))
     ]
-    if categorical or text or other:
-        found = "; ".join(
-            f"{kind} {cols}"
-            for kind, cols in (("categorical", categorical), ("string/object", text), ("other", other))
-            if cols
-        )
-        bad = [*categorical, *text, *other]
+    if categorical or text or other or complex_:
+        kinds = (("categorical", categorical), ("string/object", text), ("complex", complex_), ("other", other))
+        found = "; ".join(f"{kind} {cols}" for kind, cols in kinds if cols)
+        bad = [*categorical, *text, *complex_, *other]
+        encode = [*categorical, *text, *other]
+        fixes = []
+        if encode:
+            fixes.append(
+                f"Encode {encode} first: one-hot with pandas.get_dummies(df, columns={encode}, dtype=float), or "
+                "integer codes with df[col].astype('category').cat.codes"
+            )
+        if complex_:
+            fixes.append(
+                f"{'g' if fixes else 'G'}ive the real and imaginary parts of {complex_} as two columns each "
+                "(df[col].to_numpy().real, .imag): the cast to float32 would drop the imaginary part"
+            )
         raise DataError(
             f"{what}: feature columns must be numeric or bool (they become float32), got {found} "
-            f"({', '.join(f'{c}: {part[c].dtype}' for c in bad)}). Encode them first: one-hot with "
-            f"pandas.get_dummies(df, columns={bad}, dtype=float), or integer codes with "
-            f"df[col].astype('category').cat.codes; or leave them out with features=[...]"
+            f"({', '.join(f'{c}: {part[c].dtype}' for c in bad)}). {'; '.join(fixes)}; or leave "
+            "them out with features=[...]"
         )
     nulls = {c: int(n) for c, n in part.isna().sum().items() if n}
     if nulls:

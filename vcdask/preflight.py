@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HALF_DTYPES",
+    "check_input_dtypes",
     "check_model",
     "check_model_precision",
     "check_probe_cost",
@@ -79,6 +80,7 @@ def check_run(model: torch.nn.Module, prepared: PreparedData, *, loss: Any, trai
     y = np.asarray(prepared.sample_y)
     if y.dtype.kind in "USO":
         raise string_labels_error(y)
+    check_input_dtypes({"y": y})  # (datetimes, complex numbers: neither class ids nor the model's floats)
     if y.dtype.kind != "f":
         return
     out = _probe(model, prepared.sample_X)
@@ -151,23 +153,59 @@ def check_model_precision(model: torch.nn.Module) -> None:
 
 
 def _check_input_dtypes(prepared: PreparedData) -> None:
-    """Inputs that cannot become tensors (strings, Python objects) refused by name, before torch's own
-    ``can't convert np.ndarray of type numpy.str_``."""
+    """Inputs that cannot become tensors (strings, objects), or not the model's numbers (datetimes, complex numbers),
+    refused by name before torch's own ``can't convert np.ndarray of type numpy.str_`` (or a silent cast)."""
     if prepared.form == "xy" and prepared.sample_X is not None:
         inputs = {"X": np.asarray(prepared.sample_X)}
     elif prepared.form == "dict" and isinstance(prepared.sample, Mapping):
         inputs = {f"[{k!r}]": np.asarray(v) for k, v in prepared.sample.items()}
     else:
         return
-    for name, a in inputs.items():
-        if a.dtype.kind in "USO":
-            example = ", ".join(repr(v) for v in a.ravel()[:2].tolist())
-            raise TypeError(
-                f"data {name} holds {'strings' if a.dtype.kind in 'US' else 'Python objects'} ({a.dtype}, e.g. "
-                f"{example}); a model takes numbers: convert numeric text with X.astype('float32'), encode "
-                "categories as numbers (pandas.factorize, sklearn.preprocessing.OrdinalEncoder), or pass a "
-                "DataFrame with label= (it checks each column)"
-            )
+    check_input_dtypes(inputs)
+
+
+#: What an input of each dtype kind a model cannot take holds, and (by kinds) how to make numbers of it.
+_NOT_NUMBERS = {"U": "strings", "S": "strings", "O": "Python objects", "M": "datetimes", "m": "durations"}
+_NOT_NUMBERS.update(c="complex numbers", V="structured records (or raw bytes)")
+_REMEDIES = {
+    "USO": "convert numeric text with X.astype('float32'), encode categories as numbers (pandas.factorize, "
+    "sklearn.preprocessing.OrdinalEncoder), or pass a DataFrame with label= (it checks each column)",
+    "Mm": "convert datetimes and durations to numbers, such as seconds ((t - t.min()) / np.timedelta64(1, 's')) or "
+    "calendar features (day of week, hour)",
+    "c": "the cast to the model's dtype would drop the imaginary part: give the real and imaginary parts as "
+    "features (np.stack([X.real, X.imag], axis=-1))",
+    "V": "give the fields as one numeric array (numpy.lib.recfunctions.structured_to_unstructured(X))",
+}
+
+
+def check_input_dtypes(inputs: Mapping[str, Any], what: str = "data") -> None:
+    """Refuse inputs of dtypes a model cannot take as numbers (kinds ``U S O M m c V``), each named with its dtype.
+
+    Parameters
+    ----------
+    inputs : mapping of str to array or dtype
+        Name (``"X"``, ``"variable 't'"``) -> an array (a few rows: a string one's first values are shown) or a dtype.
+    what : str
+        ``"data"`` or ``"validation"``, for the message.
+
+    Raises
+    ------
+    TypeError
+        Naming every such input, what it holds and how to make numbers of it.
+    """
+    bad = {name: a for name, a in inputs.items() if np.dtype(getattr(a, "dtype", a)).kind in _NOT_NUMBERS}
+    if not bad:
+        return
+    found, kinds = [], ""
+    for name, a in bad.items():
+        dtype = np.dtype(getattr(a, "dtype", a))
+        kinds += dtype.kind
+        example = ""
+        if isinstance(a, np.ndarray) and dtype.kind in "USO":
+            example = ", e.g. " + ", ".join(repr(v) for v in a.ravel()[:2].tolist())
+        found.append(f"{what} {name} holds {_NOT_NUMBERS[dtype.kind]} ({dtype}{example})")
+    remedies = [fix for group, fix in _REMEDIES.items() if set(group) & set(kinds)]
+    raise TypeError(f"{'; '.join(found)}; a model takes numbers: {'; '.join(remedies)}")
 
 
 def string_labels_error(y: np.ndarray, name: str = "the labels") -> DataError:
