@@ -10,7 +10,7 @@ import pytest
 
 import vcdask
 from vcdask.demo import digits_cnn
-from vcdask.diagnose import NOT_VALIDATED, divergence
+from vcdask.diagnose import NOT_VALIDATED, SKIPS_LISTED, divergence, given_up
 
 
 def _history(rows):
@@ -39,6 +39,15 @@ def test_divergence_from_the_initial_loss_and_from_non_finite_updates():
     one_shard = pd.concat([one_shard, pd.DataFrame([{**gave_up, "accepted": False, "outcome": "skipped"}])])
     assert divergence(one_shard, _epochs([2.0])) is None
     assert divergence(_history([]), _epochs([])) is None
+
+
+def test_the_shards_a_run_gave_up_are_named():
+    rows = [{"epoch": e, "shard": 3, "outcome": o} for e in (1, 2) for o in ("rejected", "skipped")]
+    note = given_up(pd.DataFrame(rows))
+    assert note.startswith("2 shard(s) given up (on_shard_failure='skip'): shard 3 of epoch 1, shard 3 of epoch 2;")
+    many = pd.DataFrame([{"epoch": e, "shard": 0, "outcome": "skipped"} for e in range(1, SKIPS_LISTED + 3)])
+    assert f"shard 0 of epoch {SKIPS_LISTED}; " not in given_up(many) and "and 2 more;" in given_up(many)
+    assert given_up(pd.DataFrame(rows[:1])) is None and given_up(_history([])) is None
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")

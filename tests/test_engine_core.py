@@ -368,6 +368,8 @@ def test_a_shard_that_fails_every_attempt_stops_the_run_or_is_skipped(policy):
     else:
         assert not any(isinstance(fx, m.Fail) for fx in effects)
         assert s.state.ledger.skipped == {1: {shard}} and rows(s.state, "skipped")
+        # for the run's progress (its next commit): the other shard is not merged, so the epoch goes on
+        assert [fx for fx in effects if isinstance(fx, m.Skip)] == [m.Skip(1, shard, None)]
 
 
 def test_non_finite_updates_of_one_shard_from_two_workers_give_it_up_naming_its_samples():
@@ -494,6 +496,23 @@ def test_a_resumed_run_takes_the_uploads_it_found_out_of_the_queues_and_counts_t
     assert [fx.args[:3] for fx in s(m.Poll()) if isinstance(fx, m.Submit)] == [(1, 1, 0)]
 
 
+def test_a_resumed_run_trains_no_shard_it_gave_up_and_its_earlier_epochs_keep_their_rows():
+    """What the store and the run's record say of the last session: shard 2 of epoch 2 was given up (it is
+    not trained again), epoch 1 ended at step 3 with its loss, time and skip (its row keeps them)."""
+    s = Script(n_shards=3, max_epochs=2)
+    row = {"epoch": 1, "version": 3, "wall_time": 12.5, "train_loss": 0.75, "skipped": 1}
+    s(m.Resumed({1: {0, 1, 2}, 2: {0}}, {1: (3, "v3")}, {(2, 0): 1, (2, 2): 3}, (), {2: {2}}, {1: row}))
+    assert s.state.dispatch.queue[2] == [1] and s.state.ledger.skipped == {2: {2}}
+    s(m.CloseEpochs())  # (as the shell does once the uploads found are merged)
+    [epoch] = s.state.ledger.epochs
+    assert epoch == {"epoch": 1, "version": 3, "wall_time": 12.5, "train_loss": 0.75, "skipped": 1}
+    [key] = [k for k in keys(s(m.Poll()))]
+    assert s.state.tasks.records[key].shard == 1 and s.state.tasks.records[key].epoch == 2
+    s.start(key, "a")
+    s.merge(s.finish_task(key, "a"))  # the last shard left: epoch 2 ends, its one skip counted
+    assert [e["epoch"] for e in s.state.ledger.epochs] == [1, 2] and s.state.ledger.epochs[1]["skipped"] == 1
+
+
 def test_a_start_recorded_on_a_worker_stands_and_one_elsewhere_restarts_the_clock():
     s = Script()
     key = keys(s(m.Poll()))[0]
@@ -579,7 +598,8 @@ def test_a_commit_that_a_merge_folded_into_is_made_again_before_the_validation_g
     s.start(out[1], "b")
     [read] = [fx for fx in s(m.Completed(out[1])) if isinstance(fx, m.Read)]
     effects = s(m.TaskFailed(read.task, KilledWorker(out[1], _Worker("b"), 3)))  # one attempt: skipped, epoch ends
-    assert [type(fx) for fx in effects if not isinstance(fx, m.Emit)] == [m.Commit]
+    # the skip reaches the run's progress before the commit that stores it (the epoch ends at step 1)
+    assert [fx for fx in effects if not isinstance(fx, m.Emit)] == [m.Skip(1, read.task.shard, 1), m.Commit()]
     # meanwhile the driver merged a result the commit did not include (folded): the head is not committed
     assert s(m.Committed(Head(step=2, version="v1", version_step=1))) == [m.Commit()]
     [validate] = [fx for fx in s(m.Committed(Head(step=2, version="v2", version_step=2))) if isinstance(fx, m.Submit)]
@@ -662,10 +682,12 @@ def test_a_shard_blamed_for_its_data_is_given_up_in_the_next_epoch_too_whose_cop
     assert not rows(s.state, "duplicate") and good.shard != bad.shard
 
 
-def test_the_only_worker_sending_the_same_copy_back_nan_again_is_blamed_each_time():
-    """Not the data's doing as far as anyone can tell (no second worker tried it): every NaN of the same
-    epoch's copy counts against the worker, so a worker that fails alone is excluded (a good one may join)."""
-    s = Script(n_shards=2, workers=("a",), max_attempts=4, max_worker_failures=3)
+def test_the_only_worker_sending_one_shard_back_nan_is_blamed_once_and_the_shard_fails_its_attempts():
+    """A run on one worker with one shard whose data gives NaN: the copies sent again to the same worker
+    count against the shard, not the worker again, so ``on_shard_failure`` applies (here: skip) and the
+    run goes on (it used to exclude its only worker and wait ``no_worker_timeout`` for another); a
+    worker that sends NaN for every shard is still excluded, once per shard."""
+    s = Script(n_shards=4, workers=("a",), max_attempts=3, max_worker_failures=3, on_shard_failure="skip")
     key = keys(s(m.Poll()))[0]
     shard = s.state.tasks.records[key].shard
     for _ in range(3):
@@ -673,7 +695,15 @@ def test_the_only_worker_sending_the_same_copy_back_nan_again_is_blamed_each_tim
         sent = keys(s.merge(s.finish_task(key, "a"), accept=False, fault="non-finite"))
         copies = [k for k in sent + keys(s(m.Poll())) if s.state.tasks.records[k].copy_of(1, shard)]
         key = copies[0] if copies else key
-    assert s.state.pool.record("a").rejected == 3 and s.state.pool.record("a").excluded
+    record = s.state.pool.record("a")
+    assert record.rejected == 1 and not record.excluded and s.state.ledger.skipped == {1: {shard}}
+    for _ in range(2):  # two more shards come back NaN: blamed for each, the third excludes the worker
+        key = next(k for k, t in s.state.tasks.records.items() if t.kind == "update" and t.shard != shard)
+        shard = s.state.tasks.records[key].shard
+        s.start(key, "a")
+        s.merge(s.finish_task(key, "a"), accept=False, fault="non-finite")
+        s(m.Poll())
+    assert record.rejected == 3 and record.excluded
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
@@ -740,7 +770,7 @@ def test_a_skip_that_ends_the_epoch_while_merges_wait_for_their_commit_validates
     [read] = [fx for fx in s(m.Completed(c)) if isinstance(fx, m.Read)]
     effects = s(m.TaskFailed(read.task, KilledWorker(c, _Worker("c"), 1)))  # its one attempt: skipped, epoch ends
     assert s.state.ledger.epoch_end[1][0] == 2 and s.state.ledger.epochs == []
-    assert [type(fx) for fx in effects if not isinstance(fx, m.Emit)] == [m.Commit]
+    assert [fx for fx in effects if not isinstance(fx, m.Emit)] == [m.Skip(1, read.task.shard, 2), m.Commit()]
     [validate] = [fx for fx in s(m.Committed(Head(step=2, version="v2", version_step=2))) if isinstance(fx, m.Submit)]
     assert validate.kind == "validation" and validate.args == ("v2", 2)
     s(m.Result(s.state.tasks.pop(validate.key), {"kind": "validation", "step": 2, "metrics": {"loss": 0.4}}))

@@ -63,6 +63,24 @@ def test_a_shard_merged_after_it_was_given_up_counts_merged_once_and_ends_its_ep
     assert led.shard_seconds == [2.0, 3.0]
 
 
+def test_an_epoch_a_skip_ends_at_a_later_version_has_its_end_value_within_its_band():
+    """Shard 1 of epoch 1 is given up after shard 0 of epoch 2 merged (step 2): the epoch ends at step 2,
+    whose value is the row's, and the band holds it beside step 1's (the version of the epoch's merge)."""
+    led, sched = _ledger(n_shards=2, validated=True)
+    led.record(1, 0, 0, "merged", accepted=True, train_loss=0.5, new_version=1)
+    led.note_merged(1, 0, 1.0, step=1)
+    led.validate(1, {"loss": 0.7})
+    led.record(2, 0, 0, "merged", accepted=True, train_loss=0.4, new_version=2)
+    led.note_merged(2, 0, 1.0, step=2)
+    assert led.skip(1, 1, step=2, why="shard 1 of epoch 1 failed 3 times") is True
+    assert sched.events[-1][1]["state"] == "skipped" and sched.events[-1][1]["why"].endswith("3 times")
+    led.validate(2, {"loss": 0.6})
+    led.close_epochs()
+    [row] = led.epochs
+    assert row["version"] == 2 and row["loss"] == 0.6 and row["skipped"] == 1
+    assert (row["loss_min"], row["loss_max"]) == (0.6, 0.7) and row["loss_mean"] == pytest.approx(0.65)
+
+
 def test_validated_epochs_wait_for_their_numbers_and_stop_at_the_target():
     led, _ = _ledger(n_shards=1, validated=True, target={"accuracy": 0.9})
     led.record(1, 0, 0, "merged", accepted=True, train_loss=0.5, new_version=1)

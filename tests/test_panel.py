@@ -220,6 +220,19 @@ def test_panel_header_shows_the_cost_so_far_with_a_price_table():
     assert "cost $1.23 (70% below on-demand)" in _header_html(st)
 
 
+def test_panel_state_notes_a_shard_given_up_and_why():
+    """A skip (``on_shard_failure="skip"``) is noted, as lost workers and re-issues are: the run goes on
+    without that shard's work, and a client of a remote scheduler sees no log of it."""
+    st = PanelState("r")
+    st.apply({"type": "shard", "epoch": 1, "shard": 2, "state": "merged"})
+    assert st.notes == []
+    why = "shard 2 of epoch 1 failed 3 times (last: non-finite values (NaN/inf) in ['weight'])"
+    st.apply({"type": "shard", "epoch": 1, "shard": 2, "state": "skipped", "why": why})
+    st.apply({"type": "shard", "epoch": 2, "shard": 0, "state": "skipped"})  # (an older scheduler's event)
+    assert st.notes == [f"skipped: {why}", "skipped: shard 0 of epoch 2 failed"]
+    assert st.shards[(1, 2)] == "skipped"
+
+
 def test_panel_state_notes_a_failure_without_an_error_text():
     st = PanelState("r")
     st.apply({"type": "failed", "error": ""})  # an empty error has no last line to show

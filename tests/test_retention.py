@@ -22,6 +22,7 @@ import vcdask
 from vcdask import Retention
 from vcdask.cli import main as cli
 from vcdask.engine.params_server import ParamsServer
+from vcdask.engine.progress import Progress
 from vcdask.engine.recovery import read_back
 from vcdask.errors import VersionNotFoundError
 from vcdask.merge import Nesterov
@@ -389,9 +390,10 @@ def test_resume_after_gc_continues_exactly(tmp_path):
     assert [v.metadata["step"] for v in kept] == [7, 6, 4, 0]  # the newest 2, epoch 1's end, the initial version
     del b  # the server dies
     b2 = _server(bounded, "run-x", Retention(keep_last=2, interval=0))
-    merged, ends, attempts, pending = read_back(b2, bounded, "run-x", "run-x", shards)
+    got = read_back(b2, bounded, "run-x", "run-x", shards)
+    merged, ends, attempts, pending = got.merged, got.ends, got.attempts, got.pending
     assert merged == {1: {0, 1, 2, 3}, 2: {0, 1, 2}}  # although the versions that merged them are gone
-    assert ends == {1: (4, kept[2].id)} and pending == []
+    assert ends == {1: (4, kept[2].id)} and pending == ()
     assert attempts[(2, 2)] == 1
     assert b2.rule_state.scalars == a.rule_state.scalars
     for name in ("momentum", "pending"):
@@ -403,7 +405,7 @@ def test_resume_after_gc_continues_exactly(tmp_path):
     assert b2.params.equal(a.params) and b2.step == a.step == 12
     assert bounded.read(b2.version).params.equal(keep_all.read(a.version).params)
     assert {v.metadata["step"] for v in bounded.versions("run-x")} == {0, 4, 8, 11, 12}
-    assert b2.progress == a.progress == {"done": [[1, 4], [2, 8], [3, 12]], "open": []}
+    assert b2.progress == a.progress == Progress(done=[[1, 4], [2, 8], [3, 12]])
 
 
 def test_a_run_collects_once_its_backlog_of_versions_is_reached(tmp_path):
@@ -599,6 +601,6 @@ def test_a_torn_leftover_updates_attempt_is_not_used_again(tmp_path):
     whole = store.files.get(path)
     store.files.put(path, whole[: len(whole) // 2])  # (the upload the crash cut short)
     assert update_key(path) == (1, 2, 0) and update_key("run-t/notes.txt") is None
-    merged, _, attempts, pending = read_back(server, store, "run-t", "run-t", 4)
-    assert pending == [] and merged == {} and attempts[(1, 2)] == 1
+    got = read_back(server, store, "run-t", "run-t", 4)
+    assert got.pending == () and got.merged == {} and got.attempts[(1, 2)] == 1
     assert list_updates(store.files, "run-t") == []  # (not an update: deleted)

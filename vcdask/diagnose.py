@@ -1,4 +1,5 @@
-"""What a finished run's own numbers say when nothing validated it: did the training diverge?
+"""What a finished run's own numbers say: did it give shards up, and, when nothing validated it, did the
+training diverge?
 
 A run without validation data ends with ``metrics == {}``; a run whose learning rate is far too high
 ends "normally" too (``fit(model, (X, y), lr=10)`` on digits: epoch 1's training loss 504, one class
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["DIVERGED_FACTOR", "NOT_VALIDATED", "annotate", "divergence"]
+__all__ = ["DIVERGED_FACTOR", "NOT_VALIDATED", "SKIPS_LISTED", "annotate", "divergence", "given_up"]
 
 #: A last epoch's mean training loss this many times the loss at the initial weights is divergence.
 DIVERGED_FACTOR = 3.0
@@ -77,11 +78,41 @@ def divergence(history: Any, epochs: Any) -> str | None:
 _EPOCH_COLUMNS = {"epoch", "version", "wall_time", "train_loss", "skipped"}
 
 
+#: How many given-up shards :func:`given_up` names.
+SKIPS_LISTED = 5
+
+
+def given_up(history: Any) -> str | None:
+    """The shards a run gave up (``on_shard_failure="skip"``), in words, or None.
+
+    Parameters
+    ----------
+    history : pandas.DataFrame
+        ``FitResult.history``.
+    """
+    if not len(history):
+        return None
+    rows = history[history["outcome"] == "skipped"]
+    if not len(rows):
+        return None
+    pairs = [f"shard {int(s)} of epoch {int(e)}" for e, s in zip(rows["epoch"], rows["shard"], strict=True)]
+    listed = ", ".join(pairs[:SKIPS_LISTED]) + (
+        f" and {len(pairs) - SKIPS_LISTED} more" if len(pairs) > SKIPS_LISTED else ""
+    )
+    return (
+        f"{len(pairs)} shard(s) given up (on_shard_failure='skip'): {listed}; the model did not train on their "
+        "samples in those epochs (history.query(\"outcome == 'skipped'\") says why)"
+    )
+
+
 def annotate(result: Any) -> None:
-    """A :class:`~vcdask.FitResult`'s notes: nothing validated, and a diverged training (also warned:
-    there is no validation metric to show it)."""
+    """A :class:`~vcdask.FitResult`'s notes: shards given up; nothing validated, and a diverged training
+    (also warned: there is no validation metric to show it)."""
     import warnings
 
+    skipped = given_up(result.history)
+    if skipped is not None:
+        result.notes.append(f"skipped: {skipped}")
     if result.metrics or set(result.epochs.columns) - _EPOCH_COLUMNS:
         return
     result.notes.append(NOT_VALIDATED)

@@ -92,6 +92,9 @@ class PanelState:
             self.workers[row["worker"]] = row
         if kind == "shard":
             self.shards[(int(event["epoch"]), int(event["shard"]))] = event["state"]
+            if event["state"] == "skipped":  # (on_shard_failure="skip": the run goes on without it)
+                why = event.get("why") or f"shard {event['shard']} of epoch {event['epoch']} failed"
+                self._note(f"skipped: {why}")
         elif kind == "update":
             self.last_update = event
             if event.get("accepted"):

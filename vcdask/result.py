@@ -94,8 +94,9 @@ class FitResult:
         Where the run's initial parameters came from: ``{"version", "tag", "store"}`` for a model
         from :func:`vcdask.load`, None for a fresh model.
     notes : list of str
-        What the run's numbers say beyond its metrics: that nothing was validated (no validation data),
-        that the training diverged (:func:`vcdask.diagnose.divergence`, also warned).
+        What the run's numbers say beyond its metrics: the shards it gave up (``on_shard_failure="skip"``,
+        :func:`vcdask.diagnose.given_up`), that nothing was validated (no validation data), that the
+        training diverged (:func:`vcdask.diagnose.divergence`, also warned).
     settings : dict
         How the run trained, with what ``fit`` decided where it was left to it (:func:`run_settings`):
         ``merge`` (the rule that merged last, as the panel names it: what ``merge="auto"`` chose, such as

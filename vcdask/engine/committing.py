@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..merge import MergeRule, RuleState
     from ..params import FlatParams
     from ..store import Retention
+    from .progress import Progress
 
 #: Base versions of compressed updates the merge thread keeps in memory (the newest commits).
 BASES_KEPT = 8
@@ -91,7 +92,7 @@ class Committing:
     params: FlatParams | None
     head: Head
     uncommitted: list[dict[str, Any]]
-    progress: dict[str, list[list[int]]]
+    progress: Progress
     keep_updates: bool
     outage_timeout: float
     retention: Retention | None
@@ -124,7 +125,7 @@ class Committing:
             "epoch": last["epoch"],
             "merged": [[r["epoch"], r["shard"], r["attempt"]] for r in self.uncommitted],
             "merge": self.rule.describe(),
-            "progress": {k: [list(m) for m in v] for k, v in self.progress.items()},
+            "progress": self.progress.as_metadata(),
         }
         if self.follow is not None:  # (fit's default rule: the tasks in flight it was chosen for)
             metadata["merge_in_flight"] = self.follow

@@ -55,8 +55,11 @@ def stop_kind(status: str, stopping: str | None) -> str | None:
     return "user"
 
 
-def record(run: RunState, res: dict[str, Any]) -> dict[str, Any]:
-    """The run's record (JSON-able) from its result dict (reads the store: call it off the event loop)."""
+def record(run: RunState, res: dict[str, Any], progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's record (JSON-able) from its result dict (reads the store: call it off the event loop).
+
+    With the run's ``progress`` as its merge thread ended it (:meth:`~.progress.Progress.as_metadata`) and
+    its epoch rows, for a resume: what it gave up after its last commit, what each epoch measured."""
     kind = stop_kind(res["status"], res["stopping"])
     status = {"max_epochs": "finished", "cancelled": "cancelled", "failed": "failed", None: "running"}.get(
         kind, "stopped"
@@ -78,6 +81,8 @@ def record(run: RunState, res: dict[str, Any]) -> dict[str, Any]:
         "start": res.get("start"),
         "started": run.started,
         "ended": run.ended,
+        "epochs": list(res.get("epochs") or ()),
+        "progress": progress,
     }
 
 
@@ -93,6 +98,7 @@ def running_record(run: RunState) -> dict[str, Any]:
         "max_epochs": run.spec.max_epochs,
         "start": run.spec.start,
         "started": run.started,
+        "epochs": [run.ledger.restored[e] for e in sorted(run.ledger.restored)],  # (a resumed run's, kept)
     }
 
 

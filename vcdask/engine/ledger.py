@@ -101,6 +101,8 @@ class Ledger:
         self.patience, self.monitor = patience, monitor
         self.best: dict[str, Any] | None = None  # {"epoch", "step", "value"} of the best epoch so far
         self.resumed_at = 0  # epochs done before a resume: the target and patience count from there
+        #: A resumed run's epoch rows as its last session closed them (their losses, times and skips).
+        self.restored: dict[int, dict[str, Any]] = {}
 
     # -- shards ---------------------------------------------------------------------------------
     def done(self, epoch: int, shard: int) -> bool:
@@ -118,14 +120,14 @@ class Ledger:
         """Whether merging (epoch, shard) would complete its epoch."""
         return not self.done(epoch, shard) and self.remaining(epoch) == 1
 
-    def set_shard(self, epoch: int, shard: int, state: ShardState) -> None:
+    def set_shard(self, epoch: int, shard: int, state: ShardState, **why: str) -> None:
         """Move (epoch, shard) to ``state`` for the panel's grid (merged and skipped are final; a
-        rejection stays visible until a copy is merged) and publish the change."""
+        rejection stays visible until a copy is merged) and publish the change (with ``why``, if given)."""
         old = self.shard_state.get((epoch, shard))
         if old == state or old in FINAL_STATES or (old == "rejected" and state in ACTIVE_STATES):
             return
         self.shard_state[(epoch, shard)] = state
-        self.events.emit("shard", epoch=epoch, shard=shard, state=state)
+        self.events.emit("shard", epoch=epoch, shard=shard, state=state, **why)
 
     def note_merged(self, epoch: int, shard: int, seconds: float, step: int) -> bool:
         """(epoch, shard) was merged at ``step``; return whether that completed its epoch (which ends there).
@@ -147,10 +149,11 @@ class Ledger:
             return True
         return False
 
-    def skip(self, epoch: int, shard: int, step: int) -> bool:
-        """Leave (epoch, shard) out of its epoch; return whether that completed the epoch."""
+    def skip(self, epoch: int, shard: int, step: int, why: str | None = None) -> bool:
+        """Leave (epoch, shard) out of its epoch (``why``: for the panel and the console); return whether
+        that completed the epoch."""
         self.skipped.setdefault(epoch, set()).add(shard)
-        self.set_shard(epoch, shard, "skipped")
+        self.set_shard(epoch, shard, "skipped", **({"why": why} if why else {}))
         if self.remaining(epoch) == 0:
             self.epoch_end[epoch] = (step, self.clock())
             return True
@@ -237,11 +240,15 @@ class Ledger:
             "train_loss": _mean([h["train_loss"] for h in merges]),
             "skipped": len(self.skipped.get(epoch, ())),
         }
+        before = self.restored.get(epoch)
+        if before is not None and not merges:  # closed by an earlier session: what it measured
+            row.update({k: before[k] for k in ("wall_time", "train_loss", "skipped") if k in before})
         if self.validated:
-            # the band: every validated version that merged one of this epoch's updates
+            # the band: every validated version that merged one of this epoch's updates, and its end (a
+            # later version when a shard given up ended the epoch)
             end = self.validations[end_step]
-            seen = [self.validations[h["new_version"]] for h in merges if h["new_version"] in self.validations]
-            seen = seen or [end]
+            steps = {h["new_version"] for h in merges if h["new_version"] in self.validations} | {end_step}
+            seen = [self.validations[s] for s in sorted(steps)]
             for name in end:
                 values = [m[name] for m in seen]
                 row[name] = end[name]

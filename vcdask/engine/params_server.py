@@ -7,9 +7,9 @@ here too, between merges, once per ``Retention.interval`` or sooner by its ``bac
 (:meth:`ParamsServer.collect`).
 Commits and retention live in :mod:`vcdask.engine.committing` (a mixin of :class:`ParamsServer`).
 
-Each version's metadata records the run's progress (``progress``: the epochs done, with the step at
-which each ended, and the shards merged in the epochs still open), so that a resumed run knows what
-was merged even after retention removed the versions that merged it.
+Each version's metadata records the run's progress (:class:`~.progress.Progress`: the epochs done, with
+the step at which each ended, and the shards merged or given up in the epochs still open), so that a
+resumed run knows what was done even after retention removed the versions that did it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .committing import BASES_KEPT, Committing, Head
 from .following import can_grow, grow
 from .guard import Guard
 from .policy import check_update
+from .progress import Progress
 from .side import SideThread
 
 #: At most this many merges wait for one commit while more results queue behind them.
@@ -139,7 +140,7 @@ class ParamsServer(Committing):
         #: The oldest step the run's tasks still read (the loop sets it; older is conservative).
         self.in_use_step: int | None = None
         self.keep_from = 0  # retention: the kept versions before this step are pinned (the marker for others)
-        self.progress: dict[str, list[list[int]]] = {"done": [], "open": []}
+        self.progress = Progress()
         self._collected = time.monotonic()
         self._backlog = 0  # bytes of parameters committed since the last collection began
         self.collect_seconds: list[float] = []  # how long each collection took (for benchmarks/storage.py)
@@ -222,8 +223,7 @@ class ParamsServer(Committing):
             grow(self, meta.get("merge_in_flight"))
         fresh = self.rule.init_state(self.params)
         if meta.get("run_id") == self.run_id:
-            progress = meta.get("progress") or {}
-            self.progress = {"done": list(progress.get("done", [])), "open": list(progress.get("open", []))}
+            self.progress = Progress.read(meta)
         if meta.get("run_id") == self.run_id and saved == self.rule.name:  # this run's own version: resume
             self.rule_state = RuleState(
                 arrays=self.store.read_state(checkpoint.version),
@@ -363,12 +363,14 @@ class ParamsServer(Committing):
         return self._base(version)
 
     def _progress(self, record: dict[str, Any], completes: bool) -> None:
-        epoch = int(record["epoch"])
-        if completes:
-            self.progress["open"] = [m for m in self.progress["open"] if m[0] != epoch]
-            self.progress["done"].append([epoch, self.step])
-        else:
-            self.progress["open"].append([epoch, int(record["shard"]), int(record["attempt"])])
+        epoch, shard, attempt = int(record["epoch"]), int(record["shard"]), int(record["attempt"])
+        self.progress.merged(epoch, shard, attempt, self.step if completes else None)
+
+    def note_skip(self, epoch: int, shard: int, end_step: int | None) -> None:
+        """(epoch, shard) was given up (``on_shard_failure="skip"``); ``end_step``: the step at which that
+        completed its epoch, if it did.  Stored with the next commit (a run that ends before one keeps it in
+        its record: :func:`~.end.record`)."""
+        self.progress.skip(epoch, shard, end_step)
 
     def _reject(self, record: dict[str, Any], staleness: int, fault: str, reason: str) -> dict[str, Any]:
         if update_gone("rejected", self.keep_updates):

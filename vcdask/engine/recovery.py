@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..updates import delete_update, list_updates, read_update_meta, update_gone, update_key
 from .core import messages as m
+from .end import read_record
 from .inflight import TaskRecord
+from .progress import Progress
 
 if TYPE_CHECKING:
     from ..spec import RunSpec
@@ -33,9 +35,14 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
     What was merged comes from the newest version's ``progress`` record (which outlives the
     versions that retention removed) and from the ``merged`` lists of the versions still there
     (all of them for a run that keeps every version, or one written before ``progress`` existed).
+    The run's record, written as its last session ended, adds what that session did after its last
+    commit (a shard given up) and the rows of the epochs it closed.
 
     Returns
     -------
+    Resumed
+        What the run's core rebuilds the run from, with these fields:
+
     merged : dict epoch -> set of shards
         Every (epoch, shard) some committed version merged (from the versions' metadata).
     ends : dict epoch -> (step, version id)
@@ -45,13 +52,21 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
     pending : list of dict
         Records of updates uploaded but in no committed version, oldest base first; the
         uploads of already merged shards are deleted.
+    skipped : dict epoch -> set of shards
+        The shards given up in the epochs not done (not trained again).
+    rows : dict epoch -> dict
+        The epoch rows of the last session (from its record), by epoch.
     """
     server.load()
+    last = read_record(store, run_id) or {}
+    if last.get("progress") is not None and last.get("step") == server.head.step:  # (nothing committed since)
+        server.progress = Progress.read(last)
+    rows = {int(r["epoch"]): r for r in last.get("epochs") or () if isinstance(r, dict) and "epoch" in r}
     merged: dict[int, set[int]] = {}
     attempts: dict[tuple[int, int], int] = {}
     ends: dict[int, tuple[int, str]] = {}
     versions = list(reversed(store.versions(branch)))  # oldest first
-    for epoch, step in server.progress["done"]:
+    for epoch, step in server.progress.done:
         merged[epoch] = set(range(n_shards))
         at_or_after = [v for v in versions if v.metadata.get("step", -1) >= step]  # the epoch's end, if kept
         ends[epoch] = (step, (at_or_after[0] if at_or_after else versions[-1]).id)
@@ -59,7 +74,7 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
     def used(epoch: int, shard: int, attempt: int) -> None:  # the next attempt of (epoch, shard) comes after it
         attempts[(epoch, shard)] = max(attempts.get((epoch, shard), 0), attempt + 1)
 
-    for epoch, shard, attempt in server.progress["open"]:
+    for epoch, shard, attempt in server.progress.open:
         merged.setdefault(epoch, set()).add(shard)
         used(epoch, shard, attempt)
     for info in versions:
@@ -89,7 +104,11 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
         else:
             pending.append(meta)
     pending.sort(key=lambda m: (m["epoch"], m["base_step"], m["shard"]))
-    return merged, ends, attempts, pending
+    skipped: dict[int, set[int]] = {}
+    for epoch, shard in server.progress.skipped:
+        if epoch not in ends and shard not in merged.get(epoch, ()):
+            skipped.setdefault(epoch, set()).add(shard)
+    return m.Resumed(merged, ends, attempts, tuple(pending), skipped, rows)
 
 
 async def recover(lane: MergeLane, store: Any, spec: RunSpec, step: Callable[[m.Event], Awaitable[Any]]) -> None:
@@ -97,18 +116,16 @@ async def recover(lane: MergeLane, store: Any, spec: RunSpec, step: Callable[[m.
     the merged (epoch, shard) from the versions' metadata (:func:`read_back`, in the merge thread), then
     merge the uploads that no committed version contains.  ``step`` hands an event to the run's core and
     carries out its effects (:meth:`vcdask.engine.run.Run.step`)."""
-    merged, ends, attempts, pending = await lane.call(
-        read_back, lane.server, store, spec.branch, spec.run_id, spec.shards.n_shards
-    )
-    await step(m.Resumed(merged, ends, attempts, tuple(pending)))
+    resumed = await lane.call(read_back, lane.server, store, spec.branch, spec.run_id, spec.shards.n_shards)
+    await step(resumed)
     logger.info(
         "run %s resumed at step %d: %d updates merged before, %d uploaded but unmerged",
         spec.run_id,
         lane.head.step,
-        sum(map(len, merged.values())),
-        len(pending),
+        sum(map(len, resumed.merged.values())),
+        len(resumed.pending),
     )
-    for meta in pending:
+    for meta in resumed.pending:
         rec = {"seconds": math.nan, "upload_seconds": math.nan, **meta}
         task = TaskRecord("update", meta["epoch"], meta["shard"], meta["attempt"], meta["base_step"])
         await step(m.Result(task, rec, taken=True))

@@ -139,6 +139,8 @@ class Run:
                 await self.step(m.Committed(self.lane.head))
             elif isinstance(fx, m.DropUpdate):
                 await self.lane.call(delete_update, self.store.files, fx.path)
+            elif isinstance(fx, m.Skip):  # (in the run's progress, for its next commit)
+                await self.lane.call(self.server.note_skip, fx.epoch, fx.shard, fx.end_step)
             elif isinstance(fx, m.Fail):
                 raise RunFailed(fx.failure)
             else:  # pragma: no cover - a new effect the shell does not know yet
@@ -332,7 +334,10 @@ class Run:
         state.pool.stop_clocks()  # (its workers' time, and cost, stop with the run: its status says so later)
         state.final = views.result_dict(state, self.server.stalled())
         try:  # (best_version lists versions: not on the loop)
-            await self.lane.call(lambda: end.write_record(self.store, self.id, end.record(state, state.final or {})))
+            progress = self.server.progress.as_metadata  # (in the merge thread: what it gave up after its last commit)
+            await self.lane.call(
+                lambda: end.write_record(self.store, self.id, end.record(state, state.final or {}, progress()))
+            )
         except Exception:
             logger.warning("run %s: could not write its record %s", self.id, record_path(self.id), exc_info=True)
         self.lane.shutdown()

@@ -50,7 +50,9 @@ class Retention:
         Keep the newest ``keep_last`` versions of the branch (at least 1: the newest).
     keep_epochs : bool, default True
         Keep the last version of every epoch (by the versions' ``epoch`` metadata; a run's
-        initial version is epoch 0's).
+        initial version is epoch 0's), and the version that ended each epoch of the run (by the
+        newest version's ``progress``: an epoch that a shard given up completed ends at a version
+        that merged a shard of the next epoch).
     every : int, optional
         Also keep the first version at or after every multiple of ``every`` merges (by the
         versions' ``step`` metadata), e.g. ``every=100`` keeps steps 0, 100, 200, ...
@@ -174,6 +176,7 @@ def select(
             if isinstance(epoch, int) and epoch not in newest_of:
                 newest_of[epoch] = v.id
         keep |= set(newest_of.values())
+        keep |= {v.id for v in versions if v.metadata.get("step") in _epoch_ends(versions[0])}
     if retention.every is not None:
         first_of: dict[int, str] = {}
         for v in reversed(versions):  # oldest first: the first seen of each block is its first version
@@ -182,6 +185,18 @@ def select(
                 first_of[step // retention.every] = v.id
         keep |= set(first_of.values())
     return Selection(keep=[v for v in versions if v.id in keep], drop=[v for v in versions if v.id not in keep])
+
+
+def _epoch_ends(newest: VersionInfo) -> set[int]:
+    """The steps at which the run's epochs ended, as the newest version's ``progress`` records them: an
+    epoch a shard given up completed ends at a version whose own ``epoch`` may be the next one's."""
+    progress = newest.metadata.get("progress")
+    done = progress.get("done") if isinstance(progress, dict) else None
+    ends = set()
+    for entry in done if isinstance(done, list) else ():
+        if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], int):
+            ends.add(entry[1])
+    return ends
 
 
 @dataclass(frozen=True)

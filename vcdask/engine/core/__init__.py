@@ -159,9 +159,12 @@ def _(event: m.Resumed, state: RunState) -> None:
     merged, the epochs that ended (their versions validated again), the attempt numbers used; the
     uploads no committed version holds are taken out of the queues (the shell merges them next)."""
     state.ledger.merged = event.merged
+    state.ledger.skipped = {e: set(shards) for e, shards in event.skipped.items()}  # (given up: not trained again)
+    state.ledger.restored = dict(event.rows)
     state.ledger.resumed_at = max(event.ends, default=0)  # the target and patience count from here
-    last = max([*event.merged, *(meta["epoch"] for meta in event.pending), 0])
-    state.dispatch.restore(event.merged, event.attempts, last)
+    last = max([*event.merged, *event.skipped, *(meta["epoch"] for meta in event.pending), 0])
+    done = {e: event.merged.get(e, set()) | event.skipped.get(e, set()) for e in {*event.merged, *event.skipped}}
+    state.dispatch.restore(done, event.attempts, last)
     for epoch, (step, version) in event.ends.items():  # epochs finished before the restart
         state.ledger.epoch_end[epoch] = (step, float("nan"))
         if state.spec.validation is not None:

@@ -13,7 +13,7 @@ from ...errors import StoreAccessDeniedError, StoreError, StoreNotFoundError, St
 from .. import policy
 from ..inflight import TaskRecord
 from .dispatching import submit_shard, submit_validation
-from .messages import Cancel, Commit, Fail, Failure, FailureKind
+from .messages import Cancel, Commit, Fail, Failure, FailureKind, Skip
 from .state import RunState
 
 if TYPE_CHECKING:
@@ -133,8 +133,10 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
     it, or a learning rate the training diverges at), not theirs: the workers are not blamed (each was
     blamed once for it, and is forgiven), and the shard is given up at once, naming its samples, in this
     epoch and in any other whose copy of it already came back non-finite (its re-issued copies are
-    cancelled).  A worker's NaN of a shard it sent NaN for in another epoch is not counted again; in the
-    same epoch (the only worker, sent the copy again) it is, so a worker that fails alone is excluded."""
+    cancelled).  A worker is blamed once for each shard it sent NaN for: not again for the same shard, in
+    another epoch or in the same one (the only worker, sent the copy again, as a run on one worker does).
+    So one shard's data never excludes the only worker (the shard fails its attempts, then
+    ``on_shard_failure`` applies), and a worker that sends NaN for every shard is excluded all the same."""
     state.ledger.set_shard(epoch, shard, "rejected")
     logger.warning(
         "run %s: rejected the update of shard %d, epoch %d from %s: %s", state.id, shard, epoch, worker, reason
@@ -143,7 +145,7 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
         seen = state.dispatch.non_finite.setdefault(shard, {})
         data_known = len(seen) >= 2  # the data is blamed already: nobody is
         earlier = seen.setdefault(worker, set())
-        again = bool(earlier) and epoch not in earlier  # (the same epoch's copy again: blamed again, as before)
+        again = bool(earlier)  # (this shard's NaN from this worker: blamed the first time only)
         earlier.add(epoch)
         if len(seen) >= 2:
             if not data_known:
@@ -151,7 +153,7 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
                     state.pool.forgive(other, "rejected")
             _data_given_up(state, epoch, shard, seen)
             return
-        if again:  # the same worker, the same shard, another epoch: counted against it once
+        if again:  # the same worker, the same shard: counted against it once
             retry_or_give_up(state, epoch, shard, reason, avoid=worker)
             return
     if fault not in ("stale", "unreadable"):  # not the worker's fault: its base was old / the store
@@ -199,7 +201,11 @@ def give_up(state: RunState, epoch: int, shard: int, message: str) -> None:
     logger.warning("run %s: %s; skipping it for this epoch (on_shard_failure='skip')", state.id, message)
     ledger = state.ledger
     ledger.record(epoch, shard, state.dispatch.last_attempt(epoch, shard), "skipped", reason=f"skipped: {message}")
-    if not ledger.skip(epoch, shard, state.head.step):
+    ended = ledger.skip(epoch, shard, state.head.step, why=message)
+    # (in the run's progress too, before any commit this skip leads to: a resume trains it no more, and
+    # retention keeps the version that ends its epoch, whose own ``epoch`` may be the next one's)
+    state.out.append(Skip(epoch, shard, state.head.step if ended else None))
+    if not ended:
         return
     if state.spec.validation is None or state.head.step in ledger.validations:  # (the epoch ends at head.step)
         close_epochs(state)

@@ -46,6 +46,7 @@ __all__ = [
     "RunFailed",
     "Resumed",
     "Settle",
+    "Skip",
     "Started",
     "Stop",
     "StoreBack",
@@ -246,6 +247,8 @@ class Resumed:
     ends: dict[int, tuple[int, str]]
     attempts: dict[tuple[int, int], int]
     pending: tuple[dict[str, Any], ...] = ()
+    skipped: dict[int, set[int]] = field(default_factory=dict)  # shards given up in the epochs still open
+    rows: dict[int, dict[str, Any]] = field(default_factory=dict)  # epoch -> its row, as the last session saw it
 
 
 @dataclass(frozen=True)
@@ -352,6 +355,16 @@ class DropUpdate:
 
 
 @dataclass(frozen=True)
+class Skip:
+    """Record in the run's progress (the merge thread's side, so the next commit stores it) that
+    (epoch, shard) was given up; ``end_step``: the step at which that completed the epoch, if it did."""
+
+    epoch: int
+    shard: int
+    end_step: int | None
+
+
+@dataclass(frozen=True)
 class Emit:
     """Publish an event to the run's followers (:class:`~vcdask.engine.events.EventLog`)."""
 
@@ -373,4 +386,4 @@ class Reply:
     value: Any
 
 
-Effect = Submit | Cancel | Read | Merge | Commit | DropUpdate | Emit | Fail | Reply
+Effect = Submit | Cancel | Read | Merge | Commit | DropUpdate | Skip | Emit | Fail | Reply
