@@ -301,3 +301,44 @@ def test_a_complex_dataframe_column_is_refused(xy, tmp_path):
         _linear(), df, tmp_path, DataError, "complex ['z']", "z: complex64", "real and imaginary parts of ['z']"
     )
     assert "get_dummies" not in message  # (one-hot encoding is no remedy for it)
+
+
+def test_validation_of_another_kind_of_data_names_the_kinds(xy, tmp_path):
+    """Not "validation samples have shapes {'X': (3,)}, training samples {'X': (3,)}": equal shapes."""
+    X, y = xy
+    data = torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(y))
+    message = _refused(
+        _linear(),
+        data,
+        tmp_path,
+        DataError,
+        "validation is (X, y) arrays",
+        "the training data is a torch Dataset",
+        "torch.utils.data.TensorDataset(torch.as_tensor(X_val), torch.as_tensor(y_val))",
+        validation=(X, y),
+    )
+    assert "shapes" not in message
+    _refused(_linear(), (X, y), tmp_path, DataError, "validation is a torch Dataset", validation=data)
+
+
+def test_a_datasets_string_labels_get_the_string_label_advice(xy, tmp_path):
+    """Not "the default step needs dataset items (x, y) of tensors": the items are pairs, of a string label."""
+    X, y = xy
+
+    class Named(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(X)
+
+        def __getitem__(self, i):
+            return torch.from_numpy(X[i]), "cat" if y[i] else "dog"
+
+    message = _refused(
+        _linear(),
+        Named(),
+        tmp_path,
+        DataError,
+        "the dataset's labels are strings (e.g. 'cat', 'cat', 'cat')",
+        "pandas.factorize",
+        "__getitem__ returns the code",
+    )
+    assert "of tensors" not in message

@@ -285,9 +285,8 @@ def plan(
             names["features"] = list(named)
         val_prepared = prepare_data(validation, **names, what="validation")
         check_finite(val_prepared, "validation", dtype=cast_to)
-        if val_prepared.form != prepared.form or (
-            prepared.form != "dataset" and val_prepared.shapes != prepared.shapes
-        ):
+        _check_same_form(prepared, val_prepared)
+        if prepared.form != "dataset" and val_prepared.shapes != prepared.shapes:
             raise DataError(f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}")
         if train_step is None:  # its labels fit too: of the training's kind (cast like them), in range
             _check_label_kind(prepared, val_prepared)
@@ -355,6 +354,26 @@ def _check_steps(train_step: Any, eval_step: Any, loss: Any, metrics: Any) -> No
             "loss= and metrics= belong to the default step; with train_step, compute the loss there "
             "and return metrics from eval_step"
         )
+
+
+_FORMS = {
+    "xy": "(X, y) arrays (or data read as them: a DataFrame, an xarray or Zarr dataset)",
+    "dict": "a dict of arrays (or an xarray / Zarr dataset read per variable for a train_step)",
+    "dataset": "a torch Dataset",
+}
+
+
+def _check_same_form(train: PreparedData, val: PreparedData) -> None:
+    """Validation batches are made as the training's are: of the same kind of data."""
+    if val.form == train.form:
+        return
+    hint = ""
+    if train.form == "dataset":
+        hint = ": arrays as torch.utils.data.TensorDataset(torch.as_tensor(X_val), torch.as_tensor(y_val))"
+    raise DataError(
+        f"validation is {_FORMS[val.form]} but the training data is {_FORMS[train.form]}; give validation data of "
+        f"the training's kind{hint}, or a fraction of the training data to hold out (validation=0.1)"
+    )
 
 
 def _check_label_kind(train: PreparedData, val: PreparedData) -> None:

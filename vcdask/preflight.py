@@ -193,30 +193,30 @@ def check_input_dtypes(inputs: Mapping[str, Any], what: str = "data") -> None:
     TypeError
         Naming every such input, what it holds and how to make numbers of it.
     """
-    bad = {name: a for name, a in inputs.items() if np.dtype(getattr(a, "dtype", a)).kind in _NOT_NUMBERS}
-    if not bad:
-        return
-    found, kinds = [], ""
-    for name, a in bad.items():
+    found, kinds = [], set()
+    for name, a in inputs.items():
         dtype = np.dtype(getattr(a, "dtype", a))
-        kinds += dtype.kind
-        example = ""
-        if isinstance(a, np.ndarray) and dtype.kind in "USO":
-            example = ", e.g. " + ", ".join(repr(v) for v in a.ravel()[:2].tolist())
-        found.append(f"{what} {name} holds {_NOT_NUMBERS[dtype.kind]} ({dtype}{example})")
-    remedies = [fix for group, fix in _REMEDIES.items() if set(group) & set(kinds)]
+        if dtype.kind in _NOT_NUMBERS:
+            kinds.add(dtype.kind)
+            shown = a.ravel()[:2].tolist() if isinstance(a, np.ndarray) and dtype.kind in "USO" else []
+            example = f", e.g. {', '.join(map(repr, shown))}" if shown else ""
+            found.append(f"{what} {name} holds {_NOT_NUMBERS[dtype.kind]} ({dtype}{example})")
+    if not found:
+        return
+    remedies = [fix for group, fix in _REMEDIES.items() if kinds & set(group)]
     raise TypeError(f"{'; '.join(found)}; a model takes numbers: {'; '.join(remedies)}")
 
 
-def string_labels_error(y: np.ndarray, name: str = "the labels") -> DataError:
-    """The error for labels that are strings (or other objects): classification needs integer class ids."""
+def string_labels_error(y: np.ndarray, name: str = "the labels", remedy: str = "") -> DataError:
+    """The error for labels that are strings (or other objects): classification needs integer class ids (``remedy``:
+    more of what to do, appended)."""
     values = [v for v in np.asarray(y).ravel()[:3].tolist()]
     kind = "strings" if y.dtype.kind in "US" or any(isinstance(v, str) for v in values) else f"{y.dtype} objects"
     return DataError(
         f"{name} are {kind} (e.g. {', '.join(repr(v) for v in values)}); classification needs integer class ids "
         "0..k-1: encode them with codes, classes = pandas.factorize(y) (or "
         "sklearn.preprocessing.LabelEncoder().fit_transform(y)), train on the codes and keep the classes to name "
-        "the predictions (classes[result.predict(X)])"
+        f"the predictions (classes[result.predict(X)]){remedy}"
     )
 
 
@@ -248,6 +248,11 @@ def check_model(
     probe = cpu_copy(model).eval()  # (the probe rows are CPU tensors, whatever device the model is on)
     if prepared.form == "dataset":
         if prepared.sample_X is None:
+            sample = prepared.sample  # (items (x, "cat"): a batch of x and a list of strings)
+            labels = sample[1] if isinstance(sample, (tuple, list)) and len(sample) == 2 else ()
+            if isinstance(labels, (tuple, list)) and labels and all(isinstance(v, str) for v in labels):
+                fix = "; in the Dataset, __getitem__ returns the code: (x, codes[i]) or (x, classes.index(label))"
+                raise string_labels_error(np.asarray(labels, dtype=object), "the dataset's labels", fix)
             raise DataError(
                 "the default step needs dataset items (x, y) of tensors; pass train_step=fn(model, batch) "
                 "(and eval_step=) for other items"
