@@ -42,7 +42,7 @@ def test_merge_commits_with_metadata_and_drops_the_upload(tmp_path):
         "merged": [[1, 0, 0]],
         "alpha": 0.5,
         "merge": {"name": "vc-asgd", "alpha": 0.5},
-        "progress": {"done": [], "open": [[1, 0, 0]]},  # what a resume needs, whatever versions are kept
+        "progress": {"done": [], "open": [[1, 0, 0]], "skipped": []},  # what a resume needs, whatever versions are kept
     }
     assert store.files.list("run-x/updates") == []
 

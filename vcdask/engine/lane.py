@@ -15,12 +15,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from .. import config
 from .committing import Head
+from .guard import Guard
 from .params_server import ParamsServer
+from .probing import training_probe
 
-__all__ = ["MergeLane"]
+if TYPE_CHECKING:
+    from ..spec import RunSpec
+
+__all__ = ["MergeLane", "server_for"]
 
 T = TypeVar("T")
 
@@ -99,3 +105,25 @@ class MergeLane:
     def shutdown(self) -> None:
         """Let the thread go once its last call is done (the run has ended)."""
         self._executor.shutdown(wait=False)
+
+
+def server_for(spec: RunSpec) -> ParamsServer:
+    """The parameter server of the run ``spec`` describes (``W_s`` is loaded later, in its merge thread)."""
+    res = spec.resilience
+    return ParamsServer(
+        spec.store,
+        spec.branch,
+        spec.merge,
+        spec.run_id,
+        commit_every=spec.commit_every,
+        keep_updates=spec.keep_updates,
+        max_update_norm=res.max_update_norm,
+        guard=Guard(spec) if Guard.wanted(spec) else None,
+        outage_timeout=res.store_outage_timeout,
+        retention=spec.retention,
+        inline_bytes=config.get("worker.inline-base-bytes"),
+        # (a compressed update is decoded on its base version: its id must be known to the worker)
+        drafts=bool(config.get("worker.base-before-commit")) and spec.compression is None,
+        probe=training_probe(spec),
+        follow=spec.merge_in_flight,  # (fit's default rule follows a fleet that grows)
+    )

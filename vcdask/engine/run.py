@@ -18,7 +18,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .. import config
 from ..spec import RunSpec, record_path
 from ..updates import delete_run_updates, delete_update, update_gone
 from ..worker import train_shard, validate_version
@@ -28,12 +27,9 @@ from .core import messages as m
 from .core.dispatching import validation_deadline, validation_placement
 from .core.watching import still_running
 from .events import EventLog
-from .guard import Guard
 from .handshake import Bases, Handshake
 from .inflight import InFlight, TaskRecord
-from .lane import MergeLane
-from .params_server import ParamsServer
-from .probing import training_probe
+from .lane import MergeLane, server_for
 from .recovery import recover
 
 logger = logging.getLogger(__name__)
@@ -56,24 +52,7 @@ class Run:
         self.store, self.id = spec.store, spec.run_id
         self.done = asyncio.Event()
         self.events = EventLog(scheduler, self.id)
-        res = spec.resilience
-        self.server = ParamsServer(
-            spec.store,
-            spec.branch,
-            spec.merge,
-            spec.run_id,
-            commit_every=spec.commit_every,
-            keep_updates=spec.keep_updates,
-            max_update_norm=res.max_update_norm,
-            guard=Guard(spec) if Guard.wanted(spec) else None,
-            outage_timeout=res.store_outage_timeout,
-            retention=spec.retention,
-            inline_bytes=config.get("worker.inline-base-bytes"),
-            # (a compressed update is decoded on its base version: its id must be known to the worker)
-            drafts=bool(config.get("worker.base-before-commit")) and spec.compression is None,
-            probe=training_probe(spec),
-            follow=spec.merge_in_flight,  # (fit's default rule follows a fleet that grows)
-        )
+        self.server = server_for(spec)
         self.lane = MergeLane(self.server, f"vcdask-merge-{self.id[-6:]}")  # the merge thread and its calls
         self.tasks = InFlight(scheduler)
         self.state = RunState(spec, {a: ws.nthreads for a, ws in scheduler.workers.items()}, tasks=self.tasks)
