@@ -342,3 +342,29 @@ def test_a_datasets_string_labels_get_the_string_label_advice(xy, tmp_path):
         "__getitem__ returns the code",
     )
     assert "of tensors" not in message
+
+
+@pytest.mark.parametrize("source", ["read-only", "memmap"])
+def test_read_only_arrays_are_probed_on_writable_copies_of_a_few_rows(source, xy, tmp_path):
+    """torch warns that a non-writable NumPy array makes a tensor of undefined behaviour (a read-only memmap,
+    pandas 3's to_numpy()); the probe rows are copies, and the data is not copied whole."""
+    import warnings
+
+    from vcdask.data import prepare_data
+    from vcdask.options import plan
+
+    X, y = xy
+    if source == "memmap":
+        np.save(tmp_path / "X.npy", X)
+        X = np.load(tmp_path / "X.npy", mmap_mode="r")
+    else:
+        X = X.copy()
+        X.setflags(write=False)
+    prepared = prepare_data((X, y))
+    assert prepared.sample_X.flags.writeable and prepared.X is X
+    dict_prepared = prepare_data({"x": X, "y": y})
+    assert dict_prepared.sample["x"].flags.writeable
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan(_linear(), (X, y), store=tmp_path / "s")
+    assert not [w for w in caught if "not writable" in str(w.message)]

@@ -284,7 +284,7 @@ def prepare_data(
         if X.shape[0] == 0:
             raise DataError(f"{what} is empty (0 samples)")
         head = slice(0, min(4, X.shape[0]))
-        sx, sy = np.asarray(X[head]), np.asarray(y[head])
+        sx, sy = np.array(X[head]), np.array(y[head])  # (copies: a read-only array's rows would make torch warn)
         if np.issubdtype(y.dtype, np.integer):
             lo, hi = (y.min(), y.max()) if not _is_dask(y) else (y.min().compute(), y.max().compute())
         else:
@@ -366,7 +366,7 @@ def _prepare_dict(data: Mapping, what: str) -> PreparedData:
     n = next(iter(lengths.values()))
     if n == 0 or any(math.isnan(s) for a in columns.values() for s in a.shape):
         raise DataError(f"{what} is empty (0 samples) or has unknown chunk sizes")
-    sample = {k: np.asarray(a[: min(4, n)]) for k, a in columns.items()}
+    sample = {k: np.array(a[: min(4, n)]) for k, a in columns.items()}  # (copies, writable, as above)
     return PreparedData(None, n=int(n), form="dict", columns=columns, sample=sample)
 
 
