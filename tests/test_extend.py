@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections import Counter
 
 import numpy as np
@@ -103,6 +105,7 @@ def test_two_resumes_at_once_drive_the_run_once(client, tmp_path):
 
 
 def test_a_live_run_cannot_be_extended_and_its_spec_is_left_alone(client, tmp_path):
+    from vcdask.engine.end import read_record
     from vcdask.spec import loads, spec_path
 
     X, y = _data()
@@ -115,6 +118,14 @@ def test_a_live_run_cannot_be_extended_and_its_spec_is_left_alone(client, tmp_pa
             vcdask.resume(handle.run_id, store=store, client=client, max_epochs=800, wait=False)
         param_store = vcdask.open_store(store)
         assert loads(param_store.files.get(spec_path(handle.run_id))).max_epochs == 400
+        # the run's record has each epoch as it closes, while it runs: a resume after a crash shows them
+        deadline = time.monotonic() + 60
+        while len((read_record(param_store, handle.run_id) or {}).get("epochs") or ()) < 2:
+            assert time.monotonic() < deadline, read_record(param_store, handle.run_id)
+            time.sleep(0.1)
+        rec = read_record(param_store, handle.run_id)
+        assert rec["status"] == "running" and [r["epoch"] for r in rec["epochs"][:2]] == [1, 2]
+        assert math.isfinite(rec["epochs"][0]["train_loss"]) and math.isfinite(rec["epochs"][0]["wall_time"])
     finally:
         handle.cancel()
 

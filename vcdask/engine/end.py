@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..spec import record_path
@@ -28,6 +28,7 @@ __all__ = [
     "record",
     "release_on_workers",
     "running_record",
+    "save_record",
     "stop_kind",
     "write_record",
 ]
@@ -87,8 +88,8 @@ def record(run: RunState, res: dict[str, Any], progress: dict[str, Any] | None =
 
 
 def running_record(run: RunState) -> dict[str, Any]:
-    """The record written when the run starts: ``running`` until it ends (``vcdask runs`` shows a run
-    whose record still says so as incomplete: it runs, or it died)."""
+    """The record written when the run starts, and again as each epoch closes: ``running`` until it ends
+    (``vcdask runs`` shows a run whose record still says so as incomplete: it runs, or it died)."""
     return {
         "run_id": run.id,
         "status": "running",
@@ -98,12 +99,27 @@ def running_record(run: RunState) -> dict[str, Any]:
         "max_epochs": run.spec.max_epochs,
         "start": run.spec.start,
         "started": run.started,
-        "epochs": [run.ledger.restored[e] for e in sorted(run.ledger.restored)],  # (a resumed run's, kept)
+        "epochs": _rows(run),  # (for a resume after a crash: what each epoch measured)
     }
+
+
+def _rows(run: RunState) -> list[dict[str, Any]]:
+    """The epoch rows so far: those an earlier session closed (a resumed run's), and this session's."""
+    rows = {**run.ledger.restored, **{int(r["epoch"]): r for r in run.ledger.epochs}}
+    return [rows[e] for e in sorted(rows)]
 
 
 def write_record(store: Any, run_id: str, rec: dict[str, Any]) -> None:
     store.files.put(record_path(run_id), json.dumps(rec, default=str).encode())
+
+
+def save_record(store: Any, run_id: str, make: Callable[[], dict[str, Any]]) -> None:
+    """Write the record ``make()`` builds (:func:`write_record`), logging a failure rather than raising it:
+    the run goes on (or ends) without it, and its next epoch, or its end, writes it again."""
+    try:
+        write_record(store, run_id, make())
+    except Exception:
+        logger.warning("run %s: could not write its record %s", run_id, record_path(run_id), exc_info=True)
 
 
 def read_record(store: Any, run_id: str) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ..spec import RunSpec, record_path
+from ..spec import RunSpec
 from ..updates import delete_run_updates, delete_update, update_gone
 from ..worker import train_shard, validate_version
 from . import end, results, views
@@ -60,6 +60,7 @@ class Run:
         self.bases = Bases(self.state, self.handshake, lambda: self.lane.head, self.server.commit_every, self.done)
         self._handed_any = asyncio.Event()  # set when a record is handed over (self.tasks.handed)
         self._background: set[asyncio.Future[Any]] = set()  # effects step_now carries out meanwhile
+        self._epochs_recorded = 0  # epochs in the run's record (written again as each closes)
 
     # -- what the plugin reads --------------------------------------------------------------------
     @property
@@ -125,7 +126,15 @@ class Run:
             else:  # pragma: no cover - a new effect the shell does not know yet
                 raise TypeError(f"not an effect of a run's core: {fx!r}")
         self.handshake.note_settled()
+        if len(self.state.ledger.epochs) > self._epochs_recorded:
+            await self._record_epochs()
         return reply
+
+    async def _record_epochs(self) -> None:
+        """Write the run's record with the epochs closed so far: a resume after a crash shows what they measured."""
+        self._epochs_recorded = len(self.state.ledger.epochs)
+        rec = end.running_record(self._fresh())
+        await self.lane.call(end.save_record, self.store, self.id, lambda: rec)
 
     def _at_once(self, fx: m.Effect) -> bool:
         """Carry out ``fx`` if it needs no waiting (a submit, an event published); whether it did."""
@@ -312,13 +321,9 @@ class Run:
         state.ended = time.time()
         state.pool.stop_clocks()  # (its workers' time, and cost, stop with the run: its status says so later)
         state.final = views.result_dict(state, self.server.stalled())
-        try:  # (best_version lists versions: not on the loop)
-            progress = self.server.progress.as_metadata  # (in the merge thread: what it gave up after its last commit)
-            await self.lane.call(
-                lambda: end.write_record(self.store, self.id, end.record(state, state.final or {}, progress()))
-            )
-        except Exception:
-            logger.warning("run %s: could not write its record %s", self.id, record_path(self.id), exc_info=True)
+        progress = self.server.progress.as_metadata  # (what it gave up after its last commit)
+        # (in the merge thread: best_version lists versions, and the progress is the merge thread's)
+        await self.lane.call(end.save_record, self.store, self.id, lambda: end.record(state, state.final, progress()))
         self.lane.shutdown()
         self.server.release()
         self.spec = state.spec = dataclasses.replace(self.spec, model=None)  # type: ignore[arg-type]
