@@ -208,22 +208,6 @@ def _is_dask(a: Any) -> bool:
     return type(a).__module__.startswith("dask.array") or hasattr(a, "__dask_graph__")
 
 
-def _is_dask_frame(a: Any) -> bool:
-    """Whether ``a`` is a dask DataFrame, Series or Index (without importing dask.dataframe)."""
-    return type(a).__module__.startswith(("dask.dataframe", "dask_expr"))
-
-
-def _dask_frame_error(a: Any, what: str, label: Any = None) -> TypeError:
-    """What to pass instead of a dask DataFrame: its columns as dask arrays of known chunk sizes."""
-    y = "ddf[label]" if label is None else f"ddf[{label!r}]"
-    return TypeError(
-        f"{what}: a dask DataFrame or Series ({type(a).__module__}.{type(a).__qualname__}) is not taken as it "
-        f"is; pass its columns as dask arrays of known chunk sizes, (ddf[features].to_dask_array(lengths=True), "
-        f"{y}.to_dask_array(lengths=True)) with features the numeric feature columns' names (lengths=True counts "
-        "the rows of each partition), or, when it fits in memory, the pandas DataFrame ddf.compute() (with label=)"
-    )
-
-
 def prepare_data(
     data: Any,
     *,
@@ -249,15 +233,13 @@ def prepare_data(
     """
     import xarray as xr
 
+    from .dtype_kinds import check_input_dtypes
     from .frames import from_pandas
-    from .preflight import check_input_dtypes
     from .torch_data import is_dataset, prepare_dataset
 
     if is_dataset(data):
         return prepare_dataset(data, collate_fn=collate_fn, what=what)
-    if _is_dask_frame(data):
-        raise _dask_frame_error(data, what, label)
-    frame = from_pandas(data, features, label, what)
+    frame = from_pandas(data, features, label, what)  # (a dask DataFrame: refused there, with what to pass)
     if frame is not None:  # pandas: checked, float32 features (see vcdask.frames)
         return replace(prepare_data(frame[0], what=what), feature_names=frame[1])
     if isinstance(data, Mapping) and not isinstance(data, xr.Dataset):
@@ -266,9 +248,6 @@ def prepare_data(
         if len(data) != 2:
             raise DataError(f"{what} as a sequence must be (X, y), got {len(data)} items")
         X, y = data
-        for a in (X, y):
-            if _is_dask_frame(a):
-                raise _dask_frame_error(a, what)
         if _is_dask(X) or _is_dask(y):
             import dask.array as da
 

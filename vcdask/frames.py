@@ -4,8 +4,8 @@ Feature columns must be numeric or bool; they become one float32 array ``X`` (n,
 order of ``features`` (default: every column but the label).  Integer and bool labels become int64 class
 ids (classification), float labels float32 (regression), as for ``(X, y)`` arrays.  Categorical, string,
 object and datetime feature columns are refused with the columns named and the remedy; so are missing
-values.  The arrays are fresh and writable (a pandas column can hand out a read-only view, which torch
-warns about).
+values, and dask DataFrames (with what to pass instead: their columns as dask arrays).  The arrays are fresh
+and writable (a pandas column can hand out a read-only view, which torch warns about).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .dtype_kinds import string_labels_error
 from .errors import DataError
-from .preflight import string_labels_error
 from .variables import _LABEL_NAMES
 
 __all__ = ["frame_features", "from_pandas", "is_frame", "is_series"]
@@ -31,6 +31,22 @@ def is_frame(obj: Any) -> bool:
 def is_series(obj: Any) -> bool:
     """Whether ``obj`` is a pandas Series (without importing pandas)."""
     return type(obj).__module__.startswith("pandas") and type(obj).__name__ == "Series"
+
+
+def _is_dask_frame(a: Any) -> bool:
+    """Whether ``a`` is a dask DataFrame, Series or Index (without importing dask.dataframe)."""
+    return type(a).__module__.startswith(("dask.dataframe", "dask_expr"))
+
+
+def _dask_frame_error(a: Any, what: str, label: Any = None) -> TypeError:
+    """What to pass instead of a dask DataFrame: its columns as dask arrays of known chunk sizes."""
+    y = "ddf[label]" if label is None else f"ddf[{label!r}]"
+    return TypeError(
+        f"{what}: a dask DataFrame or Series ({type(a).__module__}.{type(a).__qualname__}) is not taken as it "
+        f"is; pass its columns as dask arrays of known chunk sizes, (ddf[features].to_dask_array(lengths=True), "
+        f"{y}.to_dask_array(lengths=True)) with features the numeric feature columns' names (lengths=True counts "
+        "the rows of each partition), or, when it fits in memory, the pandas DataFrame ddf.compute() (with label=)"
+    )
 
 
 def from_pandas(data: Any, features: Any, label: Any, what: str) -> tuple[tuple[Any, Any], tuple] | None:
@@ -52,7 +68,15 @@ def from_pandas(data: Any, features: Any, label: Any, what: str) -> tuple[tuple[
     ------
     DataError
         An unknown column, non-numeric feature columns, missing values, string labels.
+    TypeError
+        A dask DataFrame or Series (as ``data`` or in ``(X, y)``), naming what to pass instead.
     """
+    if _is_dask_frame(data):
+        raise _dask_frame_error(data, what, label)
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        for a in data:
+            if _is_dask_frame(a):
+                raise _dask_frame_error(a, what)
     if is_frame(data):
         columns = list(data.columns)
         if label is None:
