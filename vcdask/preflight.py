@@ -22,6 +22,7 @@ from ._ints import is_real
 from .device import cpu_copy
 from .dtype_kinds import check_input_dtypes, string_labels_error
 from .errors import DataError
+from .trainable import check_trainable
 
 if TYPE_CHECKING:
     from .prepared import PreparedData
@@ -62,17 +63,14 @@ def check_run(model: torch.nn.Module, prepared: PreparedData, *, loss: Any, trai
     Raises
     ------
     ValueError
-        A half-precision model (float16 / bfloat16 parameters).
+        A half-precision model (float16 / bfloat16 parameters), one without parameters or with every one frozen
+        (:func:`vcdask.trainable.check_trainable`).
     DataError
         String labels; float labels on a classifier with the default loss, or with ``loss="cross_entropy"``
         / ``"nll"``; outputs and labels whose shapes ``loss="mse"`` / ``"l1"`` would broadcast.
     """
     check_model_precision(model)
-    if not any(True for _ in model.parameters()):
-        raise ValueError(
-            f"the model has no parameters to train ({type(model).__name__} holds no torch.nn.Parameter): vcdask "
-            "trains and merges a model's parameters; give it the layers to learn (torch.nn.Linear, ...)"
-        )
+    check_trainable(model)  # parameters to train (vcdask.trainable)
     _check_input_dtypes(prepared)
     if train_step is not None or prepared.form != "xy" or prepared.sample_y is None:
         return
