@@ -7,10 +7,12 @@ import math
 import time
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
 import vcdask
+from vcdask.engine.end import read_record
 
 POISON = 1e3  # a feature value no real row has: the row its shard cannot train
 
@@ -72,11 +74,13 @@ def test_an_epoch_a_skip_completes_keeps_its_end_and_a_resume_trains_no_skipped_
     assert first.best_version is not None
     best = vcdask.load(first.store, torch.nn.Linear(5, 2), version=first.best_version)
     assert best.vcdask_version["id"] == first.best_version
-    # the versions' progress: epoch 1 done at its end's step (epoch 2 ended by the skip after the last
-    # commit: the run's record keeps that), and the skipped shard is not open
-    progress = first.store.read(first.version).metadata["progress"]
-    assert [1, int(epochs.loc[1, "version"])] in progress["done"]
-    assert all(shard != bad for _, shard, _ in progress["open"])
+    # the run's progress (the versions', and the record's for what came after the last commit): both
+    # epochs done, each at its end's step, the skipped shard open nowhere
+    progress = read_record(first.store, first.run_id)["progress"]
+    assert sorted(progress["done"]) == [[e, int(v)] for e, v in zip(epochs.index, epochs["version"], strict=True)]
+    assert progress["open"] == [] and progress["skipped"] == []
+    for v in first.store.versions(first.run_id):
+        assert all(shard != bad for _, shard, _ in v.metadata.get("progress", {}).get("open", []))
 
     more = vcdask.resume(first.run_id, store=store, client=client, max_epochs=3, progress=False)
     trained = more.history[more.history["accepted"]]
@@ -87,3 +91,56 @@ def test_an_epoch_a_skip_completes_keeps_its_end_and_a_resume_trains_no_skipped_
     for epoch in (1, 2):  # what the first session measured, not NaN
         assert math.isfinite(rows.loc[epoch, "train_loss"]) and math.isfinite(rows.loc[epoch, "wall_time"])
         assert rows.loc[epoch, "train_loss"] == epochs.loc[epoch, "train_loss"]
+
+
+def raising_step(model, batch):
+    """The default step, but a batch holding a poisoned row raises (a corrupt sample, as a Dataset would)."""
+    x, y = batch
+    if bool((x[:, 4] >= POISON).any()):
+        raise ValueError("a corrupt sample")
+    return F.cross_entropy(model(x), y)
+
+
+def test_a_shard_whose_step_raises_is_tried_elsewhere_then_given_up_and_the_run_goes_on(client, tmp_path):
+    """Under ``on_shard_failure="skip"`` an error in the step (or loss, or Dataset) on one shard is an attempt
+    of that shard: tried again on another worker, given up after ``max_attempts``; no worker is blamed."""
+    X, y = _data()
+    torch.manual_seed(0)
+    result = vcdask.fit(
+        torch.nn.Linear(5, 2),
+        (X, y),
+        train_step=raising_step,
+        max_epochs=2,
+        n_shards=4,
+        resilience=vcdask.Resilience(max_attempts=2, on_shard_failure="skip"),
+        client=client,
+        store=tmp_path / "store",
+        progress=False,
+    )
+    h = result.history
+    failed = h[h["outcome"] == "failed"]
+    assert len(failed) == 4 and failed["shard"].nunique() == 1  # two attempts an epoch
+    assert failed["reason"].str.startswith("failed: ValueError('a corrupt sample')").all()
+    for epoch in (1, 2):  # the second attempt went to the other worker
+        assert failed[failed["epoch"] == epoch]["worker"].nunique() == 2
+    assert list(result.epochs["skipped"]) == [1, 1] and h["accepted"].sum() == 6
+    assert not result.workers["excluded"].any() and (result.workers["failed"] == 0).all()
+
+
+def test_an_epoch_whose_every_shard_is_given_up_fails_the_run(client, tmp_path):
+    """Nothing of the epoch trained: the data, the step or the loss fail on every shard; the run says so
+    rather than ending as if it had trained."""
+    X, y = _data()
+    X[[10, 50, 90, 130], 4] = POISON  # a poisoned row in every shard (the pre-flight's first rows are clean)
+    with pytest.raises(vcdask.RunFailedError, match=r"every shard of epoch 1 was given up, none merged"):
+        vcdask.fit(
+            torch.nn.Linear(5, 2),
+            (X, y),
+            train_step=raising_step,
+            max_epochs=2,
+            n_shards=4,
+            resilience=vcdask.Resilience(max_attempts=1, on_shard_failure="skip"),
+            client=client,
+            store=tmp_path / "store",
+            progress=False,
+        )

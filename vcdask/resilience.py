@@ -61,10 +61,12 @@ class Resilience:
         for gross damage, as honest updates can raise it by most of their base's loss).
         ``probe_tolerance`` needs ``fit(validation=...)``.
     max_attempts : int, default 4
-        Attempts per (epoch, shard) — lost with a worker, rejected, timed out — before ``on_shard_failure``.
+        Attempts per (epoch, shard) — lost with a worker, rejected, timed out, or (with ``"skip"``) raised
+        by the step, the loss or the data — before ``on_shard_failure``.
     on_shard_failure : {"stop", "skip"}, default "stop"
-        ``"stop"`` ends the run with an error naming the shard; ``"skip"`` leaves the shard out of
-        that epoch (recorded in the history) and goes on.
+        ``"stop"`` ends the run with an error naming the shard (and at once when a shard task raises);
+        ``"skip"`` leaves the shard out of that epoch (recorded in the history) and goes on, unless
+        every shard of an epoch is given up.
     max_worker_failures : int, default 3
         A worker with this many failures, timeouts and rejected updates gets no more shards.
     no_worker_timeout : float, default 300

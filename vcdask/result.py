@@ -63,9 +63,10 @@ class FitResult:
         shard's batches the task trained: below 1 on a slow worker with ``speed_adaptive``), steps_ahead (local steps it
         trained from its worker's own last update before the merged version came, with
         ``vcdask.worker.overlap="delta"``; see :mod:`vcdask.overlap`), accepted, outcome (one of
-        :data:`vcdask.engine.events.OUTCOMES`: merged, rejected, duplicate, late, lost, cancelled,
-        skipped, store fault), reason (why, in words, for an update not merged), time (since the
-        run started), update (path of W_c under ``<store>/runs``).
+        :data:`vcdask.engine.events.OUTCOMES`: merged, rejected, duplicate, late, lost, failed (the task
+        raised, under ``on_shard_failure="skip"``), cancelled, skipped, store fault), reason (why, in
+        words, for an update not merged), time (since the run started), update (path of W_c under
+        ``<store>/runs``).
     epochs : pandas.DataFrame
         One row per epoch: validation metrics of the epoch's last version, their mean, min
         and max over the epoch's validated versions, train loss, shards skipped, wall time.

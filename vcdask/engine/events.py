@@ -67,7 +67,7 @@ PAUSE_CAUSES: Final[tuple[PauseCause, ...]] = get_args(PauseCause)
 
 #: The outcome of one shard-task copy: the ``outcome`` column of ``FitResult.history``.
 #: ``reason`` holds the human-readable detail.
-Outcome = Literal["merged", "rejected", "duplicate", "late", "lost", "cancelled", "skipped", "store fault"]
+Outcome = Literal["merged", "rejected", "duplicate", "late", "lost", "failed", "cancelled", "skipped", "store fault"]
 OUTCOMES: Final[tuple[Outcome, ...]] = get_args(Outcome)
 
 TOPIC_PREFIX: Final = "vcdask-run-"

@@ -54,7 +54,8 @@ def blame(state: RunState, worker: str, kind: Fault) -> None:
 
 
 def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
-    """A task raised: a store fault, a lost worker (Dask gave up re-running it), or a real error."""
+    """A task raised: a store fault, a lost worker (Dask gave up re-running it), or a real error (which fails
+    the run, unless a shard task raised it and ``on_shard_failure="skip"``: then it is one of its attempts)."""
     from distributed.scheduler import KilledWorker
 
     if isinstance(exc, StoreError) and not isinstance(exc, (StoreNotFoundError, StoreAccessDeniedError)):
@@ -84,6 +85,14 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
     # that killed its worker, so it gets more attempts than a shard does
     if task.kind == "validation" and was_lost and task.attempt + 1 < max(10, state.res.max_attempts):
         submit_validation(state, task.version, task.step, retry=task.attempt + 1)
+        return
+    if task.kind == "update" and state.res.on_shard_failure == "skip":
+        # the step, the loss or the Dataset raised on this shard (a corrupt sample, a worker's out-of-memory):
+        # an attempt of the shard, tried again elsewhere, given up after max_attempts; no worker is blamed
+        logger.warning("run %s: shard %d of epoch %d raised %r", state.id, task.shard, task.epoch, exc)
+        state.ledger.record_copy(task, "failed", f"failed: {exc!r}", worker=task.worker)
+        if not state.ledger.done(task.epoch, task.shard):
+            retry_or_give_up(state, task.epoch, task.shard, repr(exc), avoid=task.worker)
         return
     fail(state, "task", f"{task.kind} task (epoch {task.epoch}, shard {task.shard}) failed: {exc!r}", exc)
 
@@ -202,6 +211,9 @@ def give_up(state: RunState, epoch: int, shard: int, message: str) -> None:
     ledger = state.ledger
     ledger.record(epoch, shard, state.dispatch.last_attempt(epoch, shard), "skipped", reason=f"skipped: {message}")
     ended = ledger.skip(epoch, shard, state.head.step, why=message)
+    if ended and not ledger.merged.get(epoch):  # nothing of the epoch trained: the data, step or loss fail on all
+        fail(state, "shard", f"every shard of epoch {epoch} was given up, none merged (the last: {message})")
+        return
     # (in the run's progress too, before any commit this skip leads to: a resume trains it no more, and
     # retention keeps the version that ends its epoch, whose own ``epoch`` may be the next one's)
     state.out.append(Skip(epoch, shard, state.head.step if ended else None))
