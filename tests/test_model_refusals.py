@@ -1,5 +1,5 @@
 """Models vcdask cannot train as given are refused before any cluster work, naming what is at fault and the
-remedy (``vcdask.trainable``): every parameter frozen."""
+remedy (``vcdask.trainable``): every parameter frozen, a state of a dtype no version can store."""
 
 from __future__ import annotations
 
@@ -70,3 +70,43 @@ def test_a_partly_frozen_model_is_taken(xy, tmp_path):
     model[0].requires_grad_(False)
     planned = plan(model, xy, store=tmp_path / "s")
     assert planned.model is model and [p.requires_grad for p in model.parameters()] == [False, False, True, True]
+
+
+class _Complex(torch.nn.Module):
+    """A complex weight (or, with ``buffer=True``, a complex buffer beside a real layer)."""
+
+    def __init__(self, buffer=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = torch.nn.Linear(6, 3)
+        w = torch.randn(6, 3, dtype=torch.cfloat)
+        if buffer:
+            self.register_buffer("w", w)
+        else:
+            self.w = torch.nn.Parameter(w)
+
+    def forward(self, x):
+        return self.l(x) + (x.to(torch.cfloat) @ self.w).abs()
+
+
+@pytest.mark.parametrize("buffer", [False, True], ids=["parameter", "buffer"])
+def test_a_complex_state_is_refused_before_any_cluster_work(buffer, xy, tmp_path):
+    """Else staging and the cluster's start come first, and the first commit fails ('cannot store parameters of
+    dtype torch.complex64')."""
+    _refused(
+        _Complex(buffer),
+        xy,
+        tmp_path,
+        TypeError,
+        "the model holds w (complex64) of a dtype vcdask cannot store",
+        "'float32'",
+        "torch.view_as_real(w)",
+        "torch.view_as_complex(self.w)",
+    )
+
+
+def test_a_float64_model_is_taken(xy, tmp_path):
+    from vcdask.options import plan
+
+    X, y = xy
+    assert plan(_mlp().double(), (X.astype("float64"), y), store=tmp_path / "s").x_dtype == torch.float64

@@ -1,5 +1,5 @@
 """What a model needs for vcdask to train it, checked before any cluster work: parameters to train (one at least,
-some of them requiring grad).
+some of them requiring grad) and a state it can store in a version (:func:`vcdask._dtypes.dtype_name`).
 
 :func:`check_trainable` is called by :func:`vcdask.preflight.check_run`; each message names the modules and
 parameters at fault and what to change.
@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+
+from ._dtypes import _DTYPES, dtype_name
 
 __all__ = ["check_trainable"]
 
@@ -26,6 +28,8 @@ def check_trainable(model: torch.nn.Module) -> None:
     ------
     ValueError
         The model holds no parameters, or none that requires grad (every one frozen).
+    TypeError
+        A parameter or buffer of a dtype no version can store (complex numbers, ...).
     """
     named = list(model.named_parameters())
     if not named:
@@ -41,6 +45,20 @@ def check_trainable(model: torch.nn.Module) -> None:
             "model.requires_grad_(True) for the whole model, or model.get_submodule(name).requires_grad_(True) for "
             "the layers to fine-tune (frozen parameters beside them stay as they are)"
         )
+    unstorable = []
+    for name, t in model.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            try:
+                dtype_name(t.dtype)
+            except TypeError:
+                unstorable.append(f"{name} ({str(t.dtype).removeprefix('torch.')})")
+    if unstorable:
+        raise TypeError(
+            f"the model holds {_listed(unstorable)} of a dtype vcdask cannot store in a version; supported dtypes: "
+            f"{sorted(_DTYPES)}. Keep a complex parameter as a real one of its real and imaginary parts, "
+            "torch.nn.Parameter(torch.view_as_real(w)) (shape (..., 2)), and make the complex tensor in forward "
+            "(torch.view_as_complex(self.w))"
+        )
 
 
 def _by_module(model: torch.nn.Module, names: list[str]) -> str:
@@ -54,3 +72,7 @@ def _by_module(model: torch.nn.Module, names: list[str]) -> str:
         for path, leaves in list(groups.items())[:4]
     ]
     return ", ".join(shown) + (f" and {len(groups) - 4} more modules" if len(groups) > 4 else "")
+
+
+def _listed(items: list[str]) -> str:
+    return ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
