@@ -1,11 +1,16 @@
 """Models vcdask cannot train as given are refused before any cluster work, naming what is at fault and the
-remedy (``vcdask.trainable``): every parameter frozen, a state of a dtype no version can store."""
+remedy (``vcdask.trainable``): every parameter frozen, a state of a dtype no version can store, a model that
+cannot be sent to the workers (``torch.nn.utils.parametrize``) or copied (the older ``weight_norm``)."""
 
 from __future__ import annotations
+
+import copy
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from torch.nn.utils import parametrizations, parametrize
 
 import vcdask
 
@@ -110,3 +115,90 @@ def test_a_float64_model_is_taken(xy, tmp_path):
 
     X, y = xy
     assert plan(_mlp().double(), (X.astype("float64"), y), store=tmp_path / "s").x_dtype == torch.float64
+
+
+class _Symmetric(torch.nn.Module):
+    def forward(self, w):
+        return (w + w.T) / 2
+
+
+def _parametrized(kind):
+    model = _mlp()
+    if kind == "custom":
+        model[0] = torch.nn.Linear(6, 6)
+        model[2] = torch.nn.Linear(6, 3)
+        parametrize.register_parametrization(model[0], "weight", _Symmetric())
+    elif kind == "orthogonal":
+        model[2] = parametrizations.orthogonal(torch.nn.Linear(8, 3))
+    else:
+        getattr(parametrizations, kind)(model[0])
+    return model
+
+
+@pytest.mark.parametrize(
+    ("kind", "where", "by"),
+    [
+        ("weight_norm", "0", "_WeightNorm"),
+        ("spectral_norm", "0", "_SpectralNorm"),
+        ("orthogonal", "2", "_Orthogonal"),
+        ("custom", "0", "_Symmetric"),
+    ],
+)
+def test_a_parametrized_model_is_refused_before_any_cluster_work(kind, where, by, xy, tmp_path):
+    """Else data staging and the first commit come first, and the spec's pickling fails ('Serialization of
+    parametrized modules is only supported through state_dict()')."""
+    model = _parametrized(kind)
+    _refused(
+        model,
+        xy,
+        tmp_path,
+        TypeError,
+        f"parametrized tensors (torch.nn.utils.parametrize): {where}.weight (by {by})",
+        "torch pickles a parametrized module only through its state_dict()",
+        f"parametrize.remove_parametrizations(model.get_submodule('{where}'), 'weight')",
+    )
+    # the remedy as the message gives it: the model is then taken
+    parametrize.remove_parametrizations(model.get_submodule(where), "weight")
+    from vcdask.options import plan
+
+    assert plan(model, xy, store=tmp_path / "s").model is model
+
+
+def _old_style(norm):
+    model = _mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch deprecates them for the parametrizations)
+        getattr(torch.nn.utils, norm)(model[0])
+    return model
+
+
+def test_the_older_weight_norm_is_refused_with_its_remedy(xy, tmp_path):
+    """Its weight, kept on the module as a tensor computed from weight_g and weight_v, fails the model's copy in
+    the pre-flight with torch's 'Only Tensors created explicitly by the user (graph leaves) support the deepcopy
+    protocol'."""
+    model = _old_style("weight_norm")
+    _refused(
+        model,
+        xy,
+        tmp_path,
+        TypeError,
+        "the model holds 0.weight as a tensor computed from its parameters",
+        "torch.nn.utils.remove_weight_norm(model.get_submodule('0'), 'weight')",
+    )
+    torch.nn.utils.remove_weight_norm(model[0], "weight")
+    from vcdask.options import plan
+
+    assert plan(model, xy, store=tmp_path / "s").model is model
+
+
+def test_the_older_spectral_norm_is_taken_and_after_a_forward_pass_refused_with_its_remedy(xy, tmp_path):
+    """As it comes it pickles and trains; a forward pass that tracked gradients leaves its weight a computed
+    tensor, which cannot be copied."""
+    from vcdask.options import plan
+
+    model = _old_style("spectral_norm")
+    assert plan(model, xy, store=tmp_path / "s").model is model
+    model(torch.from_numpy(xy[0]))
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(model)
+    _refused(model, xy, tmp_path, TypeError, "0.weight is torch.nn.utils.spectral_norm's", "torch.no_grad()")

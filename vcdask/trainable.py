@@ -1,5 +1,8 @@
 """What a model needs for vcdask to train it, checked before any cluster work: parameters to train (one at least,
-some of them requiring grad) and a state it can store in a version (:func:`vcdask._dtypes.dtype_name`).
+some of them requiring grad), a state it can store in a version (:func:`vcdask._dtypes.dtype_name`), and a form it
+can copy and send to its workers (no ``torch.nn.utils.parametrize`` parametrizations, which torch pickles only through
+``state_dict()``; no tensor attribute computed from the parameters, which ``copy.deepcopy`` refuses, as the older
+``torch.nn.utils.weight_norm`` leaves).
 
 :func:`check_trainable` is called by :func:`vcdask.preflight.check_run`; each message names the modules and
 parameters at fault and what to change.
@@ -10,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch.nn.utils import parametrize
 
 from ._dtypes import _DTYPES, dtype_name
 
@@ -17,7 +21,7 @@ __all__ = ["check_trainable"]
 
 
 def check_trainable(model: torch.nn.Module) -> None:
-    """Refuse a model vcdask cannot train, naming what is at fault and the remedy.
+    """Refuse a model vcdask cannot train, copy, send or store, naming what is at fault and the remedy.
 
     Parameters
     ----------
@@ -29,7 +33,9 @@ def check_trainable(model: torch.nn.Module) -> None:
     ValueError
         The model holds no parameters, or none that requires grad (every one frozen).
     TypeError
-        A parameter or buffer of a dtype no version can store (complex numbers, ...).
+        A parameter or buffer of a dtype no version can store (complex numbers, ...); a module parametrized with
+        ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``spectral_norm``, ``orthogonal``, ...);
+        a tensor attribute computed from the parameters (the older ``torch.nn.utils.weight_norm``).
     """
     named = list(model.named_parameters())
     if not named:
@@ -37,6 +43,8 @@ def check_trainable(model: torch.nn.Module) -> None:
             f"the model has no parameters to train ({type(model).__name__} holds no torch.nn.Parameter): vcdask "
             "trains and merges a model's parameters; give it the layers to learn (torch.nn.Linear, ...)"
         )
+    _check_parametrizations(model)
+    _check_computed_attributes(model)
     if not any(p.requires_grad for _, p in named):
         raise ValueError(
             f"no parameter of the model requires grad: all {len(named)} are frozen (requires_grad=False), in "
@@ -61,6 +69,62 @@ def check_trainable(model: torch.nn.Module) -> None:
         )
 
 
+def _check_parametrizations(model: torch.nn.Module) -> None:
+    """Refuse ``torch.nn.utils.parametrize`` parametrizations: torch pickles such a module only through its
+    ``state_dict()`` (``Serialization of parametrized modules is only supported through state_dict()``)."""
+    found, remedies = [], []
+    for path, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for tensor, chain in module.parametrizations.items():
+            by = ", ".join(type(p).__name__ for p in chain)
+            found.append(f"{_qualified(path, tensor)} (by {by})")
+            remedies.append(f"parametrize.remove_parametrizations({_module_expr(path)}, {tensor!r})")
+    if found:
+        raise TypeError(
+            f"the model has parametrized tensors (torch.nn.utils.parametrize): {_listed(found)}. vcdask sends the "
+            "model to its workers pickled, and torch pickles a parametrized module only through its state_dict() "
+            "('Serialization of parametrized modules is only supported through state_dict()'). Before fit, remove "
+            "each parametrization (the tensor keeps its current value as a plain parameter, then trained without "
+            f"the constraint): {'; '.join(remedies[:3])}{'; ...' if len(remedies) > 3 else ''} (from torch.nn.utils "
+            "import parametrize); or compute the constraint in the module's forward from plain parameters (weight "
+            "norm: weight = g * v / v.norm(dim=1, keepdim=True)); spectral norm: the older, hook-based "
+            "torch.nn.utils.spectral_norm pickles and trains"
+        )
+
+
+def _check_computed_attributes(model: torch.nn.Module) -> None:
+    """Refuse tensor attributes computed from the parameters (not graph leaves), which ``copy.deepcopy`` refuses:
+    the older ``torch.nn.utils.weight_norm`` keeps the weight so, recomputed before each forward (and the older
+    ``torch.nn.utils.spectral_norm`` after a forward pass that tracked gradients)."""
+    found, fixes = [], []
+    for path, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        for name, value in vars(module).items():
+            if not isinstance(value, torch.Tensor) or value.is_leaf:
+                continue
+            found.append(_qualified(path, name))
+            if f"{name}_g" in params and f"{name}_v" in params:
+                fixes.append(
+                    f"{_qualified(path, name)} is torch.nn.utils.weight_norm's: remove it before fit, "
+                    f"torch.nn.utils.remove_weight_norm({_module_expr(path)}, {name!r}) (the weight keeps its value)"
+                )
+            elif f"{name}_orig" in params:
+                fixes.append(
+                    f"{_qualified(path, name)} is torch.nn.utils.spectral_norm's: run the model once under "
+                    "torch.no_grad() before fit, which recomputes it as a plain tensor"
+                )
+    if found:
+        lead = "; ".join(fixes[:3]) + "; or compute" if fixes else "Compute"
+        raise TypeError(
+            f"the model holds {_listed(found)} as a tensor computed from its parameters, which cannot be copied "
+            "(torch: 'Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol'), "
+            f"and vcdask copies the model for its checks and its workers. {lead} such tensors in the module's "
+            "forward from plain parameters (weight norm: weight = g * v / v.norm(dim=1, keepdim=True)) instead of "
+            "keeping them on the module"
+        )
+
+
 def _by_module(model: torch.nn.Module, names: list[str]) -> str:
     """Parameter names grouped by the module holding them: ``0 (Linear: weight, bias), 2 (Linear: weight)``."""
     groups: dict[str, list[str]] = defaultdict(list)
@@ -72,6 +136,14 @@ def _by_module(model: torch.nn.Module, names: list[str]) -> str:
         for path, leaves in list(groups.items())[:4]
     ]
     return ", ".join(shown) + (f" and {len(groups) - 4} more modules" if len(groups) > 4 else "")
+
+
+def _qualified(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _module_expr(path: str) -> str:
+    return f"model.get_submodule({path!r})" if path else "model"
 
 
 def _listed(items: list[str]) -> str:
