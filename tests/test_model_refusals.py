@@ -1,6 +1,7 @@
 """Models vcdask cannot train as given are refused before any cluster work, naming what is at fault and the
 remedy (``vcdask.trainable``): every parameter frozen, a state of a dtype no version can store, a model that
-cannot be sent to the workers (``torch.nn.utils.parametrize``) or copied (the older ``weight_norm``)."""
+cannot be sent to the workers (``torch.nn.utils.parametrize``) or copied (the older ``weight_norm``), outputs
+the default step cannot train on (a tuple, a dict)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch.nn.utils import parametrizations, parametrize
 
 import vcdask
+from vcdask.errors import DataError
 
 
 class NoCluster:
@@ -202,3 +204,53 @@ def test_the_older_spectral_norm_is_taken_and_after_a_forward_pass_refused_with_
     with pytest.raises(RuntimeError, match="graph leaves"):
         copy.deepcopy(model)
     _refused(model, xy, tmp_path, TypeError, "0.weight is torch.nn.utils.spectral_norm's", "torch.no_grad()")
+
+
+class _Outputs(torch.nn.Module):
+    """Logits and probabilities, as a tuple or a dict."""
+
+    def __init__(self, form):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l, self.form = torch.nn.Linear(6, 3), form
+
+    def forward(self, x):
+        logits = self.l(x)
+        if self.form == "dict":
+            return {"logits": logits, "proba": logits.softmax(-1)}
+        return logits, logits.softmax(-1)
+
+
+@pytest.mark.parametrize(
+    ("form", "labels", "shown"),
+    [
+        ("tuple", "classes", "a tuple of 2 (Tensor, Tensor)"),
+        ("tuple", "floats", "a tuple of 2 (Tensor, Tensor)"),
+        ("dict", "classes", "a dict with keys ['logits', 'proba']"),
+    ],
+)
+def test_outputs_the_default_step_cannot_train_on_are_refused(form, labels, shown, xy, tmp_path):
+    """Not an AttributeError ('tuple' object has no attribute 'dim', or raised while building the loss's
+    message): the default step needs one tensor; a train_step picks the output."""
+    X, y = xy
+    _refused(
+        _Outputs(form),
+        (X, y if labels == "classes" else X[:, :3].copy()),
+        tmp_path,
+        DataError,
+        f"needs the model to return one tensor, but it returns {shown}",
+        "pass train_step=fn(model, batch)",
+        "eval_step=",
+    )
+
+
+def test_a_tuple_output_with_a_train_step_is_taken(xy, tmp_path):
+    from vcdask.options import plan
+
+    def step(model, batch):
+        x, y = batch
+        logits, _ = model(x)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    model = _Outputs("tuple")
+    assert plan(model, xy, train_step=step, store=tmp_path / "s").model is model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 
 import numpy as np
@@ -212,3 +213,21 @@ def test_a_run_on_a_zarr_dataset_records_its_features_in_the_order_x_stacks_them
         model_outputs(model, spec, ds.drop_vars("a"))
     with pytest.raises(TypeError, match="did not train on named features"):
         model_outputs(model, types.SimpleNamespace(**{**vars(spec), "feature_names": ()}), ds)
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict"])
+def test_outputs_that_are_not_one_tensor_say_to_call_the_model(form):
+    """A model trained with a train_step that picks its output: predict cannot tell which to give back, and says
+    so (not 'tuple' object has no attribute 'detach')."""
+    from vcdask.predict import model_outputs
+
+    class TwoOutputs(torch.nn.Module):
+        def forward(self, x):
+            return (x, x) if form == "tuple" else {"logits": x}
+
+    spec = types.SimpleNamespace(batch_form="xy", feature_names=(), x_dtype=torch.float32, cast_x=True)
+    shown = "a tuple of 2 (Tensor, Tensor)" if form == "tuple" else "a dict with keys ['logits']"
+    with pytest.raises(
+        TypeError, match=rf"need the model to return one tensor.*it returns {re.escape(shown)}.*result\.model"
+    ):
+        model_outputs(TwoOutputs(), spec, np.ones((4, 3), np.float32))

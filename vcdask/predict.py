@@ -16,6 +16,7 @@ import torch
 
 from .device import check_device, cpu_copy, resolve_device, same_device
 from .errors import DataError
+from .preflight import describe_output
 
 __all__ = ["model_outputs"]
 
@@ -41,7 +42,8 @@ def model_outputs(
     Raises
     ------
     TypeError
-        A run whose batches are dicts (a custom ``train_step``), or an unsupported input.
+        A run whose batches are dicts (a custom ``train_step``), a model whose outputs are not one tensor (a
+        tuple, a dict), or an unsupported input.
     ValueError
         ``device`` names no kind of device (the message lists the valid ones).
     RuntimeError
@@ -86,6 +88,12 @@ def model_outputs(
                         f"the model cannot process X: rows of shape {tuple(x.shape[1:])} and dtype {x.dtype} "
                         f"-> {type(e).__name__}: {e}"
                     ) from e
+                if not isinstance(out, torch.Tensor):  # (a custom train_step's model: it knew what to pick)
+                    raise TypeError(
+                        f"predict and predict_proba need the model to return one tensor of outputs, but it returns "
+                        f"{describe_output(out)}; call result.model directly (result.model.eval(); with "
+                        "torch.no_grad(): out = result.model(torch.as_tensor(X))) and take the output you need"
+                    )
                 outs.append(out.detach().cpu())
     finally:
         net.train(was_training)

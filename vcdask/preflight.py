@@ -34,6 +34,7 @@ __all__ = [
     "check_probe_cost",
     "check_run",
     "check_target",
+    "describe_output",
     "model_dtype",
 ]
 
@@ -67,7 +68,8 @@ def check_run(model: torch.nn.Module, prepared: PreparedData, *, loss: Any, trai
         (:func:`vcdask.trainable.check_trainable`).
     DataError
         String labels; float labels on a classifier with the default loss, or with ``loss="cross_entropy"``
-        / ``"nll"``; outputs and labels whose shapes ``loss="mse"`` / ``"l1"`` would broadcast.
+        / ``"nll"``; outputs and labels whose shapes ``loss="mse"`` / ``"l1"`` would broadcast.  (Outputs that
+        are not one tensor, a tuple or a dict, are refused by :func:`check_model`, which follows.)
     """
     check_model_precision(model)
     check_trainable(model)  # parameters to train (vcdask.trainable)
@@ -181,7 +183,8 @@ def check_model(
     """One forward pass on a few rows: the model accepts the data and its outputs fit the labels and the loss
     and ``metrics`` (name -> fn(output, target)) can compare them (``what``: the ``"training"`` or
     ``"validation"`` data, as the messages name it).  A metric named in ``strict`` (vcdask's own) that fails
-    is refused; another (the user's, which may need more rows than these) is warned of.
+    is refused; another (the user's, which may need more rows than these) is warned of.  Outputs that are not
+    one tensor (a tuple, a dict) are refused: the default step cannot tell which to train on.
 
     Returns whether ``X`` is cast to the model's dtype (True), or stays integer (False: integer
     inputs such as token ids that the model takes as they are, and not as floats).
@@ -218,6 +221,13 @@ def check_model(
                 f"the model cannot process the {what} data: samples of shape {tuple(prepared.x_shape)} "
                 f"and dtype {prepared.x_dtype} -> {type(e).__name__}: {e}"
             ) from e
+    if not isinstance(out, torch.Tensor):  # (a tuple, a dict: the user's step picks the output to train on)
+        raise DataError(
+            f"the default step computes loss(model(X), y) and needs the model to return one tensor, but it returns "
+            f"{describe_output(out)}; pass train_step=fn(model, batch) -> loss that picks the output to train on "
+            "(x, y = batch; logits, _ = model(x); return loss(logits, y)) and eval_step=fn(model, batch) -> dict "
+            "of metrics, or have the model's forward return the one tensor"
+        )
     if classification:
         n_classes = out.shape[-1] if out.dim() > 1 else 1
         label_range = prepared.label_range
@@ -259,6 +269,16 @@ def check_model(
                 continue
             raise DataError(message) from e
     return cast
+
+
+def describe_output(out: Any) -> str:
+    """What a model returned, for a message: ``"a tuple of 2 (Tensor, Tensor)"``, ``"a dict with keys ['logits']"``."""
+    if isinstance(out, (tuple, list)):
+        kinds = ", ".join(type(o).__name__ for o in out[:4]) + (", ..." if len(out) > 4 else "")
+        return f"a {type(out).__name__} of {len(out)} ({kinds})"
+    if isinstance(out, Mapping):
+        return f"a {type(out).__name__} with keys {list(out)[:6]}"
+    return f"a {type(out).__module__}.{type(out).__qualname__}"
 
 
 def check_target(target: Any, metric_names: Sequence[str] | None = None) -> dict[str, float] | None:
