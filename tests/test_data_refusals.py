@@ -159,6 +159,17 @@ def test_a_float64_model_takes_float64_values_beyond_float32(xy, tmp_path):
     assert planned.x_dtype == torch.float64 and planned.train.n == 40
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_float32_data_for_a_float64_model_is_checked_without_a_warning(xy, tmp_path):
+    """No float32 value can exceed float64's range: comparing float32's largest with float64's must not cast the
+    latter to float32 (NumPy 2 does, with an overflow warning)."""
+    from vcdask.options import plan
+
+    X, y = xy
+    planned = plan(_linear().double(), (np.asarray(X, dtype="float32"), y), store=tmp_path / "s")
+    assert planned.x_dtype == torch.float64
+
+
 def test_a_dataframe_column_beyond_float32_is_refused_naming_the_cast(xy, tmp_path):
     """Not as non-finite values: the DataFrame holds none until its features are cast to float32."""
     import pandas as pd

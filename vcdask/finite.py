@@ -52,7 +52,7 @@ def scan(a: Any, limit: float | None = None) -> tuple[Found, Found]:
     exceeds ``limit`` (none without one), each as :func:`first_non_finite` gives them; in one pass."""
     if not _floating(a):
         return (0, None), (0, None)
-    if limit is not None and (np.dtype(a.dtype).kind != "f" or np.finfo(a.dtype).max <= limit):
+    if limit is not None and (np.dtype(a.dtype).kind != "f" or float(np.finfo(a.dtype).max) <= limit):
         limit = None  # (no value of this dtype can exceed it)
     if type(a).__module__.startswith("dask"):
         return _dask(a, limit)
