@@ -604,3 +604,21 @@ def test_a_torn_leftover_updates_attempt_is_not_used_again(tmp_path):
     got = read_back(server, store, "run-t", "run-t", 4)
     assert got.pending == () and got.merged == {} and got.attempts[(1, 2)] == 1
     assert list_updates(store.files, "run-t") == []  # (not an update: deleted)
+
+
+def test_a_leftover_update_trained_from_a_draft_gets_the_version_that_committed_its_base(tmp_path):
+    """A task that trained from a draft (its base merged, not yet committed) records its base by step only;
+    the server kept such bases by step in memory, which the crash took. The version that committed that
+    step is in the store: the resumed run reads the base from it (a rule that needs each update's base,
+    ``"probe"``, turned the update down as unreadable, and with ``max_attempts=1`` the resumed run failed)."""
+    store = vcdask.open_store(tmp_path / "s")
+    server = _server(store, "run-d", None)
+    for i in range(3):
+        server.merge(_upload(store, "run-d", 1, i, i))
+    path = update_path("run-d", 1, 3, 0)
+    meta = {"epoch": 1, "shard": 3, "attempt": 0, "base_step": 2, "base_version": None, "update": path}
+    write_update(store.files, path, _params(13), meta=meta)
+    got = read_back(_server(store, "run-d", None), store, "run-d", "run-d", 4)
+    [pending] = got.pending
+    at_step_2 = next(v.id for v in store.versions("run-d") if v.metadata["step"] == 2)
+    assert pending["base_step"] == 2 and pending["base_version"] == at_step_2

@@ -50,8 +50,9 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
     attempts : dict (epoch, shard) -> int
         The next attempt number to use (keys of old attempts are never reused).
     pending : list of dict
-        Records of updates uploaded but in no committed version, oldest base first; the
-        uploads of already merged shards are deleted.
+        Records of updates uploaded but in no committed version, oldest base first (one trained from a
+        draft base gets the id of the version that committed it, if kept: the server's bases by step
+        went with the crash); the uploads of already merged shards are deleted.
     skipped : dict epoch -> set of shards
         The shards given up in the epochs not done (not trained again).
     rows : dict epoch -> dict
@@ -104,6 +105,10 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
         else:
             pending.append(meta)
     pending.sort(key=lambda m: (m["epoch"], m["base_step"], m["shard"]))
+    by_step = {info.metadata.get("step"): info.id for info in versions}
+    for meta in pending:  # trained from a draft (its base had no version yet): the version committed since
+        if meta.get("base_version") is None and meta.get("base_step") in by_step:
+            meta["base_version"] = by_step[meta["base_step"]]
     skipped: dict[int, set[int]] = {}
     for epoch, shard in server.progress.skipped:
         if epoch not in ends and shard not in merged.get(epoch, ()):
