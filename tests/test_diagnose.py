@@ -48,6 +48,13 @@ def test_the_shards_a_run_gave_up_are_named():
     many = pd.DataFrame([{"epoch": e, "shard": 0, "outcome": "skipped"} for e in range(1, SKIPS_LISTED + 3)])
     assert f"shard 0 of epoch {SKIPS_LISTED}; " not in given_up(many) and "and 2 more;" in given_up(many)
     assert given_up(pd.DataFrame(rows[:1])) is None and given_up(_history([])) is None
+    # a resumed run: epoch 1's skip was an earlier session's (its row counts it; this history does not)
+    epochs = pd.DataFrame({"epoch": [1, 2], "skipped": [1, 1]}).set_index("epoch")
+    note = given_up(pd.DataFrame(rows[2:]), epochs)
+    assert note.startswith(
+        "2 shard(s) given up (on_shard_failure='skip'): shard 3 of epoch 2, 1 in an earlier session;"
+    )
+    assert given_up(_history([]), epochs).startswith("2 shard(s) given up (on_shard_failure='skip'): 2 in an earlier")
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")

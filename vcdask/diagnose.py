@@ -82,25 +82,38 @@ _EPOCH_COLUMNS = {"epoch", "version", "wall_time", "train_loss", "skipped"}
 SKIPS_LISTED = 5
 
 
-def given_up(history: Any) -> str | None:
+def given_up(history: Any, epochs: Any = None) -> str | None:
     """The shards a run gave up (``on_shard_failure="skip"``), in words, or None.
 
     Parameters
     ----------
     history : pandas.DataFrame
         ``FitResult.history``.
+    epochs : pandas.DataFrame, optional
+        ``FitResult.epochs``: its ``skipped`` counts include the shards an earlier session of a resumed
+        run gave up, which this session's history does not list.
     """
-    if not len(history):
+    rows = history[history["outcome"] == "skipped"] if len(history) else history
+    before = 0  # per epoch: skips its row counts beyond this session's history rows
+    if epochs is not None and len(epochs) and "skipped" in epochs:
+        numbers = epochs["epoch"] if "epoch" in epochs else epochs.index
+        here = rows["epoch"].value_counts() if len(rows) else {}
+        for epoch, count in zip(numbers, epochs["skipped"].fillna(0), strict=True):
+            before += max(0, int(count) - int(here.get(epoch, 0)))
+    if not len(rows) and not before:
         return None
-    rows = history[history["outcome"] == "skipped"]
-    if not len(rows):
-        return None
-    pairs = [f"shard {int(s)} of epoch {int(e)}" for e, s in zip(rows["epoch"], rows["shard"], strict=True)]
+    pairs = (
+        [f"shard {int(s)} of epoch {int(e)}" for e, s in zip(rows["epoch"], rows["shard"], strict=True)]
+        if len(rows)
+        else []
+    )
+    if before:
+        pairs.append(f"{before} in an earlier session")
     listed = ", ".join(pairs[:SKIPS_LISTED]) + (
         f" and {len(pairs) - SKIPS_LISTED} more" if len(pairs) > SKIPS_LISTED else ""
     )
     return (
-        f"{len(pairs)} shard(s) given up (on_shard_failure='skip'): {listed}; the model did not train on their "
+        f"{len(rows) + before} shard(s) given up (on_shard_failure='skip'): {listed}; the model did not train on their "
         "samples in those epochs (history.query(\"outcome == 'skipped'\") says why)"
     )
 
@@ -110,7 +123,7 @@ def annotate(result: Any) -> None:
     (also warned: there is no validation metric to show it)."""
     import warnings
 
-    skipped = given_up(result.history)
+    skipped = given_up(result.history, result.epochs)
     if skipped is not None:
         result.notes.append(f"skipped: {skipped}")
     if result.metrics or set(result.epochs.columns) - _EPOCH_COLUMNS:

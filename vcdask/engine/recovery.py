@@ -57,6 +57,9 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
         The shards given up in the epochs not done (not trained again).
     rows : dict epoch -> dict
         The epoch rows of the last session (from its record), by epoch.
+    extends : bool
+        Whether the last session ended (its record says how): the resume extends a run, rather than
+        picking up one whose scheduler died.
     """
     server.load()
     last = read_record(store, run_id) or {}
@@ -113,7 +116,8 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
     for epoch, shard in server.progress.skipped:
         if epoch not in ends and shard not in merged.get(epoch, ()):
             skipped.setdefault(epoch, set()).add(shard)
-    return m.Resumed(merged, ends, attempts, tuple(pending), skipped, rows)
+    extends = last.get("status") not in (None, "running")  # (its last session ended; else it died)
+    return m.Resumed(merged, ends, attempts, tuple(pending), skipped, rows, extends)
 
 
 async def recover(lane: MergeLane, store: Any, spec: RunSpec, step: Callable[[m.Event], Awaitable[Any]]) -> None:

@@ -249,6 +249,9 @@ class Resumed:
     pending: tuple[dict[str, Any], ...] = ()
     skipped: dict[int, set[int]] = field(default_factory=dict)  # shards given up in the epochs still open
     rows: dict[int, dict[str, Any]] = field(default_factory=dict)  # epoch -> its row, as the last session saw it
+    #: The last session ended (a run extended with more epochs), rather than died with its scheduler: a
+    #: target and patience count from the epochs this session trains, not from the run's start.
+    extends: bool = True
 
 
 @dataclass(frozen=True)
