@@ -40,6 +40,7 @@ import vcdask.data
 import vcdask.updates
 from vcdask.cluster import embedded_cluster
 from vcdask.demo import accuracy_on, digits_cnn
+from vcdask.engine.end import read_record
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.cluster]
 cloudpickle.register_pickle_by_value(chaos_helpers)  # workers cannot import the tests folder
@@ -650,8 +651,14 @@ def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path)
     run_id = None
     while time.monotonic() < deadline:
         runs = [b for b in store.branches() if b.startswith("run-")]
-        # kill between two commits, once an upload exists that no committed version merged
-        if runs and len(store.versions(runs[0])) >= 3 and _uploaded_not_committed(store, runs[0]):
+        # kill between two commits, once an upload exists that no committed version merged (and epoch 1 is
+        # in the run's record: what it measured must outlive the kill)
+        if (
+            runs
+            and len(store.versions(runs[0])) >= 3
+            and (read_record(store, runs[0]) or {}).get("epochs")
+            and _uploaded_not_committed(store, runs[0])
+        ):
             run_id = runs[0]
             break
         time.sleep(0.02)
@@ -668,6 +675,7 @@ def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path)
             uploaded[(meta["epoch"], meta["shard"])] = meta["attempt"]
     assert len(committed) < 8 * 8, "the run finished before the kill"
     assert uploaded, "nothing was uploaded-but-uncommitted at the kill"
+    closed = {r["epoch"]: r for r in read_record(store, run_id)["epochs"]}  # (as the killed session wrote them)
 
     with embedded_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
         result = vcdask.resume(run_id, store=store_path, client=client, progress=False)
@@ -682,6 +690,8 @@ def test_d_scheduler_killed_then_resumed_on_a_new_cluster(digits_data, tmp_path)
     assert steps == sorted(steps) and len(set(steps)) == len(steps)
     assert result.version == versions[0].id
     assert result.epochs.index.tolist() == list(range(1, 9))
+    for epoch, row in closed.items():  # the epochs closed before the kill keep what they measured
+        assert result.epochs.loc[epoch, "train_loss"] == row["train_loss"] and row["wall_time"] > 0
     assert result.metrics["accuracy"] > 0.85
     assert store.files.list(f"{run_id}/updates") == []
 
