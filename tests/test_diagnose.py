@@ -42,10 +42,15 @@ def test_divergence_from_the_initial_loss_and_from_non_finite_updates():
 
 
 def test_the_shards_a_run_gave_up_are_named():
-    rows = [{"epoch": e, "shard": 3, "outcome": o} for e in (1, 2) for o in ("rejected", "skipped")]
+    rows = [{"epoch": e, "shard": 3, "outcome": o, "accepted": False} for e in (1, 2) for o in ("rejected", "skipped")]
+    # a copy of shard 0 was being merged when it was given up: it counts merged, as the epoch's row says
+    late = [{"epoch": 1, "shard": 0, "outcome": o, "accepted": o == "merged"} for o in ("skipped", "merged")]
+    assert given_up(pd.DataFrame(rows + late)) == given_up(pd.DataFrame(rows))
     note = given_up(pd.DataFrame(rows))
     assert note.startswith("2 shard(s) given up (on_shard_failure='skip'): shard 3 of epoch 1, shard 3 of epoch 2;")
-    many = pd.DataFrame([{"epoch": e, "shard": 0, "outcome": "skipped"} for e in range(1, SKIPS_LISTED + 3)])
+    many = pd.DataFrame(
+        [{"epoch": e, "shard": 0, "outcome": "skipped", "accepted": False} for e in range(1, SKIPS_LISTED + 3)]
+    )
     assert f"shard 0 of epoch {SKIPS_LISTED}; " not in given_up(many) and "and 2 more;" in given_up(many)
     assert given_up(pd.DataFrame(rows[:1])) is None and given_up(_history([])) is None
     # a resumed run: epoch 1's skip was an earlier session's (its row counts it; this history does not)

@@ -513,18 +513,19 @@ def test_a_resumed_run_trains_no_shard_it_gave_up_and_its_earlier_epochs_keep_th
     assert [e["epoch"] for e in s.state.ledger.epochs] == [1, 2] and s.state.ledger.epochs[1]["skipped"] == 1
 
 
-@pytest.mark.parametrize("extends", [True, False])
-def test_a_target_and_patience_count_from_a_resume_that_extends_a_run_not_from_one_after_a_crash(extends):
-    """A run given more epochs after it ended counts its target and patience from the epochs it trains now;
-    one whose scheduler died goes on as if it had not stopped: epoch 1 reached the target, so it stops."""
+@pytest.mark.parametrize("resumed_at", [None, 0])
+def test_a_target_and_patience_count_from_a_resume_that_extends_a_run_not_from_one_after_a_crash(resumed_at):
+    """A run given more epochs after it ended counts its target and patience from the epochs it trains now
+    (``resumed_at`` None: the epochs done); one whose scheduler died goes on as its last session counted (here
+    from its start): epoch 1 reached the target, so it stops."""
     s = Script(n_shards=2, max_epochs=3, validation=object())
     s.state.ledger.target = {"loss": 0.5}
-    s(m.Resumed({1: {0, 1}}, {1: (2, "v2")}, {}, (), {}, {}, extends))
-    assert s.state.ledger.resumed_at == (1 if extends else 0)
+    s(m.Resumed({1: {0, 1}}, {1: (2, "v2")}, {}, (), {}, {}, resumed_at))
+    assert s.state.ledger.resumed_at == (1 if resumed_at is None else 0)
     [validate] = [k for k in s.state.tasks.records if s.state.tasks.records[k].kind == "validation"]
     s(m.Result(s.state.tasks.pop(validate), {"kind": "validation", "step": 2, "metrics": {"loss": 0.4}}))
     assert [e["epoch"] for e in s.state.ledger.epochs] == [1]
-    assert (s.state.stopping is None) == extends
+    assert (s.state.stopping is None) == (resumed_at is None)
 
 
 def test_a_start_recorded_on_a_worker_stands_and_one_elsewhere_restarts_the_clock():

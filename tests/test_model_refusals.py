@@ -193,6 +193,26 @@ def test_the_older_weight_norm_is_refused_with_its_remedy(xy, tmp_path):
     assert plan(model, xy, store=tmp_path / "s").model is model
 
 
+def test_a_buffer_computed_from_a_parameter_is_refused_with_its_remedy(xy, tmp_path):
+    """``register_buffer("b", self.l.weight * 2)`` keeps a tensor of the autograd graph, which the model's copy
+    refuses as the older weight norm's does; registered detached it is taken."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, detach: bool):
+            super().__init__()
+            self.l = torch.nn.Linear(6, 3)
+            w = self.l.weight * 2
+            self.register_buffer("b", w.detach() if detach else w)
+
+        def forward(self, x):
+            return self.l(x) + self.b.sum()
+
+    _refused(Scaled(False), xy, tmp_path, TypeError, "the model holds b as a tensor computed", "(.detach())")
+    from vcdask.options import plan
+
+    assert isinstance(plan(Scaled(True), xy, store=tmp_path / "s").model, Scaled)
+
+
 def test_the_older_spectral_norm_is_taken_and_after_a_forward_pass_refused_with_its_remedy(xy, tmp_path):
     """As it comes it pickles and trains; a forward pass that tracked gradients leaves its weight a computed
     tensor, which cannot be copied."""

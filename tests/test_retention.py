@@ -622,3 +622,19 @@ def test_a_leftover_update_trained_from_a_draft_gets_the_version_that_committed_
     [pending] = got.pending
     at_step_2 = next(v.id for v in store.versions("run-d") if v.metadata["step"] == 2)
     assert pending["base_step"] == 2 and pending["base_version"] == at_step_2
+
+
+def test_a_resume_counts_its_target_and_patience_as_the_run_did(tmp_path):
+    """A run extended after it ended counts from the epochs done; one whose scheduler died (its record says
+    ``running``) goes on as its last session counted: an extended run that died counts from its extension."""
+    from vcdask.engine.end import write_record
+
+    store = vcdask.open_store(tmp_path / "s")
+    server = _server(store, "run-c", None)
+    for i in range(4):
+        server.merge(_upload(store, "run-c", 1 + i // 2, i % 2, i), completes=i % 2 == 1)
+    assert read_back(_server(store, "run-c", None), store, "run-c", "run-c", 2).resumed_at is None  # (no record)
+    write_record(store, "run-c", {"status": "finished", "step": 4})
+    assert read_back(_server(store, "run-c", None), store, "run-c", "run-c", 2).resumed_at is None  # (2: ends)
+    write_record(store, "run-c", {"status": "running", "step": 4, "resumed_at": 1})
+    assert read_back(_server(store, "run-c", None), store, "run-c", "run-c", 2).resumed_at == 1

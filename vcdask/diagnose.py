@@ -94,6 +94,9 @@ def given_up(history: Any, epochs: Any = None) -> str | None:
         run gave up, which this session's history does not list.
     """
     rows = history[history["outcome"] == "skipped"] if len(history) else history
+    if len(rows):  # (a shard given up while a copy of it was being merged counts merged: it trained)
+        merged = set(zip(*(history[history["accepted"].astype(bool)][c] for c in ("epoch", "shard")), strict=True))
+        rows = rows[[(e, s) not in merged for e, s in zip(rows["epoch"], rows["shard"], strict=True)]]
     before = 0  # per epoch: skips its row counts beyond this session's history rows
     if epochs is not None and len(epochs) and "skipped" in epochs:
         numbers = epochs["epoch"] if "epoch" in epochs else epochs.index

@@ -26,6 +26,7 @@ from ._main_guard import may_start_here
 from .cluster import check_client, owns_client, resolve_client
 from .data import Shards
 from .device import cpu_copy
+from .engine.end import progress_of
 from .errors import VersionNotFoundError
 from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
@@ -365,11 +366,12 @@ def resume(
 
 
 def epochs_done(store: ParamStore, run_id: str) -> int:
-    """How many epochs of the run are complete, from its newest version's ``progress``."""
+    """How many epochs of the run are complete, from its progress (:func:`vcdask.engine.end.progress_of`: an
+    epoch a shard given up ended after the last commit is in the run's record)."""
     versions = store.versions(run_id)
     if not versions:
         return 0
-    return len((versions[0].metadata.get("progress") or {}).get("done", []))
+    return len(progress_of(store, run_id, versions[0].metadata).get("done", []))
 
 
 def _check_extend(store: ParamStore, run_id: str, max_epochs: int) -> None:

@@ -100,10 +100,13 @@ def _check_computed_attributes(model: torch.nn.Module) -> None:
     found, fixes = [], []
     for path, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
-        for name, value in vars(module).items():
+        buffers = list(module.named_buffers(recurse=False))
+        for name, value in [*vars(module).items(), *buffers]:
             if not isinstance(value, torch.Tensor) or value.is_leaf:
                 continue
             found.append(_qualified(path, name))
+            if any(name == b for b, _ in buffers):
+                fixes.append(f"register the buffer {_qualified(path, name)} detached (.detach())")
             if f"{name}_g" in params and f"{name}_v" in params:
                 fixes.append(
                     f"{_qualified(path, name)} is torch.nn.utils.weight_norm's: remove it before fit, "

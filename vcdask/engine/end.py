@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..spec import record_path
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "RELEASE_TIMEOUT",
     "best_version",
+    "progress_of",
     "read_record",
     "record",
     "release_on_workers",
@@ -56,11 +57,10 @@ def stop_kind(status: str, stopping: str | None) -> str | None:
     return "user"
 
 
-def record(run: RunState, res: dict[str, Any], progress: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The run's record (JSON-able) from its result dict (reads the store: call it off the event loop).
-
-    With the run's ``progress`` as its merge thread ended it (:meth:`~.progress.Progress.as_metadata`) and
-    its epoch rows, for a resume: what it gave up after its last commit, what each epoch measured."""
+def record(run: RunState, res: dict[str, Any]) -> dict[str, Any]:
+    """The run's record (JSON-able) from its result dict (reads the store: call it off the event loop);
+    with its epoch rows, for a resume (the run's shell adds where its merge thread stands: its ``step`` and
+    ``progress``)."""
     kind = stop_kind(res["status"], res["stopping"])
     status = {"max_epochs": "finished", "cancelled": "cancelled", "failed": "failed", None: "running"}.get(
         kind, "stopped"
@@ -83,7 +83,7 @@ def record(run: RunState, res: dict[str, Any], progress: dict[str, Any] | None =
         "started": run.started,
         "ended": run.ended,
         "epochs": list(res.get("epochs") or ()),
-        "progress": progress,
+        "resumed_at": run.ledger.resumed_at,
     }
 
 
@@ -100,6 +100,7 @@ def running_record(run: RunState) -> dict[str, Any]:
         "start": run.spec.start,
         "started": run.started,
         "epochs": _rows(run),  # (for a resume after a crash: what each epoch measured)
+        "resumed_at": run.ledger.resumed_at,  # (a crash of an extended run: it goes on counting from there)
     }
 
 
@@ -120,6 +121,16 @@ def save_record(store: Any, run_id: str, make: Callable[[], dict[str, Any]]) -> 
         write_record(store, run_id, make())
     except Exception:
         logger.warning("run %s: could not write its record %s", run_id, record_path(run_id), exc_info=True)
+
+
+def progress_of(store: Any, run_id: str, newest: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's progress: its record's, when the record was written at the branch's newest version (``newest``:
+    that version's metadata; the record adds what the run did after its last commit, such as a shard given
+    up), else the newest version's own."""
+    rec = read_record(store, run_id) or {}
+    if isinstance(rec.get("progress"), dict) and rec.get("step") == newest.get("step"):
+        return dict(rec["progress"])
+    return dict(newest.get("progress") or {})
 
 
 def read_record(store: Any, run_id: str) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import config
+from . import end
 from .committing import Head
 from .guard import Guard
 from .params_server import ParamsServer
@@ -102,6 +103,21 @@ class MergeLane:
         self.server.in_use_step = in_use_step
         self.server.collect(final)
 
+    async def write_record(
+        self, store: Any, run_id: str, make: Callable[[], dict[str, Any]], *, strict: bool = False
+    ) -> None:
+        """Write the run's record ``make()`` builds (in the merge thread, in order with the merges), with where
+        the merge thread stands: its step and its progress, which a resume takes when nothing was committed
+        after it (:func:`.end.progress_of`).  ``strict``: a failure is raised, else logged (the run goes on)."""
+
+        def tracked() -> dict[str, Any]:
+            return {**make(), "step": self.server.head.step, "progress": self.server.progress.as_metadata()}
+
+        if strict:
+            await self.call(lambda: end.write_record(store, run_id, tracked()))
+        else:
+            await self.call(end.save_record, store, run_id, tracked)
+
     def shutdown(self) -> None:
         """Let the thread go once its last call is done (the run has ended)."""
         self._executor.shutdown(wait=False)
@@ -126,4 +142,5 @@ def server_for(spec: RunSpec) -> ParamsServer:
         drafts=bool(config.get("worker.base-before-commit")) and spec.compression is None,
         probe=training_probe(spec),
         follow=spec.merge_in_flight,  # (fit's default rule follows a fleet that grows)
+        n_shards=spec.shards.n_shards,
     )

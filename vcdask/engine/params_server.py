@@ -109,6 +109,7 @@ class ParamsServer(Committing):
         drafts: bool = False,
         probe: Callable[..., float] | None = None,
         follow: int | None = None,
+        n_shards: int | None = None,
     ):
         self.store = store
         self.branch = branch
@@ -140,7 +141,7 @@ class ParamsServer(Committing):
         #: The oldest step the run's tasks still read (the loop sets it; older is conservative).
         self.in_use_step: int | None = None
         self.keep_from = 0  # retention: the kept versions before this step are pinned (the marker for others)
-        self.progress = Progress()
+        self.progress = Progress(n_shards=n_shards)  # (n_shards: an epoch is done once all are merged or skipped)
         self._collected = time.monotonic()
         self._backlog = 0  # bytes of parameters committed since the last collection began
         self.collect_seconds: list[float] = []  # how long each collection took (for benchmarks/storage.py)
@@ -223,7 +224,7 @@ class ParamsServer(Committing):
             grow(self, meta.get("merge_in_flight"))
         fresh = self.rule.init_state(self.params)
         if meta.get("run_id") == self.run_id:
-            self.progress = Progress.read(meta)
+            self.progress = Progress.read(meta, self.progress.n_shards)
         if meta.get("run_id") == self.run_id and saved == self.rule.name:  # this run's own version: resume
             self.rule_state = RuleState(
                 arrays=self.store.read_state(checkpoint.version),
@@ -364,13 +365,13 @@ class ParamsServer(Committing):
 
     def _progress(self, record: dict[str, Any], completes: bool) -> None:
         epoch, shard, attempt = int(record["epoch"]), int(record["shard"]), int(record["attempt"])
-        self.progress.merged(epoch, shard, attempt, self.step if completes else None)
+        self.progress.merged(epoch, shard, attempt, self.step, completes)
 
     def note_skip(self, epoch: int, shard: int, end_step: int | None) -> None:
         """(epoch, shard) was given up (``on_shard_failure="skip"``); ``end_step``: the step at which that
         completed its epoch, if it did.  Stored with the next commit (a run that ends before one keeps it in
         its record: :func:`~.end.record`)."""
-        self.progress.skip(epoch, shard, end_step)
+        self.progress.skip(epoch, shard, end_step, self.step)
 
     def _reject(self, record: dict[str, Any], staleness: int, fault: str, reason: str) -> dict[str, Any]:
         if update_gone("rejected", self.keep_updates):

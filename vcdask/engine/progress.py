@@ -31,18 +31,24 @@ class Progress:
         The shards merged in the epochs not done yet.
     skipped : list of [epoch, shard]
         The shards given up in the epochs not done yet.
+    n_shards : int, optional
+        Shards an epoch has (not stored): once the merged and given-up shards of an epoch cover them all,
+        the epoch is done, whichever of the two came last (a shard given up while the merge of the
+        epoch's last other shard was running ends the epoch there, though neither alone knew it).
     """
 
     done: list[list[int]] = field(default_factory=list)
     open: list[list[int]] = field(default_factory=list)
     skipped: list[list[int]] = field(default_factory=list)
+    n_shards: int | None = field(default=None, compare=False)
 
     @classmethod
-    def read(cls, metadata: Mapping[str, Any]) -> Progress:
-        """The progress a version's metadata records (empty for a version without one: an older vcdask's)."""
+    def read(cls, metadata: Mapping[str, Any], n_shards: int | None = None) -> Progress:
+        """The progress a version's metadata (or a run's record) records; empty for a version without one
+        (an older vcdask's)."""
         saved = metadata.get("progress") or {}
         lists = {k: [[int(x) for x in entry] for entry in saved.get(k, ())] for k in ("done", "open", "skipped")}
-        return cls(**lists)
+        return cls(**lists, n_shards=n_shards)
 
     def as_metadata(self) -> dict[str, list[list[int]]]:
         """A copy for a version's metadata (JSON: lists of ints)."""
@@ -55,28 +61,37 @@ class Progress:
     def done_epochs(self) -> set[int]:
         return {epoch for epoch, _ in self.done}
 
-    def merged(self, epoch: int, shard: int, attempt: int, end_step: int | None) -> None:
-        """(epoch, shard) merged (its ``attempt``); ``end_step``: the step that completed its epoch, if it did.
+    def merged(self, epoch: int, shard: int, attempt: int, step: int, completes: bool = False) -> None:
+        """(epoch, shard) merged (its ``attempt``) into the version at ``step``; ``completes``: the run knew
+        it ends the epoch (it also ends once the epoch's shards are all merged or given up).
 
         A copy of a shard given up while it was being merged counts as merged (``W_s`` holds it); one of
         an epoch already done changes nothing."""
         if epoch in self.done_epochs():
             return
         self.skipped = [e for e in self.skipped if e != [epoch, shard]]
-        if end_step is None:
-            self.open.append([epoch, shard, attempt])
-        else:
-            self._end(epoch, end_step)
+        self.open.append([epoch, shard, attempt])
+        if completes or self._covered(epoch):
+            self._end(epoch, step)
 
-    def skip(self, epoch: int, shard: int, end_step: int | None) -> None:
-        """(epoch, shard) given up; ``end_step``: the step at which that completed its epoch, if it did."""
+    def skip(self, epoch: int, shard: int, end_step: int | None, step: int) -> None:
+        """(epoch, shard) given up; ``end_step``: the step at which the run saw that complete its epoch, if
+        it did; ``step``: the newest merge's (where the epoch ends if the shards cover it now, though the run
+        saw the skip before that merge)."""
         if epoch in self.done_epochs():
             return
-        if end_step is None:
-            if [epoch, shard] not in self.skipped:
-                self.skipped.append([epoch, shard])
-        else:
+        if [epoch, shard] not in self.skipped and [epoch, shard] not in [e[:2] for e in self.open]:
+            self.skipped.append([epoch, shard])
+        if end_step is not None:
             self._end(epoch, end_step)
+        elif self._covered(epoch):
+            self._end(epoch, step)
+
+    def _covered(self, epoch: int) -> bool:
+        if self.n_shards is None:
+            return False
+        shards = {e[1] for e in self.open if e[0] == epoch} | {e[1] for e in self.skipped if e[0] == epoch}
+        return len(shards) >= self.n_shards
 
     def _end(self, epoch: int, step: int) -> None:
         self.open = [e for e in self.open if e[0] != epoch]

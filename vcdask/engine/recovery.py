@@ -57,14 +57,14 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
         The shards given up in the epochs not done (not trained again).
     rows : dict epoch -> dict
         The epoch rows of the last session (from its record), by epoch.
-    extends : bool
-        Whether the last session ended (its record says how): the resume extends a run, rather than
-        picking up one whose scheduler died.
+    resumed_at : int or None
+        Where the target and patience count from, for a run whose scheduler died: where its last session
+        counted from; None for one whose last session ended (extended, it counts from the epochs done).
     """
     server.load()
     last = read_record(store, run_id) or {}
     if last.get("progress") is not None and last.get("step") == server.head.step:  # (nothing committed since)
-        server.progress = Progress.read(last)
+        server.progress = Progress.read(last, server.progress.n_shards)  # (:func:`.end.progress_of`)
     rows = {int(r["epoch"]): r for r in last.get("epochs") or () if isinstance(r, dict) and "epoch" in r}
     merged: dict[int, set[int]] = {}
     attempts: dict[tuple[int, int], int] = {}
@@ -116,8 +116,10 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
     for epoch, shard in server.progress.skipped:
         if epoch not in ends and shard not in merged.get(epoch, ()):
             skipped.setdefault(epoch, set()).add(shard)
-    extends = last.get("status") not in (None, "running")  # (its last session ended; else it died)
-    return m.Resumed(merged, ends, attempts, tuple(pending), skipped, rows, extends)
+    resumed_at = None  # it ended (or an older vcdask ran it, without a record): extended, it counts from here
+    if last.get("status") == "running":  # its last session died: it goes on counting as that session did
+        resumed_at = int(last.get("resumed_at") or 0)
+    return m.Resumed(merged, ends, attempts, tuple(pending), skipped, rows, resumed_at)
 
 
 async def recover(lane: MergeLane, store: Any, spec: RunSpec, step: Callable[[m.Event], Awaitable[Any]]) -> None:

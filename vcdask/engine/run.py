@@ -134,7 +134,7 @@ class Run:
         """Write the run's record with the epochs closed so far: a resume after a crash shows what they measured."""
         self._epochs_recorded = len(self.state.ledger.epochs)
         rec = end.running_record(self._fresh())
-        await self.lane.call(end.save_record, self.store, self.id, lambda: rec)
+        await self.lane.write_record(self.store, self.id, lambda: rec)
 
     def _at_once(self, fx: m.Effect) -> bool:
         """Carry out ``fx`` if it needs no waiting (a submit, an event published); whether it did."""
@@ -199,7 +199,8 @@ class Run:
             else:
                 await self.lane.load()
             state.phase = Phase.RUNNING
-            await self.lane.call(end.write_record, self.store, self.id, end.running_record(self._fresh()))
+            rec = end.running_record(self._fresh())
+            await self.lane.write_record(self.store, self.id, lambda: rec, strict=True)
             self.events.emit("started", version=self.lane.head.version, step=self.lane.head.step)
             watchdog = asyncio.ensure_future(self._deadlines())
             nxt = handed = None
@@ -320,10 +321,8 @@ class Run:
         state = self._fresh()
         state.ended = time.time()
         state.pool.stop_clocks()  # (its workers' time, and cost, stop with the run: its status says so later)
-        state.final = views.result_dict(state, self.server.stalled())
-        progress = self.server.progress.as_metadata  # (what it gave up after its last commit)
-        # (in the merge thread: best_version lists versions, and the progress is the merge thread's)
-        await self.lane.call(end.save_record, self.store, self.id, lambda: end.record(state, state.final, progress()))
+        state.final = final = views.result_dict(state, self.server.stalled())
+        await self.lane.write_record(self.store, self.id, lambda: end.record(state, final))  # (lists versions)
         self.lane.shutdown()
         self.server.release()
         self.spec = state.spec = dataclasses.replace(self.spec, model=None)  # type: ignore[arg-type]

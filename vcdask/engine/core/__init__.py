@@ -161,7 +161,8 @@ def _(event: m.Resumed, state: RunState) -> None:
     state.ledger.merged = event.merged
     state.ledger.skipped = {e: set(shards) for e, shards in event.skipped.items()}  # (given up: not trained again)
     state.ledger.restored = dict(event.rows)
-    state.ledger.resumed_at = max(event.ends, default=0) if event.extends else 0  # target and patience count from here
+    resumed = event.resumed_at
+    state.ledger.resumed_at = max(event.ends, default=0) if resumed is None else resumed  # target, patience count from
     last = max([*event.merged, *event.skipped, *(meta["epoch"] for meta in event.pending), 0])
     done = {e: event.merged.get(e, set()) | event.skipped.get(e, set()) for e in {*event.merged, *event.skipped}}
     state.dispatch.restore(done, event.attempts, last)

@@ -249,9 +249,9 @@ class Resumed:
     pending: tuple[dict[str, Any], ...] = ()
     skipped: dict[int, set[int]] = field(default_factory=dict)  # shards given up in the epochs still open
     rows: dict[int, dict[str, Any]] = field(default_factory=dict)  # epoch -> its row, as the last session saw it
-    #: The last session ended (a run extended with more epochs), rather than died with its scheduler: a
-    #: target and patience count from the epochs this session trains, not from the run's start.
-    extends: bool = True
+    #: Where a target and patience count from: the epochs done for a run extended after it ended (None: the
+    #: epochs in ``ends``); where its last session counted from for one whose scheduler died.
+    resumed_at: int | None = None
 
 
 @dataclass(frozen=True)
