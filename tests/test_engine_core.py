@@ -698,12 +698,15 @@ def test_a_shard_blamed_for_its_data_is_given_up_in_the_next_epoch_too_whose_cop
 
 
 def test_the_only_worker_sending_one_shard_back_nan_is_blamed_once_and_the_shard_fails_its_attempts():
-    """A run on one worker with one shard whose data gives NaN: the copies sent again to the same worker
-    count against the shard, not the worker again, so ``on_shard_failure`` applies (here: skip) and the
-    run goes on (it used to exclude its only worker and wait ``no_worker_timeout`` for another); a
-    worker that sends NaN for every shard is still excluded, once per shard."""
+    """A run on one worker that trains the other shards fine, with one shard whose data gives NaN: the copies
+    sent again to the same worker count against the shard, not the worker again, so ``on_shard_failure``
+    applies (here: skip) and the run goes on (it used to exclude its only worker and wait
+    ``no_worker_timeout`` for another); a worker that sends NaN for every shard is still excluded."""
     s = Script(n_shards=4, workers=("a",), max_attempts=3, max_worker_failures=3, on_shard_failure="skip")
-    key = keys(s(m.Poll()))[0]
+    first = keys(s(m.Poll()))[0]
+    s.start(first, "a")
+    s.merge(s.finish_task(first, "a"))  # the worker trains a shard fine
+    key = next(k for k, t in s.state.tasks.records.items() if t.kind == "update")
     shard = s.state.tasks.records[key].shard
     for _ in range(3):
         s.start(key, "a")
@@ -719,6 +722,21 @@ def test_the_only_worker_sending_one_shard_back_nan_is_blamed_once_and_the_shard
         s.merge(s.finish_task(key, "a"), accept=False, fault="non-finite")
         s(m.Poll())
     assert record.rejected == 3 and record.excluded
+
+
+def test_the_only_worker_that_has_merged_nothing_is_blamed_for_each_nan_of_the_same_copy():
+    """Not the data's doing as far as anyone can tell (no second worker tried it, and this one trains
+    nothing): every NaN of the same epoch's copy counts against the worker, so a worker that fails alone is
+    excluded and the run waits for a good one to join (tests/test_chaos.py runs it)."""
+    s = Script(n_shards=2, workers=("a",), max_attempts=4, max_worker_failures=3)
+    key = keys(s(m.Poll()))[0]
+    shard = s.state.tasks.records[key].shard
+    for _ in range(3):
+        s.start(key, "a")
+        sent = keys(s.merge(s.finish_task(key, "a"), accept=False, fault="non-finite"))
+        copies = [k for k in sent + keys(s(m.Poll())) if s.state.tasks.records[k].copy_of(1, shard)]
+        key = copies[0] if copies else key
+    assert s.state.pool.record("a").rejected == 3 and s.state.pool.record("a").excluded
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])

@@ -142,10 +142,11 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
     it, or a learning rate the training diverges at), not theirs: the workers are not blamed (each was
     blamed once for it, and is forgiven), and the shard is given up at once, naming its samples, in this
     epoch and in any other whose copy of it already came back non-finite (its re-issued copies are
-    cancelled).  A worker is blamed once for each shard it sent NaN for: not again for the same shard, in
-    another epoch or in the same one (the only worker, sent the copy again, as a run on one worker does).
-    So one shard's data never excludes the only worker (the shard fails its attempts, then
-    ``on_shard_failure`` applies), and a worker that sends NaN for every shard is excluded all the same."""
+    cancelled).  A worker is blamed once for each shard it sent NaN for: not again for the same shard in
+    another epoch, nor in the same one (the only worker, sent the copy again, as a run on one worker does)
+    once it has merged other shards.  So one shard's data never excludes a worker that trains the rest (the
+    shard fails its attempts, then ``on_shard_failure`` applies); a worker that has merged nothing is blamed
+    for each NaN (excluded, the run waits for another), and one that sends NaN for every shard is excluded."""
     state.ledger.set_shard(epoch, shard, "rejected")
     logger.warning(
         "run %s: rejected the update of shard %d, epoch %d from %s: %s", state.id, shard, epoch, worker, reason
@@ -154,7 +155,9 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
         seen = state.dispatch.non_finite.setdefault(shard, {})
         data_known = len(seen) >= 2  # the data is blamed already: nobody is
         earlier = seen.setdefault(worker, set())
-        again = bool(earlier)  # (this shard's NaN from this worker: blamed the first time only)
+        # blamed the first time only: again in another epoch, or in the same one from a worker that merges other
+        # shards (the data's doing); a worker that has merged nothing is blamed each time (it may be broken)
+        again = bool(earlier) and (epoch not in earlier or _has_merged(state, worker))
         earlier.add(epoch)
         if len(seen) >= 2:
             if not data_known:
@@ -169,6 +172,11 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
         blame(state, worker, "rejected")
     # an update that came back too stale is the pace's doing, not the shard's: re-issue, uncounted
     retry_or_give_up(state, epoch, shard, reason, avoid=worker, count=fault != "stale")
+
+
+def _has_merged(state: RunState, worker: str) -> bool:
+    """Whether an update of ``worker`` was merged in this run (scanned on a NaN only)."""
+    return any(h["accepted"] and h["worker"] == worker for h in reversed(state.ledger.history))
 
 
 def _data_given_up(state: RunState, epoch: int, shard: int, seen: dict[str, set[int]]) -> None:
