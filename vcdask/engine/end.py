@@ -88,7 +88,7 @@ def record(run: RunState, res: dict[str, Any]) -> dict[str, Any]:
 
 
 def running_record(run: RunState) -> dict[str, Any]:
-    """The record written when the run starts, and again as each epoch closes: ``running`` until it ends
+    """The record written when the run starts, and again as epochs close: ``running`` until it ends
     (``vcdask runs`` shows a run whose record still says so as incomplete: it runs, or it died)."""
     return {
         "run_id": run.id,

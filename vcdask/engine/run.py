@@ -40,6 +40,8 @@ __all__ = ["Run"]
 INTERVAL = 0.2
 #: How often a preempted worker's kept copies are looked at (seconds).
 SETTLE_POLL = 0.05
+#: At most how often the run's record is written again as epochs close (seconds): each write holds every epoch row.
+RECORD_INTERVAL = 5.0
 #: What each kind of task runs on its worker.
 _TASKS: dict[str, Callable[..., Any]] = {"update": train_shard, "validation": validate_version}
 
@@ -60,7 +62,7 @@ class Run:
         self.bases = Bases(self.state, self.handshake, lambda: self.lane.head, self.server.commit_every, self.done)
         self._handed_any = asyncio.Event()  # set when a record is handed over (self.tasks.handed)
         self._background: set[asyncio.Future[Any]] = set()  # effects step_now carries out meanwhile
-        self._epochs_recorded = 0  # epochs in the run's record (written again as each closes)
+        self._epochs_recorded, self._recorded_at = 0, -RECORD_INTERVAL  # the run's record: its epochs, when
 
     # -- what the plugin reads --------------------------------------------------------------------
     @property
@@ -126,13 +128,17 @@ class Run:
             else:  # pragma: no cover - a new effect the shell does not know yet
                 raise TypeError(f"not an effect of a run's core: {fx!r}")
         self.handshake.note_settled()
-        if len(self.state.ledger.epochs) > self._epochs_recorded:
+        if (
+            len(self.state.ledger.epochs) > self._epochs_recorded
+            and time.monotonic() >= self._recorded_at + RECORD_INTERVAL
+        ):
             await self._record_epochs()
         return reply
 
     async def _record_epochs(self) -> None:
-        """Write the run's record with the epochs closed so far: a resume after a crash shows what they measured."""
-        self._epochs_recorded = len(self.state.ledger.epochs)
+        """Write the run's record with the epochs closed so far (a resume after a crash shows what they measured);
+        at most every :data:`RECORD_INTERVAL` seconds."""
+        self._epochs_recorded, self._recorded_at = len(self.state.ledger.epochs), time.monotonic()
         rec = end.running_record(self._fresh())
         await self.lane.write_record(self.store, self.id, lambda: rec)
 
