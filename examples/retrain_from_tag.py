@@ -23,7 +23,9 @@ from vcdask.demo import accuracy_on, digits, digits_cnn
 
 
 def latest_release(store, prefix: str) -> tuple[int, str | None]:
-    numbered = [(int(m.group(1)), v) for t, v in store.tags().items() if (m := re.fullmatch(rf"{prefix}(\d+)", t))]
+    """(N, version) of the newest tag <prefix>N, or (0, None); the prefix is matched as text, not as a pattern."""
+    pattern = re.compile(rf"{re.escape(prefix)}(\d+)")
+    numbered = [(int(m.group(1)), v) for t, v in store.tags().items() if (m := pattern.fullmatch(t))]
     return max(numbered) if numbered else (0, None)
 
 
