@@ -23,6 +23,7 @@ import time
 
 import dask
 import torch
+from _args import choices_list, number_list
 
 from vcdask import open_store
 from vcdask.params import flatten
@@ -32,20 +33,24 @@ from vcdask.testing.s3 import moto_server
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", default="5000000,100000000")
+    ap.add_argument("--params", default="5000000,100000000", help="float32 parameters, a comma list")
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--stores", default="local,s3")
+    ap.add_argument("--stores", default="local,s3", help="a comma list of local (a directory), s3 (moto on loopback)")
     args = ap.parse_args(argv)
+    sizes = number_list(ap, "--params", args.params, int, minimum=1)
+    kinds = choices_list(ap, "--stores", args.stores, ("local", "s3"))
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     rows = []
     with moto_server() as s3, tempfile.TemporaryDirectory(prefix="vcdask-bench-sums-") as tmp:
-        for n in (int(p) for p in args.params.split(",")):
+        for n in sizes:
             flats = [flatten({"w": torch.randn(n, generator=torch.Generator().manual_seed(i))}) for i in range(2)]
             alone = []
             for i in range(args.repeat):
                 t0 = time.perf_counter()
                 checksums(flats[i % 2])
                 alone.append(time.perf_counter() - t0)
-            for kind in args.stores.split(","):
+            for kind in kinds:
                 times: dict[tuple[str, bool], list[float]] = {}
                 stores = {}
                 for on in (True, False):

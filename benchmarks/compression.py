@@ -38,6 +38,7 @@ import vcdask
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _args import choices_list, number_list  # noqa: E402
 from _scratch import scratch_store  # noqa: E402
 
 
@@ -137,21 +138,30 @@ def speed(n: int, codecs: list[str], repeat: int = 25) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", default="digits,wide")
-    ap.add_argument("--codecs", default="none,fp16,int8,int4")
+    ap.add_argument("--tasks", default="digits,wide", help="a comma list of digits, wide")
+    ap.add_argument("--codecs", default="none,fp16,int8,int4", help="a comma list of none, fp16, bf16, int8, int4")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--speed", action="store_true", help="encode and decode ms per codec instead (no cluster)")
     ap.add_argument("--params", type=int, default=5_000_000, help="values encoded with --speed")
     args = ap.parse_args(argv)
+    from strategies import MODELS
+
+    from vcdask.compress import COMPRESSIONS
+
+    codecs = choices_list(ap, "--codecs", args.codecs, ("none", *COMPRESSIONS))
     if args.speed:
         from devices import markdown
 
-        print(markdown(speed(args.params, args.codecs.split(","))))
+        if args.params < 1000:
+            ap.error(f"--params must be >= 1000 with --speed, got {args.params}")
+        print(markdown(speed(args.params, codecs)))
         return 0
-    seeds = [int(s) for s in args.seeds.split(",")]
-    codecs = args.codecs.split(",")
+    tasks = choices_list(ap, "--tasks", args.tasks, sorted(MODELS))
+    seeds = number_list(ap, "--seeds", args.seeds, int, minimum=0)
+    if args.workers < 1 or args.epochs < 1:
+        ap.error(f"--workers and --epochs must be >= 1, got {args.workers} and {args.epochs}")
     if codecs[0] != "none":
         ap.error("--codecs must start with none (the float32 updates the others are compared with)")
     from distributed import Client
@@ -160,7 +170,7 @@ def main(argv=None) -> int:
 
     rows = []
     with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
-        for task in args.tasks.split(","):
+        for task in tasks:
             ref: dict = {}
             for codec in codecs:
                 runs = [run(task, codec, seed, args.epochs, client) for seed in seeds]

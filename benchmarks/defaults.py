@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
+from _args import choices_list, number_list  # noqa: E402
 from _scratch import scratch_store  # noqa: E402
 from strategies import _train_passes  # noqa: E402
 
@@ -92,15 +94,19 @@ def vcdask_classifier(task: dict, seed: int, client, overrides: dict) -> float:
         r = vcdask.fit(
             task["model"],
             task["train"],
-            max_epochs=task["epochs"],
             seed=seed,
             client=client,
             store=store,
             progress=False,
-            **{**task["fit"], **overrides},
+            **{"max_epochs": task["epochs"], **task["fit"], **overrides},  # --set wins
         )
     return accuracy_on(r.model, *task["test"])
 
+
+TASKS = ("digits", "wide", "tabular", "charlm")
+#: fit's arguments this script gives itself, for every task and for the char-LM (not open to --set)
+FIXED = ("model", "data", "extra", "client", "store", "seed", "progress")
+CHARLM_FIXED = ("train_step", "eval_step", "optimizer", "lr_schedule")
 
 CHARLM = {"train_kb": 128, "val_kb": 32, "context": 64, "epochs": 4, "shards": 32, "lr": 5e-3}
 
@@ -170,18 +176,36 @@ def _value(text: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", default="digits,wide,tabular,charlm")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="a comma list of %(default)s")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="one of vcdask.fit's arguments (repeatable)"
+    )
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    tasks = choices_list(ap, "--tasks", args.tasks, TASKS)
+    seeds = number_list(ap, "--seeds", args.seeds, int, minimum=0)
+    if args.workers < 1:
+        ap.error(f"--workers must be >= 1, got {args.workers}")
+    fixed = FIXED + (CHARLM_FIXED if "charlm" in tasks else ())
+    settable = [
+        p.name
+        for p in inspect.signature(vcdask.fit).parameters.values()
+        if p.name not in fixed and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     overrides = {}
     for item in args.set:
         name, sep, value = item.partition("=")
         if not sep:
             ap.error(f"--set takes NAME=VALUE, got {item!r}")
-        overrides[name] = _value(value)
+        if name not in settable:
+            ap.error(
+                f"--set: {name!r} is not one of fit's arguments this benchmark leaves open; choose from {settable}"
+            )
+        try:
+            overrides[name] = _value(value)
+        except (ValueError, KeyError, TypeError) as e:
+            ap.error(f"--set: cannot read {item!r}: {e!r}")
     from distributed import Client
 
     from vcdask.cluster import embedded_cluster
@@ -189,7 +213,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # the torch loop on one core, as each worker is
     rows = []
     with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
-        for name in args.tasks.split(","):
+        for name in tasks:
             vc, tc = [], []
             t0 = time.perf_counter()
             for seed in seeds:

@@ -1,7 +1,7 @@
 """Time per shard on each kind of worker: CPU only, one CUDA worker, and one run mixing both.
 
 usage: python benchmarks/devices.py [--tasks wide,lm] [--setups cpu,cuda,mixed] [--precisions 32,bf16]
-                                    [--epochs 2] [--repeat 1]
+                                    [--epochs 2]
 
 Each setup is a real cluster of Dask worker processes (``distributed.SpecCluster`` with ``Nanny``
 workers, one thread each); a CPU worker is one started with ``CUDA_VISIBLE_DEVICES=""``, so
@@ -34,6 +34,8 @@ import vcdask
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
+
+from _args import choices_list  # noqa: E402
 
 
 def _cluster(setup: str):
@@ -121,19 +123,26 @@ def run(task: str, setup: str, precision: str, epochs: int) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", default="wide,lm")
-    ap.add_argument("--setups", default="cpu,cuda,mixed")
-    ap.add_argument("--precisions", default="32,bf16")
+    ap.add_argument("--tasks", default="wide,lm", help="a comma list of wide, lm")
+    ap.add_argument("--setups", default="cpu,cuda,mixed", help="a comma list of cpu, cuda, mixed")
+    ap.add_argument("--precisions", default="32,bf16", help="a comma list of 32, bf16, 16-mixed (GPU setups)")
     ap.add_argument("--epochs", type=int, default=2)
     args = ap.parse_args(argv)
+    from vcdask.device import PRECISIONS
+
+    tasks = choices_list(ap, "--tasks", args.tasks, TASKS)
+    setups = choices_list(ap, "--setups", args.setups, ("cpu", "cuda", "mixed"))
+    precisions_gpu = choices_list(ap, "--precisions", args.precisions, PRECISIONS)
+    if args.epochs < 1:
+        ap.error(f"--epochs must be >= 1, got {args.epochs}")
     if not torch.cuda.is_available():
         print("no CUDA device here: only the cpu setup runs")
     rows: list[dict] = []
-    for task in args.tasks.split(","):
-        for setup in args.setups.split(","):
+    for task in tasks:
+        for setup in setups:
             if setup != "cpu" and not torch.cuda.is_available():
                 continue
-            precisions = args.precisions.split(",") if setup != "cpu" else ["32"]
+            precisions = precisions_gpu if setup != "cpu" else ["32"]
             for precision in precisions:
                 rows.extend(run(task, setup, precision, args.epochs))
                 print(rows[-1], flush=True)

@@ -24,6 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _args import number_list
+
 
 def _read_zarr(path: Path) -> np.ndarray:
     import xarray as xr
@@ -51,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="10,100", help="millions of float32 values, a comma list (%(default)s)")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
+    sizes = number_list(ap, "--sizes", args.sizes, int, minimum=1)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="vcdask-bench-finite-") as tmp:
-        for millions in (int(s) for s in args.sizes.split(",")):
+        for millions in sizes:
             n = millions * 10_000
             X = np.random.default_rng(0).random((n, 100), dtype=np.float32)
             y = np.zeros(n, dtype=np.int64)

@@ -153,6 +153,34 @@ def vcdask_rule(text: str, workers: int):
     return None
 
 
+RULE_SPELLINGS = (
+    "default, nesterov:LR/MOMENTUM, staleness:ALPHA/A, vc-asgd:ALPHA, sum, dn:LR/MOMENTUM, ddp[:sqrt|:linear|:X], "
+    "sync[:ETA], seq, probe:STEPS/PULLS[/MOMENTA][#ROWS]"
+)
+
+
+def check_rule(text: str) -> None:
+    """Raise ``ValueError`` (naming ``text`` and the spellings) unless ``text`` is a ``--rules`` item this runs."""
+    name, _, arg = text.partition(":")
+    try:
+        if name == "ddp":
+            ddp_lr_scale(text, 2)
+            return
+        if name in ("sum", "seq") and not arg:
+            return
+        if name == "sync":
+            float(arg or 1)
+            return
+        if name == "dn":
+            _lr, _mu = map(float, arg.split("/"))
+            return
+        if name in ("default", "nesterov", "staleness", "vc-asgd", "probe") and vcdask_rule(text, 2) is not None:
+            return
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"bad rule {text!r} ({e}); the spellings: {RULE_SPELLINGS}") from None
+    raise ValueError(f"unknown rule {text!r}; the spellings: {RULE_SPELLINGS}")
+
+
 def ddp_lr_scale(text: str, workers: int) -> float:
     """``ddp``'s learning rate against the task's: ``ddp`` 1, ``ddp:sqrt`` sqrt(W), ``ddp:linear`` W, ``ddp:X`` X."""
     arg = text.partition(":")[2]
@@ -372,6 +400,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--beta2 must be in [0, 1), got {args.beta2}")
     if args.lookahead < 0:
         ap.error(f"--lookahead must be 0 or more, got {args.lookahead}")
+    for rule in args.rules.split(","):
+        try:
+            check_rule(rule)
+        except ValueError as e:
+            ap.error(f"--rules: {e}")
+    for name in ("workers", "seeds"):
+        try:
+            values = [int(v) for v in getattr(args, name).split(",")]
+        except ValueError:
+            ap.error(f"--{name} takes a comma list of integers, got {getattr(args, name)!r}")
+        if min(values) < (1 if name == "workers" else 0):
+            ap.error(f"--{name}: got {getattr(args, name)!r}; each must be >= {1 if name == 'workers' else 0}")
     torch.set_num_threads(1)
     data = load_task_data(args)
     ratios: dict[tuple[int, str, str], list[float]] = {}

@@ -2,7 +2,7 @@
 
 usage: python benchmarks/heterogeneous.py [--task digits|wide] [--slow 1,2,5] [--passes 12] [--target 0.95]
                                           [--local-epochs 1] [--shards N]
-                                          [--seeds 0,1,2] [--kill-every 0]
+                                          [--seeds 0,1,2] [--kill-every 0] [--peers torch,ddp]
                                           [--vcdask default,adaptive,worker-state,fresh-state,no-correction,vc-asgd,
                                                     probe,agreement,adam-correction,trust,no-hand-over,
                                                     no-next-base,no-inline-base,
@@ -12,7 +12,8 @@ Two worker processes of one thread each; worker 1 is made ``--slow`` times slowe
 delay**: before each training batch it sleeps ``(slow - 1) * c``, where ``c`` is the median time of one
 batch (forward, backward, Adam step, batch 32, one thread) measured on this machine at start-up.  The
 same delay, on the same rank, slows DDP, so both see the same hardware.  A sleeping worker gives its
-core back, as a slower machine would.
+core back, as a slower machine would.  The trainers (``--peers`` picks the baselines: a comma list of
+``torch`` and ``ddp``, an empty string for none):
 
 * ``torch``:  one process, one thread, all the data (the pace of one fast worker; no slow one).
 * ``ddp``:    ``DistributedDataParallel``, gloo, 2 processes; each pass split between the ranks, batch 32
@@ -54,6 +55,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _args import choices_list, number_list  # noqa: E402
 from _scratch import scratch_store  # noqa: E402
 from strategies import MODELS  # noqa: E402
 
@@ -411,12 +413,21 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--kill-every", type=float, default=0.0, help="seconds between kills of worker 1 (0: none)")
     ap.add_argument("--vcdask", default="default", help=f"variants: {', '.join(VARIANTS)}")
-    ap.add_argument("--peers", default="torch,ddp")
+    ap.add_argument(
+        "--peers", default="torch,ddp", help="baselines: a comma list of torch, ddp, or '' for none (%(default)s)"
+    )
     args = ap.parse_args(argv)
     unknown = set(args.vcdask.split(",")) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown --vcdask variants {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
-    seeds = [int(s) for s in args.seeds.split(",")]
+    peers = choices_list(ap, "--peers", args.peers, ("torch", "ddp"), allow_empty=True)
+    seeds = number_list(ap, "--seeds", args.seeds, int, minimum=0)
+    slows = number_list(ap, "--slow", args.slow, float, minimum=1)
+    if args.passes < 1 or args.local_epochs < 1 or (args.shards is not None and args.shards < 1):
+        got = f"{args.passes}, {args.local_epochs} and {args.shards}"
+        ap.error(f"--passes, --local-epochs and --shards must be >= 1, got {got}")
+    if args.kill_every < 0 or not 0 < args.target <= 1:
+        ap.error(f"--kill-every must be >= 0 and --target in (0, 1], got {args.kill_every} and {args.target}")
     (X, y), (Xt, yt) = digits()
     c = batch_seconds(args.task, X, y)
     from distributed import Client
@@ -428,16 +439,16 @@ def main(argv=None) -> int:
         # warm-up: worker processes import torch and vcdask once, outside the measurements
         vcdask_run("default", args.task, 0, X[:320], y[:320], 1, 0.0, 0.0, client)
         torch_runs = {}
-        for slow in [float(s) for s in args.slow.split(",")]:
+        for slow in slows:
             delay = (slow - 1) * c
             runs: dict[str, list] = {}
             for seed in seeds:
                 trainers = []
-                if "torch" in args.peers:
+                if "torch" in peers:
                     if seed not in torch_runs:
                         torch_runs[seed] = torch_single(args.task, seed, X, y, args.passes)
                     trainers.append(("torch, 1 process", lambda s=seed: torch_runs[s]))
-                if "ddp" in args.peers:
+                if "ddp" in peers:
                     trainers.append(
                         (
                             "torch DDP, 2 ranks",

@@ -31,6 +31,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
+from _args import choices_list, number_list  # noqa: E402
+
 
 def _digits(seed: int, wide: bool = False):
     from strategies import MODELS
@@ -89,19 +91,22 @@ def run(task: str, state: str, seed: int, epochs: int, client) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", default="digits,wide,lm")
+    ap.add_argument("--tasks", default="digits,wide,lm", help="a comma list of %(default)s")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--seeds", default="0,1,2")
     args = ap.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    tasks = choices_list(ap, "--tasks", args.tasks, TASKS)
+    seeds = number_list(ap, "--seeds", args.seeds, int, minimum=0)
+    if args.workers < 1 or args.epochs < 1:
+        ap.error(f"--workers and --epochs must be >= 1, got {args.workers} and {args.epochs}")
     from distributed import Client
 
     from vcdask.cluster import embedded_cluster
 
     rows = []
     with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
-        for task in args.tasks.split(","):
+        for task in tasks:
             by_state = {}
             for state in ("fresh", "worker"):
                 runs = [run(task, state, seed, args.epochs, client) for seed in seeds]

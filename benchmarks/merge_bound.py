@@ -44,6 +44,7 @@ import vcdask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _args import choices_list, number_list
 from _scratch import scratch_store
 
 #: The column the benchmark is about.
@@ -198,6 +199,20 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per row (the table gives medians)")
     ap.add_argument("--cpu", action="store_true", help="where the machine's CPU went, ms per merge")
     args = ap.parse_args(argv)
+    for name in ("params", "shards", "workers", "tasks_per_slot", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.epochs < 2:  # merges/s is measured after the first epoch
+        ap.error(f"--epochs must be >= 2 (merges/s is measured after epoch 1), got {args.epochs}")
+    from vcdask.compress import COMPRESSIONS
+    from vcdask.merge import rules as merge_rules
+
+    folds = [str(f) for f in number_list(ap, "--fold", args.fold, int, minimum=1, words=("on", "off"))]
+    rules = choices_list(ap, "--rules", args.rules, sorted(merge_rules))
+    codecs = choices_list(ap, "--compression", args.compression, ("none", *COMPRESSIONS))
+    number_list(ap, "--backlog", args.backlog, float, minimum=0, words=("default", "none"))
+    backlogs = args.backlog.split(",")
+    next_bases = choices_list(ap, "--next-base", args.next_base, ("on", "off"))
     from devices import markdown
     from distributed import Client
 
@@ -205,11 +220,11 @@ def main(argv=None) -> int:
 
     configs = [
         (fold, rule, codec, backlog, next_base)
-        for fold in args.fold.split(",")
-        for rule in args.rules.split(",")
-        for codec in args.compression.split(",")
-        for backlog in args.backlog.split(",")
-        for next_base in args.next_base.split(",")
+        for fold in folds
+        for rule in rules
+        for codec in codecs
+        for backlog in backlogs
+        for next_base in next_bases
     ]
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
     with embedded_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:

@@ -30,12 +30,12 @@ from dataclasses import replace
 
 import dask
 import torch
+from _args import choices_list, number_list
 
 from vcdask import open_store
 from vcdask.engine.params_server import STAGES, ParamsServer
-from vcdask.merge import DEFAULT_RULE
+from vcdask.merge import DEFAULT_RULE, VCASGD
 from vcdask.params import flatten
-from vcdask.schedules import Constant
 from vcdask.testing.s3 import moto_server
 from vcdask.updates import update_path, write_update
 
@@ -45,12 +45,15 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
+RULES = ("vc-asgd", "nesterov")
+
+
 def make_rule(name: str):
     if name == "vc-asgd":
-        return Constant(0.9)
+        return VCASGD(alpha=0.9)
     if name == "nesterov":
         return replace(DEFAULT_RULE, delay=2)  # fit's delay for 2 workers, one task each
-    raise ValueError(f"unknown rule {name!r}: choose from vc-asgd, nesterov")
+    raise ValueError(f"unknown rule {name!r}: choose from {', '.join(RULES)}")
 
 
 def copy_and_write(n_params: int, directory: str, repeats: int = 5) -> list[float]:
@@ -102,7 +105,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=int, default=5_000_000)
     ap.add_argument("--updates", type=int, default=30)
-    ap.add_argument("--rules", default="vc-asgd,nesterov")
+    ap.add_argument("--rules", default="vc-asgd,nesterov", help="a comma list of vc-asgd, nesterov")
     ap.add_argument("--stores", default="local,s3", help="local (a directory) and/or s3 (moto on loopback)")
     ap.add_argument("--every", default="1,5", help="commit_every values, a comma list")
     ap.add_argument(
@@ -116,6 +119,13 @@ def main() -> None:
         help="record (and verify) each version's checksums (vcdask.store.checksums), a comma list of on/off",
     )
     args = ap.parse_args()
+    if args.params < 1 or args.updates < 1:
+        ap.error(f"--params and --updates must be >= 1, got {args.params} and {args.updates}")
+    rules = choices_list(ap, "--rules", args.rules, RULES)
+    kinds = choices_list(ap, "--stores", args.stores, ("local", "s3"))
+    everies = number_list(ap, "--every", args.every, int, minimum=1)
+    queueds = choices_list(ap, "--queued", args.queued, ("no", "yes"))
+    checksums = choices_list(ap, "--checksums", args.checksums, ("on", "off"))
     torch.set_num_threads(1)
     ws, wc = torch.randn(args.params), torch.randn(args.params)
     lerp = []
@@ -125,7 +135,6 @@ def main() -> None:
         lerp.append((time.perf_counter() - t) * 1e3)
     rows = [("bare lerp_ in memory (floor)", "-", "-", lerp, 1e3 / statistics.median(lerp))]
     stages = []
-    kinds = args.stores.split(",")
     with moto_server() as s3, tempfile.TemporaryDirectory() as d:
         stores = [("local directory", open_store(d))] if "local" in kinds else []
         if "s3" in kinds:
@@ -134,9 +143,9 @@ def main() -> None:
             disk = copy_and_write(args.params, d)
             rows.insert(1, ("floor: memory copy + write the same bytes to the same disk", "-", "-", disk, 0.0))
         for name, store in stores:
-            for rule in args.rules.split(","):
-                for every in map(int, args.every.split(",")):
-                    for queued, sums in itertools.product(args.queued.split(","), args.checksums.split(",")):
+            for rule in rules:
+                for every in everies:
+                    for queued, sums in itertools.product(queueds, checksums):
                         label = f"{name}, next queued" if queued == "yes" else name
                         label += ", no checksums" if sums == "off" else ""
                         with dask.config.set({"vcdask.store.checksums": sums == "on"}):

@@ -3,6 +3,9 @@
 usage: python benchmarks/paper_alpha.py [--epochs 20] [--local-epochs 2] [--repeat 2]
                                        [--png docs/_static/paper_alpha.png]
 
+The default ``--png`` is the documentation's figure in this repository (found from this script, wherever it
+is run from); a relative ``--png`` given on the command line is relative to the current directory.
+
 VC-ASGD with each alpha on an embedded LocalCluster of 4 single-thread worker processes (4 shards
 train at once, as the paper's 4 volunteer slots), every version validated, so each epoch has the
 min/max band of the versions it produced (the paper's Fig. 3).  Prints validation accuracy at a few
@@ -14,7 +17,10 @@ slowest, e/(e+1) best overall.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import statistics
+from pathlib import Path
 
 from _scratch import add_store_argument, scratch_store
 from distributed import Client
@@ -24,16 +30,39 @@ from vcdask.cluster import embedded_cluster
 from vcdask.demo import digits, digits_cnn
 
 ALPHAS = {"0.7": 0.7, "0.95": 0.95, "0.999": 0.999, "e/(e+1)": "epoch"}
+DEFAULT_PNG = Path(__file__).resolve().parent.parent / "docs" / "_static" / "paper_alpha.png"
 
 
-def main() -> None:
+def marks_for(epochs: int) -> list[int]:
+    """The epochs the table shows: 1, 2, 3, 5, the middle and the last, those a run of ``epochs`` reaches."""
+    return sorted(e for e in {1, 2, 3, 5, epochs // 2, epochs} if 1 <= e <= epochs)
+
+
+def _writable_png(ap: argparse.ArgumentParser, path: Path) -> Path:
+    """``path`` with its folder created, checked before any training; ``ap.error`` if it cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--png: cannot create the folder {str(path.parent)!r}: {e}")
+    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        ap.error(f"--png: cannot write {str(path)!r}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--local-epochs", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--png", default="docs/_static/paper_alpha.png")
+    ap.add_argument("--png", type=Path, default=DEFAULT_PNG, help="where the plot goes (default: %(default)s)")
     add_store_argument(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for name in ("epochs", "local_epochs", "repeat"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    png = _writable_png(ap, args.png)
+    if importlib.util.find_spec("matplotlib") is None:
+        ap.error("the plot needs matplotlib: pip install matplotlib")
     (X, y), (Xt, yt) = digits()
     runs: dict[str, list] = {name: [] for name in ALPHAS}
     with (
@@ -72,7 +101,7 @@ def main() -> None:
                     progress=False,
                 )
                 runs[name].append(r.epochs)
-    marks = sorted({1, 2, 3, 5, args.epochs // 2, args.epochs})
+    marks = marks_for(args.epochs)
     med = {
         name: {e: statistics.median(float(ep.loc[e, "accuracy"]) for ep in eps) for e in marks}
         for name, eps in runs.items()
@@ -86,7 +115,7 @@ def main() -> None:
     print("|---|" + "---|" * len(marks) + "---|")
     for name in ALPHAS:
         print(f"| {name} | " + " | ".join(f"{med[name][e]:.4f}" for e in marks) + f" | {time_[name]:.1f} |")
-    early, late = marks[1], marks[-1]
+    early, late = marks[min(1, len(marks) - 1)], marks[-1]
     checks = {
         "0.7 fastest early": med["0.7"][early] >= max(med[n][early] for n in ALPHAS),
         "0.95 better than 0.7 late": med["0.95"][late] > med["0.7"][late],
@@ -96,8 +125,8 @@ def main() -> None:
     print(f"\nthe paper's orderings here (early = epoch {early}, late = epoch {late}):")
     for claim, holds in checks.items():
         print(f"  {claim}: {'holds' if holds else 'does NOT hold'}")
-    _plot(runs, args.png, args)
-    print(f"\nplot: {args.png}")
+    _plot(runs, png, args)
+    print(f"\nplot: {png}")
 
 
 def _plot(runs, path, args) -> None:

@@ -37,6 +37,7 @@ import threading
 import time
 
 import dask.config
+from _args import number_list
 from _scratch import scratch_store
 from devices import markdown
 from distributed import Client
@@ -162,7 +163,15 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=float, default=1800.0, help="trace seconds per second of run")
     ap.add_argument("--replace", type=float, default=90.0, help="seconds from a notice to its replacement's start")
     args = ap.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    rates = number_list(ap, "--rates", args.rates, float, minimum=0)
+    notices = number_list(ap, "--notices", args.notices, float, minimum=0)
+    seeds = number_list(ap, "--seeds", args.seeds, int, minimum=0)
+    if args.epochs < 1 or args.workers < 1:
+        ap.error(f"--epochs and --workers must be >= 1, got {args.epochs} and {args.workers}")
+    if not 0 <= args.discount < 1:
+        ap.error(f"--discount must be in [0, 1), got {args.discount}")
+    if not args.scale > 0 or not args.replace >= 0:
+        ap.error(f"--scale must be > 0 and --replace >= 0, got {args.scale} and {args.replace}")
     data = digits()
     baseline = {s: one_run(args, "on-demand", 0.0, 0.0, s, data) for s in seeds}
     base_wall = statistics.median(b["wall"] for b in baseline.values())
@@ -181,8 +190,8 @@ def main(argv=None) -> int:
             "accuracy": statistics.median(b["accuracy"] for b in baseline.values()),
         }
     ]
-    for rate in [float(r) for r in args.rates.split(",")]:
-        for notice in [float(n) for n in args.notices.split(",")] if rate > 0 else [0.0]:
+    for rate in rates:
+        for notice in notices if rate > 0 else [0.0]:
             runs = [one_run(args, "spot", rate, notice, s, data) for s in seeds]
             wall = statistics.median(r["wall"] for r in runs)
             cost = statistics.median(r["cost"] for r in runs)

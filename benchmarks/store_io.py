@@ -47,12 +47,16 @@ def bench_store(store, flat, repeat: int) -> tuple[list[float], list[float]]:
     return commits, reads
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=int, default=5_000_000)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--chunk-mib", type=float, nargs="+", default=[1, 4, 16])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.params < 1 or args.repeat < 1:
+        ap.error(f"--params and --repeat must be >= 1, got {args.params} and {args.repeat}")
+    if not all(c > 0 for c in args.chunk_mib):
+        ap.error(f"--chunk-mib takes sizes > 0, got {args.chunk_mib}")
     torch.manual_seed(0)
     flat = flatten({"w": torch.randn(args.params)})
     mb = flat.nbytes / 1e6

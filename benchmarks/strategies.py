@@ -24,6 +24,7 @@ import sys
 import time
 
 import torch
+from _args import choices_list
 from _scratch import add_store_argument, scratch_store
 from distributed import Client
 
@@ -50,20 +51,40 @@ def wide_cnn(seed: int = 0) -> torch.nn.Module:
 MODELS = {"digits": digits_cnn, "wide": wide_cnn}
 
 
+RULE_NAMES = ("default", "vc-asgd", "staleness", "nesterov", "sync")
+#: nesterov:LR/MOMENTUM/DELAY, each part left out taking its default
+NESTEROV_DEFAULTS = ("0.7", "0.9", "1")
+
+
 def rule_from(spec: str):
+    """The ``merge=`` argument for one ``--rules`` item (``None``: fit's default rule).
+
+    Raises
+    ------
+    ValueError
+        An unknown rule name or a malformed argument; the message names the item.
+    """
     name, _, arg = spec.partition(":")
-    if name == "default":
-        return None  # vcdask.fit's default rule
-    if name == "vc-asgd":
-        return VCASGD(alpha=arg if arg == "epoch" else float(arg or 0.5))
-    if name == "staleness":
-        return Staleness(alpha=float(arg or 0.5))
-    if name == "nesterov":  # nesterov:LR/MOMENTUM/DELAY
-        lr, mom, delay = ((arg or "0.7/0.9/1").split("/") + ["0.9", "1"])[:3]
-        return Nesterov(lr=float(lr), momentum=float(mom), delay=int(delay))
-    if name == "sync":
+    if name not in RULE_NAMES:
+        raise ValueError(f"unknown rule {name!r} in {spec!r}; choose from {list(RULE_NAMES)}")
+    if arg and name in ("default", "sync"):
+        raise ValueError(f"rule {name!r} takes no argument, got {spec!r}")
+    try:
+        if name == "default":
+            return None  # vcdask.fit's default rule
+        if name == "vc-asgd":
+            return VCASGD(alpha=arg if arg == "epoch" else float(arg or 0.5))
+        if name == "staleness":
+            return Staleness(alpha=float(arg or 0.5))
+        if name == "nesterov":
+            parts = arg.split("/") if arg else []
+            if len(parts) > len(NESTEROV_DEFAULTS):
+                raise ValueError("nesterov takes at most LR/MOMENTUM/DELAY")
+            lr, mom, delay = parts + list(NESTEROV_DEFAULTS[len(parts) :])
+            return Nesterov(lr=float(lr), momentum=float(mom), delay=int(delay))
         return "sync"
-    raise SystemExit(f"unknown rule {spec!r}")
+    except ValueError as e:
+        raise ValueError(f"bad rule {spec!r}: {e}") from None
 
 
 def _train_passes(model, opt, X, y, g, batch):
@@ -163,22 +184,36 @@ def _median(values):
     return statistics.median(finite) if len(finite) > len(values) // 2 else float("nan")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=sorted(MODELS), default="digits")
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--epochs", type=int, default=15)
     ap.add_argument("--local-epochs", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--rules", default="vc-asgd:epoch,vc-asgd:0.5,staleness:0.5,nesterov:0.7/0.9,sync")
-    ap.add_argument("--baselines", default="torch,ddp")
+    ap.add_argument(
+        "--rules",
+        default="default,vc-asgd:0.5,vc-asgd:epoch,staleness:0.5,nesterov:0.7/0.9/4,sync",
+        help="a comma list of default, vc-asgd[:ALPHA|:epoch], staleness[:ALPHA], nesterov[:LR[/MOMENTUM[/DELAY]]], "
+        "sync (default: %(default)s)",
+    )
+    ap.add_argument("--baselines", default="torch,ddp", help="a comma list of torch, ddp, or '' for none")
     add_store_argument(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for name in ("epochs", "local_epochs", "repeat"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    specs = args.rules.split(",")
+    for spec in specs:  # every item checked before any training
+        try:
+            rule_from(spec)
+        except ValueError as e:
+            ap.error(f"--rules: {e}")
+    baselines = choices_list(ap, "--baselines", args.baselines, ("torch", "ddp"), allow_empty=True)
     make = MODELS[args.task]
     (X, y), (Xt, yt) = digits()
     passes = args.epochs * args.local_epochs
     rows: dict[str, list] = {}
-    baselines = [b for b in args.baselines.split(",") if b]
     with (
         scratch_store(args.store, "strategies") as store,
         embedded_cluster(n_workers=2) as cluster,
@@ -196,7 +231,7 @@ def main() -> None:
                     rows.setdefault("torch DDP (gloo, 2 proc)", []).append(
                         torch_ddp(args.task, seed, X, y, Xt, yt, passes, args.local_epochs, args.target)
                     )
-            for spec in args.rules.split(","):
+            for spec in specs:
                 rows.setdefault(f"vcdask {spec}", []).append(
                     vcdask_run(
                         make,

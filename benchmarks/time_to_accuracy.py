@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from _args import one_number
 from _scratch import add_store_argument, scratch_store
 from distributed import Client
 
@@ -80,16 +81,21 @@ def vcdask_run(seed: int, client, X, y, Xt, yt, epochs: int, local_epochs: int, 
     return reached, total, accuracy_on(r.model, Xt, yt)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=float, default=0.97)
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--local-epochs", type=int, default=4)
-    ap.add_argument("--alpha", default="0.5")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--alpha", default="0.5", help="vc-asgd's alpha: a number in [0, 1] or epoch")
+    ap.add_argument("--repeat", type=int, default=3, help="seeds (>= 1)")
     add_store_argument(ap)
-    args = ap.parse_args()
-    alpha = args.alpha if args.alpha == "epoch" else float(args.alpha)
+    args = ap.parse_args(argv)
+    for name in ("epochs", "local_epochs", "repeat"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.target <= 1:
+        ap.error(f"--target is a test accuracy in (0, 1], got {args.target}")
+    alpha = one_number(ap, "--alpha", args.alpha, float, minimum=0, maximum=1, words=("epoch",))
     (X, y), (Xt, yt) = digits()
     rows = {"torch": [], "torch1": [], "vcdask": []}
     t = time.perf_counter()

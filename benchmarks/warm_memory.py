@@ -54,6 +54,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gib", type=float, default=12.0, help="memory to touch (leave the OS a few GiB)")
     ap.add_argument("--wait", type=float, default=30.0, help="seconds before the last file write")
     args = ap.parse_args(argv)
+    total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if not 0 < args.gib < total_gib:
+        ap.error(f"--gib must be > 0 and below this machine's {total_gib:.1f} GiB of memory, got {args.gib:g}")
+    if args.wait < 0:
+        ap.error(f"--wait must be >= 0, got {args.wait:g}")
     rows = [("new 20 MB file, write (median)", f"{1000 * file_writes():.1f} ms")]
     first, second = touch(args.gib), touch(args.gib)
     rows += [

@@ -503,6 +503,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
     if args.check and args.skip_baseline:
         ap.error("--check compares with the baseline: drop --skip-baseline")
+    from vcdask.device import check_device
+    from vcdask.merge import rules
+
+    if args.merge != "default" and args.merge not in rules:
+        ap.error(f"--merge: unknown rule {args.merge!r}; choose from {['default', *sorted(rules)]}")
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        ap.error(f"--device: {e}")
     return args
 
 
