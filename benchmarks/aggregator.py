@@ -3,7 +3,7 @@
 usage: python benchmarks/aggregator.py [--workers 4,8,16,32,64] [--params 25000000] [--task-seconds 10]
                                        [--rules vc-asgd,default] [--overlap delta] [--tasks-per-worker 2]
                                        [--epochs 2] [--commit-every 1] [--rows 4] [--repeats 1]
-                                       [--mem-gib 20] [--store DIR]
+                                       [--mem-gib 20] [--store DIR] [--wait-limit 600 | --no-wait]
 
 Each row is one real ``vcdask.fit`` on a ``LocalCluster`` of ``min(W, 4)`` worker processes with
 ``W // processes`` threads each (W worker threads), a model of ``--params`` float32 parameters (a
@@ -45,6 +45,10 @@ its first, cold task) to the W-th last (the drain begins); over it:
   children; ``sched``: this process alone) and of the store on disk, sampled every second; ``quiet``:
   no other benchmark or pytest process was seen during the run (checked every 5 s).
 
+Before each run, and before its cluster starts, the script waits for other benchmark or pytest processes on
+the machine to end (they would share its cores), saying first which ones, for at most ``--wait-limit``
+seconds (then it goes on, and the row's ``quiet`` says ``no``); ``--no-wait`` does not wait.
+
 The memory check, fitted to the PSS peaks of 25M-parameter runs (4 processes: 5.0 GiB at W=4, 8.2 at 16,
 17.6 at 64): about 2.5 model sizes (4 x params bytes) per worker thread (its model copy, the
 ``W_c`` it hands over, the delta correction's difference), 6 per process and 6 more, plus 1.5 GiB; a
@@ -74,6 +78,7 @@ import vcdask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _args import choices_list, number_list, one_number
 from _scratch import add_store_argument, scratch_store
 from devices import markdown
 from merge_bound import cpu_times
@@ -110,20 +115,41 @@ class SleepStep:
         return model(x).pow(2).mean()
 
 
-def others() -> list[int]:
-    """Other benchmark or pytest processes running (not this one, its parents or its children)."""
+def others() -> dict[int, str]:
+    """Other benchmark or pytest processes running (not this one, its parents or its children): their
+    command lines by process id."""
     me = psutil.Process()
     ours = {me.pid} | {p.pid for p in me.parents()} | {p.pid for p in me.children(recursive=True)}
     found = subprocess.run(["pgrep", "-f", "benchmarks/|pytest"], capture_output=True, text=True).stdout
-    return [int(p) for p in found.split() if int(p) not in ours]
+    out = {}
+    for pid in (int(p) for p in found.split()):
+        if pid in ours:
+            continue
+        try:
+            out[pid] = " ".join(psutil.Process(pid).cmdline())[:160]
+        except psutil.Error:  # ended since
+            pass
+    return out
 
 
-def wait_for_quiet(poll: float = 10.0) -> float:
-    """Wait until :func:`others` finds nothing; the seconds waited."""
+def wait_for_quiet(limit: float, poll: float = 10.0) -> float:
+    """Wait until :func:`others` finds nothing, at most ``limit`` seconds (0: not at all), after saying which
+    processes it waits for; the seconds waited."""
+    found = others()
+    if not found:
+        return 0.0
+    doing = f"waiting up to {limit:g} s (--wait-limit, --no-wait) for" if limit > 0 else "not waiting (--no-wait) for"
+    print(f"  {doing} other benchmark/pytest processes:", flush=True)
+    for pid, command in found.items():
+        print(f"    {pid}: {command}", flush=True)
     t0 = time.monotonic()
-    while others():
-        time.sleep(poll)
-    return time.monotonic() - t0
+    while found and (left := limit - (time.monotonic() - t0)) > 0:
+        time.sleep(min(poll, left))
+        found = others()
+    waited = time.monotonic() - t0
+    if found and limit > 0:
+        print(f"  still running after {waited:.0f} s: going on (the row's 'quiet' will say no)", flush=True)
+    return waited
 
 
 class Peaks(threading.Thread):
@@ -270,9 +296,6 @@ def run(args, rule: str, cluster, client, n_threads: int, root: str, tag: str) -
     model = FlatModel(args.params, n_features)
     commit_every = args.commit_every if args.commit_every == "auto" else int(args.commit_every)
     store = os.path.join(root, tag)
-    waited = wait_for_quiet()
-    if waited > 0:
-        print(f"  (waited {waited:.0f} s for other benchmark/pytest processes)", flush=True)
     peaks = Peaks(root)
     peaks.start()
     before, io0 = cpu_times(), psutil.cpu_times()
@@ -340,16 +363,34 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per row, round robin (the table: medians)")
     ap.add_argument("--mem-gib", type=float, default=20.0, help="memory the rows may plan for")
     add_store_argument(ap)
+    ap.add_argument(
+        "--wait-limit",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="before each run: wait at most S seconds for other benchmark or pytest processes to end (%(default)s)",
+    )
+    ap.add_argument("--no-wait", action="store_true", help="do not wait for other benchmark or pytest processes")
     args = ap.parse_args(argv)
+    from vcdask.merge import rules as merge_rules
+
+    workers = number_list(ap, "--workers", args.workers, int, minimum=1)
+    rules = choices_list(ap, "--rules", args.rules, ["default", *sorted(merge_rules)])
+    one_number(ap, "--commit-every", args.commit_every, int, minimum=1, words=("auto",))
+    for name in ("tasks_per_worker", "epochs", "rows", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.params < 2 or args.task_seconds < 0 or args.mem_gib <= 0 or args.wait_limit < 0:
+        ap.error("--params must be >= 2, --task-seconds and --wait-limit >= 0, --mem-gib > 0")
+    wait_limit = 0.0 if args.no_wait else args.wait_limit
     from distributed import Client
 
     from vcdask.cluster import embedded_cluster
 
     t_start = time.perf_counter()
-    rules = args.rules.split(",")
     rows = []
     with scratch_store(args.store, "aggregator") as root:
-        for w in (int(x) for x in args.workers.split(",")):
+        for w in workers:
             procs, threads = memory_plan(w, args.params, args.mem_gib)
             n_threads = procs * threads
             label = str(n_threads) if n_threads == w else f"{n_threads} (of {w}: memory)"
@@ -364,6 +405,9 @@ def main(argv=None) -> int:
                 for rule in rules:
                     # a fresh cluster per run: a worker thread keeps the model copies of its last runs, and
                     # at 64 threads of 25M parameters a second run's copies took the machine to 23 GiB
+                    waited = wait_for_quiet(wait_limit)  # before the cluster starts: its own processes are ours
+                    if waited > 0:
+                        print(f"  (waited {waited:.0f} s for other benchmark/pytest processes)", flush=True)
                     with embedded_cluster(n_workers=procs, **kw) as cluster, Client(cluster) as client:
                         row = run(args, rule, cluster, client, n_threads, root, f"w{w}-{rule}-{i}")
                     runs[rule].append(row)

@@ -78,6 +78,8 @@ REFUSALS = [
     ("merge_path.py", ["--stores", "bogus"], ["'bogus'", "'s3'"]),
     ("checksums.py", ["--stores", "bogus"], ["'bogus'", "'local'"]),
     ("heterogeneous.py", ["--peers", "torch,dpp"], ["'dpp'", "'ddp'"]),
+    ("aggregator.py", ["--rules", "bogus"], ["'bogus'", "'vc-asgd'"]),
+    ("storage.py", ["--rules", "bogus"], ["'bogus'", "'nesterov'"]),
     ("fleet_sim.py", ["--rules", "bogus"], ["'bogus'", "staleness:ALPHA/A"]),
 ]
 
