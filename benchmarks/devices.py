@@ -128,11 +128,16 @@ def main(argv=None) -> int:
     ap.add_argument("--precisions", default="32,bf16", help="a comma list of 32, bf16, 16-mixed (GPU setups)")
     ap.add_argument("--epochs", type=int, default=2)
     args = ap.parse_args(argv)
-    from vcdask.device import PRECISIONS
+    from vcdask.device import check_precision
 
     tasks = choices_list(ap, "--tasks", args.tasks, TASKS)
     setups = choices_list(ap, "--setups", args.setups, ("cpu", "cuda", "mixed"))
-    precisions_gpu = choices_list(ap, "--precisions", args.precisions, PRECISIONS)
+    precisions_gpu = args.precisions.split(",")
+    for precision in precisions_gpu:  # (as fit takes them: 32-true and bf16-mixed too)
+        try:
+            check_precision(precision)
+        except ValueError as e:
+            ap.error(f"--precisions: {e}")
     if args.epochs < 1:
         ap.error(f"--epochs must be >= 1, got {args.epochs}")
     if not torch.cuda.is_available():

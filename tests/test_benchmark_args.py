@@ -69,6 +69,7 @@ REFUSALS = [
     ("inner_state.py", ["--tasks", "bogus"], ["'bogus'", "'lm'"]),
     ("devices.py", ["--tasks", "bogus"], ["'bogus'", "'wide'"]),
     ("devices.py", ["--setups", "bogus"], ["'bogus'", "'mixed'"]),
+    ("devices.py", ["--precisions", "bf16-mixed,fp8"], ["'fp8'", "'16-mixed'"]),
     ("time_to_accuracy.py", ["--repeat", "0"], ["--repeat", ">= 1"]),
     ("finite_checks.py", ["--sizes", "x"], ["--sizes", "'x'", "integer"]),
     ("merge_bound.py", ["--fold", "bogus"], ["--fold", "'bogus'", "on, off"]),

@@ -35,7 +35,14 @@ def test_the_run_says_where_an_epoch_ends_and_a_shard_merged_after_its_skip_coun
     assert p.open == [[1, 0, 0], [1, 2, 1]] and p.skipped == []
     p.skip(1, 1, end_step=2, step=2)
     assert p.done == [[1, 2]] and p.open == [] and p.skipped == []
-    assert Progress(n_shards=None).as_metadata() == {"done": [], "open": [], "skipped": []}
+
+
+def test_an_epoch_left_covered_but_open_is_ended_when_read_back():
+    """What the race above left in a store before the fix: every shard merged or given up, the epoch not done.
+    Nothing would end it (no merge or skip of it comes again), so a resume would never close an epoch."""
+    p = Progress.read({"progress": {"done": [], "open": [[1, 0, 0], [2, 1, 0]], "skipped": [[1, 1]]}}, n_shards=2)
+    p.close_covered(step=3)
+    assert p.done == [[1, 3]] and p.open == [[2, 1, 0]] and p.skipped == []
 
 
 def test_progress_reads_what_older_versions_wrote():
@@ -47,15 +54,20 @@ def test_progress_reads_what_older_versions_wrote():
 
 def test_an_epoch_a_skip_ended_after_the_last_commit_counts_done_from_the_record(tmp_path):
     """``resume(max_epochs=N)`` checks N against the epochs done: one a shard given up ended after the run's
-    last commit is in its record (written at that version's step), not in the version."""
+    last commit is in its record, written with every merge in that version; a record written before a later
+    commit (at the same step: the skip's own commit, the run's end) is older than that version."""
     store = vcdask.open_store(tmp_path / "s")
     store.create_branch("run-r")
     progress = {"done": [[1, 2]], "open": [[2, 0, 0]], "skipped": []}
     store.commit(flatten(torch.nn.Linear(2, 1)), {"run_id": "run-r", "step": 3, "progress": progress}, branch="run-r")
+    newest = store.versions("run-r")[0]
     assert epochs_done(store, "run-r") == 1
     later = {"done": [[1, 2], [2, 3]], "open": [], "skipped": []}
-    write_record(store, "run-r", {"status": "finished", "step": 3, "progress": later})
+    write_record(store, "run-r", {"status": "finished", "step": 3, "progress": later, "progress_on": newest.id})
     assert epochs_done(store, "run-r") == 2
-    assert progress_of(store, "run-r", {"step": 3, "progress": progress}) == later
-    write_record(store, "run-r", {"status": "running", "step": 4, "progress": later})  # (merges not committed)
+    assert progress_of(store, "run-r", newest.id, newest.metadata) == later
+    older = {"status": "running", "step": 3, "progress": later, "progress_on": "AN-OLDER-VERSION"}
+    write_record(store, "run-r", older)  # (a version committed after it, at the same step)
+    assert epochs_done(store, "run-r") == 1
+    write_record(store, "run-r", {**older, "progress_on": None})  # (merges not committed when it was written)
     assert epochs_done(store, "run-r") == 1

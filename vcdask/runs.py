@@ -371,7 +371,7 @@ def epochs_done(store: ParamStore, run_id: str) -> int:
     versions = store.versions(run_id)
     if not versions:
         return 0
-    return len(progress_of(store, run_id, versions[0].metadata).get("done", []))
+    return len(progress_of(store, run_id, versions[0].id, versions[0].metadata).get("done", []))
 
 
 def _check_extend(store: ParamStore, run_id: str, max_epochs: int) -> None:

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "RELEASE_TIMEOUT",
     "best_version",
+    "progress_at",
     "progress_of",
     "read_record",
     "record",
@@ -123,14 +124,21 @@ def save_record(store: Any, run_id: str, make: Callable[[], dict[str, Any]]) -> 
         logger.warning("run %s: could not write its record %s", run_id, record_path(run_id), exc_info=True)
 
 
-def progress_of(store: Any, run_id: str, newest: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's progress: its record's, when the record was written at the branch's newest version (``newest``:
-    that version's metadata; the record adds what the run did after its last commit, such as a shard given
-    up), else the newest version's own."""
-    rec = read_record(store, run_id) or {}
-    if isinstance(rec.get("progress"), dict) and rec.get("step") == newest.get("step"):
-        return dict(rec["progress"])
-    return dict(newest.get("progress") or {})
+def progress_of(store: Any, run_id: str, version: str | None, metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's progress: its record's, when the record was written with every merge in ``version``, the branch's
+    newest (``metadata``: that version's; the record adds what the run did after its last commit, such as a
+    shard given up), else the newest version's own."""
+    recorded = progress_at(read_record(store, run_id) or {}, version)
+    return recorded if recorded is not None else dict(metadata.get("progress") or {})
+
+
+def progress_at(rec: Mapping[str, Any], version: str | None) -> dict[str, Any] | None:
+    """The progress a run's record ``rec`` holds if it was written with every merge in ``version`` (the branch's
+    newest: nothing was committed since, so the record's is the newer), else None."""
+    progress = rec.get("progress")
+    if isinstance(progress, dict) and version is not None and rec.get("progress_on") == version:
+        return dict(progress)
+    return None
 
 
 def read_record(store: Any, run_id: str) -> dict[str, Any] | None:

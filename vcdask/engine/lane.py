@@ -107,11 +107,14 @@ class MergeLane:
         self, store: Any, run_id: str, make: Callable[[], dict[str, Any]], *, strict: bool = False
     ) -> None:
         """Write the run's record ``make()`` builds (in the merge thread, in order with the merges), with where
-        the merge thread stands: its step and its progress, which a resume takes when nothing was committed
-        after it (:func:`.end.progress_of`).  ``strict``: a failure is raised, else logged (the run goes on)."""
+        the merge thread stands: its step, and its progress with the version it goes with (every merge
+        committed), which a resume takes while that version is the branch's newest (:func:`.end.progress_of`).
+        ``strict``: a failure is raised, else logged (the run goes on)."""
 
         def tracked() -> dict[str, Any]:
-            return {**make(), "step": self.server.head.step, "progress": self.server.progress.as_metadata()}
+            head = self.server.head
+            on = head.version if head.committed else None  # (merges not in a version: what they did is not kept)
+            return {**make(), "step": head.step, "progress": self.server.progress.as_metadata(), "progress_on": on}
 
         if strict:
             await self.call(lambda: end.write_record(store, run_id, tracked()))

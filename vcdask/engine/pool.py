@@ -37,6 +37,7 @@ class WorkerRecord:
     timed_out: int = 0
     rejected: int = 0
     repaid: int = 0  # rejections taken back by later merged updates (see WorkerPool.credit)
+    merged: int = 0  # its updates merged (this session's)
     seconds: float = 0.0  # of the results whose time was measured (``timed``)
     timed: int = 0
     preempted: bool = False
@@ -225,6 +226,7 @@ class WorkerPool:
         would add up to ``max_worker_failures`` and exclude an honest worker.  A worker whose updates are
         all rejected repays nothing and is excluded as before.  (Its ``rejected`` count stays the total.)"""
         rec = self.record(address)
+        rec.merged += 1
         if rec.repaid < rec.rejected and rec.excluded is None:
             rec.repaid += 1
 

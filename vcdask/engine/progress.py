@@ -87,6 +87,13 @@ class Progress:
         elif self._covered(epoch):
             self._end(epoch, step)
 
+    def close_covered(self, step: int) -> None:
+        """End, at ``step``, every open epoch whose shards are all merged or given up (a store written before an
+        epoch ended this way was left with such an epoch, which nothing would end)."""
+        for epoch in sorted({e[0] for e in [*self.open, *self.skipped]} - self.done_epochs()):
+            if self._covered(epoch):
+                self._end(epoch, step)
+
     def _covered(self, epoch: int) -> bool:
         if self.n_shards is None:
             return False

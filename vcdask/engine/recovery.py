@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..updates import delete_update, list_updates, read_update_meta, update_gone, update_key
 from .core import messages as m
-from .end import read_record
+from .end import progress_at, read_record
 from .inflight import TaskRecord
 from .progress import Progress
 
@@ -63,8 +63,10 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
     """
     server.load()
     last = read_record(store, run_id) or {}
-    if last.get("progress") is not None and last.get("step") == server.head.step:  # (nothing committed since)
-        server.progress = Progress.read(last, server.progress.n_shards)  # (:func:`.end.progress_of`)
+    recorded = progress_at(last, server.head.version)  # (:func:`.end.progress_of`)
+    if recorded is not None:
+        server.progress = Progress.read({"progress": recorded}, server.progress.n_shards)
+    server.progress.close_covered(server.head.step)
     rows = {int(r["epoch"]): r for r in last.get("epochs") or () if isinstance(r, dict) and "epoch" in r}
     merged: dict[int, set[int]] = {}
     attempts: dict[tuple[int, int], int] = {}

@@ -157,7 +157,7 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
         earlier = seen.setdefault(worker, set())
         # blamed the first time only: again in another epoch, or in the same one from a worker that merges other
         # shards (the data's doing); a worker that has merged nothing is blamed each time (it may be broken)
-        again = bool(earlier) and (epoch not in earlier or _has_merged(state, worker))
+        again = bool(earlier) and (epoch not in earlier or state.pool.record(worker).merged > 0)
         earlier.add(epoch)
         if len(seen) >= 2:
             if not data_known:
@@ -172,11 +172,6 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
         blame(state, worker, "rejected")
     # an update that came back too stale is the pace's doing, not the shard's: re-issue, uncounted
     retry_or_give_up(state, epoch, shard, reason, avoid=worker, count=fault != "stale")
-
-
-def _has_merged(state: RunState, worker: str) -> bool:
-    """Whether an update of ``worker`` was merged in this run (scanned on a NaN only)."""
-    return any(h["accepted"] and h["worker"] == worker for h in reversed(state.ledger.history))
 
 
 def _data_given_up(state: RunState, epoch: int, shard: int, seen: dict[str, set[int]]) -> None:
