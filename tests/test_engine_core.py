@@ -697,6 +697,15 @@ def test_a_shard_blamed_for_its_data_is_given_up_in_the_next_epoch_too_whose_cop
     assert not rows(s.state, "duplicate") and good.shard != bad.shard
 
 
+def _nan_from_a(s: Script, key: str, shard: int, times: int) -> None:
+    """Worker "a" sends (epoch 1, ``shard``) back NaN ``times`` times, each copy the run sends it again."""
+    for _ in range(times):
+        s.start(key, "a")
+        sent = keys(s.merge(s.finish_task(key, "a"), accept=False, fault="non-finite"))
+        copies = [k for k in sent + keys(s(m.Poll())) if s.state.tasks.records[k].copy_of(1, shard)]
+        key = copies[0] if copies else key
+
+
 def test_the_only_worker_sending_one_shard_back_nan_is_blamed_once_and_the_shard_fails_its_attempts():
     """A run on one worker that trains the other shards fine, with one shard whose data gives NaN: the copies
     sent again to the same worker count against the shard, not the worker again, so ``on_shard_failure``
@@ -708,11 +717,7 @@ def test_the_only_worker_sending_one_shard_back_nan_is_blamed_once_and_the_shard
     s.merge(s.finish_task(first, "a"))  # the worker trains a shard fine
     key = next(k for k, t in s.state.tasks.records.items() if t.kind == "update")
     shard = s.state.tasks.records[key].shard
-    for _ in range(3):
-        s.start(key, "a")
-        sent = keys(s.merge(s.finish_task(key, "a"), accept=False, fault="non-finite"))
-        copies = [k for k in sent + keys(s(m.Poll())) if s.state.tasks.records[k].copy_of(1, shard)]
-        key = copies[0] if copies else key
+    _nan_from_a(s, key, shard, times=3)
     record = s.state.pool.record("a")
     assert record.rejected == 1 and not record.excluded and s.state.ledger.skipped == {1: {shard}}
     for _ in range(2):  # two more shards come back NaN: blamed for each, the third excludes the worker
@@ -731,11 +736,7 @@ def test_the_only_worker_that_has_merged_nothing_is_blamed_for_each_nan_of_the_s
     s = Script(n_shards=2, workers=("a",), max_attempts=4, max_worker_failures=3)
     key = keys(s(m.Poll()))[0]
     shard = s.state.tasks.records[key].shard
-    for _ in range(3):
-        s.start(key, "a")
-        sent = keys(s.merge(s.finish_task(key, "a"), accept=False, fault="non-finite"))
-        copies = [k for k in sent + keys(s(m.Poll())) if s.state.tasks.records[k].copy_of(1, shard)]
-        key = copies[0] if copies else key
+    _nan_from_a(s, key, shard, times=3)
     assert s.state.pool.record("a").rejected == 3 and s.state.pool.record("a").excluded
 
 

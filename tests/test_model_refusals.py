@@ -11,31 +11,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from refusal_helpers import refused as _refused
 from torch.nn.utils import parametrizations, parametrize
 
-import vcdask
 from vcdask.errors import DataError
-
-
-class NoCluster:
-    """A client stand-in that fails the test if fit ever reaches for the cluster."""
-
-    scheduler_address = "tcp://127.0.0.1:1"
-
-    def __getattr__(self, name):
-        raise AssertionError(f"fit touched the cluster ({name}) before rejecting its input")
-
-
-def _refused(model, data, tmp_path, exc, *fragments, **kwargs) -> str:
-    """fit refuses ``model`` before touching the cluster or the store; its message holds every fragment."""
-    store = tmp_path / "store"
-    with pytest.raises(exc) as info:
-        vcdask.fit(model, data, client=NoCluster(), store=store, progress=False, **kwargs)
-    assert not store.exists(), "the store was created before the model was rejected"
-    message = str(info.value)
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    return message
 
 
 @pytest.fixture

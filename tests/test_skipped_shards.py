@@ -101,22 +101,26 @@ def raising_step(model, batch):
     return F.cross_entropy(model(x), y)
 
 
-def test_a_shard_whose_step_raises_is_tried_elsewhere_then_given_up_and_the_run_goes_on(client, tmp_path):
-    """Under ``on_shard_failure="skip"`` an error in the step (or loss, or Dataset) on one shard is an attempt
-    of that shard: tried again on another worker, given up after ``max_attempts``; no worker is blamed."""
-    X, y = _data()
+def _fit_raising(data, max_attempts: int, client, tmp_path):
+    """Two epochs of 4 shards with :func:`raising_step`, giving a shard up after ``max_attempts``."""
     torch.manual_seed(0)
-    result = vcdask.fit(
+    return vcdask.fit(
         torch.nn.Linear(5, 2),
-        (X, y),
+        data,
         train_step=raising_step,
         max_epochs=2,
         n_shards=4,
-        resilience=vcdask.Resilience(max_attempts=2, on_shard_failure="skip"),
+        resilience=vcdask.Resilience(max_attempts=max_attempts, on_shard_failure="skip"),
         client=client,
         store=tmp_path / "store",
         progress=False,
     )
+
+
+def test_a_shard_whose_step_raises_is_tried_elsewhere_then_given_up_and_the_run_goes_on(client, tmp_path):
+    """Under ``on_shard_failure="skip"`` an error in the step (or loss, or Dataset) on one shard is an attempt
+    of that shard: tried again on another worker, given up after ``max_attempts``; no worker is blamed."""
+    result = _fit_raising(_data(), 2, client, tmp_path)
     h = result.history
     failed = h[h["outcome"] == "failed"]
     assert len(failed) == 4 and failed["shard"].nunique() == 1  # two attempts an epoch
@@ -133,14 +137,4 @@ def test_an_epoch_whose_every_shard_is_given_up_fails_the_run(client, tmp_path):
     X, y = _data()
     X[[10, 50, 90, 130], 4] = POISON  # a poisoned row in every shard (the pre-flight's first rows are clean)
     with pytest.raises(vcdask.RunFailedError, match=r"every shard of epoch 1 was given up, none merged"):
-        vcdask.fit(
-            torch.nn.Linear(5, 2),
-            (X, y),
-            train_step=raising_step,
-            max_epochs=2,
-            n_shards=4,
-            resilience=vcdask.Resilience(max_attempts=1, on_shard_failure="skip"),
-            client=client,
-            store=tmp_path / "store",
-            progress=False,
-        )
+        _fit_raising((X, y), 1, client, tmp_path)
