@@ -120,14 +120,14 @@ class Ledger:
         """Whether merging (epoch, shard) would complete its epoch."""
         return not self.done(epoch, shard) and self.remaining(epoch) == 1
 
-    def set_shard(self, epoch: int, shard: int, state: ShardState, **why: str) -> None:
+    def set_shard(self, epoch: int, shard: int, state: ShardState, why: str | None = None) -> None:
         """Move (epoch, shard) to ``state`` for the panel's grid (merged and skipped are final; a
         rejection stays visible until a copy is merged) and publish the change (with ``why``, if given)."""
         old = self.shard_state.get((epoch, shard))
         if old == state or old in FINAL_STATES or (old == "rejected" and state in ACTIVE_STATES):
             return
         self.shard_state[(epoch, shard)] = state
-        self.events.emit("shard", epoch=epoch, shard=shard, state=state, **why)
+        self.events.emit("shard", epoch=epoch, shard=shard, state=state, **({} if why is None else {"why": why}))
 
     def note_merged(self, epoch: int, shard: int, seconds: float, step: int) -> bool:
         """(epoch, shard) was merged at ``step``; return whether that completed its epoch (which ends there).
@@ -153,7 +153,7 @@ class Ledger:
         """Leave (epoch, shard) out of its epoch (``why``: for the panel and the console); return whether
         that completed the epoch."""
         self.skipped.setdefault(epoch, set()).add(shard)
-        self.set_shard(epoch, shard, "skipped", **({"why": why} if why else {}))
+        self.set_shard(epoch, shard, "skipped", why)
         if self.remaining(epoch) == 0:
             self.epoch_end[epoch] = (step, self.clock())
             return True

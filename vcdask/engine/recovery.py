@@ -35,8 +35,8 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
     What was merged comes from the newest version's ``progress`` record (which outlives the
     versions that retention removed) and from the ``merged`` lists of the versions still there
     (all of them for a run that keeps every version, or one written before ``progress`` existed).
-    The run's record, written as its last session ended, adds what that session did after its last
-    commit (a shard given up) and the rows of the epochs it closed.
+    The run's record (written as epochs close and as a session ends) adds what the last session did after
+    its last commit (a shard given up), the rows of the epochs it closed, and where it counted from.
 
     Returns
     -------
