@@ -42,6 +42,35 @@ def test_bad_schedules_are_refused_with_the_value():
         inner.check_schedule(0.5)
 
 
+@pytest.mark.parametrize(
+    ("schedule", "error", "fragments"),
+    [
+        (  # torch's LambdaLR form: one argument
+            lambda step: 0.95**step,
+            TypeError,
+            ["lr_schedule must be a callable (epoch, step) -> factor", "lr_schedule(1, 0) raised TypeError"],
+        ),
+        (  # a torch scheduler class: once "int is not an Optimizer"
+            torch.optim.lr_scheduler.CosineAnnealingLR,
+            TypeError,
+            ["lr_schedule must be a callable (epoch, step)", "torch's CosineAnnealingLR", "lr_schedules.Cosine()"],
+        ),
+        (
+            torch.optim.lr_scheduler.StepLR(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1), 10),
+            TypeError,
+            ["torch's StepLR", "fn(epoch, step) -> factor"],
+        ),
+        (OverRun(lambda _step: 1.0), TypeError, ["lr_schedule(0, total=1000) raised TypeError", "(step, total)"]),
+        (lambda _epoch, step: math.log(step), ValueError, ["lr_schedule(1, 0) raised ValueError: math domain error"]),
+    ],
+)
+def test_a_schedule_that_fails_its_first_call_is_refused_naming_lr_schedule(schedule, error, fragments):
+    with pytest.raises(error) as info:
+        inner.check_schedule(schedule)
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in {info.value}"
+
+
 def test_schedules_pickle_as_themselves():
     for schedule in (Cosine(warmup=0.05, final=0.1), Linear(), Constant(0.2)):
         assert pickle.loads(pickle.dumps(schedule)) == schedule

@@ -99,19 +99,37 @@ def check_schedule(schedule: Any) -> Callable[[int, int], float] | None:
 
     Raises
     ------
-    TypeError, ValueError
-        Not a callable ``(epoch, step) -> factor`` or a :class:`~vcdask.lr_schedules.RunSchedule`,
-        or a negative / non-finite factor.
+    TypeError
+        Not a callable ``(epoch, step) -> factor`` or a :class:`~vcdask.lr_schedules.RunSchedule`: a torch
+        scheduler (class or instance), or a callable that raises a ``TypeError`` when called as one (a
+        one-argument ``lambda step: ...``); the message names ``lr_schedule`` and the expected signature.
+    ValueError
+        A negative or non-finite factor, or another error raised by the schedule's first call (named so).
     """
     if schedule is None:
         return None
-    if not callable(schedule):
+    run = isinstance(schedule, RunSchedule)
+    expected = (
+        "lr_schedule must be a callable (epoch, step) -> factor or a vcdask.lr_schedules schedule"
+        " (Cosine, Linear, Constant, OverRun(fn(step, total)))"
+    )
+    scheduler = torch.optim.lr_scheduler.LRScheduler
+    if (isinstance(schedule, type) and issubclass(schedule, scheduler)) or isinstance(schedule, scheduler):
+        what = schedule.__name__ if isinstance(schedule, type) else type(schedule).__name__
         raise TypeError(
-            "lr_schedule must be a callable (epoch, step) -> factor or a vcdask.lr_schedules schedule"
-            f" (Cosine, Linear, Constant, OverRun), got {type(schedule).__name__}"
+            f"{expected}, got torch's {what}: a torch scheduler steps one optimizer in one process, and each shard "
+            "task makes its own; use vcdask.lr_schedules.Cosine() for CosineAnnealingLR (or Linear, Constant(warmup=), "
+            "OverRun(fn(step, total)) for LambdaLR's fn over the run's steps), or fn(epoch, step) -> factor"
         )
-    call = "lr_schedule(0, total=1000)" if isinstance(schedule, RunSchedule) else "lr_schedule(1, 0)"
-    factor = schedule(0, 1000) if isinstance(schedule, RunSchedule) else schedule(1, 0)
+    if not callable(schedule):
+        raise TypeError(f"{expected}, got {type(schedule).__name__}")
+    call = "lr_schedule(0, total=1000)" if run else "lr_schedule(1, 0)"
+    try:
+        factor = schedule(0, 1000) if run else schedule(1, 0)
+    except Exception as e:
+        called = "schedule(step, total)" if run else "(epoch, step): epoch from 1, step the task's own from 0"
+        error = TypeError if isinstance(e, TypeError) else ValueError
+        raise error(f"{expected}; {call} raised {type(e).__name__}: {e} (it is called as {called})") from e
     if not is_real(factor) or not 0 <= float(factor) < float("inf"):
         raise ValueError(f"{call} must return a finite number >= 0, got {factor!r}")
     return schedule
@@ -144,7 +162,7 @@ class InnerOptimizer:
             if position is None:  # (a run dispatched before positions were sent: its epoch's start)
                 position = (epoch - 1) * spec.shards.n_shards
             self.start = round(position * per_shard)
-        self.optimizer: torch.optim.Optimizer = spec.optimizer(model.parameters())
+        self.optimizer: torch.optim.Optimizer = spec.optimizer(list(model.parameters()))  # (a list: one pass each)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.step_count = 0
         self.resumed = False
