@@ -250,6 +250,45 @@ def test_optimizer_state_on_two_devices_is_checked_and_kept_as_on_a_gpu():
     assert not inner.InnerOptimizer(spec, model, opt.precision, 1).resumed
 
 
+def test_a_loss_modules_tensors_go_to_the_workers_device_once_a_run(monkeypatch):
+    """``CrossEntropyLoss(weight=...)``'s class weights stayed on the CPU while the outputs and labels were on the
+    GPU: every task of a CUDA worker failed.  The stand-in refuses the same mix; the loss the default step gets on
+    the device is a copy there (made once per run and device), and the spec's stays on the CPU for validation."""
+    from vcdask import _held
+    from vcdask.steps import SupervisedStep
+    from vcdask.testing.devices import ACCELERATOR, OnAccelerator, on_accelerator
+
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # a move to the stand-in device (Module.to moves each tensor this way)
+        target = args[0] if args else kwargs.get("device")
+        if isinstance(target, torch.device) and target.type == "cuda":
+            return self if isinstance(self, OnAccelerator) else on_accelerator(self.clone())
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    loss = torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 1.0]))
+    spec = _spec(run_id="loss-on-device", loss=loss)
+    logits = on_accelerator(torch.randn(4, 3, requires_grad=True))  # the model's outputs on the worker's GPU
+    batch = (None, on_accelerator(torch.tensor([0, 1, 2, 1])))  # the batch, moved there by vcdask
+
+    class Outputs(torch.nn.Module):
+        def forward(self, _x):
+            return logits
+
+    with pytest.raises(RuntimeError, match="same device"):  # what the workers' step did
+        SupervisedStep(spec.loss)(Outputs(), batch)
+    on_gpu = _held.loss_on(spec, ACCELERATOR)
+    expected = torch.nn.functional.cross_entropy(logits.cpu(), batch[1].cpu(), weight=loss.weight)
+    assert torch.allclose(SupervisedStep(on_gpu)(Outputs(), batch).cpu(), expected)
+    assert on_gpu.weight.device == ACCELERATOR and loss.weight.device.type == "cpu"
+    assert _held.loss_on(spec, ACCELERATOR) is on_gpu  # once a run and device
+    assert _held.loss_on(spec, torch.device("cpu")) is loss  # already there: the spec's own
+    plain = _spec(loss=torch.nn.functional.cross_entropy)
+    assert _held.loss_on(plain, ACCELERATOR) is torch.nn.functional.cross_entropy
+    assert asyncio.run(_held.release_run("loss-on-device"))["losses"] == 1
+
+
 def test_a_cpu_copy_of_a_gpu_model_is_made_on_the_cpu():
     """``cpu_copy`` (the client's checks and the run's staged model): every tensor on the CPU, equal to the
     model's, its own memory; parameters stay parameters (a frozen one frozen), tied ones tied; the model

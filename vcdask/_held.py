@@ -1,13 +1,16 @@
-"""What a worker process holds between its tasks: versions read or brought, its threads' model copies,
-the devices it has warmed up; moving parameters to and from a device.  Used by :mod:`vcdask.worker`."""
+"""What a worker process holds between its tasks: versions read or brought, its threads' model copies, the
+run's loss on its device, the devices it has warmed up; moving parameters to and from a device.  Used by
+:mod:`vcdask.worker`."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,8 +24,10 @@ from .spec import RunSpec
 __all__ = [
     "brought",
     "forget",
+    "forget_losses",
     "keep_version",
     "loaded_model",
+    "loss_on",
     "release_run",
     "setup",
     "to_cpu",
@@ -101,6 +106,35 @@ def _model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
     return model
 
 
+_losses: OrderedDict[tuple[str, str], torch.nn.Module] = OrderedDict()  # (run_id, device) -> the loss there
+
+
+def loss_on(spec: RunSpec, device: torch.device) -> Callable:
+    """The run's loss for the default step of a task on ``device``.
+
+    A loss module's tensors (``CrossEntropyLoss(weight=...)``'s class weights; on the CPU in the run's spec) are
+    copied to ``device`` once per run and device in this process, as the model is: a CUDA worker's every task
+    failed on the outputs and the weights being on two devices.  A loss function, or a module already there, is
+    the spec's own.  The copy is shared by the process's threads (a loss module keeps no state of a step).
+    """
+    loss = spec.loss
+    if not isinstance(loss, torch.nn.Module):
+        return loss
+    if all(t.device == device for t in itertools.chain(loss.parameters(), loss.buffers())):
+        return loss
+    key = (spec.run_id, str(device))
+    with _lock:
+        moved = _losses.get(key)
+    if moved is None:
+        moved = copy.deepcopy(loss).to(device)  # (the spec's stays on the CPU: validation computes it there)
+    with _lock:
+        _losses[key] = moved
+        _losses.move_to_end(key)
+        while len(_losses) > _MAX_MODELS:
+            _losses.popitem(last=False)
+    return moved
+
+
 def brought(version: str | None, payload: dict[str, Any]) -> FlatParams:
     """The base an answer brought packed (:func:`vcdask._wire.pack`): this worker's copy of ``version``
     if it has one, else the payload unpacked (and kept as ``version``'s; a draft, with no id, is not)."""
@@ -146,11 +180,20 @@ def forget(run_id: str) -> int:
     return dropped
 
 
+def forget_losses(run_id: str) -> int:
+    """Drop run ``run_id``'s loss copies (:func:`loss_on`); how many there were."""
+    with _lock:
+        keys = [k for k in _losses if k[0] == run_id]
+        for key in keys:
+            del _losses[key]
+    return len(keys)
+
+
 async def release_run(run_id: str) -> dict[str, int]:
     """Let go of what this worker process keeps for run ``run_id``, which ended: its spec and rows, its threads'
-    model copies, hand-overs (each a ``W_c``) and optimizer states, on the device they trained on, and its compressed
-    updates' residuals; then give the device memory freed back (for the next run, or another process on a
-    shared GPU).  The run's end calls it on the workers that trained for it
+    model copies and its loss's, hand-overs (each a ``W_c``) and optimizer states, on the device they trained on,
+    and its compressed updates' residuals; then give the device memory freed back (for the next run, or another
+    process on a shared GPU).  The run's end calls it on the workers that trained for it
     (:func:`vcdask.engine.end.release_on_workers`); without it they stay until the caches' bounds push them
     out, runs later.  A copy of the run's task still training when it ended keeps what it keeps on the same
     terms.  Runs in a thread, off the worker's event loop (freeing device memory waits for the device).
@@ -166,6 +209,7 @@ def _release(run_id: str) -> dict[str, int]:
         "specs": spec.forget(run_id),  # (a resumed run may have a new one: more epochs, its schedule's length)
         "rows": batches.forget(run_id),
         "models": forget(run_id),
+        "losses": forget_losses(run_id),
         "hand_overs": overlap.forget(run_id),
         "optimizer_states": inner.forget(run_id),
         "residuals": compress.forget(run_id),
