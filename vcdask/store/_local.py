@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
-from ..errors import InvalidLocationError, StoreNotFoundError
+from ..errors import InvalidLocationError, StoreAccessDeniedError, StoreError, StoreNotFoundError
 from ._errors import quiet_logs
 
 __all__ = ["LocalBackend"]
@@ -36,8 +38,7 @@ class LocalBackend:
                 f"storage options {sorted(options)} do not apply to the local directory {location!r}; "
                 "local stores take no storage options"
             )
-        path = location[len("file://") :] if location.startswith("file://") else location
-        self.path = Path(path).expanduser().absolute()
+        self.path = Path(local_path(location)).expanduser().absolute()
         self.location = str(self.path)
         self.options: dict[str, Any] = {}
 
@@ -52,10 +53,20 @@ class LocalBackend:
         return icechunk.local_filesystem_storage(self.location)
 
     def preflight(self, mode: str) -> None:
-        """Check the path before Icechunk looks at it (it panics on a file and creates missing folders)."""
-        if self.path.exists() and not self.path.is_dir():
+        """Check the path before Icechunk looks at it (it panics on a file, also on one above the path, and
+        creates missing folders)."""
+        try:
+            exists = self.path.exists()
+            above = None if exists else next((p for p in self.path.parents if p.exists()), None)
+        except OSError as e:  # e.g. a folder above that this user may not search
+            raise _fault(e, f"opening {self.describe()}", writing=False) from None
+        if exists and not self.path.is_dir():
             raise StoreNotFoundError(f"{self.location!r} is a file, not a vcdask store")
-        if mode in ("r", "r+") and not self.path.exists():
+        if above is not None and not above.is_dir():  # the nearest existing path above it
+            raise StoreNotFoundError(
+                f"no vcdask store can be at {self.location!r}: {str(above)!r} is a file, not a directory"
+            )
+        if mode in ("r", "r+") and not exists:
             raise StoreNotFoundError(
                 f"no vcdask store at {self.describe()} (mode={mode!r} opens existing stores only; "
                 "use mode='a' to create one)",
@@ -86,8 +97,11 @@ class LocalBackend:
     def create_lock(self) -> Iterator[None]:
         """An exclusive lock on the parent directory: other creators (threads, processes) wait, then open
         what the first created.  Not a file in the store's directory: Icechunk creates only in an empty one."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path.parent, os.O_RDONLY)
+        except OSError as e:
+            raise _fault(e, f"creating a store at {self.describe()}") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -99,11 +113,65 @@ class LocalBackend:
 
     @contextlib.contextmanager
     def commit_lock(self) -> Iterator[None]:
-        """An exclusive lock across threads and processes; released by the kernel if the holder dies."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        """An exclusive lock across threads and processes; released by the kernel if the holder dies.
+
+        Raises
+        ------
+        StoreAccessDeniedError
+            The lock file cannot be written: a read-only filesystem, or a directory this user may not write.
+        StoreError
+            Any other fault of the lock (its path is not a file, a filesystem without locks).
+        """
+        lock = self.path / _LOCK_NAME
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _fault(e, f"taking the commit lock {str(lock)!r} of {self.describe()}") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                raise _fault(e, f"taking the commit lock {str(lock)!r} of {self.describe()}") from None
             yield
         finally:
             os.close(fd)  # closing the descriptor releases the flock
+
+
+def local_path(location: str) -> str:
+    """The path of a local store's ``location``: a path as given, or the path of a ``file://`` URL.
+
+    A URL's path is percent-decoded (``Path.as_uri()`` gives ``file:///my%20runs``), its scheme is
+    case-insensitive, and its host must be empty or ``localhost``.
+
+    Raises
+    ------
+    InvalidLocationError
+        A URL naming another host, or with no path, a query or a fragment (``?`` and ``#`` in a path
+        are written ``%3F`` and ``%23``).
+    """
+    if "://" not in location:
+        return location
+    url = urlsplit(location)
+    if url.netloc not in ("", "localhost"):
+        raise InvalidLocationError(
+            f"the file URL {location!r} names the host {url.netloc!r}; a local store's URL names no host or "
+            "'localhost' (file:///abs/path, file://localhost/abs/path): give a path on this machine"
+        )
+    if url.query or url.fragment or location.endswith(("?", "#")):
+        raise InvalidLocationError(
+            f"the file URL {location!r} has a query or fragment; write '?' and '#' of the path as '%3F' and "
+            "'%23' (pathlib.Path.as_uri() does), or give the path itself"
+        )
+    if not url.path:
+        raise InvalidLocationError(f"the file URL {location!r} has no path; give file:///abs/path")
+    return unquote(url.path)
+
+
+def _fault(e: OSError, what: str, *, writing: bool = True) -> StoreError:
+    """The store error for a local filesystem call that failed (``what``: what was being done, ``writing``:
+    for a write); one refused (a read-only filesystem, or permissions) is a :class:`StoreAccessDeniedError`."""
+    if isinstance(e, PermissionError) or e.errno == errno.EROFS:
+        hint = "; to read the store only, open it with mode='r'" if writing else ""
+        return StoreAccessDeniedError(f"{what}: {e}{hint}")
+    return StoreError(f"{what}: {e}")

@@ -4,6 +4,9 @@ Creating is serialised where the backend can lock (a local directory: its file l
 process lock).  On object storage the service arbitrates with conditional writes: a creator
 that loses waits until the winner's repository is there and opens it.  Either way every
 opener of a new location ends up with the same, single repository.
+
+An existing repository opens only if it is a vcdask store (:func:`check_is_store`): another
+Icechunk repository (a user's dataset) is refused, never written to or collected.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import StoreExistsError, StoreNotFoundError
 from ._errors import translate
+from ._layout import is_version
 
 if TYPE_CHECKING:
     import icechunk
@@ -43,7 +47,8 @@ def open_repository(backend: StoreBackend, mode: str, max_tries: int) -> icechun
     StoreExistsError
         ``mode="w-"`` and a store exists there (or another opener created it first).
     StoreNotFoundError
-        ``mode="r"``/``"r+"`` and no store exists there, or the bucket does not exist.
+        ``mode="r"``/``"r+"`` and no store exists there, the bucket does not exist, or the repository
+        there is not a vcdask store (see :func:`check_is_store`).
     StoreError
         Any other storage fault (translated, see :func:`._errors.translate`).
     """
@@ -72,7 +77,7 @@ def open_repository(backend: StoreBackend, mode: str, max_tries: int) -> icechun
     elif mode == "w-":
         raise _exists_error(backend)
     else:
-        repo = _open(storage, config, what)
+        repo = _open(backend, storage, config, what)
     return _with_its_own_client(repo) if backend.client_per_storage else repo
 
 
@@ -102,7 +107,7 @@ def _create(
     if exists:
         if mode == "w-":
             raise _exists_error(backend)
-        return _open(storage, config, what)
+        return _open(backend, storage, config, what)
     backend.check_creatable()
     try:
         repo = icechunk.Repository.create(storage, config=config)
@@ -112,7 +117,7 @@ def _create(
         logger.debug("%s: another opener created the store first; opening theirs", what)
         if mode == "w-":
             raise _exists_error(backend) from None
-        return _open(storage, config, what)
+        return _open(backend, storage, config, what)
     logger.info("created a new vcdask store at %s", backend.describe())
     return repo
 
@@ -143,13 +148,42 @@ def _wait_until_exists(storage: icechunk.Storage) -> bool:
         delay = min(delay * 2, 0.5)
 
 
-def _open(storage: icechunk.Storage, config: icechunk.RepositoryConfig, what: str) -> icechunk.Repository:
+def _open(
+    backend: StoreBackend, storage: icechunk.Storage, config: icechunk.RepositoryConfig, what: str
+) -> icechunk.Repository:
     import icechunk
 
     try:
-        return icechunk.Repository.open(storage, config=config)
+        repo = icechunk.Repository.open(storage, config=config)
+        check_is_store(repo, backend)
     except icechunk.IcechunkError as e:
         raise translate(e, what) from None
+    return repo
+
+
+def check_is_store(repo: icechunk.Repository, backend: StoreBackend) -> None:
+    """Refuse an Icechunk repository that is not a vcdask store.
+
+    vcdask creates a store as a new, empty repository and commits only vcdask versions to its ``main``
+    (every run writes its own branch): so ``main`` is at the repository's root snapshot (no parent) or at a
+    vcdask version (its metadata has ``vcdask:format``).  Any other repository (a dataset's, whose ``main``
+    holds its data) is not one: writing a version there would add to its tree, and a collection would
+    delete its snapshots.
+
+    Raises
+    ------
+    StoreNotFoundError
+        ``main`` is at another snapshot (``missing`` is None: something is there, not nothing).
+    """
+    head = repo.lookup_snapshot(repo.lookup_branch("main"))
+    if head.parent_id is None or is_version(head):
+        return
+    raise StoreNotFoundError(
+        f"{backend.describe()} holds an Icechunk repository that is not a vcdask store: its branch 'main' is at "
+        f"snapshot {head.id} ({head.message!r}), neither the repository's root nor a vcdask version. Give "
+        "vcdask a new or empty location, or an existing vcdask store (a dataset repository can be a run's "
+        "data: vcdask.fit(model, repo.readonly_session('main'), ...))"
+    )
 
 
 def _exists_error(backend: StoreBackend) -> StoreExistsError:
