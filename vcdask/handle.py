@@ -331,10 +331,11 @@ class RunHandle:
             model = copy.deepcopy(spec.model)
         checkpoint = store.read(res["version"])
         load_into(model, checkpoint.params)
-        # as vcdask.load marks a model (the same keys): a later fit of it records this version as its start
+        # as vcdask.load marks a model (the same keys, vcdask's over the metadata's): a later fit of it records
+        # this version as its start
         model.vcdask_version = {  # type: ignore[assignment]
-            "id": res["version"],
             **checkpoint.metadata,
+            "id": res["version"],
             "run_id": self.run_id,
             "tag": None,
             "store": store.location,

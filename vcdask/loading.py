@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ __all__ = ["load"]
 
 
 def load(
-    store: ParamStore | str,
+    store: ParamStore | str | os.PathLike,
     model: torch.nn.Module | None = None,
     *,
     version: str | None = None,
@@ -25,9 +26,9 @@ def load(
 
     Parameters
     ----------
-    store : ParamStore or str
-        An open store, or its location (``"vcdask-runs"``, ``"s3://bucket/runs"``, ...), opened
-        read-only with ``storage_options``.
+    store : ParamStore, str or path-like
+        An open store, or its location (``"vcdask-runs"``, a ``pathlib.Path``, ``"s3://bucket/runs"``, ...),
+        opened read-only with ``storage_options``.
     model : torch.nn.Module, optional
         Load into this module (in place) and return it.  Without one, the run that committed
         the version supplies its model: a copy of the module given to :func:`vcdask.fit`.
@@ -40,8 +41,9 @@ def load(
     -------
     torch.nn.Module
         The model, in eval mode, with the version's parameters.  Its ``vcdask_version``
-        attribute holds the version's id and metadata, the ``tag`` it was loaded by (or None) and
-        the ``store``'s location; :func:`vcdask.fit` records them as the run's start.
+        attribute holds the version's metadata, its ``id``, the ``tag`` it was loaded by (or None) and
+        the ``store``'s location (these three over any metadata keys of the same names);
+        :func:`vcdask.fit` records them as the run's start.
 
     Raises
     ------
@@ -57,7 +59,7 @@ def load(
     >>> model = vcdask.load("vcdask-runs", tag="production")          # doctest: +SKIP
     >>> model = vcdask.load(result.store, MyNet(), version=result.version)  # doctest: +SKIP
     """
-    if isinstance(store, str):
+    if isinstance(store, (str, os.PathLike)):
         store = open_store(store, mode="r", **storage_options)
     elif storage_options:
         raise TypeError(f"storage options {sorted(storage_options)} apply to a location, not to an open store")
@@ -66,10 +68,11 @@ def load(
         model = _run_model(store, checkpoint)
     checkpoint.load_into(model)
     model.eval()
-    # where it came from: a later fit records it as the run's start (FitResult.start)
+    # where it came from: a later fit records it as the run's start (FitResult.start); vcdask's keys last, so
+    # that metadata of the same names (a user's {"id": "experiment-7"}) never stands for the version's
     model.vcdask_version = {  # type: ignore[assignment]
-        "id": checkpoint.version,
         **checkpoint.metadata,
+        "id": checkpoint.version,
         "tag": tag,
         "store": store.location,
     }
