@@ -218,6 +218,31 @@ def test_a_stopped_run_validates_its_final_version_once_however_long_that_takes(
     assert not [r for r in caplog.records if "final validation" in r.getMessage()], caplog.text
 
 
+def test_a_resume_of_a_run_still_ending_waits_for_its_end_then_trains_on(client, tmp_path):
+    """``resume(run_id)`` just after ``stop()``, while the run still ends (here: its final validation), returned
+    that session's result and trained nothing: it waits for the run's end, then goes on from what it committed."""
+    X, y = _data()
+    store = tmp_path / "store"
+
+    def slow(epoch, step):
+        import time
+
+        time.sleep(0.02)
+        return 1.0
+
+    handle = vcdask.fit(
+        _model(), (X, y), validation=0.25, train_step=_step, eval_step=_slow_eval, max_epochs=2, n_shards=8,
+        batch_size=64, lr_schedule=slow, client=client, store=store, wait=False, progress=False,
+    )  # fmt: skip
+    while handle.status()["step"] < 2:
+        assert not handle.done(), handle.status()
+    assert handle.stop("the test stops it")["status"] == "running"  # (its final validation takes 0.5 s a batch)
+    result = vcdask.resume(handle.run_id, store=store, client=client, progress=False)
+    assert result.stop_reason is None and list(result.epochs.index) == [1, 2]
+    merged = result.store.read(result.version).metadata["step"]
+    assert merged == 2 * 8  # every shard of both epochs merged, once
+
+
 def _plugin_id(dask_scheduler=None):
     from vcdask.engine.plugin import PLUGIN_NAME
 

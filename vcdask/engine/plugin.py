@@ -131,9 +131,14 @@ class VcdaskPlugin(SchedulerPlugin):
         """Load the run's spec from the store (off the loop) and start driving it.
 
         With ``resume=True`` the run continues from its branch and folder in the store (after
-        the scheduler that drove it died, or to train more epochs: ``max_epochs``)."""
+        the scheduler that drove it died, or to train more epochs: ``max_epochs``).  A run still going here
+        is that run (its id is returned); one that is ending (stopped, cancelled, or its last epoch done) is
+        waited for, then started afresh from what it committed."""
         ended_runs_kept()  # (checked now: a bad value fails the start, not the end of a run)
         live = self.runs.get(run_id)
+        if resume and live is not None and not live.done.is_set() and live.state.finished():
+            await live.done.wait()  # (its last commit and its record are in: the new session goes on from them)
+            return await self.handle_start(comm, store, run_id, resume, max_epochs)
         if live is not None and not live.done.is_set():
             if max_epochs is not None and max_epochs != live.spec.max_epochs:
                 raise ValueError(
