@@ -96,11 +96,25 @@ def test_one_rule_says_which_metrics_improve_downwards(name, lower):
     assert _run_epochs(ledger, values, name) == (None, None) and ledger.best["epoch"] == 2
 
 
-def test_fit_stops_at_the_epoch_the_metric_stopped_improving(client, tmp_path):
+def test_fit_stops_at_the_epoch_the_metric_stopped_improving(tmp_path):
     """Epoch 1 trains; from epoch 2 the learning rate is 0 and the rule replaces W_s by W_c, which equals
     the version its task started from: every later version is the initial one or epoch 1's, so the
     validation loss of epochs 2, 3, ... is never below epoch 1's (epochs overlap: a task of epoch 2 may
-    start before epoch 1's shard is merged).  With patience=2 the run ends with epoch 3."""
+    start before epoch 1's shard is merged).  With patience=2 the run ends with epoch 3.
+
+    One worker thread runs the tasks in the order they were sent, so epoch 1's shard merges first: on two
+    workers a cold one may merge it after every later epoch, and each row is then that last version
+    (an epoch's row waits for the earlier epochs' shards), with nothing for patience to judge."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        _stops_at_epoch_3(client, tmp_path)
+
+
+def _stops_at_epoch_3(client, tmp_path):
     rng = np.random.default_rng(0)
     X = rng.normal(size=(200, 6)).astype("float32")
     y = (X[:, 0] - X[:, 2] > 0).astype("int64")

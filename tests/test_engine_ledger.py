@@ -95,6 +95,40 @@ def test_validated_epochs_wait_for_their_numbers_and_stop_at_the_target():
     assert led.epochs[1]["accuracy_min"] == led.epochs[1]["accuracy_max"] == 0.95
 
 
+def test_an_epoch_held_back_by_a_late_shard_of_an_earlier_one_is_the_version_that_ended_that():
+    """Epochs are dispatched without a barrier: a cold worker's shard of epoch 1 merges last (step 4),
+    after epochs 2 and 3 ended (steps 2 and 3).  Each row is the model after that many passes: epochs 2
+    and 3 are step 4 too (not steps 2 and 3, which miss epoch 1's shard), the versions never go back,
+    and rows that bring no new version are no evidence for patience: the run stops by patience only
+    after epoch 4's and 5's versions do not improve on step 4."""
+    sched = _Scheduler()
+    led = Ledger(2, 9, validated=True, target=None, events=EventLog(sched, "r1"), patience=2, monitor="loss")
+    merges = [(1, 0, 1), (2, 0, 2), (2, 1, 2), (3, 0, 3), (3, 1, 3), (1, 1, 4), (4, 0, 5), (4, 1, 5)]
+    for epoch, shard, step in merges:
+        led.record(epoch, shard, 0, "merged", accepted=True, train_loss=float(step), new_version=step)
+        led.note_merged(epoch, shard, 1.0, step=step)
+    losses = {1: 0.9, 2: 0.5, 3: 0.4, 4: 0.3, 5: 0.35}
+    for step in (2, 3, 1):  # (epoch 1's end, step 4, is not validated yet: nothing can close)
+        led.validate(step, {"loss": losses[step]})
+        assert led.close_epochs() is None and led.epochs == []
+    led.validate(4, {"loss": losses[4]})
+    led.validate(5, {"loss": losses[5]})
+    assert led.close_epochs() is None  # epochs 1-3 at step 4 (the best), epoch 4 at step 5: one newer version
+    assert [(r["epoch"], r["version"], r["loss"]) for r in led.epochs] == [
+        (1, 4, 0.3),
+        (2, 4, 0.3),
+        (3, 4, 0.3),
+        (4, 5, 0.35),
+    ]
+    assert [r["wall_time"] for r in led.epochs[:3]] == [led.epoch_end[1][1]] * 3  # (the time step 4 came)
+    assert led.epochs[1]["train_loss"] == 2.0 and led.best == {"epoch": 1, "step": 4, "value": 0.3}
+    for shard in (0, 1):
+        led.record(5, shard, 0, "merged", accepted=True, train_loss=6.0, new_version=6)
+        led.note_merged(5, shard, 1.0, step=6)
+    led.validate(6, {"loss": 0.31})
+    assert led.close_epochs() == "early stopping: loss has not improved for 2 epochs (best 0.3 at epoch 1)"
+
+
 def test_a_version_validated_twice_keeps_its_first_numbers_and_both_times():
     """A late validation run again elsewhere can come back twice: the first result counts, one event is
     published, and both durations feed the validations' deadline."""

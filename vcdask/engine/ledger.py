@@ -185,7 +185,13 @@ class Ledger:
         return len(self.epochs) >= self.max_epochs
 
     def close_epochs(self) -> str | None:
-        """Record every epoch whose shards are all done (and whose end version is validated).
+        """Record every epoch whose shards are all done (and whose end version is validated), in order.
+
+        Epochs are dispatched without a barrier, so a late shard (a cold or slow worker) may finish its
+        epoch after later epochs have ended.  An epoch's row is the model after that many passes: the
+        first version by which its shards *and every earlier epoch's* are merged (the later of its own
+        end and the row before it), so the rows' versions never go back, and an epoch held back by one
+        late shard is not credited with the versions before it.
 
         Returns
         -------
@@ -199,6 +205,9 @@ class Ledger:
             if epoch not in self.epoch_end:
                 return stop
             end_step, wall = self.epoch_end[epoch]
+            if self.epochs and self.epochs[-1]["version"] > end_step:
+                # it ended before an earlier epoch's late shard: the row is the version (and time) that ended that
+                end_step, wall = self.epochs[-1]["version"], self.epochs[-1]["wall_time"]
             if self.validated and end_step not in self.validations:
                 return stop
             row = self._epoch_row(epoch, end_step, wall)
@@ -224,7 +233,11 @@ class Ledger:
             return None
         if self.patience is None or self.best is None:
             return None
-        if epoch - max(self.best["epoch"], self.resumed_at) >= self.patience:
+        # epochs since the best (or the resume) that brought a new version: an epoch that ended at the
+        # version of the row before it (held back by a late shard of an earlier one) is no evidence
+        since = max(self.best["epoch"], self.resumed_at)
+        newer = {r["version"] for r in self.epochs if r["epoch"] > since} - {self.best["step"]}
+        if len(newer) >= self.patience:
             return (
                 f"early stopping: {self.monitor} has not improved for {self.patience} epochs "
                 f"(best {self.best['value']:.6g} at epoch {self.best['epoch']})"
