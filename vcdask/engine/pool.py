@@ -42,6 +42,7 @@ class WorkerRecord:
     timed: int = 0
     preempted: bool = False
     excluded: str | None = None
+    last_fault: str | None = None  # why its last fault was one (e.g. a rejection's reason): said beside ``excluded``
     recent: list[float] = field(default_factory=list)
     device: str | None = None  # where it trains, as its last result said (e.g. "cuda:0 (NVIDIA H100 ...)")
     step_seconds: float = math.nan  # seconds per training step, a moving average over its results
@@ -201,10 +202,13 @@ class WorkerPool:
             return 1.0
         return policy.work_fraction(rec.step_seconds, min(known))
 
-    def fault(self, address: str, kind: Fault) -> str | None:
-        """Count a fault against ``address``; return why it is now excluded, if this excluded it."""
+    def fault(self, address: str, kind: Fault, why: str | None = None) -> str | None:
+        """Count a fault against ``address`` (``why``: what it was, said with its exclusion); return why it is
+        now excluded, if this excluded it."""
         rec = self.record(address)
         setattr(rec, kind, getattr(rec, kind) + 1)
+        if why is not None:
+            rec.last_fault = why
         if rec.excluded is not None:
             return None
         rec.excluded = rec.exclusion(self.res)
@@ -254,8 +258,15 @@ class WorkerPool:
         return max(1, sum(self.share(a) for a in self.usable()))
 
     def unusable(self) -> dict[str, str]:
-        """Connected workers that get no shards, and why."""
-        return {a: self.record(a).excluded or "draining" for a in self.connected if a not in self.usable()}
+        """Connected workers that get no shards, and why (an excluded one's last fault with it: a setting
+        that rejects every update shows there, not only as a count)."""
+        states = {}
+        for a in self.connected:
+            if a not in self.usable():
+                rec = self.record(a)
+                last = f"; last: {rec.last_fault}" if rec.excluded and rec.last_fault else ""
+                states[a] = f"{rec.excluded}{last}" if rec.excluded else "draining"
+        return states
 
     def rows(self) -> list[dict[str, Any]]:
         return [w.as_row() for w in self.records.values()]

@@ -45,11 +45,12 @@ def fail(state: RunState, kind: FailureKind, message: str, error: BaseException 
         state.out.append(Fail(state.failure))
 
 
-def blame(state: RunState, worker: str, kind: Fault) -> None:
-    """Count a fault against ``worker``; exclude it once it has had too many."""
-    excluded = state.pool.fault(worker, kind)
+def blame(state: RunState, worker: str, kind: Fault, why: str | None = None) -> None:
+    """Count a fault against ``worker`` (``why``: what it was); exclude it once it has had too many."""
+    excluded = state.pool.fault(worker, kind, why)
     if excluded is not None:
-        logger.warning("run %s: excluding worker %s: %s", state.id, worker, excluded)
+        last = f" (last: {why})" if why else ""
+        logger.warning("run %s: excluding worker %s: %s%s", state.id, worker, excluded, last)
         state.emit("excluded", worker=worker, reason=excluded, worker_row=state.pool.record(worker).as_row())
 
 
@@ -169,7 +170,7 @@ def rejected(state: RunState, epoch: int, shard: int, worker: str, reason: str, 
             retry_or_give_up(state, epoch, shard, reason, avoid=worker)
             return
     if fault not in ("stale", "unreadable"):  # not the worker's fault: its base was old / the store
-        blame(state, worker, "rejected")
+        blame(state, worker, "rejected", reason)
     # an update that came back too stale is the pace's doing, not the shard's: re-issue, uncounted
     retry_or_give_up(state, epoch, shard, reason, avoid=worker, count=fault != "stale")
 
