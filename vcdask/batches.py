@@ -33,7 +33,7 @@ _ON_DEVICE_BYTES = 1 << 30  # a GPU shard up to this size is copied whole, then 
 Rows = dict[str, torch.Tensor] | DatasetSource
 
 
-def cast_like_training(t: torch.Tensor, spec, name: str = "X") -> torch.Tensor:
+def cast_like_training(t: torch.Tensor, spec, name: str = "X", dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t`` (the column ``name`` of a batch) in the dtype the run trains on: the one rule for training,
     validation, :func:`vcdask.predict.model_outputs` and a job's release scores.
 
@@ -48,11 +48,15 @@ def cast_like_training(t: torch.Tensor, spec, name: str = "X") -> torch.Tensor:
         The run: ``batch_form``, ``classification``, ``x_dtype``, ``cast_x``.
     name : str, default "X"
         The column: ``"X"`` or ``"y"`` for ``(X, y)`` data, a variable's name for dict batches.
+    dtype : torch.dtype, optional
+        The model's dtype, where it is not the run's ``spec.x_dtype`` any more (predicting with a model cast
+        after the run, ``model.double()``).
     """
+    dtype = spec.x_dtype if dtype is None else dtype
     if spec.batch_form == "xy" and name == "y":
-        return t.long() if spec.classification else t.to(spec.x_dtype)
+        return t.long() if spec.classification else t.to(dtype)
     if t.is_floating_point() or (spec.cast_x and name == "X"):
-        return t.to(spec.x_dtype)
+        return t.to(dtype)
     return t
 
 

@@ -28,6 +28,7 @@ from .finite import check_finite
 from .groups import Merging, Stopping, Training, check_optimizer
 from .holdout import check_early_stopping, hold_out
 from .merge import Auto, MergeRule, get_rule
+from .metrics import check_accuracy, check_metric_names, class_ids, metric_name
 from .overlap import check_overlap
 from .preflight import HALF_DTYPES, check_model, check_probe_cost, check_run, check_target, model_dtype
 from .resilience import NEEDS_VALIDATION, Resilience
@@ -65,8 +66,10 @@ LOSSES: dict[str, Callable] = {
 
 
 def accuracy(output: torch.Tensor, target: torch.Tensor) -> float:
-    """Fraction of samples whose arg-max output equals the label."""
-    return float((output.argmax(dim=-1) == target).float().mean()) if len(target) else float("nan")
+    """Fraction of labels the outputs predict (:func:`vcdask.metrics.class_ids`): the arg-max of the scores per
+    class (along axis 1 of a classifier per position's, as cross_entropy reads them), or one logit per label,
+    class 1 where it is above 0."""
+    return float((class_ids(output, target.shape) == target).float().mean()) if len(target) else float("nan")
 
 
 def mae(output: torch.Tensor, target: torch.Tensor) -> float:
@@ -80,10 +83,10 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> float:
 
 
 def _predicted(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What an error metric compares: a classifier's arg-max class ids (its scores per class, integer
-    labels) as numbers, or a regression's outputs in the labels' shape."""
+    """What an error metric compares: a classifier's class ids (its scores per class, integer labels:
+    :func:`vcdask.metrics.class_ids`) as numbers, or a regression's outputs in the labels' shape."""
     if not target.is_floating_point() and output.dim() == target.dim() + 1:
-        return output.argmax(dim=-1).float(), target.float()
+        return class_ids(output, target.shape).float(), target.float()
     return output.reshape(target.shape), target
 
 
@@ -109,6 +112,9 @@ def _mse_matching(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_metrics(metrics, classification: bool) -> dict[str, Callable]:
+    """``metrics=`` as ``{name: fn(output, target) -> float}`` (names from :data:`METRICS`, callables named by
+    :func:`vcdask.metrics.metric_name`, or a dict); raises ValueError for an unknown name or names that collide
+    (:func:`vcdask.metrics.check_metric_names`), TypeError for a value that is not a callable."""
     if metrics is None:
         return {"accuracy": accuracy} if classification else {"mae": mae}
     if isinstance(metrics, str):
@@ -117,16 +123,16 @@ def resolve_metrics(metrics, classification: bool) -> dict[str, Callable]:
         bad = [k for k, v in metrics.items() if not callable(v)]
         if bad:
             raise TypeError(f"metrics {bad} are not callables (output, target) -> float")
-        return dict(metrics)
-    out = {}
+        return dict(zip(check_metric_names(metrics), metrics.values(), strict=True))
+    named = []
     for m in metrics:
         if callable(m):
-            out[getattr(m, "__name__", repr(m))] = m
+            named.append((metric_name(m), m))  # (a partial: "topk(k=3)")
         elif m in METRICS:
-            out[m] = METRICS[m]
+            named.append((m, METRICS[m]))
         else:
             raise ValueError(f"unknown metric {m!r}; available: {sorted(METRICS)} (or a callable)")
-    return out
+    return dict(zip(check_metric_names(n for n, _ in named), (fn for _, fn in named), strict=True))
 
 
 def resolve_optimizer(optimizer, lr: float) -> Callable:
@@ -267,6 +273,7 @@ def plan(
             model, prepared, loss_fn, prepared.classification, x_dtype, metrics=metric_fns, strict=ours
         )
         metric_names = ("loss", *metric_fns)
+        check_accuracy([n for n, fn in metric_fns.items() if fn is accuracy], loss_fn, prepared.classification)
     else:
         loss_fn, metric_fns, cast_x = resolve_loss(loss, prepared.classification), {}, False
         metric_names = tuple(check_steps(model, probe_batch(prepared, x_dtype), train_step, eval_step))

@@ -2,8 +2,9 @@
 
 The rows go through the model in batches, without gradients, in eval mode, on one device; inputs are
 read the way the run read its training data (a DataFrame's feature columns, or an xarray Dataset's feature
-variables, selected by the names the run recorded, as float32; arrays cast to the model's dtype unless the
-run kept integer inputs), and the outputs come back as numpy.
+variables, selected by the names the run recorded, as float32; arrays cast to the model's dtype as it is now,
+unless the run kept integer inputs), and the outputs come back as numpy.  A classifier's class ids and
+probabilities are read from its outputs as its ``accuracy`` reads them (:func:`vcdask.metrics.class_ids`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 
 from .device import check_device, cpu_copy, resolve_device, same_device
 from .errors import DataError
+from .metrics import class_axis, class_ids, one_logit
 from .preflight import describe_output
 
-__all__ = ["model_outputs"]
+__all__ = ["binary_classifier", "model_outputs", "predicted", "probabilities"]
 
 
 def model_outputs(
@@ -31,7 +33,9 @@ def model_outputs(
     model : torch.nn.Module
         The trained model (left in the mode and on the device it was: another device gets a copy).
     spec : RunSpec
-        The run's spec: its batch form, feature columns, input dtype.
+        The run's spec: its batch form, feature columns, whether it kept integer inputs.  Floating rows
+        (and integer ones, unless the run kept them) take the dtype of the model's first floating parameter,
+        as it is now (``model.double()`` after the run: float64).
     X : numpy array, torch tensor, pandas DataFrame, xarray Dataset or array-like
         The rows, sample axis first (a Dataset's feature variables, one value per sample each).
     batch_size : int, default 1024
@@ -68,8 +72,8 @@ def model_outputs(
         net = model
     else:  # (a copy; to the CPU without a second one on the model's GPU)
         net = cpu_copy(model) if target.type == "cpu" else copy.deepcopy(model).to(target)
-    x = cast_like_training(x, spec)
-    was_training = net.training
+    x = cast_like_training(x, spec, dtype=_dtype(net))  # (the model's dtype now: it may have been cast since)
+    modes = [(m, m.training) for m in net.modules()]  # each restored after (a frozen batch norm stays in eval)
     net.eval()
     outs = []
     try:
@@ -94,12 +98,62 @@ def model_outputs(
                         f"{describe_output(out)}; call result.model directly (result.model.eval(); with "
                         "torch.no_grad(): out = result.model(torch.as_tensor(X))) and take the output you need"
                     )
-                outs.append(out.detach().cpu())
+                # (numpy has no bfloat16: such outputs come back as float32)
+                outs.append(out.detach().cpu().float() if out.dtype == torch.bfloat16 else out.detach().cpu())
     finally:
-        net.train(was_training)
+        for m, mode in modes:
+            m.training = mode
     if not outs:
         raise DataError("X is empty (0 rows)")
     return torch.cat(outs)
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of ``model``'s first floating parameter (or buffer); None for a model without one."""
+    import itertools
+
+    return next((t.dtype for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()), None)
+
+
+def _label_shape(out: torch.Tensor, spec: Any) -> tuple[int, ...]:
+    """The shape of the labels the run trained on, for ``len(out)`` rows (a run recorded before
+    ``label_shape``: a classifier's labels lack the outputs' class axis, axis 1 of ``(n, C, T)`` outputs; a
+    binary classifier's have the outputs' shape)."""
+    shape = getattr(spec, "label_shape", None)
+    if shape is not None:
+        return (len(out), *shape)
+    if not spec.classification:
+        return tuple(out.shape)
+    return (len(out), *out.shape[2:]) if out.dim() > 2 else tuple(out.shape[:-1])
+
+
+def binary_classifier(spec: Any) -> bool:
+    """Whether the run trained one logit per label: float labels, a loss of :func:`vcdask.metrics.one_logit`."""
+    return not spec.classification and one_logit(spec.loss)
+
+
+def predicted(out: torch.Tensor, spec: Any) -> np.ndarray:
+    """What :meth:`FitResult.predict` returns for the outputs ``out``: a classifier's class ids (int64, shaped as
+    the labels, :func:`vcdask.metrics.class_ids`), else the outputs as they are."""
+    if spec.classification or binary_classifier(spec):
+        return class_ids(out, _label_shape(out, spec)).numpy()
+    return out.numpy()
+
+
+def probabilities(out: torch.Tensor, spec: Any) -> np.ndarray:
+    """What :meth:`FitResult.predict_proba` returns for a classifier's outputs ``out``: the softmax along the
+    class axis (:func:`vcdask.metrics.class_axis`: the last, or axis 1 of a classifier per position's); for one
+    logit per sample, the columns P(class 0), P(class 1) of its sigmoid; for several logits per sample (several
+    binary labels), the sigmoid of each."""
+    out = out.float()
+    if spec.classification:
+        axis = class_axis(out.shape, _label_shape(out, spec))
+        return torch.softmax(out, dim=-1 if axis is None else axis).numpy()
+    p = torch.sigmoid(out)
+    if out.dim() == 1 or out[0].numel() == 1:
+        p = p.reshape(-1)
+        return torch.stack([1 - p, p], dim=1).numpy()
+    return p.numpy()
 
 
 def _rows(X: Any, spec: Any) -> torch.Tensor:

@@ -22,6 +22,7 @@ from ._ints import is_real
 from .device import cpu_copy
 from .dtype_kinds import check_input_dtypes, string_labels_error
 from .errors import DataError
+from .metrics import ambiguous_axis, class_axis
 from .trainable import check_trainable
 
 if TYPE_CHECKING:
@@ -228,8 +229,11 @@ def check_model(
             "(x, y = batch; logits, _ = model(x); return loss(logits, y)) and eval_step=fn(model, batch) -> dict "
             "of metrics, or have the model's forward return the one tensor"
         )
+    y = torch.as_tensor(np.ascontiguousarray(prepared.sample_y))
+    y = y.long() if classification else y.to(x_dtype)
     if classification:
-        n_classes = out.shape[-1] if out.dim() > 1 else 1
+        axis = class_axis(out.shape, y.shape)  # (scores per class along axis 1 of (n, C, T): cross_entropy's)
+        n_classes = out.shape[axis] if axis is not None else out.shape[-1] if out.dim() > 1 else 1
         label_range = prepared.label_range
         assert label_range is not None  # set for classification data
         lo, hi = label_range
@@ -240,12 +244,24 @@ def check_model(
                 if prepared.bool_labels
                 else ""
             )
+            if out.dim() > 2 and axis == 1:  # a class per position: say which axis holds the classes
+                shapes = f"outputs {_shape(tuple(out.shape))} against labels {_shape(tuple(y.shape))}"
+                hint += f" (the classes lie along axis 1 of {shapes}, as cross_entropy reads them)"
             raise DataError(
                 f"{what} labels range over [{lo}, {hi}] but the model outputs "
                 f"{n_classes} classes; labels must be in [0, {n_classes - 1}]{hint}"
             )
-    y = torch.as_tensor(np.ascontiguousarray(prepared.sample_y))
-    y = y.long() if classification else y.to(x_dtype)
+    class_loss = any(loss is fn for fn in _CLASS_LOSSES.values()) or isinstance(
+        loss, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
+    )
+    if classification and not class_loss and ambiguous_axis(out.shape, y.shape):  # (n, C, T) with C == T
+        shapes = f"outputs {_shape(tuple(out.shape))} against labels {_shape(tuple(y.shape))}"
+        warnings.warn(
+            f"the classes of {shapes} may lie along axis 1 or along the last axis; accuracy, predict and "
+            "predict_proba read axis 1, as cross_entropy does: if your loss reads the last axis, have the model "
+            "return its outputs as (n, classes, positions) (out.transpose(1, 2)), or pass metrics of your own",
+            stacklevel=3,
+        )
     try:
         loss(out, y)
     except Exception as e:

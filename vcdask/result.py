@@ -86,7 +86,8 @@ class FitResult:
     metrics : dict
         Validation metrics of the final version (empty without validation data).
     panel : vcdask.panel.RunPanel or None
-        The live panel shown while the run trained (in a Jupyter kernel; None elsewhere).
+        The live panel shown while the run trained (in a Jupyter kernel; None elsewhere, and in a pickled or
+        copied result: the panel holds the kernel's client and threads).
     best_version : str or None
         With validation: the version that ended the best epoch of the monitored metric (``monitor=``,
         default the ``target``'s metric or the first metric); ``model`` and ``version`` hold the last
@@ -143,8 +144,12 @@ class FitResult:
         Returns
         -------
         numpy.ndarray
-            For a classifier (a run on integer labels): the class ids (int64, the arg-max of the
-            outputs), shape (n,).  Otherwise the model's outputs, shape (n, ...) as the model gives them.
+            For a classifier (a run on integer labels): the class ids (int64) in the labels' shape, the arg-max
+            of the outputs along their class axis: the last of ``(n, C)`` outputs (shape (n,)), axis 1 of a
+            classifier per position's ``(n, C, T)`` (shape (n, T)), as ``cross_entropy`` reads them.  For one
+            logit per label (float 0/1 labels trained with ``binary_cross_entropy_with_logits``): the class ids
+            (int64, 1 where the logit is above 0) in the labels' shape.  Otherwise the model's outputs, shape
+            (n, ...) as the model gives them (bfloat16 ones as float32: numpy has no bfloat16).
 
         Raises
         ------
@@ -161,39 +166,45 @@ class FitResult:
         >>> result.predict(df_new)  # doctest: +SKIP
         array([0, 2, 1, ...])
         """
-        from .predict import model_outputs
+        from .predict import model_outputs, predicted
 
         spec = self._spec()
-        out = model_outputs(self.model, spec, X, batch_size=batch_size, device=device)
-        if spec.classification:
-            return out.argmax(dim=-1).numpy()
-        return out.numpy()
+        return predicted(model_outputs(self.model, spec, X, batch_size=batch_size, device=device), spec)
 
     def predict_proba(self, X: Any, *, batch_size: int = 1024, device: Any = None) -> np.ndarray:
-        """Class probabilities of a classifier for the rows of ``X``: the softmax of its outputs.
+        """Class probabilities of a classifier for the rows of ``X``: the softmax of its outputs, or the sigmoid
+        of one logit per label.
 
         Takes the same inputs as :meth:`predict`; ``predict(X)`` is the arg-max of these.
 
         Returns
         -------
         numpy.ndarray
-            Shape (n, n_classes), rows summing to 1.
+            Shape (n, n_classes), rows summing to 1 (a classifier per position: (n, n_classes, T), summing to 1
+            along axis 1).  One logit per sample (``binary_cross_entropy_with_logits``): shape (n, 2), the
+            probabilities of class 0 and class 1; several logits per sample: the sigmoid of each.
 
         Raises
         ------
         TypeError
-            The run is a regression (its labels were floats): use :meth:`predict`.
+            The run is a regression (its labels were floats, its loss not ``binary_cross_entropy_with_logits``):
+            use :meth:`predict`.
         """
-        from .predict import model_outputs
+        from .predict import binary_classifier, model_outputs, probabilities
 
         spec = self._spec()
-        if not spec.classification:
+        if not spec.classification and not binary_classifier(spec):
             raise TypeError(
-                f"predict_proba is for classifiers (runs on integer class ids), but run {self.run_id} trained a "
-                "regression on float labels; use predict(X) for its outputs"
+                f"predict_proba is for classifiers (runs on integer class ids, or one logit per label trained with "
+                f"binary_cross_entropy_with_logits), but run {self.run_id} trained a regression on float labels; "
+                "use predict(X) for its outputs"
             )
-        out = model_outputs(self.model, spec, X, batch_size=batch_size, device=device)
-        return torch.softmax(out.float(), dim=-1).numpy()
+        return probabilities(model_outputs(self.model, spec, X, batch_size=batch_size, device=device), spec)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles (``pickle``, ``copy.deepcopy``, ``joblib.dump``): everything but the live :attr:`panel`,
+        which holds the notebook's client and threads (a copy has None)."""
+        return {**self.__dict__, "panel": None}
 
     def _spec(self):
         """The run's :class:`~vcdask.spec.RunSpec` (read from the store once per process)."""

@@ -32,6 +32,7 @@ from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
 from .inner import memory_steps, resolve_optimizer_state
 from .merge import DEFAULT_RULE, for_run
+from .metrics import label_shape
 from .options import DEFAULT_STORE, RunPlan
 from .spec import RunSpec, loads, save_spec, spec_path
 from .staging import in_memory, stage
@@ -222,6 +223,7 @@ def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
         patience=stopping.patience,
         monitor=stopping.monitor,
         overlap=plan.overlap,
+        label_shape=label_shape(plan.train),
     )
 
 

@@ -81,6 +81,7 @@ class RunSpec:
     start: dict[str, Any] | None = None  # where the model came from: {"version", "tag", "store"} or None
     overlap: str = "wait"  # vcdask.overlap: how a worker's next shard meets its last merge (runs before it: wait)
     merge_in_flight: int | None = None  # fit's default rule: the tasks in flight it is for (None: the user's rule)
+    label_shape: tuple[int, ...] | None = None  # a sample's label (vcdask.metrics.label_shape): predict's class axis
 
     @property
     def spec_path(self) -> str:

@@ -22,6 +22,7 @@ import torch
 from ._ints import is_real
 from .device import cpu_copy
 from .errors import DataError
+from .metrics import check_metric_names
 
 if TYPE_CHECKING:
     from .prepared import PreparedData
@@ -104,13 +105,16 @@ def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_
         A step fails on the probe batch, or the train step returns something that is not a scalar loss.
     TypeError
         ``eval_step`` returns something other than a dict of numbers.
+    ValueError
+        ``eval_step``'s names would replace columns of ``FitResult.epochs`` (:func:`vcdask.metrics.check_metric_names`).
     """
     try:
-        return _check_steps_on(cpu_copy(model), sample, train_step, eval_step)
+        names = _check_steps_on(cpu_copy(model), sample, train_step, eval_step)
     except DataError:
         if all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers())):
             raise
-        return _check_steps_on(copy.deepcopy(model), sample, train_step, eval_step)
+        names = _check_steps_on(copy.deepcopy(model), sample, train_step, eval_step)
+    return check_metric_names(names, "eval_step", loss=True)
 
 
 def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None) -> list[str]:
