@@ -183,6 +183,35 @@ def test_predict_restores_each_layers_mode():
     assert seen == [False, False]
 
 
+def test_a_model_in_train_mode_keeps_its_frozen_layers_in_eval_mode_as_it_trains():
+    """The layers a model in train mode holds in eval mode (frozen batch norm: fine-tuning) are recorded by name
+    and kept in eval mode by the workers' train_mode (each its own flag); a model wholly in eval mode (from
+    vcdask.load) trains in train mode throughout."""
+    from vcdask.steps import eval_modules, train_mode
+
+    def model():
+        return torch.nn.Sequential(
+            torch.nn.Linear(4, 8),
+            torch.nn.Sequential(torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.1)),
+            torch.nn.Linear(8, 2),
+        )
+
+    frozen = model()
+    frozen[1].eval()
+    frozen[1][1].train()  # its dropout left on
+    names = eval_modules(frozen)
+    assert names == ("1", "1.0")
+    copy = model().eval()  # (a fresh copy, wholly in eval mode, as a worker's copy may be)
+    train_mode(copy, names)
+    assert [m.training for m in copy.modules()] == [m.training for m in frozen.modules()]
+    statistics = copy[1][0].running_mean.clone()
+    copy(torch.randn(16, 4))
+    assert torch.equal(copy[1][0].running_mean, statistics)  # the frozen statistics do not move
+    loaded = model().eval()
+    assert eval_modules(loaded) == ()
+    assert all(m.training for m in train_mode(loaded, eval_modules(loaded)).modules())
+
+
 def test_metric_names_that_collide_are_refused_before_any_work(tmp_path):
     """Two metrics of one name (two lambdas), or a name of a column FitResult.epochs has already (the validation
     loss, train_loss, a metric's _min) replaced one number with another; a partial is named by its keywords."""

@@ -36,6 +36,7 @@ from .metrics import label_shape
 from .options import DEFAULT_STORE, RunPlan
 from .spec import RunSpec, loads, save_spec, spec_path
 from .staging import in_memory, stage
+from .steps import eval_modules
 from .store import ParamStore, check_cluster_access, open_store, share_credentials, store_holds_secrets
 from .variables import recorded_features
 
@@ -224,6 +225,7 @@ def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
         monitor=stopping.monitor,
         overlap=plan.overlap,
         label_shape=label_shape(plan.train),
+        eval_modules=eval_modules(plan.model),  # (frozen batch-norm layers stay frozen on the workers)
     )
 
 

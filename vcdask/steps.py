@@ -27,7 +27,7 @@ from .metrics import check_metric_names
 if TYPE_CHECKING:
     from .prepared import PreparedData
 
-__all__ = ["SupervisedStep", "check_steps", "evaluate", "probe_batch"]
+__all__ = ["SupervisedStep", "check_steps", "eval_modules", "evaluate", "probe_batch", "train_mode"]
 
 
 def _xy(batch: Any) -> tuple[Any, Any]:
@@ -48,6 +48,32 @@ class SupervisedStep:
     def __call__(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         x, y = _xy(batch)
         return self.loss(model(x), y)
+
+
+def eval_modules(model: torch.nn.Module) -> tuple[str, ...]:
+    """The submodules, by name, that ``model`` holds in eval mode while it is in train mode itself: layers the
+    user froze (a batch-norm layer whose running statistics fine-tuning keeps).  A model wholly in eval mode
+    (from :func:`vcdask.load`, say) has none: it trains in train mode throughout.
+
+    Examples
+    --------
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    >>> _ = model[1].eval()
+    >>> eval_modules(model)
+    ('1',)
+    """
+    if not model.training:
+        return ()
+    return tuple(name for name, m in model.named_modules() if name and not m.training)
+
+
+def train_mode(model: torch.nn.Module, frozen: tuple[str, ...] = ()) -> torch.nn.Module:
+    """``model`` in train mode but for the submodules named in ``frozen`` (:func:`eval_modules` of the model
+    given to ``fit``: the run's ``RunSpec.eval_modules``), each of which keeps eval mode (its own flag only)."""
+    model.train()
+    for name in frozen:
+        model.get_submodule(name).training = False
+    return model
 
 
 def _value(v: Any, name: str) -> float:
@@ -108,17 +134,17 @@ def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_
     ValueError
         ``eval_step``'s names would replace columns of ``FitResult.epochs`` (:func:`vcdask.metrics.check_metric_names`).
     """
+    frozen = eval_modules(model)  # (trained as the workers will train it)
     try:
-        names = _check_steps_on(cpu_copy(model), sample, train_step, eval_step)
+        names = _check_steps_on(train_mode(cpu_copy(model), frozen), sample, train_step, eval_step)
     except DataError:
         if all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers())):
             raise
-        names = _check_steps_on(copy.deepcopy(model), sample, train_step, eval_step)
+        names = _check_steps_on(train_mode(copy.deepcopy(model), frozen), sample, train_step, eval_step)
     return check_metric_names(names, "eval_step", loss=True)
 
 
 def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None) -> list[str]:
-    probe.train()
     try:
         loss = train_step(probe, sample)
     except Exception as e:

@@ -30,7 +30,7 @@ from .errors import ParameterMismatchError
 from .inner import InnerOptimizer
 from .params import FlatParams, all_finite, flatten, state_tensors
 from .spec import RunSpec, cached_spec, load_spec
-from .steps import SupervisedStep, evaluate
+from .steps import SupervisedStep, evaluate, train_mode
 from .updates import update_path, write_update
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def train_shard(
     train_step = spec.train_step or SupervisedStep(spec.loss)
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 10_007 + shard * 101 + attempt)
 
-    model.train()
+    train_mode(model, spec.eval_modules)  # (the layers the user froze, a batch norm's statistics, stay frozen)
     ahead = 0  # steps trained from the worker's own W_c before the merged version came (overlap="delta")
     # (at most this many: then the task waits for it, so most of its steps are taken from the merged version)
     most_ahead = overlap.most_ahead(spec.local_epochs * (per_pass if limit is None else limit))

@@ -124,11 +124,12 @@ class ProbeModel:
         rows of ``shard`` (cycled, in a seeded order)."""
         from .. import batches as _batches
         from ..params import flatten, load_into
+        from ..steps import train_mode
 
         start, stop = self.spec.shards.bounds(shard)
         rows = _batches.rows(self.spec, self.spec.train, start, min(stop, start + self.rows))
         load_into(self.model, base)
-        self.model.train()
+        train_mode(self.model, getattr(self.spec, "eval_modules", ()))  # as the workers train it
         optimizer = self.spec.optimizer(self.model.parameters())
         g = torch.Generator().manual_seed(self.spec.seed)
         done = 0
