@@ -65,3 +65,67 @@ def test_ctrl_c_in_a_script_stops_the_run_and_commits_what_it_merged(tmp_path):
     assert 3 <= info["step"] and info["epochs"] < 100000
     model = vcdask.load(store, version=info["version"])  # the merged work loads
     assert sum(p.numel() for p in model.state_dict().values()) == 18
+
+
+STARTING = textwrap.dedent(
+    """
+    import multiprocessing.forkserver
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    import numpy as np
+    import psutil
+    import torch
+
+    import vcdask
+
+
+    def workers():
+        \"\"\"This process's worker processes (not their fork server, nor the resource tracker).\"\"\"
+        server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+        found = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.pid != server and "resource_tracker" not in " ".join(p.cmdline()):
+                    found.append(p.pid)
+            except psutil.Error:
+                pass
+        return found
+
+
+    def ctrl_c_once_a_worker_starts():
+        while not workers():
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+    if __name__ == "__main__":
+        threading.Thread(target=ctrl_c_once_a_worker_starts, daemon=True).start()
+        X = np.random.default_rng(0).random((64, 8), dtype=np.float32)
+        try:
+            vcdask.fit(torch.nn.Linear(8, 2), (X, (X[:, 0] > 0.5).astype(np.int64)), max_epochs=1, store=sys.argv[1],
+                       progress=False)
+            print("fit returned")
+        except KeyboardInterrupt:
+            print("interrupted")
+        time.sleep(3)  # (a start left going has its workers up by now)
+        print("workers", len(workers()))
+    """
+)
+
+
+def test_ctrl_c_while_the_embedded_cluster_starts_leaves_no_cluster_running(tmp_path):
+    """Ctrl-C inside ``LocalCluster``'s start left its workers starting on distributed's event loop: the next
+    fit started a second cluster, and the exit's clean-up failed on the first (an ``AssertionError``)."""
+    script = tmp_path / "train.py"
+    script.write_text(STARTING)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, timeout=180,
+        cwd=tmp_path, preexec_fn=_ctrl_c_as_at_a_terminal,
+    )  # fmt: skip
+    assert proc.stdout.split() == ["interrupted", "workers", "0"], proc.stdout + proc.stderr[-3000:]
+    assert "closing it once it is up" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,10 +11,12 @@ cluster object to :func:`vcdask.fit` like any other.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import logging
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._main_guard import check_main_guard
@@ -59,7 +61,35 @@ def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
     if kwargs["processes"]:
         start_forkserver()
     with dask.config.set({"distributed.nanny.pre-spawn-environ": torch_friendly_environ()}):
-        return LocalCluster(n_workers=n, **kwargs)
+        return _started(lambda: LocalCluster(n_workers=n, **kwargs))
+
+
+def _started(start: Callable[[], Any]) -> Any:
+    """``start()`` (a cluster's start) in a thread of its own, so that Ctrl-C while it starts cannot leave a
+    cluster half-started behind: distributed goes on starting its workers on its event loop, and the next
+    cluster would be a second one.  Ctrl-C waits for the start to end, closes what it started, and raises the
+    ``KeyboardInterrupt``; a second Ctrl-C leaves at once."""
+    started: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            started.set_result(start())
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            started.set_exception(e)
+
+    threading.Thread(target=run, name="vcdask-cluster-start", daemon=True).start()
+    try:
+        return started.result()
+    except KeyboardInterrupt:
+        print("vcdask: interrupted while the cluster starts: closing it once it is up (Ctrl-C again to leave now)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        try:
+            cluster = started.result()
+        except Exception:  # noqa: BLE001 - it did not start: nothing to close
+            cluster = None
+        if cluster is not None:
+            _close(cluster)
+        raise
 
 
 #: What a shard task imports.  Under the ``forkserver`` start method the fork server imports them once,
@@ -192,7 +222,11 @@ def embedded_client():
             _close(client, cluster)
         check_main_guard(stacklevel=3)
         cluster = embedded_cluster()
-        client = Client(cluster, set_as_default=False)
+        try:
+            client = Client(cluster, set_as_default=False)
+        except BaseException:  # (Ctrl-C while it connects: no cluster of this process left running)
+            _close(cluster)
+            raise
         logger.info("started an embedded LocalCluster: %s", cluster.dashboard_link)
         if not _embedded.get("atexit"):
             atexit.register(_close_at_exit)
@@ -227,8 +261,9 @@ def live_runs(cluster: Any) -> list[str]:
         return []
 
 
-def _close(client, cluster) -> None:
-    for thing in (client, cluster):
+def _close(*things: Any) -> None:
+    """Close a client and its cluster, logging what fails (the caller's own error, if any, is what it raises)."""
+    for thing in things:
         try:
             thing.close()
         except Exception:
