@@ -97,11 +97,21 @@ def fit(
         Nothing: the data is one argument, ``fit(model, (X, y))``.  scikit-learn's ``fit(model, X, y)``
         gets a ``TypeError`` that says so.
     loss : str or callable, optional
-        For the default step: cross-entropy for integer labels, MSE otherwise.
+        For the default step: cross-entropy for integer labels, MSE otherwise.  A name (``"cross_entropy"``,
+        ``"mse"``, ``"l1"``, ``"nll"``), a function ``(output, target) -> scalar tensor`` or a loss module
+        instance (``torch.nn.CrossEntropyLoss(weight=w)``, not the class; each worker copies its tensors to its
+        device).  A loss that is not one number for the batch (``reduction="none"``) is refused.
     optimizer : torch.optim.Optimizer subclass or callable, optional
-        Default: Adam with learning rate ``lr``.  Whether its state lives on between a worker's shard
-        tasks: ``optimizer_state``.
+        Default: Adam with learning rate ``lr``.  A class, a ``functools.partial`` of one, or a function
+        ``params -> optimizer``: each worker calls it with a list of its copy's parameters (in
+        ``model.named_parameters()`` order), so build parameter groups from ``params``, not from your model.
+        It is built once on a copy of the model before any cluster work, and refused (``ValueError``) when it
+        holds parameters that are not the copy's, leaves a trainable one in no group, or needs a closure
+        (LBFGS).  Whether its state lives on between a worker's shard tasks: ``optimizer_state``.
     lr : float, default 1e-3
+        The learning rate of the default Adam, of an optimizer class, and of a ``functools.partial`` of one that
+        sets no ``lr`` (a partial that sets another is refused).  A function ``params -> optimizer`` sets its
+        own: an ``lr`` other than the default that its optimizer does not use cannot be applied, and is refused.
     max_epochs : int, default 10
     n_shards : int, optional
         Default: as many per worker thread of the cluster when the run starts as leave each task at

@@ -10,7 +10,6 @@ check their own values (:mod:`vcdask.groups`); :func:`plan` checks what needs th
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -24,11 +23,13 @@ from ._ints import check_bool, is_real, positive_int
 from .cluster import check_client
 from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
+from .device import cpu_copy
 from .finite import check_finite
-from .groups import Merging, Stopping, Training, check_optimizer
+from .groups import Merging, Stopping, Training
 from .holdout import check_early_stopping, hold_out
 from .merge import Auto, MergeRule, get_rule
 from .metrics import check_accuracy, check_metric_names, class_ids, metric_name
+from .optimizers import check_inner_optimizer, resolve_optimizer
 from .overlap import check_overlap
 from .preflight import HALF_DTYPES, check_model, check_probe_cost, check_run, check_target, model_dtype
 from .resilience import NEEDS_VALIDATION, Resilience
@@ -101,6 +102,12 @@ def resolve_loss(loss, classification: bool) -> Callable:
             return LOSSES[loss]
         except KeyError:
             raise ValueError(f"unknown loss {loss!r}; available: {sorted(LOSSES)} (or a callable)") from None
+    if isinstance(loss, type) and issubclass(loss, torch.nn.Module):  # (called, it would make a loss of the outputs)
+        where = "torch.nn" if loss.__module__.startswith("torch.nn.") else loss.__module__
+        name = f"{where}.{loss.__qualname__}"
+        raise TypeError(f"loss={name} is a class: pass an instance, loss={name}() (or a name from {sorted(LOSSES)})")
+    if isinstance(loss, torch.nn.Module):  # (its tensors on the CPU: the workers copy them to their device)
+        return cpu_copy(loss)
     if callable(loss):
         return loss
     raise TypeError(f"loss must be a name from {sorted(LOSSES)} or a callable, got {type(loss).__name__}")
@@ -133,15 +140,6 @@ def resolve_metrics(metrics, classification: bool) -> dict[str, Callable]:
         else:
             raise ValueError(f"unknown metric {m!r}; available: {sorted(METRICS)} (or a callable)")
     return dict(zip(check_metric_names(n for n, _ in named), (fn for _, fn in named), strict=True))
-
-
-def resolve_optimizer(optimizer, lr: float) -> Callable:
-    if optimizer is None:
-        return functools.partial(torch.optim.Adam, lr=lr)
-    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        return functools.partial(optimizer, lr=lr)  # type: ignore[call-arg]  # every torch optimizer takes lr
-    check_optimizer(optimizer)
-    return optimizer
 
 
 @dataclass(frozen=True)
@@ -308,6 +306,7 @@ def plan(
     if "loss" in rule.needs and not isinstance(rule, Auto):  # a probe at every merge, on the scheduler: its cost
         check_probe_cost(rule, model, probe_batch(prepared, x_dtype), train_step or SupervisedStep(loss_fn))
     optimizer_fn = resolve_optimizer(training.optimizer, training.lr)
+    check_inner_optimizer(optimizer_fn, model, given=training.optimizer, lr=training.lr)  # as the workers build it
     param_store = open_store(DEFAULT_STORE if store is None else store)  # last: it may create a directory
     if not param_store.shared_across_processes and client is None:
         raise ValueError(

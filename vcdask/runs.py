@@ -236,7 +236,7 @@ def _optimizer_state(plan: RunPlan, shards: Shards) -> str:
     if value != "auto":
         return value
     steps = shards.local_steps(training.batch_size, training.local_epochs)
-    optimizer = plan.optimizer(plan.model.parameters())
+    optimizer = plan.optimizer(list(plan.model.parameters()))
     state = resolve_optimizer_state(value, optimizer, steps)
     logger.info(
         "optimizer_state='auto' is %r: %d local steps per task, the optimizer's first moment remembers %.3g",

@@ -130,7 +130,7 @@ class ProbeModel:
         rows = _batches.rows(self.spec, self.spec.train, start, min(stop, start + self.rows))
         load_into(self.model, base)
         train_mode(self.model, getattr(self.spec, "eval_modules", ()))  # as the workers train it
-        optimizer = self.spec.optimizer(self.model.parameters())
+        optimizer = self.spec.optimizer(list(self.model.parameters()))  # (a list, as the workers give it)
         g = torch.Generator().manual_seed(self.spec.seed)
         done = 0
         while done < steps:

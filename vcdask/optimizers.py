@@ -1,0 +1,186 @@
+"""The inner optimizer as ``fit`` takes it (``optimizer=``, ``lr=``), made into ``params -> optimizer`` and checked
+before any cluster work.
+
+Each worker builds the optimizer on its own copy of the model, as ``optimizer(params)`` with ``params`` a list of
+that copy's parameters in ``model.parameters()`` order: a factory that refers to the caller's model (a closure
+``lambda params: AdamW(model[0].parameters())``) makes an optimizer over parameters no task trains, and every
+update would equal its base.  :func:`check_inner_optimizer` builds it once, on a CPU copy, and refuses that, a
+trainable parameter in no group, an optimizer whose ``step`` needs a closure (LBFGS), and an ``lr=`` the factory
+would ignore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .device import cpu_copy
+from .groups import Training, check_optimizer
+
+__all__ = ["DEFAULT_LR", "check_inner_optimizer", "describe_optimizer", "resolve_optimizer"]
+
+#: ``fit``'s default ``lr``: another value was given on purpose (and must be applied, or refused).
+DEFAULT_LR: float = next(f.default for f in dataclasses.fields(Training) if f.name == "lr")
+
+
+def _optimizer_class(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)
+
+
+def _class_partial(obj: Any) -> bool:
+    """A ``functools.partial`` of an optimizer class with keywords only (``partial(SGD, momentum=0.9)``)."""
+    return isinstance(obj, functools.partial) and _optimizer_class(obj.func) and not obj.args
+
+
+def describe_optimizer(optimizer: Any) -> str:
+    """``optimizer=`` as a message names it: ``torch.optim.SGD``, ``functools.partial(torch.optim.SGD,
+    momentum=0.9)``, ``make_opt``, ``<lambda>``."""
+    if isinstance(optimizer, type):
+        module = optimizer.__module__
+        module = "torch.optim" if module.startswith("torch.optim.") else module
+        return f"{module}.{optimizer.__qualname__}"
+    if isinstance(optimizer, functools.partial):
+        given = [describe_optimizer(optimizer.func), *map(repr, optimizer.args)]
+        given += [f"{k}={v!r}" for k, v in optimizer.keywords.items()]
+        return f"functools.partial({', '.join(given)})"
+    return getattr(optimizer, "__name__", None) or type(optimizer).__name__
+
+
+def resolve_optimizer(optimizer: Any, lr: float) -> Callable[..., torch.optim.Optimizer]:
+    """``params -> optimizer`` for ``fit``'s ``optimizer=`` and ``lr=``.
+
+    ``lr`` is applied to the default Adam, to an optimizer class and to a ``functools.partial`` of one that sets
+    no ``lr`` of its own.  Another callable is taken as it is (:func:`check_inner_optimizer` refuses an ``lr``
+    it would ignore).
+
+    Raises
+    ------
+    TypeError
+        Not None, an optimizer class or a callable.
+    ValueError
+        A partial that sets ``lr`` and an ``lr=`` that differs (both named).
+    """
+    if optimizer is None:
+        return functools.partial(torch.optim.Adam, lr=lr)
+    if _optimizer_class(optimizer):
+        return functools.partial(optimizer, lr=lr)  # type: ignore[call-arg]  # every torch optimizer takes lr
+    if _class_partial(optimizer):
+        own = optimizer.keywords.get("lr")
+        if own is None:
+            return functools.partial(optimizer, lr=lr)
+        if lr != DEFAULT_LR and own != lr:
+            raise ValueError(
+                f"lr={lr!r} and optimizer={describe_optimizer(optimizer)} both set the learning rate: pass it once, "
+                f"as lr= (functools.partial({describe_optimizer(optimizer.func)}, ...) without lr) or in the partial"
+            )
+        return optimizer
+    check_optimizer(optimizer)
+    return optimizer
+
+
+def check_inner_optimizer(make: Callable, model: torch.nn.Module, *, given: Any, lr: float) -> None:
+    """Build ``make(params)`` on a CPU copy of ``model``, as each worker does on its copy, and refuse what would
+    train wrong or fail on the cluster.
+
+    Parameters
+    ----------
+    make : callable
+        ``params -> optimizer`` (:func:`resolve_optimizer`).
+    model : torch.nn.Module
+        The model as given to ``fit`` (not changed).
+    given : optimizer class, callable or None
+        ``fit``'s ``optimizer=``, as the messages name it.
+    lr : float
+        ``fit``'s ``lr=``.
+
+    Raises
+    ------
+    ValueError
+        The optimizer holds parameters that are not the copy's (a closure over the caller's model), leaves
+        trainable parameters in no group, needs a closure at every step (LBFGS), or a factory ignores an ``lr=``
+        that is not the default; ``make`` raised a ``ValueError`` (or another error but a ``TypeError``).
+    TypeError
+        ``make`` does not return a ``torch.optim.Optimizer``, or raised a ``TypeError``.
+    """
+    name = "Adam (the default)" if given is None else describe_optimizer(given)
+    copy_ = cpu_copy(model)
+    params = list(copy_.parameters())
+    try:
+        optimizer = make(list(params))
+    except Exception as e:
+        error = TypeError if isinstance(e, TypeError) else ValueError
+        raise error(
+            f"optimizer={name} cannot be made from the model's parameters (optimizer(params), params a list of "
+            f"them): {type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer={name} must make a torch.optim.Optimizer from the params it is given, "
+            f"got {type(optimizer).__name__}"
+        )
+    if _needs_closure(optimizer):
+        raise ValueError(
+            f"optimizer={name}: {type(optimizer).__name__}.step needs a closure that evaluates the loss again, "
+            "which a shard task's step (backward, clip, optimizer.step()) does not give; use an optimizer that "
+            "steps from the gradients (torch.optim.Adam, AdamW, SGD, ...)"
+        )
+    _check_groups(optimizer, copy_, model, name)
+    if lr != DEFAULT_LR and not (given is None or _optimizer_class(given) or _class_partial(given)):
+        rates = sorted({float(group["lr"]) for group in optimizer.param_groups if "lr" in group})
+        if rates != [lr]:
+            raise ValueError(
+                f"lr={lr!r} cannot be applied to optimizer={name}, a function that makes its optimizer with its own "
+                f"learning rate{'s' if len(rates) > 1 else ''} ({', '.join(map(repr, rates))}): set it in the "
+                "function, or pass a class with lr= (optimizer=torch.optim.AdamW, lr=...) or a partial without lr "
+                "(optimizer=functools.partial(torch.optim.AdamW, weight_decay=0.01), lr=...)"
+            )
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes a closure it cannot do without (LBFGS: ``step(closure)``)."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # (a step without a signature: taken as one that steps from the gradients)
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, copy_: torch.nn.Module, model: torch.nn.Module, name: str) -> None:
+    """The optimizer's groups hold the copy's parameters only (by identity), every trainable one among them."""
+    names = {id(p): n for n, p in copy_.named_parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    held_ids = {id(p) for p in held}
+    foreign = [p for p in held if id(p) not in names]
+    idle = [n for n, p in copy_.named_parameters() if p.requires_grad and id(p) not in held_ids]
+    if not foreign and not idle:
+        return
+    order = list(names.values())
+    problems = []
+    if foreign:
+        yours = {id(p): n for n, p in model.named_parameters()}
+        mine = [yours[id(p)] for p in foreign if id(p) in yours]
+        whose = f"your model's {_names(mine)} (a closure over your model?)" if mine else "not the model's"
+        problems.append(
+            f"the optimizer holds {len(foreign)} parameters that are not those it was given: {whose}. Each worker "
+            "builds the optimizer on its own copy of the model, as optimizer(params), and trains only what it holds; "
+            "build the groups from the params argument"
+        )
+    if idle:
+        problems.append(
+            f"{len(idle)} trainable parameters are in no group of the optimizer ({_names(idle)}) and would not train: "
+            "put them in a group, or freeze them before fit (requires_grad_(False))"
+        )
+    raise ValueError(
+        f"optimizer={name}: {'; and '.join(problems)}. params is a list of the model's parameters in "
+        f"model.named_parameters() order ({_names(order, shown=6)}): params[i:j] picks a layer's, "
+        "[p for p in params if p.ndim < 2] its biases and norms"
+    )
+
+
+def _names(names: list[str], shown: int = 4) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
