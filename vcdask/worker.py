@@ -223,7 +223,7 @@ def train_shard(
     model = _held.loaded_model(spec, store, base_version, device, given)
     t_read = time.perf_counter()
     inner = InnerOptimizer(spec, model, precision, epoch, position)  # fresh, or this worker's kept state
-    train_step = spec.train_step or SupervisedStep(spec.loss)
+    train_step = spec.train_step or SupervisedStep(_held.loss_on(spec, device))  # (a loss module: on the device)
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 10_007 + shard * 101 + attempt)
 
     train_mode(model, spec.eval_modules)  # (the layers the user froze, a batch norm's statistics, stay frozen)
