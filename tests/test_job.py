@@ -143,6 +143,19 @@ def test_a_good_job_file_is_read_with_paths_from_its_directory(job_dir):
         ("max_epochs: 2", "max_epochs: 2, wait: true", r"job\.yaml: fit\.wait: not an option of a job"),
         ("max_epochs: 2", "max_epochs: 2, collate_fn: x", r"job\.yaml: fit\.collate_fn: .*takes a Python callable"),
         ("max_epochs: 2", "max_epochs: 2, train_step: m:f", r"job\.yaml: fit\.train_step: .*takes a Python callable"),
+        # PyYAML reads 1e-3 as a string (a YAML 1.1 float needs a dot and a signed exponent): say so
+        (
+            "tag_prefix: nightly-}",
+            "tag_prefix: nightly-, min_delta: 1e-3}",
+            r"release\.min_delta: '1e-3' is not of type 'number'; YAML reads 1e-3 \(release\.min_delta\) as text: "
+            r"write 1\.0e-3 or 0\.001$",
+        ),
+        (
+            "max_epochs: 2",
+            "max_epochs: 2, stopping: {target: {loss: 1E2}}",
+            r"fit\.stopping: .*got '1E2'; YAML reads 1E2 \(fit\.stopping\.target\.loss\) as text: "
+            r"write 1\.0e\+2 or 100$",
+        ),
     ],
 )
 def test_a_bad_job_file_names_the_field(job_dir, old, new, message):
@@ -273,6 +286,41 @@ def test_preflight_checks_the_store_and_the_start(job_dir):
         prepared = preflight(load_job(_edit(job_dir, "start: last-release", f"start: {start}")))
         assert prepared.start["kind"] == where and prepared.start["version"] == v
         assert torch.equal(prepared.model[2].bias, model[2].bias)
+
+
+def test_a_factory_that_refuses_its_arguments_or_a_scheduler_that_is_no_address_is_a_bad_job_file(job_dir):
+    """Any error of the factory on ``model_args`` (RuntimeError, ValueError: not only TypeError) and a
+    ``scheduler:`` that cannot be an address are exit 2 naming the field, found before any cluster work."""
+    for args, error in (("hidden: -1", "RuntimeError: Trying to create tensor with negative dimension -1"),
+                        ("hidden: 16, seed: abc", "ValueError: invalid literal for int()")):  # fmt: skip
+        outcome = run_job(_edit(job_dir, "hidden: 16", args))
+        assert outcome.exit_code == EXIT_BAD_JOB, outcome.message
+        assert outcome.message.startswith(f"job.yaml: model_args: mymodels:make(**model_args) failed: {error}")
+        assert "give values the factory accepts" in outcome.message
+    for address in ("not a url", "tcp://host", "foo://h:1", "tcp://h:port"):
+        outcome = run_job(_write(job_dir, JOB + f"scheduler: {address}\n"))
+        assert outcome.exit_code == EXIT_BAD_JOB, outcome.message
+        assert outcome.message.startswith(f"job.yaml: scheduler: {address!r} is not a Dask scheduler address (")
+        assert "write it as tcp://host:8786" in outcome.message
+        assert "check_s" not in outcome.report["timings"]  # refused at the pre-flight: no connection was tried
+    assert not (job_dir / "store").exists()
+    job = load_job(_write(job_dir, JOB + "scheduler: tcp://127.0.0.1:8786\n"))
+    assert preflight(job).job.scheduler == "tcp://127.0.0.1:8786"  # an address; whether it answers is for fit
+
+
+def test_a_number_yaml_reads_as_text_is_named_and_the_preflights_scratch_store_is_not_logged(job_dir, caplog):
+    """``lr: 1e-3`` is text to PyYAML: fit's refusal says how to write it. The pre-flight checks fit's options
+    on a scratch store when the job's is not there yet: only the job's own store is logged as created."""
+    with pytest.raises(
+        JobFileError, match=r"got '1e-3'; YAML reads 1e-3 \(fit\.lr\) as text: write 1\.0e-3 or 0\.001$"
+    ):
+        preflight(load_job(_edit(job_dir, "lr: 0.05", "lr: 1e-3", "other.yaml")))
+    with pytest.raises(JobFileError, match=r"fit\.stopping: .*'min_delta'$"):  # not about a number: no hint
+        load_job(_edit(job_dir, "lr: 0.05", "lr: 0.05, stopping: {min_delta: 1e-4}", "other.yaml"))
+    caplog.set_level("INFO")
+    preflight(load_job(job_dir / "job.yaml"))
+    created = [r.getMessage() for r in caplog.records if "created a new vcdask store" in r.getMessage()]
+    assert created == [f"created a new vcdask store at local directory '{job_dir / 'store'}'"], created
 
 
 def test_a_store_or_data_that_does_not_answer_is_a_failure_not_a_bad_job_file(job_dir, monkeypatch):

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import VcdaskError
 
-__all__ = ["DataRef", "Job", "JobFileError", "ReleaseRule", "job_schema", "load_job"]
+__all__ = ["DataRef", "Job", "JobFileError", "ReleaseRule", "job_schema", "load_job", "yaml_number_hint"]
 
 #: fit options the job file sets in fields of its own, and where.
 JOB_FIELDS = {
@@ -221,6 +221,7 @@ def _check_schema(path: Path, raw: Any) -> None:
     top = str(e.absolute_path[0]) if e.absolute_path else ""
     described = job_schema()["properties"].get(top, {}).get("description", "") if top in ONE_OF else ""
     problem = f"{e.instance!r} is not valid here" if e.validator == "oneOf" else e.message
+    problem += _number_text_hint(e.instance, where) if e.validator == "type" else ""
     raise JobFileError(path, where, f"{problem}. {described}".strip() if described else problem)
 
 
@@ -298,6 +299,46 @@ def _release(path: Path, spec: dict | None, fit: dict[str, Any]) -> ReleaseRule 
     )
 
 
+def yaml_number_hint(options: Any, where: str, message: str) -> str:
+    """What to add to ``message``, a refusal of ``options``, when it refuses a number that YAML read as text:
+    PyYAML (YAML 1.1) reads ``1e-3`` and ``1.0e3`` as strings (its floats need a dot and a signed exponent).
+
+    Returns
+    -------
+    str
+        ``"; YAML reads 1e-3 (fit.lr) as text: write 1.0e-3 or 0.001"``, or ``""`` when the refusal names no
+        such text among ``options`` (nested mappings and lists included; ``where`` is their field).
+    """
+    items = options.items() if isinstance(options, dict) else enumerate(options) if isinstance(options, list) else ()
+    for name, value in items:
+        if isinstance(value, (dict, list)):
+            hint = yaml_number_hint(value, f"{where}.{name}", message)
+        else:
+            hint = _number_text_hint(value, f"{where}.{name}") if isinstance(value, str) and value in message else ""
+        if hint:
+            return hint
+    return ""
+
+
+def _number_text_hint(value: Any, field: str) -> str:
+    """``"; YAML reads 1e-3 (field) as text: ..."`` when ``value`` is a number in exponent form that YAML left
+    as text, else ``""``."""
+    import decimal
+
+    if not isinstance(value, str) or "e" not in value.lower():
+        return ""
+    try:
+        number = decimal.Decimal(value.strip())
+    except decimal.InvalidOperation:
+        return ""
+    if not number.is_finite():
+        return ""
+    mantissa, _, exponent = value.strip().lower().partition("e")
+    mantissa = mantissa if "." in mantissa else f"{mantissa}.0"
+    exponent = exponent if exponent[:1] in ("+", "-") else f"+{exponent}"
+    return f"; YAML reads {value} ({field}) as text: write {mantissa}e{exponent} or {number:f}"
+
+
 def _fit_options(path: Path, options: dict[str, Any]) -> dict[str, Any]:
     from .. import api
 
@@ -320,6 +361,7 @@ def _fit_options(path: Path, options: dict[str, Any]) -> dict[str, Any]:
             try:
                 value = group(**value)
             except (TypeError, ValueError) as e:
-                raise JobFileError(path, f"fit.{name}", f"{e}") from None
+                hint = yaml_number_hint(value, f"fit.{name}", str(e))
+                raise JobFileError(path, f"fit.{name}", f"{e}{hint}") from None
         out[name] = value
     return out

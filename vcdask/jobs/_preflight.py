@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import MissingRegionError, ParameterMismatchError, StoreNotFoundError, VersionNotFoundError
-from ._file import DataRef, Job, JobFileError
+from ._file import DataRef, Job, JobFileError, yaml_number_hint
 from ._release import last_release
 
 __all__ = ["Prepared", "fit_kwargs", "preflight"]
@@ -57,6 +59,7 @@ def preflight(job: Job) -> Prepared:
     import vcdask
 
     _check_report(job)
+    _check_scheduler(job)
     # Read only until every check has passed: a job refused here leaves no new store behind.
     store = _open_store(job, "r")
     model = _build(job)
@@ -139,19 +142,33 @@ def _plan(prepared: Prepared) -> None:
     kwargs = fit_kwargs(prepared)
     options = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
     try:
-        with tempfile.TemporaryDirectory(prefix="vcdask-preflight-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="vcdask-preflight-") as scratch, _quiet_store_logs():
             # plan opens the store as fit does, with mode "a": a store that is not there yet is created after
-            # the checks (preflight), so plan gets a stand-in here that nobody sees
+            # the checks (preflight), so plan gets a stand-in here that nobody sees (nor its creation logged)
             options["store"] = prepared.store if prepared.store is not None else str(Path(scratch) / "store")
             names = list(plan(prepared.model, prepared.data, **fold_options(options)).metric_names)
     except (ValueError, TypeError) as e:  # fit's own checks: the job's options are wrong
-        raise JobFileError(job.path, _blamed(prepared, kwargs, e), f"rejected by vcdask.fit: {e}") from None
+        blamed = _blamed(prepared, kwargs, e)
+        problem = f"rejected by vcdask.fit: {e}{yaml_number_hint(job.fit, 'fit', str(e))}"
+        raise JobFileError(job.path, blamed, problem) from None
     rule = job.release
     if rule is not None and rule.metric not in names:
         remedy = "; name it under fit.metrics (e.g. metrics: [mae]), or choose one of those"
         raise JobFileError(
             job.path, "release.metric", f"the run computes no {rule.metric!r}; it computes {names}{remedy}"
         )
+
+
+@contextmanager
+def _quiet_store_logs() -> Iterator[None]:
+    """Store messages below warnings unsaid: the pre-flight's scratch store is nobody's to hear about."""
+    store_logger = logging.getLogger("vcdask.store")
+    level = store_logger.level
+    store_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        store_logger.setLevel(level)
 
 
 def _check_report(job: Job) -> None:
@@ -176,6 +193,31 @@ def _check_report(job: Job) -> None:
                 pass
     except OSError as e:
         raise JobFileError(job.path, "report", f"cannot write the report to {where}: {e.strerror or e}") from None
+
+
+def _check_scheduler(job: Job) -> None:
+    """Check that ``scheduler:`` is a Dask scheduler address (``tcp://host:8786``); not whether it answers,
+    which is found when the job connects (a failure, exit 1): an address that cannot be one is a bad job
+    file, not a retry after the connection's timeout."""
+    if job.scheduler is None:
+        return
+    from distributed.comm import parse_address
+    from distributed.comm.addressing import parse_host_port
+    from distributed.comm.registry import get_backend
+
+    try:
+        scheme, location = parse_address(job.scheduler)
+        get_backend(scheme)
+        if scheme in ("tcp", "tls", "ws", "wss"):
+            host, _ = parse_host_port(location)
+            if not host or any(c.isspace() for c in host):
+                raise ValueError(f"no host name in {location!r}")
+    except (ValueError, TypeError) as e:
+        problem = (
+            f"{job.scheduler!r} is not a Dask scheduler address ({e}); write it as tcp://host:8786, "
+            "or remove scheduler: to train on an embedded LocalCluster"
+        )
+        raise JobFileError(job.path, "scheduler", problem) from None
 
 
 def _open_store(job: Job, mode: str) -> Any:
@@ -210,12 +252,22 @@ def _open_store(job: Job, mode: str) -> Any:
 
 
 def _build(job: Job) -> Any:
+    """The factory's model: a factory that refuses ``model_args`` (any error but an :class:`OSError`, e.g. a
+    ``ValueError`` for ``hidden: -1``) is a bad job file naming ``model_args``; an :class:`OSError` (weights
+    it could not download, a file it could not read) is a failure of the job (exit 1): it may pass next time."""
     import torch
 
     try:
         model = job.factory(**job.model_args)
-    except TypeError as e:
-        raise JobFileError(job.path, "model_args", f"{job.model}(**model_args) failed: {e}") from None
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001  the factory refused its arguments: say how, without a traceback
+        args = ", ".join(f"{k}={v!r}" for k, v in job.model_args.items())
+        problem = (
+            f"{job.model}(**model_args) failed: {type(e).__name__}: {e} (model_args: {args or 'none'}); "
+            "give values the factory accepts"
+        )
+        raise JobFileError(job.path, "model_args", problem) from None
     if not isinstance(model, torch.nn.Module):
         raise JobFileError(job.path, "model", f"{job.model} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
