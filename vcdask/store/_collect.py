@@ -39,6 +39,7 @@ from ..errors import VersionNotFoundError
 from ._errors import translate
 from ._history import HOLD_PREFIX, HistoryStore, is_reserved, parse_pin, pin_name, reachable
 from ._layout import is_version
+from ._names import check_listed, ref_entries
 from ._retention import GCReport, Retention, select
 from ._state import STATE_KEY, sweep_states
 from ._version import version_id
@@ -154,14 +155,18 @@ def collect(
     in_use: Mapping[str, int | None],
     dry_run: bool,
 ) -> GCReport:
-    """One collection over ``store`` (see the module docstring); ``branches=None``: every branch."""
+    """One collection over ``store`` (see the module docstring); ``branches=None``: every branch.  Refused while
+    the storage holds a tag or branch that Icechunk does not list (:func:`._names.check_listed`)."""
     repo = store._repo
     grace = timedelta(seconds=retention.grace if retention.grace is not None else _default_grace(store))
     listed_at = datetime.now(UTC)  # anything committed after this is newer than the cutoff
+    entries = ref_entries(store)  # (read before Icechunk lists them)
     fresh = repo.reopen()  # another process may have expired history since this one last looked
-    heads = _heads(fresh)
+    listed, tags = fresh.list_branches(), fresh.list_tags()
+    check_listed(store, entries, listed, tags, "collecting old versions")
+    heads = _heads(fresh, listed)
     names = set(heads)
-    tagged = {fresh.lookup_tag(t) for t in fresh.list_tags()}
+    tagged = {fresh.lookup_tag(t) for t in tags}
     held = _live_holds(store, tidy=not dry_run)
     managed = sorted(b for b in names if not is_reserved(b)) if branches is None else list(branches)
     report = GCReport(dry_run=dry_run)
@@ -216,13 +221,14 @@ def collect(
     return report
 
 
-def _heads(repo: Any) -> dict[str, str]:
-    """Branch -> its head snapshot; a branch deleted between the listing and its look-up (a pin another
-    run's collection removed meanwhile: two runs collecting in one store) is left out, not an error."""
+def _heads(repo: Any, listed: set[str]) -> dict[str, str]:
+    """Branch -> its head snapshot, of the branches ``listed``; a branch deleted between the listing and its
+    look-up (a pin another run's collection removed meanwhile: two runs collecting in one store) is left out,
+    not an error."""
     import icechunk
 
     heads = {}
-    for branch in repo.list_branches():
+    for branch in listed:
         try:
             heads[branch] = repo.lookup_branch(branch)
         except icechunk.IcechunkError:

@@ -247,7 +247,7 @@ class IcechunkParamStore(ParamStore):
         Raises
         ------
         ValueError
-            ``name`` is empty or holds ``/`` or a control character.
+            ``name`` breaks the naming rule (1 to 200 of: ASCII letters, digits, space, ``._+:=@,-``).
         TagExistsError
             A tag called ``name`` exists.
         VersionNotFoundError
@@ -266,7 +266,7 @@ class IcechunkParamStore(ParamStore):
         Raises
         ------
         ValueError
-            ``name`` is empty, holds ``/`` or a control character, or starts with ``vcdask.`` + ``keep.``/``hold.``.
+            ``name`` breaks the naming rule (see :meth:`tag`), or starts with ``vcdask.`` + ``keep.``/``hold.``.
         BranchExistsError
             The branch exists already.
         VersionNotFoundError

@@ -1,15 +1,30 @@
 """Branches and tags of an Icechunk-backed store: the version a branch names (:meth:`IcechunkParamStore.head`),
-making them (:meth:`IcechunkParamStore.tag`, :meth:`IcechunkParamStore.create_branch`), and checking that
-what they name is a vcdask version."""
+making them (:meth:`IcechunkParamStore.tag`, :meth:`IcechunkParamStore.create_branch`), checking that
+what they name is a vcdask version, and that Icechunk lists every ref the storage holds (:func:`check_listed`).
+
+Icechunk keeps each ref under a key named after it (``refs/tag.<name>/ref.json``).  The object_store
+library that its local, GCS and Azure storages use percent-encodes a key's non-ASCII and control characters
+and ``"#%*<>?[\\]^`{|}~``; its S3 storage turns ``\\`` into a ``/``.  Such a ref is then missing from
+Icechunk's listings (a tag) or listed by a name that it cannot look up (a branch): a collection would not
+see the tag, and delete the version it keeps.  So a name holds only characters stored verbatim everywhere
+(:data:`NAME_CHARACTERS`).
+"""
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
+from urllib.parse import unquote
 
-from ..errors import BranchExistsError, VersionNotFoundError
+from fsspec.implementations.local import LocalFileSystem
+
+from ..errors import BranchExistsError, StoreError, VersionNotFoundError
 from ._errors import translate
 from ._history import is_reserved
 from ._layout import is_version
+from ._secrets import redact
 from ._version import version_id
 
 if TYPE_CHECKING:
@@ -17,7 +32,28 @@ if TYPE_CHECKING:
 
     from ._backend import StoreBackend
 
-__all__ = ["NamedStore", "check_name", "create_branch", "create_tag", "head", "require_version"]
+__all__ = [
+    "MAX_NAME_LENGTH",
+    "NAME_CHARACTERS",
+    "NamedStore",
+    "check_listed",
+    "check_name",
+    "create_branch",
+    "create_tag",
+    "head",
+    "ref_entries",
+    "require_version",
+]
+
+#: The characters of a branch or tag name, besides ASCII letters and digits: those that every storage keeps
+#: verbatim in a ref's key (run ids, ``run-20260101-120000-4e2050``, are made of them).
+NAME_CHARACTERS = " ._+:=@,-"
+#: The longest branch or tag name: a ref's key is a file name on a local disk (at most 255 bytes), and a
+#: kept version's pin is named ``vcdask.keep.<version>.<branch>`` (40 characters more).
+MAX_NAME_LENGTH = 200
+_NAME = re.compile(f"[A-Za-z0-9{re.escape(NAME_CHARACTERS)}]+")
+# A ref's key below ``refs/``: ``<kind>.<name>/ref.json``, and ``ref.json.deleted`` beside it for a deleted tag.
+_REF_KEY = re.compile(r"(branch|tag)\.(.+)/ref\.json(\.deleted)?")
 
 
 class NamedStore(Protocol):
@@ -28,12 +64,15 @@ class NamedStore(Protocol):
 
     Attributes
     ----------
+    max_tries : int
+        Attempts per storage request.
     _repo : icechunk.Repository
         The store's repository.
     _backend : StoreBackend
-        Its storage backend (for messages).
+        Its storage backend (for messages, and the listing of its refs).
     """
 
+    max_tries: int
     _repo: icechunk.Repository
     _backend: StoreBackend
 
@@ -85,22 +124,123 @@ def require_version(store: NamedStore, version: str) -> str:
 def check_name(name: object, what: str) -> str:
     """``name``, once checked to be a valid name for a branch or tag (``what``).
 
-    A name is a non-empty string without ``/`` (Icechunk keeps each ref under a key named after it)
-    and without control characters (they cannot be part of a file name on every filesystem).
+    A name is 1 to :data:`MAX_NAME_LENGTH` characters: ASCII letters, digits, and those of
+    :data:`NAME_CHARACTERS` (space ``. _ + : = @ , -``), which every storage keeps verbatim in the ref's
+    key (see the module docstring).
 
     Raises
     ------
     TypeError
         ``name`` is not a string.
     ValueError
-        An empty name, or one with ``/`` or a control character.
+        An empty name, one longer than :data:`MAX_NAME_LENGTH`, or one with another character.
     """
-    rule = f"a {what} name must be a non-empty string without '/' or control characters"
+    rule = (
+        f"a {what} name must be 1 to {MAX_NAME_LENGTH} characters: ASCII letters, digits, space and "
+        f"{' '.join(NAME_CHARACTERS.strip())} (those every storage keeps verbatim in the {what}'s key)"
+    )
     if not isinstance(name, str):
         raise TypeError(f"{rule}, got {type(name).__name__} {name!r}")
-    if not name or "/" in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise ValueError(f"{rule}, got {name!r}")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(f"{rule}, got {len(name)} characters: {name[:40]!r}...")
+    if not _NAME.fullmatch(name):
+        others = sorted({c for c in name if not _NAME.fullmatch(c)})
+        why = f" (not {', '.join(map(repr, others))})" if others else ""
+        raise ValueError(f"{rule}, got {name!r}{why}")
     return name
+
+
+def ref_entries(store: NamedStore) -> set[str] | None:
+    """The refs the storage holds, as ``<kind>.<name>`` with each name as stored, for :func:`check_listed`;
+    None for a memory store (its storage is Icechunk's own memory).
+
+    On a local disk the folders right under ``refs/`` (one directory read: a long-lived store has thousands,
+    one for each branch ever deleted); on an object store every key under it (one listing: a deleted ref
+    leaves no key, except a tag's, beside ``ref.json.deleted``), where a name may hold a ``/``.
+
+    Raises
+    ------
+    StoreError
+        The listing failed.
+    """
+    if store._backend.scheme == "memory":
+        return None
+    fs, root = store._backend.filesystem(max_tries=store.max_tries)
+    try:
+        if isinstance(fs, LocalFileSystem):
+            return set(os.listdir(f"{root}/refs"))
+        return {f"{kind}.{name}" for kind, name, _ in _parse(fs.find(f"{root}/refs"), f"{root}/refs")}
+    except FileNotFoundError:
+        return set()
+    except OSError as e:
+        raise StoreError(redact(f"listing the refs of {store._backend.describe()} failed: {e}")) from None
+
+
+def check_listed(
+    store: NamedStore, entries: set[str] | None, branches: Iterable[str], tags: Iterable[str], what: str
+) -> None:
+    """Refuse to go on (``what``: e.g. a collection) while the storage holds a tag or branch that Icechunk does
+    not list (one made by an earlier release, or with Icechunk itself, whose name is not stored verbatim):
+    a collection would not see it, and would delete the version it keeps.
+
+    Parameters
+    ----------
+    store : NamedStore
+    entries : set of str or None
+        :func:`ref_entries`, read before Icechunk listed ``branches`` and ``tags`` (a ref made meanwhile is
+        in those).  The entries they leave out are looked into now: most hold no live ref (a local store keeps
+        an empty folder for each deleted branch, such as a collection's old pins, and a deleted tag keeps its
+        key beside ``ref.json.deleted``; a ref deleted meanwhile is gone).  None: nothing to check.
+    branches, tags : iterable of str
+        What Icechunk lists.
+    what : str
+        What would go on, for the message.
+
+    Raises
+    ------
+    StoreError
+        Such a ref is there (the message names it), or the listing failed.
+    """
+    if not entries:
+        return
+    fs, root = store._backend.filesystem(max_tries=store.max_tries)
+    where, refs = store._backend.describe(), f"{root}/refs"
+    left = entries - {f"branch.{b}" for b in branches} - {f"tag.{t}" for t in tags}
+    try:
+        unlisted = sorted(ref for entry in left for ref in _live_refs(fs, refs, entry))
+    except OSError as e:
+        raise StoreError(redact(f"{what} in {where}: listing its refs failed: {e}")) from None
+    if not unlisted:
+        return
+    shown = ", ".join(f"{kind} {unquote(name)!r} (key refs/{kind}.{name})" for kind, name in unlisted)
+    raise StoreError(
+        f"{what} in {where}: refused, nothing was deleted: Icechunk does not list {shown}, so the versions they "
+        f"keep would be deleted. Name those versions anew ({MAX_NAME_LENGTH} characters at most: ASCII letters, "
+        f"digits, space and {' '.join(NAME_CHARACTERS.strip())}), e.g. store.tag(new_name, version), and delete "
+        "the old refs with Icechunk (Repository.delete_tag, delete_branch)"
+    )
+
+
+def _live_refs(fs, refs: str, entry: str) -> list[tuple[str, str]]:
+    """(kind, name as stored) of the live refs under ``refs/<entry>``: none for a deleted one."""
+    if isinstance(fs, LocalFileSystem):
+        keys = [f"{folder}/{name}" for folder, _, names in os.walk(f"{refs}/{entry}", onerror=_raise) for name in names]
+    else:
+        keys = fs.find(f"{refs}/{entry}")
+    found = _parse(keys, refs)
+    deleted = {(kind, name) for kind, name, gone in found if gone}
+    return [(kind, name) for kind, name, gone in found if not gone and (kind, name) not in deleted]
+
+
+def _parse(keys: Iterable[str], refs: str) -> list[tuple[str, str, bool]]:
+    """(kind, name as stored, whether it is a deleted tag's marker) of the ref keys among ``keys`` (under ``refs``)."""
+    found = (_REF_KEY.fullmatch(key[len(refs) :].lstrip("/")) for key in keys)
+    return [(m[1], m[2], bool(m[3])) for m in found if m]
+
+
+def _raise(e: OSError) -> None:
+    if not isinstance(e, FileNotFoundError):  # (deleted meanwhile: nothing there)
+        raise e
 
 
 def create_tag(store: NamedStore, name: str, version: str) -> None:
