@@ -100,12 +100,16 @@ for mode in ("a", "r+"):
         out[mode] = "committed"
     except Exception as e:
         out[mode] = [type(e).__name__, isinstance(e, PermissionError), str(e), store.head()]
+try:  # a new store there (Icechunk panicked: a BaseException)
+    vcdask.open_store(sys.argv[1] + "/new/store")
+except BaseException as e:
+    out["create"] = [type(e).__name__, isinstance(e, PermissionError), str(e)]
 print(json.dumps(out))
 """
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) for a read-only mount")
-def test_a_commit_on_a_read_only_filesystem_is_access_denied(tmp_path):
+def test_a_commit_or_a_new_store_on_a_read_only_filesystem_is_access_denied(tmp_path):
     """A real read-only filesystem: the store's directory bind-mounted read-only in a private mount namespace
     of a child (``unshare -rm``: an unprivileged user namespace, or root's)."""
     path = tmp_path / "s"
@@ -122,6 +126,12 @@ def test_a_commit_on_a_read_only_filesystem_is_access_denied(tmp_path):
         assert name == StoreAccessDeniedError.__name__ and is_permission_error, out
         assert "Read-only file system" in message and "open it with mode='r'" in message
         assert head == v
+    name, is_permission_error, message = out["create"]
+    assert name == StoreAccessDeniedError.__name__ and is_permission_error, out
+    assert message == (
+        f"cannot create a store at local directory '{path}/new/store': '{path}' may not be written (a read-only "
+        "filesystem, or permissions)"
+    )
 
 
 # -- an Icechunk repository that is not a vcdask store ---------------------------------------------------------

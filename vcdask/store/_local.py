@@ -54,7 +54,7 @@ class LocalBackend:
 
     def preflight(self, mode: str) -> None:
         """Check the path before Icechunk looks at it (it panics on a file, also on one above the path, and
-        creates missing folders)."""
+        creates missing folders: it panics where it may not)."""
         try:
             exists = self.path.exists()
             above = None if exists else next((p for p in self.path.parents if p.exists()), None)
@@ -65,6 +65,11 @@ class LocalBackend:
         if above is not None and not above.is_dir():  # the nearest existing path above it
             raise StoreNotFoundError(
                 f"no vcdask store can be at {self.location!r}: {str(above)!r} is a file, not a directory"
+            )
+        if above is not None and mode in ("a", "w-") and not os.access(above, os.W_OK):  # (Icechunk panics too)
+            raise StoreAccessDeniedError(
+                f"cannot create a store at {self.describe()}: {str(above)!r} may not be written (a read-only "
+                "filesystem, or permissions)"
             )
         if mode in ("r", "r+") and not exists:
             raise StoreNotFoundError(
