@@ -19,6 +19,8 @@ from vcdask.data import Shards
 from vcdask.engine.committing import Head
 from vcdask.engine.core import Phase, RunState, handle
 from vcdask.engine.core import messages as m
+from vcdask.engine.core.arrivals import OUTSIDE
+from vcdask.engine.core.dispatching import submit_validation
 from vcdask.errors import StoreUnreachableError
 from vcdask.spec import RunSpec
 
@@ -604,13 +606,35 @@ def test_a_validation_lost_with_its_worker_is_tried_again_then_fails_the_run():
 
 
 def test_with_nothing_left_to_run_or_wait_for_an_incomplete_run_fails_as_stuck():
+    """The net under the run's bookkeeping: copies it lost track of (no path of the run's own does that)."""
     s = Script(n_shards=2)
     out = keys(s(m.Poll()))
     assert s(m.Idle()) == []  # copies are out
     for key in out:
-        s(m.Completed(key, cancelled=True))  # cancelled from outside the run
+        s.state.tasks.pop(key)
     [fail] = [fx for fx in s(m.Idle()) if isinstance(fx, m.Fail)]
     assert fail.failure.kind == "stuck" and "epoch 1 is not complete" in fail.failure.message
+
+
+def test_copies_and_validations_cancelled_from_outside_the_run_are_sent_again():
+    """``client.restart()`` cancels every client's futures, the run's own included: a copy the run did not
+    cancel (its shard neither merged nor given up, the run not stopping) is sent again without blame,
+    and so is a validation an epoch waits for.  The run used to drop the copy, train every later epoch,
+    and fail as stuck on the shard it had dropped."""
+    s = Script(n_shards=2, max_attempts=1, validation=object())
+    out = keys(s(m.Poll()))
+    for key in out:
+        s(m.Completed(key, cancelled=True))
+    assert [r["reason"] for r in rows(s.state, "cancelled")] == [f"cancelled: {OUTSIDE}"] * 2
+    again = sorted((t.epoch, t.shard, t.attempt) for _, t in s.state.tasks.updates())
+    assert again == [(1, 0, 1), (1, 1, 1)] and s.state.failure is None  # (max_attempts=1: not counted)
+    assert all(r.faults == 0 for r in s.state.pool.records.values()) and s.state.ledger.skipped == {}
+    s(m.Committed(Head(step=1, version="v1", version_step=1)))
+    submit_validation(s.state)
+    [(key, task)] = [(k, t) for k, t in s.state.tasks.records.items() if t.kind == "validation"]
+    s(m.Completed(key, cancelled=True))
+    [(_, retry)] = [(k, t) for k, t in s.state.tasks.records.items() if t.kind == "validation"]
+    assert (retry.step, retry.attempt) == (task.step, 1)
 
 
 def test_the_end_turns_down_what_was_handed_over_and_takes_no_more_hand_overs():

@@ -13,7 +13,7 @@ from ...updates import update_gone
 from .. import policy
 from ..inflight import TaskRecord
 from .dispatching import fill, submit_validation
-from .failures import close_epochs, rejected, store_back, validate_head
+from .failures import close_epochs, rejected, retry_or_give_up, store_back, validate_head
 from .messages import Cancel, DropUpdate, Merge, Read
 from .state import RunState
 
@@ -61,6 +61,11 @@ def taken(state: RunState, task: TaskRecord, record: dict[str, Any]) -> list[str
     return [] if state.finished() else fill(state, record["worker"])
 
 
+#: Why a copy was cancelled that the run did not cancel: Dask cancels every client's futures on a
+#: ``client.restart()``, and another client may cancel the run's keys.  It is sent again, nobody blamed.
+OUTSIDE = "by Dask, not by the run (a client.restart(), or another client); sent again"
+
+
 def completed(state: RunState, key: str, cancelled: bool) -> None:
     """Dask reports task ``key`` done: read its record back (a :class:`~.messages.Read`), unless it was
     handed over already, given up, or cancelled."""
@@ -74,9 +79,15 @@ def completed(state: RunState, key: str, cancelled: bool) -> None:
                 why = "superseded: another copy of this shard was merged"
             elif state.ledger.done(task.epoch, task.shard):
                 why = "the shard was given up (skipped) for this epoch"
+            elif state.stopping is not None:
+                why = state.stopping
             else:
-                why = str(state.stopping)
+                why = OUTSIDE
             state.ledger.record_copy(task, "cancelled", f"cancelled: {why}")
+            if why is OUTSIDE:  # (the run cancels only copies it has no more use for, or when it stops)
+                retry_or_give_up(state, task.epoch, task.shard, why, count=False)
+        elif state.stopping is None and task.step not in state.ledger.validations:
+            submit_validation(state, task.version, task.step, retry=task.attempt + 1)  # (an epoch waits for it)
         return
     state.tasks.settle(task)  # (a running copy of its shard until its result is merged or lost)
     state.out.append(Read(key, task))
