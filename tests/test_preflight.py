@@ -167,3 +167,66 @@ def test_custom_steps_written_for_the_models_gpu_are_checked_there(X, tmp_path):
         vcdask.fit(model, (X, y), client=NoCluster(), store=tmp_path / "s", progress=False, train_step=cuda_step)
     _refused(_on_accelerator(_net()), (X, y), tmp_path, DataError, "train_step fails", train_step=lambda _m, _b: 1 / 0)
     _refused(_net(), (X, y), tmp_path, DataError, "same device", train_step=cuda_step)  # a CPU model: no retry
+
+
+@pytest.mark.parametrize(
+    ("loss", "error", "fragments"),
+    [
+        (
+            torch.nn.CrossEntropyLoss(reduction="none"),  # trained on the cluster: "grad can be implicitly created
+            DataError,  # only for scalar outputs", on every task
+            ["the loss must return one number for the batch", "a tensor of shape (4,) for 4 samples", "'mean'"],
+        ),
+        (
+            lambda out, y: float(torch.nn.functional.cross_entropy(out, y)),  # nothing to backpropagate
+            DataError,
+            ["returns float for 4 samples"],
+        ),
+        (  # called as loss(out, y) it made a module of them: a shape message that hid the cause
+            torch.nn.CrossEntropyLoss,
+            TypeError,
+            ["loss=torch.nn.CrossEntropyLoss is a class: pass an instance, loss=torch.nn.CrossEntropyLoss()"],
+        ),
+    ],
+)
+def test_a_loss_that_gives_no_scalar_or_is_a_class_is_refused(X, tmp_path, loss, error, fragments):
+    y = (X[:, 0] > 0.5).astype(np.int64)
+    _refused(_net(), (X, y), tmp_path, error, *fragments, loss=loss)
+
+
+def test_a_train_step_that_calls_backward_itself_is_refused_saying_vcdask_does_it(X, tmp_path):
+    """On the workers the step's own backward freed the graph that vcdask's backward needs: every step failed with
+    'Trying to backward through the graph a second time', after the checks had passed."""
+
+    def step(model, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()  # a habit from a hand-written loop
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return loss
+
+    def in_place(model, batch):  # a graph that cannot be backpropagated
+        h = torch.sigmoid(model(batch[0]))
+        loss = h.sum()
+        h.mul_(2)  # sigmoid's output, which its backward needs, changed in place
+        return loss
+
+    y = (X[:, 0] > 0.5).astype(np.int64)
+    _refused(
+        _net(),
+        (X, y),
+        tmp_path,
+        DataError,
+        "train_step computes gradients itself (loss.backward() in the step)",
+        "vcdask does the rest of the step: zero the gradients, backward",
+        "clip (clip_grad_norm=) and the optimizer step",
+        train_step=step,
+    )
+    _refused(
+        _net(),
+        (X, y),
+        tmp_path,
+        DataError,
+        "train_step's loss cannot be backpropagated: RuntimeError",
+        train_step=in_place,
+    )

@@ -182,10 +182,11 @@ def check_model(
     strict: Collection[str] = (),
 ) -> bool:
     """One forward pass on a few rows: the model accepts the data and its outputs fit the labels and the loss
-    and ``metrics`` (name -> fn(output, target)) can compare them (``what``: the ``"training"`` or
-    ``"validation"`` data, as the messages name it).  A metric named in ``strict`` (vcdask's own) that fails
-    is refused; another (the user's, which may need more rows than these) is warned of.  Outputs that are not
-    one tensor (a tuple, a dict) are refused: the default step cannot tell which to train on.
+    (one number for the batch: a scalar tensor) and ``metrics`` (name -> fn(output, target)) can compare them
+    (``what``: the ``"training"`` or ``"validation"`` data, as the messages name it).  A metric named in
+    ``strict`` (vcdask's own) that fails is refused; another (the user's, which may need more rows than these)
+    is warned of.  Outputs that are not one tensor (a tuple, a dict) are refused: the default step cannot tell
+    which to train on.
 
     Returns whether ``X`` is cast to the model's dtype (True), or stays integer (False: integer
     inputs such as token ids that the model takes as they are, and not as floats).
@@ -263,12 +264,19 @@ def check_model(
             stacklevel=3,
         )
     try:
-        loss(out, y)
+        value = loss(out, y)
     except Exception as e:
         raise DataError(
             f"the loss cannot compare model outputs of shape {tuple(out.shape)} with labels of "
             f"shape {tuple(y.shape)}: {type(e).__name__}: {e}"
         ) from e
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:  # (backward needs one number for the batch)
+        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise DataError(
+            f"the loss must return one number for the batch (a scalar tensor), but returns {got} for {len(y)} "
+            "samples: with reduction='none', pass reduction='mean' (the default) or 'sum'; a function of yours "
+            "returns the batch's mean (its .mean()) as a tensor"
+        )
     for name, fn in (metrics or {}).items():  # (a metric that fails here failed the run's first validation)
         try:
             float(fn(out.float(), y))

@@ -128,7 +128,8 @@ def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_
     Raises
     ------
     DataError
-        A step fails on the probe batch, or the train step returns something that is not a scalar loss.
+        A step fails on the probe batch, the train step returns something that is not a scalar loss, or its loss
+        does not backpropagate (or the step computed gradients itself: ``loss.backward()``).
     TypeError
         ``eval_step`` returns something other than a dict of numbers.
     ValueError
@@ -145,6 +146,8 @@ def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_
 
 
 def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None) -> list[str]:
+    for p in probe.parameters():
+        p.grad = None
     try:
         loss = train_step(probe, sample)
     except Exception as e:
@@ -153,6 +156,7 @@ def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, e
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         grad = "" if not isinstance(loss, torch.Tensor) or loss.requires_grad else " that requires grad"
         raise DataError(f"train_step must return a scalar loss tensor{grad}, got {what}")
+    _check_backward(probe, loss)
     if eval_step is None:
         return ["loss"]
     probe.eval()
@@ -172,6 +176,22 @@ def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, e
             raise DataError(f"eval_step's {name!r} is infinite on a probe batch")
         names.append(name)
     return names
+
+
+def _check_backward(probe: torch.nn.Module, loss: torch.Tensor) -> None:
+    """The train step's loss backpropagates, as the task's step will do it; a step that computed gradients itself
+    (``loss.backward()``: on the workers every step failed, 'Trying to backward through the graph a second time')
+    is refused, saying what vcdask does after it."""
+    hint = (
+        "train_step(model, batch) returns the loss and vcdask does the rest of the step: zero the gradients, "
+        "backward (under the run's precision), clip (clip_grad_norm=) and the optimizer step"
+    )
+    if any(p.grad is not None for p in probe.parameters()):
+        raise DataError(f"train_step computes gradients itself (loss.backward() in the step): {hint}; return the loss")
+    try:
+        loss.backward()
+    except Exception as e:
+        raise DataError(f"train_step's loss cannot be backpropagated: {type(e).__name__}: {e}; {hint}") from e
 
 
 def probe_batch(prepared: PreparedData, x_dtype: torch.dtype) -> Any:
