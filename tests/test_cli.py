@@ -78,7 +78,8 @@ def test_runs_reads_the_engine_record_and_never_unpickles_a_spec(runs_store, tmp
     assert (rec["epochs_done"], rec["max_epochs"]) == (2, 2) and rec["metrics"] == result.metrics
     store = vcdask.open_store(tmp_path / "s", mode="a")
     model = torch.nn.Linear(2, 1)
-    kinds = {"patience": "stopped early (patience)", "target": "stopped early (target)", "cancelled": "cancelled"}
+    kinds = {"patience": "stopped early (patience)", "target": "stopped early (target)", "cancelled": "cancelled",
+             "shutdown": "incomplete (shut down)"}  # fmt: skip
     for i, kind in enumerate(kinds):
         run_id = f"run-20200101-00000{i}-abc00{i}"
         store.create_branch(run_id)

@@ -12,7 +12,9 @@ import torch
 
 import vcdask
 from vcdask._main_guard import _guarded
+from vcdask.cli._listing import run_info
 from vcdask.cluster import check_main_guard, close_embedded, embedded_client
+from vcdask.engine.end import read_record
 
 
 def _data():
@@ -42,11 +44,16 @@ def test_two_fits_share_one_embedded_cluster(tmp_path):
     handle = vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=1, store=tmp_path / "s", wait=False)
     assert handle.client is client
     assert int(handle.result().history["accepted"].sum()) == int(first.history["accepted"].sum())
-    # closed (by hand, or at exit): the next use starts a new one; a run still going is named, then cancelled
+    # closed (by hand, or at exit): the next use starts a new one; a run still going is named, and ends where it is,
+    # recorded as cut off by its scheduler's shutdown (resumable), not as cancelled (over)
     live = vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=500, store=tmp_path / "s", wait=False)
-    with pytest.warns(RuntimeWarning, match=f"runs \\['{live.run_id}'\\] are still going"):
+    with pytest.warns(RuntimeWarning, match=f"runs \\['{live.run_id}'\\] are still going.*vcdask.resume"):
         close_embedded()
     assert client.status == "closed"
+    store = vcdask.open_store(tmp_path / "s", mode="r")
+    record = read_record(store, live.run_id)
+    assert (record["status"], record["stop_kind"]) == ("incomplete", "shutdown"), record
+    assert run_info(store, live.run_id)["status"] == "incomplete (shut down)"
     again = embedded_client()
     assert again is not client and again.status == "running" and again.scheduler.address != address
     assert embedded_client() is again

@@ -274,7 +274,9 @@ def close_embedded() -> None:
     """Close the process's embedded cluster now (it is closed at interpreter exit anyway); the next
     :func:`vcdask.fit` without ``client=`` starts a new one.
 
-    Runs still going on it (``fit(wait=False)``) end with it, cancelled: a warning names them."""
+    Runs still going on it (``fit(wait=False)``) end with it where they are, not over: a warning names them,
+    ``vcdask runs`` lists them as ``incomplete (shut down)``, and :func:`vcdask.resume` continues them
+    from their last commit."""
     with _lock:
         client, cluster = _embedded.pop("client", None), _embedded.pop("cluster", None)
     if client is None:
@@ -284,8 +286,8 @@ def close_embedded() -> None:
         import warnings
 
         warnings.warn(
-            f"close_embedded(): runs {live} are still going on the embedded cluster; closing it cancels them "
-            "(their stores keep what they merged; vcdask.resume(run_id) continues them)",
+            f"close_embedded(): runs {live} are still going on the embedded cluster; closing it ends them where "
+            "they are (their stores keep what they committed; vcdask.resume(run_id) continues them)",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -128,9 +128,13 @@ def _record(store: Any, run_id: str, read_record: Any) -> dict[str, Any]:
 
 def run_status(record: dict[str, Any]) -> str:
     """What ``vcdask runs`` shows: ``finished``, ``stopped early (target)``, ``stopped early (patience)``,
-    ``stopped (by the user)``, ``cancelled``, ``failed``, or ``incomplete`` (no end recorded: the run
-    is still going, or its scheduler died; ``vcdask.resume(run_id)`` continues it)."""
+    ``stopped (by the user)``, ``cancelled``, ``failed``, ``incomplete (shut down)`` (its scheduler closed under
+    it: ``vcdask.cluster.close_embedded()``, a scheduler shut down), or ``incomplete`` (no end recorded: the run
+    is still going, or its scheduler died or closed at the interpreter's exit).  ``vcdask.resume(run_id)``
+    continues an incomplete run."""
     kind = record.get("stop_kind")
+    if kind == "shutdown":
+        return "incomplete (shut down)"
     if record.get("status") in (None, "running") or kind is None:
         return "incomplete"
     if kind in ("target", "patience"):

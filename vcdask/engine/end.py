@@ -23,12 +23,15 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "RELEASE_TIMEOUT",
+    "SCHEDULER_CLOSED",
     "best_version",
+    "cut_off",
     "progress_at",
     "progress_of",
     "read_record",
     "record",
     "release_on_workers",
+    "resumes_as_running",
     "running_record",
     "save_record",
     "stop_kind",
@@ -40,11 +43,17 @@ __all__ = [
 RELEASE_TIMEOUT = 2.0
 
 
+#: Why a run ended whose scheduler closed under it (``close_embedded()``, the interpreter's exit, a scheduler shut
+#: down): its ``stopping``; the run is not over (its ``stop_kind`` is ``shutdown``), ``vcdask.resume`` continues it.
+SCHEDULER_CLOSED = "its scheduler closed"
+
+
 def stop_kind(status: str, stopping: str | None) -> str | None:
     """Why a run ended, in one word: ``max_epochs``, ``target``, ``patience``, ``user`` (stopped with a
-    result), ``cancelled``, ``failed``; None while it runs."""
+    result), ``cancelled`` (:meth:`~vcdask.RunHandle.cancel`), ``shutdown`` (its scheduler closed under it: not
+    over, :func:`vcdask.resume` continues it), ``failed``; None while it runs."""
     if status == "cancelled":
-        return "cancelled"
+        return "shutdown" if stopping == SCHEDULER_CLOSED else "cancelled"
     if status == "error":
         return "failed"
     if status != "finished":
@@ -63,9 +72,13 @@ def record(run: RunState, res: dict[str, Any]) -> dict[str, Any]:
     with its epoch rows, for a resume (the run's shell adds where its merge thread stands: its ``step`` and
     ``progress``)."""
     kind = stop_kind(res["status"], res["stopping"])
-    status = {"max_epochs": "finished", "cancelled": "cancelled", "failed": "failed", None: "running"}.get(
-        kind, "stopped"
-    )
+    status = {
+        "max_epochs": "finished",
+        "cancelled": "cancelled",
+        "shutdown": "incomplete",
+        "failed": "failed",
+        None: "running",
+    }.get(kind, "stopped")
     error = (res.get("error") or "").strip().splitlines()
     return {
         "run_id": run.id,
@@ -86,6 +99,24 @@ def record(run: RunState, res: dict[str, Any]) -> dict[str, Any]:
         "epochs": list(res.get("epochs") or ()),
         "resumed_at": run.ledger.resumed_at,
     }
+
+
+def cut_off(run: RunState) -> None:
+    """The run's driver was cancelled: its scheduler closes under it.  It ends ``cancelled`` there, recorded as
+    ``shutdown`` (its work is not over: :func:`vcdask.resume` continues it), unless :meth:`~vcdask.RunHandle.cancel`
+    was ending it already."""
+    from .core import Phase
+
+    run.phase = Phase.CANCELLED
+    if not run.cancelled:
+        run.stopping = SCHEDULER_CLOSED
+
+
+def resumes_as_running(rec: Mapping[str, Any]) -> bool:
+    """Whether a run's record says its last session did not reach its own end (it runs, it died, or its scheduler
+    closed under it): a resume goes on as that session would have (its ``target`` and ``patience`` counting from
+    where that session counted)."""
+    return rec.get("status") == "running" or rec.get("stop_kind") == "shutdown"
 
 
 def running_record(run: RunState) -> dict[str, Any]:

@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["PLUGIN_NAME", "RunNotFoundError", "VcdaskPlugin"]
 
 PLUGIN_NAME = "vcdask"
+#: How long a closing scheduler waits for its runs' drivers to end (their records written; seconds).
+CLOSE_GRACE = 5.0
 
 
 def ended_runs_kept() -> int:
@@ -78,8 +80,13 @@ class VcdaskPlugin(SchedulerPlugin):
         )
 
     async def close(self) -> None:
-        for task in self.tasks.values():
+        """The scheduler closes: each run's driver is cancelled and given :data:`CLOSE_GRACE` seconds to write its
+        record (``stop_kind`` ``shutdown``: not over, :func:`vcdask.resume` continues it)."""
+        drivers = list(self.tasks.values())
+        for task in drivers:
             task.cancel()
+        if drivers:
+            await asyncio.wait(drivers, timeout=CLOSE_GRACE)
 
     # -- scheduler hooks: the runs' worker pools follow the cluster ------------------------------
     def add_worker(self, scheduler=None, worker: str = "") -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..updates import delete_update, list_updates, read_update_meta, update_gone, update_key
 from .core import messages as m
-from .end import progress_at, read_record
+from .end import progress_at, read_record, resumes_as_running
 from .inflight import TaskRecord
 from .progress import Progress
 
@@ -119,7 +119,7 @@ def read_back(server, store, branch: str, run_id: str, n_shards: int):
         if epoch not in ends and shard not in merged.get(epoch, ()):
             skipped.setdefault(epoch, set()).add(shard)
     resumed_at = None  # it ended (or an older vcdask ran it, without a record): extended, it counts from here
-    if last.get("status") == "running":  # its last session died: it goes on counting as that session did
+    if resumes_as_running(last):  # its last session died: it goes on counting as that session did
         resumed_at = int(last.get("resumed_at") or 0)
     return m.Resumed(merged, ends, attempts, tuple(pending), skipped, rows, resumed_at)
 

@@ -244,8 +244,8 @@ class Run:
                 if waiting is not None:
                     waiting.cancel()
             await self._finish()
-        except asyncio.CancelledError:
-            state.phase = Phase.CANCELLED
+        except asyncio.CancelledError:  # (its scheduler closes: recorded as such, to be resumed)
+            end.cut_off(state)
             raise
         except RunFailed as failed:
             self._failed(str(failed.failure))
