@@ -63,11 +63,32 @@ def test_the_epochs_a_resume_adds_train_at_the_rates_of_the_longer_schedule_on_t
     options = dict(n_shards=3, merge="vc-asgd", lr_schedule=vcdask.lr_schedules.Linear(), client=client)
     first = vcdask.fit(torch.nn.Linear(5, 2), (X, y), max_epochs=1, store=tmp_path / "s", **options)
     assert set(client.run(_cached_specs, first.run_id).values()) == {0}  # the run's end let go of them
-    more = vcdask.resume(first.run_id, store=tmp_path / "s", client=client, max_epochs=3, progress=False)
+    with pytest.warns(UserWarning, match=r"its factor, 0.167 at the run's last step, is 0.667 at epoch 2's first"):
+        more = vcdask.resume(first.run_id, store=tmp_path / "s", client=client, max_epochs=3, progress=False)
     moved = max(
         (a - b).abs().max().item() for a, b in zip(more.model.parameters(), first.model.parameters(), strict=True)
     )
     assert moved > 1e-3  # (at a rate of 0 every update is its base: the vc-asgd merges leave W_s as it is)
+
+
+def test_extending_a_run_says_where_its_schedule_over_the_run_starts_again():
+    """A finished ``Cosine()`` run given more epochs starts them part way up the longer run's schedule (the
+    documented ``total``, which counts ``max_epochs`` passes): said, with both factors, and what to do instead."""
+    from types import SimpleNamespace
+
+    from vcdask.data import Shards
+    from vcdask.extend import schedule_restart
+
+    def spec(schedule, max_epochs=2):  # 2 shards of 64 rows, batches of 32: 2 steps a shard, 4 an epoch
+        return SimpleNamespace(lr_schedule=schedule, shards=Shards(128, 2), batch_size=32, local_epochs=1,
+                               max_epochs=max_epochs)  # fmt: skip
+
+    note = schedule_restart(spec(vcdask.lr_schedules.Cosine(final=0.01)), 2, 4)
+    assert "from 2 epochs to 4 it is a 4-epoch run's: its factor, 0.0477 at the run's last step, is 0.505" in note
+    assert "vcdask.fit(result.model, data, lr_schedule=...)" in note
+    assert schedule_restart(spec(vcdask.lr_schedules.Constant(warmup=0.1)), 2, 4) is None  # nothing changes
+    assert schedule_restart(spec(lambda _epoch, _step: 0.5), 2, 4) is None  # per task: by epoch and step
+    assert schedule_restart(spec(None), 2, 4) is None
 
 
 def _cached_specs(run_id: str) -> int:

@@ -3,7 +3,7 @@
 From a checked :class:`~vcdask.options.RunPlan`: stage the data, commit the initial version, save the
 :class:`~vcdask.spec.RunSpec`, start the run on the scheduler plugin, then wait for it (or hand back
 its :class:`~vcdask.RunHandle` at once).  Also the checks of the run-lifecycle options (early
-stopping, ``resume(max_epochs=)``) and where a run's initial parameters came from.
+stopping, ``resume(max_epochs=)``: :mod:`vcdask.extend`) and where a run's initial parameters came from.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ from ._main_guard import may_start_here
 from .cluster import check_client, owns_client, resolve_client
 from .data import Shards
 from .device import cpu_copy
-from .engine.end import progress_of
 from .errors import VersionNotFoundError
+from .extend import check_extend, epochs_done, keep_max_epochs
 from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
 from .inner import memory_steps, resolve_optimizer_state
 from .merge import DEFAULT_RULE, for_run
 from .metrics import label_shape
 from .options import DEFAULT_STORE, RunPlan
-from .spec import RunSpec, loads, save_spec, spec_path
+from .spec import RunSpec, save_spec, spec_path
 from .staging import in_memory, stage
 from .steps import eval_modules
 from .store import ParamStore, check_cluster_access, open_store, share_credentials, store_holds_secrets
@@ -326,8 +326,9 @@ def resume(
     progress : bool, default True
     max_epochs : int, optional
         Train up to this many epochs in all (more than the run has done): extends a finished run
-        (or one that stopped early), from its last version.  The run's spec keeps the new number.
-        Default: the run's own ``max_epochs``.
+        (or one that stopped early), from its last version.  The run's spec keeps the new number.  A schedule
+        over the run (:mod:`vcdask.lr_schedules`) becomes that of a run of ``max_epochs``: a cosine that had
+        decayed starts the added epochs part way up again.  Default: the run's own ``max_epochs``.
     wait : bool, default True
         False: return the run's :class:`~vcdask.RunHandle` at once (see :func:`vcdask.fit`).
 
@@ -343,6 +344,12 @@ def resume(
     ValueError
         ``max_epochs`` is not more than the epochs the run has done (both named).
 
+    Warns
+    -----
+    UserWarning
+        ``max_epochs`` changes the learning rate of a schedule over the run where the added epochs start
+        (:func:`vcdask.extend.schedule_restart`: both factors, and what to do instead).
+
     Examples
     --------
     >>> result = vcdask.fit(model, (X, y), max_epochs=5)                  # doctest: +SKIP
@@ -356,41 +363,14 @@ def resume(
         runs = sorted(b for b in param_store.branches() if param_store.files.exists(spec_path(b)))
         raise VersionNotFoundError(f"no run {run_id!r} in {param_store.location!r}; runs: {runs}")
     if max_epochs is not None:
-        _check_extend(param_store, run_id, max_epochs)
+        check_extend(param_store, run_id, max_epochs)  # (and a schedule over the run that starts again, said)
     t0 = time.perf_counter()
     with resolve_client(client, keep=not wait) as c:
         _check_cluster(c, param_store, embedded=client is None)
         handle = _start(c, param_store, run_id, resume=True, max_epochs=max_epochs, owns=owns_client(client))
         if max_epochs is not None:  # the start was accepted (a live run is refused): the spec keeps it
-            _keep_max_epochs(param_store, run_id, max_epochs)
+            keep_max_epochs(param_store, run_id, max_epochs)
         if not wait:
             return handle
         handle.wait(progress=progress)
         return handle.result(wall_time=time.perf_counter() - t0)
-
-
-def epochs_done(store: ParamStore, run_id: str) -> int:
-    """How many epochs of the run are complete, from its progress (:func:`vcdask.engine.end.progress_of`: an
-    epoch a shard given up ended after the last commit is in the run's record)."""
-    versions = store.versions(run_id)
-    if not versions:
-        return 0
-    return len(progress_of(store, run_id, versions[0].id, versions[0].metadata).get("done", []))
-
-
-def _check_extend(store: ParamStore, run_id: str, max_epochs: int) -> None:
-    """Check ``max_epochs`` against what the run has done (before any cluster work)."""
-    done = epochs_done(store, run_id)
-    if max_epochs <= done:
-        raise ValueError(
-            f"max_epochs={max_epochs} would not extend run {run_id!r}: it has done {done} epochs already; "
-            f"pass max_epochs > {done} (the total number of epochs, not the number to add)"
-        )
-    logger.info("run %s: %d epochs done, training up to %d", run_id, done, max_epochs)
-
-
-def _keep_max_epochs(store: ParamStore, run_id: str, max_epochs: int) -> None:
-    """Keep the run's new ``max_epochs`` in its spec (a later plain ``resume`` trains up to it)."""
-    spec = loads(store.files.get(spec_path(run_id)))
-    if spec.max_epochs != max_epochs:
-        save_spec(dataclasses.replace(spec, max_epochs=max_epochs))
