@@ -393,14 +393,15 @@ def test_no_usable_worker_pauses_the_run_and_fails_it_past_no_worker_timeout():
     s = Script(workers=("a",), no_worker_timeout=30.0)
     s(m.Left("a"))
     effects = s(m.Poll())
-    assert emitted(effects, "paused")[0]["cause"] == "workers" and keys(effects) == []
+    [woke] = keys(effects)  # (one copy, unrestricted: an adaptive cluster scaled to zero starts a worker for it)
+    assert emitted(effects, "paused")[0]["cause"] == "workers"
     s.clock.advance(20.0)
     assert (
         not [fx for fx in s(m.Poll()) if isinstance(fx, m.Fail)] and "no usable worker for 20 s" in s.state.no_workers
     )
-    s(m.Joined("b", 1))
+    s(m.Joined("b", 2))
     effects = s(m.Poll())
-    assert emitted(effects, "resumed")[0]["cause"] == "workers" and len(keys(effects)) == 1
+    assert emitted(effects, "resumed")[0]["cause"] == "workers" and len(keys(effects)) == 1  # (beside the first)
     s(m.Left("b"))
     s(m.Poll())
     s.clock.advance(31.0)
@@ -431,6 +432,22 @@ def test_a_worker_excluded_for_rejections_names_the_last_one_while_the_run_waits
     assert str(fail.failure).startswith(f"NoWorkersError: run {RUN} had no usable worker for 30 s") and why in str(
         fail.failure
     )
+
+
+def test_with_no_worker_connected_one_copy_goes_out_unrestricted_for_an_adaptive_cluster_to_see():
+    """An adaptive cluster scaled to zero (``cluster.adapt(minimum=0)``, a spot fleet's default) starts
+    workers only for tasks it holds: with no worker connected the run sends one copy, unrestricted, and
+    no more; once a worker joins the rest follow.  Workers connected but all excluded get nothing."""
+    s = Script(workers=())
+    effects = s(m.Poll())
+    [submit] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    assert submit.kind == "update" and submit.where == {} and emitted(effects, "paused")
+    assert keys(s(m.Poll())) == [] and s.state.tasks.training() == 1  # one, not one per poll
+    s(m.Joined("a", 2))
+    assert keys(s(m.Poll())) and s.state.tasks.training() == s.state.pool.slots() > 1  # (two threads)
+    excluded = Script(workers=("a",), max_worker_failures=1)
+    excluded.state.pool.fault("a", "failed")
+    assert not excluded.state.pool.usable() and keys(excluded(m.Poll())) == []
 
 
 def test_a_copy_queued_for_workers_that_all_left_is_sent_again_as_soon_as_one_is_usable():

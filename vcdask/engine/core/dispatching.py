@@ -15,14 +15,16 @@ from ..inflight import TaskRecord
 from .messages import Submit
 from .state import RunState
 
-__all__ = ["fill", "submit_shard", "submit_validation", "validation_deadline", "validation_placement"]
+__all__ = ["fill", "submit_shard", "submit_validation", "validation_deadline", "validation_placement", "wake"]
 
 
 def fill(state: RunState, freed_worker: str | None = None) -> list[str]:
     """Hand out shards until every slot is busy (parked work first); the keys of the shard copies sent."""
     sent: list[str | None] = []
-    if not state.pool.usable() or state.outage.holding():
-        return []  # nobody to run on (wait for workers to (re)join), or the store is out
+    if state.outage.holding():
+        return []  # the store is out
+    if not state.pool.usable():
+        return wake(state)  # nobody to run on: wait for workers to (re)join
     dispatch = state.dispatch
     parked, dispatch.parked_validations = dispatch.parked_validations, []
     for version, step, retry in parked:
@@ -41,13 +43,36 @@ def fill(state: RunState, freed_worker: str | None = None) -> list[str]:
     return [key for key in sent if key is not None]
 
 
-def submit_shard(state: RunState, epoch: int, shard: int, avoid: str | Collection[str] | None = None) -> str | None:
+def wake(state: RunState) -> list[str]:
+    """With no worker connected at all, and no shard copy out, one copy goes to the scheduler unrestricted:
+    an adaptive cluster scaled to zero (``cluster.adapt(minimum=0)``, a spot fleet's default) starts
+    workers only for tasks it holds, and every copy parked here would leave it at zero until the run
+    gave up (``no_worker_timeout``).  With workers connected but none usable (all excluded or draining)
+    nothing goes out: such a copy could go to one of them."""
+    if state.pool.connected or state.stopping is not None or state.tasks.training():
+        return []
+    dispatch = state.dispatch
+    nxt = dispatch.returned.pop(0) if dispatch.returned else dispatch.next_shard()
+    if nxt is None:
+        return []
+    key = submit_shard(state, *nxt, anywhere=True)
+    return [key] if key is not None else []
+
+
+def submit_shard(
+    state: RunState, epoch: int, shard: int, avoid: str | Collection[str] | None = None, anywhere: bool = False
+) -> str | None:
     """Send a copy of (epoch, shard) to train from the newest version; its key.  None when no worker
-    is usable: the shard is parked and sent first once one is (:func:`fill`)."""
+    is usable: the shard is parked and sent first once one is (:func:`fill`).  ``anywhere``: unrestricted,
+    with no worker to place it on (:func:`wake`)."""
     avoided = state.stuck_workers() | ({avoid} if isinstance(avoid, str) else set(avoid or ()))
     dispatch, pool = state.dispatch, state.pool
-    where = dispatch.placement(
-        dispatch.home.get(shard), pool.usable(), len(pool.connected), avoided, state.busy_workers()
+    where = (
+        {}
+        if anywhere
+        else dispatch.placement(
+            dispatch.home.get(shard), pool.usable(), len(pool.connected), avoided, state.busy_workers()
+        )
     )
     if where is None:
         dispatch.park(epoch, shard)
