@@ -146,6 +146,7 @@ def test_a_live_run_cannot_be_extended_and_its_spec_is_left_alone(client, tmp_pa
             time.sleep(0.1)
         rec = read_record(param_store, handle.run_id)
         assert rec["status"] == "running" and [r["epoch"] for r in rec["epochs"][:2]] == [1, 2]
+        assert rec["scheduler"] == client.scheduler.address  # (where a resume elsewhere asks whether it still runs)
         assert math.isfinite(rec["epochs"][0]["train_loss"]) and math.isfinite(rec["epochs"][0]["wall_time"])
         assert rec["step"] >= 2 and [1, rec["epochs"][0]["version"]] in rec["progress"]["done"]  # (the merge thread's)
     finally:

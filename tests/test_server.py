@@ -104,8 +104,8 @@ def test_a_foreign_commit_on_the_branch_is_a_conflict(tmp_path):
     store, state = _state(tmp_path, commit_every=5)
     state.merge(_upload(store, 0, 2.0))
     store.commit({"w": torch.ones(4)}, {"run_id": "someone-else", "step": 1, "merged": []}, branch="run-x")
-    with pytest.raises(StoreConflict):
-        state.commit()
+    with pytest.raises(StoreConflict, match=r"run run-x: .*Another driver is writing this run.*vcdask\.attach"):
+        state.commit()  # (the run's error says what likely happened, beside the store's own words)
     assert state.uncommitted, "nothing is dropped: the merge is still pending"
 
 

@@ -211,10 +211,14 @@ class Committing:
                 state=self.rule_state.arrays,
                 keep_from=self._keep_from(),
             )
-        except StoreConflict:
+        except StoreConflict as e:
             version = self._landed(metadata)
-            if version is None:
-                raise  # somebody else writes to this run's branch: never interleave
+            if version is None:  # somebody else writes to this run's branch: never interleave
+                raise StoreConflict(
+                    f"run {self.run_id}: {e}. Another driver is writing this run: it was resumed on another "
+                    "scheduler while it ran here (or another run writes its branch); this session of it stops. "
+                    "Follow the other one with vcdask.attach(run_id, its scheduler)"
+                ) from e
             logger.warning(
                 "run %s: commit of step %d had landed although the store reported a "
                 "conflict (a lost response); adopting version %s",

@@ -119,12 +119,14 @@ def resumes_as_running(rec: Mapping[str, Any]) -> bool:
     return rec.get("status") == "running" or rec.get("stop_kind") == "shutdown"
 
 
-def running_record(run: RunState) -> dict[str, Any]:
+def running_record(run: RunState, scheduler: str | None = None) -> dict[str, Any]:
     """The record written when the run starts, and again as epochs close: ``running`` until it ends
-    (``vcdask runs`` shows a run whose record still says so as incomplete: it runs, or it died)."""
+    (``vcdask runs`` shows a run whose record still says so as incomplete: it runs, or it died), with the address
+    of the ``scheduler`` that drives it (a resume elsewhere asks it first whether the run still goes on there)."""
     return {
         "run_id": run.id,
         "status": "running",
+        "scheduler": scheduler,
         "stop_kind": None,
         "stop_reason": None,
         "epochs_done": len(run.ledger.epochs),

@@ -139,7 +139,7 @@ class Run:
         """Write the run's record with the epochs closed so far (a resume after a crash shows what they measured);
         at most every :data:`RECORD_INTERVAL` seconds."""
         self._epochs_recorded, self._recorded_at = len(self.state.ledger.epochs), time.monotonic()
-        rec = end.running_record(self._fresh())
+        rec = end.running_record(self._fresh(), self.scheduler.address)
         await self.lane.write_record(self.store, self.id, lambda: rec)
 
     def _at_once(self, fx: m.Effect) -> bool:
@@ -205,7 +205,7 @@ class Run:
             else:
                 await self.lane.load()
             state.phase = Phase.RUNNING
-            rec = end.running_record(self._fresh())
+            rec = end.running_record(self._fresh(), self.scheduler.address)
             await self.lane.write_record(self.store, self.id, lambda: rec, strict=True)
             self.events.emit("started", version=self.lane.head.version, step=self.lane.head.step)
             watchdog = asyncio.ensure_future(self._deadlines())
