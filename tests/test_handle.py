@@ -261,11 +261,22 @@ def test_a_second_registration_of_the_plugin_keeps_the_one_that_drives_the_runs(
     assert client.run_on_scheduler(_plugin_id) == first
 
 
+def _run_topics(cluster) -> dict[str, int]:
+    """Run id -> how many of the scheduler's event topics are that run's (its own, its client's)."""
+    found: dict[str, int] = {}
+    for name in cluster.scheduler._broker._topics:
+        for prefix in ("vcdask-run-", "Client-vcdask-"):
+            if name.startswith(prefix):
+                run_id = name.removeprefix(prefix)[: len("run-20260101-000000-abcdef")]
+                found[run_id] = found.get(run_id, 0) + 1
+    return found
+
+
 def test_a_scheduler_keeps_only_the_newest_ended_runs(tmp_path):
     """Beyond ``vcdask.scheduler.ended-runs-kept`` the oldest ended runs whose result was collected are dropped
     from the scheduler's memory (a long-lived scheduler running scheduled jobs grew by each run's history); a
-    dropped run is not found, and the error says why and where its versions are; the newest stay attachable;
-    a bad setting fails the start."""
+    dropped run is not found, and the error says why and where its versions are; its event topics are dropped
+    from the scheduler too; the newest stay attachable; a bad setting fails the start."""
     import dask.config
     from distributed import Client, LocalCluster
 
@@ -287,6 +298,8 @@ def test_a_scheduler_keeps_only_the_newest_ended_runs(tmp_path):
         assert "vcdask.scheduler.ended-runs-kept=2" in said and "vcdask.load(store, branch=run_id)" in said
         assert vcdask.attach(ids[2], client).result().run_id == ids[2]
         assert vcdask.open_store(tmp_path / "store", mode="r").head(ids[0])  # its versions stay in the store
+        # its event topics went with it (the scheduler kept them for good): the run's and its client's
+        assert _run_topics(cluster) == {run_id: 2 for run_id in ids[1:]}
         # neither a run still going nor an ended one whose result nobody collected yet is dropped; a fit's own
         # run is collected by it first, even when no ended run is kept
         with dask.config.set({"vcdask.scheduler.ended-runs-kept": 0}):
@@ -298,6 +311,7 @@ def test_a_scheduler_keeps_only_the_newest_ended_runs(tmp_path):
             assert list(client.sync(client.scheduler.vcdask_runs)) == [slow.run_id]  # ended, not collected
             assert slow.result().run_id == slow.run_id
             assert client.sync(client.scheduler.vcdask_runs) == {}
+            assert _run_topics(cluster) == {}
         with dask.config.set({"vcdask.scheduler.ended-runs-kept": -1}):
             with pytest.raises(ValueError, match=r"ended-runs-kept must be an integer >= 0, got -1"):
                 vcdask.fit(_model(6), (X, y), client=client, **fit)

@@ -8,6 +8,7 @@ message back into a kind.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, MutableMapping
 from typing import Any, Final, Literal, get_args
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "Outcome",
     "PauseCause",
     "ShardState",
+    "client_name",
+    "drop_topics",
     "final_validate_key",
     "is_train_key",
     "topic",
@@ -78,6 +81,38 @@ _TRAIN: Final = f"{TASK_PREFIX}train-"
 def topic(run_id: str) -> str:
     """The Dask event topic of a run (``client.subscribe_topic(topic(run_id), handler)``)."""
     return f"{TOPIC_PREFIX}{run_id}"
+
+
+def client_name(run_id: str) -> str:
+    """The name of the Dask client a run submits its tasks through, inside the scheduler; Dask keeps that
+    client's own topic (its task submissions) as ``Client-<name>-<uuid>``."""
+    return f"{TASK_PREFIX}{run_id}"
+
+
+def drop_topics(scheduler: Any, kept: Collection[str]) -> list[str]:
+    """Drop from ``scheduler``'s event broker the topics of every run not in ``kept``: the run's own
+    (:func:`topic`) and that of its client (:func:`client_name`, once the client has left); the names dropped.
+
+    Dask keeps a topic for as long as the scheduler runs (up to ``distributed.admin.low-level-log-length``
+    events each, a long run's ~100 kB) and has no public call to drop one: this reads the broker's
+    ``_topics`` mapping, and does nothing where a Dask release has none.
+    """
+    topics = getattr(getattr(scheduler, "_broker", None), "_topics", None)
+    if not isinstance(topics, MutableMapping):
+        return []
+    clients = getattr(scheduler, "clients", {})
+    kept_clients = tuple(f"Client-{client_name(run_id)}-" for run_id in kept)
+    dropped = []
+    for name in list(topics):
+        if not isinstance(name, str):
+            continue
+        ours = name.startswith(TOPIC_PREFIX) and name.removeprefix(TOPIC_PREFIX) not in kept
+        ours = ours or (
+            name.startswith(f"Client-{TASK_PREFIX}run-") and not name.startswith(kept_clients) and name not in clients
+        )
+        if ours and topics.pop(name, None) is not None:
+            dropped.append(name)
+    return dropped
 
 
 def train_key(run_id: str, epoch: int, shard: int, attempt: int) -> str:

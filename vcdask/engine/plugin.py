@@ -22,6 +22,7 @@ from .. import config
 from ..errors import RunNotFoundError
 from ..spec import load_spec
 from . import policy
+from .events import drop_topics
 from .run import Run
 
 logger = logging.getLogger(__name__)
@@ -189,13 +190,18 @@ class VcdaskPlugin(SchedulerPlugin):
 
     def _prune(self) -> None:
         """Drop the oldest ended runs beyond ``vcdask.scheduler.ended-runs-kept`` whose result a handle has
-        collected (one nobody collected is kept, as Dask keeps a result while a future holds it)."""
+        collected (one nobody collected is kept, as Dask keeps a result while a future holds it), and the event
+        topics of every run no longer here (:func:`~.events.drop_topics`: the scheduler kept them for good)."""
         ended = [run_id for run_id, run in self.runs.items() if run.done.is_set() and run_id not in self._starting]
         excess = len(ended) - ended_runs_kept()
         for run_id in [run_id for run_id in ended if run_id in self._collected][: max(0, excess)]:
             del self.runs[run_id]
             self._collected.discard(run_id)
             self._dropped += 1
+        try:
+            drop_topics(self.scheduler, [*self.runs, *self._starting])
+        except Exception:  # (distributed's broker is not public: its memory is not worth a run)
+            logger.debug("could not drop the topics of the runs dropped", exc_info=True)
 
     async def handle_status(self, comm=None, run_id: str = "") -> dict:
         return self._run(run_id).status_dict()
