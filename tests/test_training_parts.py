@@ -795,6 +795,9 @@ def test_auto_is_each_worker_threads_own_gpu_whatever_a_run_before_set(monkeypat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "index", 0))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(current, "index", torch.device(d).index))
+    # (setup records the devices it trained on: left as cuda:0 and cuda:1, a later test's release of a run in
+    # this process asked a CPU-only torch for their caches, "Cannot access accelerator device")
+    monkeypatch.setattr(_held, "_trained_on", set())
 
     threads = torch.get_num_threads()  # (setup sets the process's: left as it is)
 
