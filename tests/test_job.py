@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,12 @@ def make(hidden: int = 16, seed: int = 0) -> torch.nn.Module:
 
 def not_a_model(**kwargs):
     return 42
+
+def stopped_while_built(**kwargs):  # as if the scheduler stopped the job during its pre-flight
+    import os, signal
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    return make()
 """
 
 JOB = """
@@ -652,10 +659,13 @@ def test_csv_data_with_a_held_out_fraction_on_a_threaded_scheduler(job_dir):
 @pytest.mark.slow
 def test_sigterm_stops_a_job_as_ctrl_c_does(job_dir):
     """SIGTERM (cron's timeout, systemd, Kubernetes stopping a pod) ends a job as Ctrl-C ends fit: the run
-    stopped with its merged work committed, nothing released, exit 130, the report saying so."""
+    stopped with its merged work committed, nothing released, exit 130, the report saying so and naming the
+    run. Another SIGTERM once the report is written (the job closing its cluster) does not change the exit
+    code to 143: the process exits as its report says."""
     from vcdask.cli._listing import run_info
 
     job = _edit(job_dir, "fit: {max_epochs: 2, lr: 0.05}", "fit: {max_epochs: 2000, lr: 0.05}", "long.yaml")
+    where = job_dir / "reports" / "report.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "vcdask.cli", "train", job.name],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=job.parent,
@@ -663,12 +673,56 @@ def test_sigterm_stops_a_job_as_ctrl_c_does(job_dir):
     try:
         run_id = wait_for_merges(job_dir / "store", proc)
         proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while not where.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        again = proc.poll() is None  # the report is written; the job is closing its cluster
+        if again:
+            proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 130, out + err
     assert "interrupted (Ctrl-C or SIGTERM)" in err and "close_embedded()" not in err, err[-3000:]
-    report = json.loads((job_dir / "reports" / "report.json").read_text())
-    assert report["exit_code"] == 130 and report["released"] is False
+    assert again and "vcdask: SIGTERM ignored: the job has ended" in err, err[-3000:]
+    report = json.loads(where.read_text())
+    assert report["exit_code"] == 130 and report["released"] is False and report["run_id"] == run_id
+    assert f"run {run_id} was stopped" in report["error"] and f"vcdask.resume('{run_id}'" in report["error"]
     info = run_info(vcdask.open_store(job_dir / "store", mode="r"), run_id)
     assert info["status"].startswith("stopped") and info["step"] >= 3, info
+
+
+FAILING = """
+import torch
+
+class FailsInTraining(torch.nn.Linear):
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled():  # the pre-flight's checks pass; the run's shards fail
+            raise RuntimeError("fails in training")
+        return super().forward(x)
+
+def trains_and_fails(**kwargs):
+    return torch.nn.Sequential(FailsInTraining(4, 2))
+"""
+
+
+def test_a_job_stopped_before_its_run_or_whose_run_failed_says_so(job_dir, cluster):
+    """SIGTERM during the pre-flight: exit 130, the report saying that no run started; the job's handlers
+    are gone once it returns. A run that fails on the cluster: exit 1, the report naming the run."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    outcome = run_job(_edit(job_dir, "mymodels:make", "mymodels:stopped_while_built"))
+    assert outcome.exit_code == 130 and isinstance(outcome.error, KeyboardInterrupt), outcome.message
+    assert outcome.message == "interrupted (Ctrl-C or SIGTERM) before a run started: nothing trained, nothing released"
+    assert (
+        "run_id" not in outcome.report and (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    )
+
+    # a module of its own: the workers unpickle the model by value from the module beside this job file
+    (job_dir / "failing.py").write_text(FAILING)
+    text = JOB.replace("mymodels:make", "failing:trains_and_fails").replace("model_args: {hidden: 16}\n", "")
+    outcome = run_job(_write(job_dir, text + f"scheduler: {cluster[0].scheduler_address}\n"))
+    assert outcome.exit_code == EXIT_FAILED and "fails in training" in outcome.message, outcome.message
+    report = json.loads((job_dir / "reports" / "report.json").read_text())
+    run_id = report["run_id"]
+    assert outcome.message.startswith(f"RunFailedError: run {run_id} ended with status 'error'")
+    assert run_id in vcdask.open_store(job_dir / "store", mode="r").branches()

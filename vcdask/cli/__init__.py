@@ -41,20 +41,29 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from ..cluster import close_embedded
     from ..jobs import EXIT_BAD_JOB, EXIT_FAILED, EXIT_INTERRUPTED, run_job
+    from ..jobs._signals import Interrupts
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    outcome = run_job(args.job)
-    if outcome.error is not None and args.debug:
-        import traceback
+    # Ctrl-C and SIGTERM stop the job (run_job); after it, until its cluster is closed, they are ignored:
+    # the process exits with its report's code, not killed half-way through closing (rc 143)
+    held = Interrupts(held=True)
+    try:
+        outcome = run_job(args.job)
+        if outcome.error is not None and args.debug:
+            import traceback
 
-        traceback.print_exception(outcome.error)
-    if outcome.exit_code in (EXIT_BAD_JOB, EXIT_FAILED, EXIT_INTERRUPTED):
-        plain = args.debug or outcome.exit_code in (EXIT_BAD_JOB, EXIT_INTERRUPTED)
-        hint = "" if plain else " (--debug shows the traceback)"
-        print(f"vcdask train: {outcome.message}{hint}", file=sys.stderr)
-    else:
-        print(outcome.message)
+            traceback.print_exception(outcome.error)
+        if outcome.exit_code in (EXIT_BAD_JOB, EXIT_FAILED, EXIT_INTERRUPTED):
+            plain = args.debug or outcome.exit_code in (EXIT_BAD_JOB, EXIT_INTERRUPTED)
+            hint = "" if plain else " (--debug shows the traceback)"
+            print(f"vcdask train: {outcome.message}{hint}", file=sys.stderr)
+        else:
+            print(outcome.message)
+        close_embedded()
+    finally:
+        held.restore()
     return outcome.exit_code
 
 

@@ -19,6 +19,7 @@ from ..errors import ParameterMismatchError, TagExistsError
 from ._file import Job, JobFileError, job_text, load_job
 from ._preflight import Prepared, fit_kwargs, preflight
 from ._release import last_release, score
+from ._signals import Interrupts
 
 __all__ = [
     "EXIT_BAD_JOB",
@@ -64,11 +65,18 @@ def run_job(path: str | os.PathLike) -> JobOutcome:
         :data:`EXIT_FAILED` (1) or :data:`EXIT_INTERRUPTED` (130: Ctrl-C or SIGTERM, which the job, in the
         main thread, takes as Ctrl-C).  Nothing is raised: the error, if any, is in ``outcome.error``.
     """
+    interrupts = Interrupts()  # Ctrl-C and SIGTERM raise KeyboardInterrupt until the job has ended
+    try:
+        return _run_job(path, interrupts)
+    finally:
+        interrupts.restore()
+
+
+def _run_job(path: str | os.PathLike, interrupts: Interrupts) -> JobOutcome:
     t0 = time.perf_counter()
     report: dict[str, Any] = {"job": str(Path(path).absolute()), "started_at": _now(), "timings": {}}
     job = None
     error: BaseException | None = None
-    previous = _sigterm_as_interrupt()
     try:
         job = load_job(path)
         prepared = preflight(job)
@@ -82,9 +90,9 @@ def run_job(path: str | os.PathLike) -> JobOutcome:
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: fit stopped the run (its merged work is committed)
         code, error = EXIT_INTERRUPTED, e
     finally:
-        _restore_sigterm(previous)
+        interrupts.hold()  # the job has ended: another signal must not lose its report
     if isinstance(error, KeyboardInterrupt):
-        report.update(released=False, error="interrupted (Ctrl-C or SIGTERM): the run was stopped, nothing released")
+        report.update(released=False, error=_interrupted(report))
     elif error is not None:
         report.update(released=False, error=str(error) if code == EXIT_BAD_JOB else f"{type(error).__name__}: {error}")
     report.update(exit_code=code, finished_at=_now())
@@ -101,6 +109,20 @@ def run_job(path: str | os.PathLike) -> JobOutcome:
                 done = f" (the job itself: {report['reason']})" if report.get("reason") else ""
                 report.update(exit_code=code, error=f"could not write the report to {where}: {e}{done}")
     return JobOutcome(code, report, error)
+
+
+def _interrupted(report: dict[str, Any]) -> str:
+    """What an interrupted job did: stopped its run (named, resumable), or started none."""
+    said = "interrupted (Ctrl-C or SIGTERM)"
+    run_id = report.get("run_id")
+    if run_id is None:
+        return f"{said} before a run started: nothing trained, nothing released"
+    if "version" in report:  # its run had ended: the job was scoring or releasing its result
+        return f"{said} after run {run_id} ended, while scoring or releasing its result: nothing released"
+    return (
+        f"{said}: run {run_id} was stopped, what it merged is committed, nothing released; "
+        f"vcdask.resume({run_id!r}, store=...) continues it"
+    )
 
 
 def _report_path(path: Path) -> Path | None:
@@ -122,10 +144,9 @@ def _train_and_release(prepared: Prepared, report: dict[str, Any]) -> int:
 
     job, store = prepared.job, prepared.store
     t = time.perf_counter()
-    result = _fit(prepared)
+    result = _fit(prepared, report)
     report["timings"]["fit_s"] = round(time.perf_counter() - t, 3)
     report.update(
-        run_id=result.run_id,
         version=result.version,
         epochs=len(result.epochs),
         run_metrics={k: float(v) for k, v in (result.metrics or {}).items()},
@@ -239,29 +260,15 @@ def _compare(
     return EXIT_RELEASED
 
 
-def _sigterm_as_interrupt() -> Any:
-    """SIGTERM raises KeyboardInterrupt in the main thread while a job runs (so a scheduler's stop ends
-    the run as Ctrl-C does); the handler it replaced (None off the main thread: nothing changed)."""
-    import signal
-    import threading
+def _fit(prepared: Prepared, report: dict[str, Any]) -> Any:
+    """Train: any error here is a failure (exit 1); the job file's mistakes were found by :func:`preflight`.
 
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, signal.default_int_handler)
-
-
-def _restore_sigterm(previous: Any) -> None:
-    if previous is not None:
-        import signal
-
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _fit(prepared: Prepared) -> Any:
-    """Train: any error here is a failure (exit 1); the job file's mistakes were found by :func:`preflight`."""
+    The run's id goes into ``report`` as soon as the run has started: a run stopped by Ctrl-C or SIGTERM, or
+    one that failed, is named in the report (and may be resumed)."""
     import vcdask
 
     job = prepared.job
+    t0 = time.perf_counter()
     client = None
     if job.scheduler:
         from distributed import Client
@@ -270,8 +277,13 @@ def _fit(prepared: Prepared) -> Any:
             client = Client(job.scheduler, timeout="20s", set_as_default=False)
         except OSError as e:
             raise ConnectionError(f"cannot reach the scheduler at {job.scheduler} (the job's scheduler:): {e}") from e
+    kwargs = fit_kwargs(prepared)
+    progress = kwargs.pop("progress")
     try:
-        return vcdask.fit(prepared.model, prepared.data, client=client, **fit_kwargs(prepared))
+        handle = vcdask.fit(prepared.model, prepared.data, client=client, wait=False, **kwargs)
+        report["run_id"] = handle.run_id
+        handle.wait(progress=progress)  # Ctrl-C (or SIGTERM) here stops the run, as in fit
+        return handle.result(wall_time=time.perf_counter() - t0)
     finally:
         if client is not None:
             client.close()
