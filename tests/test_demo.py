@@ -47,3 +47,25 @@ def test_demo_console_command(tmp_path):
     check = f"import vcdask\n{line}\nprint(sum(p.numel() for p in model.parameters()))"
     loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert loaded.returncode == 0 and int(loaded.stdout) > 1000, loaded.stderr
+
+
+def test_demo_into_a_file_url_store_writes_its_files_beside_the_run(tmp_path):
+    """``--store file:///abs/path`` (percent-encoded): the history, epochs and plot go beside the run in that
+    store, written through its files; nothing appears in the working directory (a ``file:`` folder)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    url = (tmp_path / "my runs").as_uri()  # file:///.../my%20runs
+    proc = subprocess.run(
+        [sys.executable, "-m", "vcdask.cli", "demo", "--store", url, "--max-epochs", "1", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 1: one epoch is under the demo's bar
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+    folder = Path(re.search(r"history, epochs and plot: (.+)/\n", proc.stdout).group(1))
+    assert folder.parent == tmp_path / "my runs" / "runs", proc.stdout
+    assert len(pd.read_csv(folder / "history.csv")) == 10 and len(pd.read_csv(folder / "epochs.csv")) == 1
+    assert (folder / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(cwd.iterdir()) == []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import dask.system
 import numpy as np
@@ -50,7 +49,10 @@ def accuracy_on(model: torch.nn.Module, X: np.ndarray, y: np.ndarray) -> float:
 
 
 def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = True) -> dict:
-    """Train, save history (CSV) and an accuracy-vs-time plot (PNG) in the run folder, print the outcome."""
+    """Train, save history (CSV) and an accuracy-vs-time plot (PNG) in the run folder, print the outcome.
+
+    ``store`` is any store location (a path, a ``file://`` URL, an object store): the files go beside the
+    run, through the store's files (``<store>/runs/<run_id>/``)."""
     import vcdask
 
     from .result import trained_with
@@ -75,11 +77,7 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
     assert isinstance(result, vcdask.FitResult)  # (fit waits by default)
     wall = time.perf_counter() - t0
     acc = accuracy_on(result.model, X_test, y_test)
-    folder = Path(store) / "runs" / result.run_id
-    folder.mkdir(parents=True, exist_ok=True)
-    result.history.to_csv(folder / "history.csv", index=False)
-    result.epochs.to_csv(folder / "epochs.csv")
-    _plot(result, folder / "accuracy.png")
+    folder = _save(result)
     print(
         f"\n{len(result.epochs)} epochs, {int(result.history['accepted'].sum())} merges in {wall:.1f} s "
         f"({result.stop_reason or 'max_epochs reached'})"
@@ -95,14 +93,31 @@ def run_demo(store: str = "vcdask-runs", max_epochs: int = 20, progress: bool = 
     return {"test_accuracy": acc, "wall_time": wall, "result": result}
 
 
-def _plot(result, path: Path) -> None:
+def _save(result) -> str:
+    """Write the run's history and epochs (CSV) and its plot (PNG) beside the run, in the store's run folder
+    (``<store>/runs/<run_id>/``), through the store's own files: a ``file://`` URL or an object store as well
+    as a path.  Returns where they are: a path for a local store, else a URL."""
+    files = result.store.files
+    files.put(f"{result.run_id}/history.csv", result.history.to_csv(index=False).encode())
+    files.put(f"{result.run_id}/epochs.csv", result.epochs.to_csv().encode())
+    png = _plot(result)
+    if png is not None:
+        files.put(f"{result.run_id}/accuracy.png", png)
+    url = files.url(result.run_id)
+    return url.removeprefix("file://") if url.startswith("file://") else url  # fsspec's local URL: a plain path
+
+
+def _plot(result) -> bytes | None:
+    """The accuracy-vs-time plot as PNG; None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return None
+    import io
+
     e = result.epochs
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.fill_between(
@@ -115,5 +130,7 @@ def _plot(result, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    return png.getvalue()
