@@ -18,6 +18,7 @@ import concurrent.futures
 
 __all__ = [
     "BranchExistsError",
+    "ClusterPackageError",
     "DataError",
     "InvalidLocationError",
     "MainGuardError",
@@ -203,6 +204,10 @@ class RunCancelledError(VcdaskError, concurrent.futures.CancelledError):
 
 class MainGuardError(VcdaskError, RuntimeError):
     """Worker processes would be started from a script's top level without ``if __name__ == "__main__":``."""
+
+
+class ClusterPackageError(VcdaskError, ImportError):
+    """The cluster's scheduler or workers cannot import vcdask or PyTorch (refused before the run is staged)."""
 
 
 class NoWorkersError(VcdaskError, RuntimeError):

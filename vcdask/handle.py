@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ._ints import is_real
+from ._packages import check_scheduler_error
 from .diagnose import annotate
 from .engine.end import best_version
 from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
@@ -26,9 +27,14 @@ _ENDED = ("finished", "error", "cancelled")
 
 
 def ensure_plugin(client) -> None:
-    """Register the vcdask scheduler plugin unless the scheduler already has it."""
-    if not client.run_on_scheduler(_has_plugin):
-        client.register_plugin(VcdaskPlugin(), name=PLUGIN_NAME)
+    """Register the vcdask scheduler plugin unless the scheduler already has it; a scheduler that cannot import
+    vcdask raises :class:`~vcdask.errors.ClusterPackageError`, naming it and what to install there."""
+    try:
+        if not client.run_on_scheduler(_has_plugin):
+            client.register_plugin(VcdaskPlugin(), name=PLUGIN_NAME)
+    except ImportError as e:
+        check_scheduler_error(client, e)
+        raise
 
 
 def _has_plugin(dask_scheduler=None) -> bool:

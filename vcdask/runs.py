@@ -23,6 +23,7 @@ import torch
 
 from ._ints import positive_int
 from ._main_guard import may_start_here
+from ._packages import check_packages
 from .cluster import check_client, owns_client, resolve_client
 from .data import Shards
 from .device import cpu_copy
@@ -131,13 +132,17 @@ def _in_memory(plan: RunPlan) -> bool:
 
 
 def _check_cluster(c, store: ParamStore, *, embedded: bool) -> None:
-    """What the cluster must offer before a run starts: workers (and a scheduler) that can open the store.
+    """What the cluster must offer before a run starts: a scheduler and workers with vcdask and PyTorch
+    (:func:`~vcdask._packages.check_packages`; the embedded cluster's run this interpreter), that can open the
+    store.
 
     A store opened here with explicit credentials pickles without them: the embedded cluster (our own
     processes on this machine) is given them with :func:`~vcdask.store.share_credentials`; any other
     cluster must resolve them itself, and :func:`~vcdask.store.check_cluster_access` says so, naming
     the remedies, before the run starts.
     """
+    if not embedded:
+        check_packages(c)
     if not store.shared_across_processes:
         pids = set(c.run(os.getpid).values())
         if pids != {os.getpid()}:
