@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pytest
@@ -301,3 +302,38 @@ def test_runs_counts_an_ended_runs_epochs_as_its_result_does(tmp_path, capsys):
     )
     code, out, _ = _run(capsys, "runs", tmp_path / "s", "--json")
     assert code == 0 and json.loads(out)[0]["epochs"] == 5
+
+
+@pytest.mark.slow
+def test_gc_and_versions_beside_a_run_training_on_the_store(tmp_path, cluster, capsys):
+    """``vcdask gc`` and ``vcdask versions`` while a run trains on the same store, its own retention collecting
+    as it goes: the size leaves out what the run deletes meanwhile (FileNotFoundError), gc collects again when
+    the run moved a branch under it (branch update conflict), a version collected after it was listed shows
+    ``removed``; the run itself never misses a version it uses (no VersionNotFoundError)."""
+    from vcdask.cli._listing import run_info
+
+    X = np.random.default_rng(0).normal(size=(160, 4)).astype("float32")
+    y = (X[:, 0] > 0).astype("int64")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    store = tmp_path / "store"
+    handle = vcdask.fit(
+        model, (X, y), validation=0.25, max_epochs=5000, n_shards=2, client=cluster[1], store=store,
+        progress=False, wait=False, retention=vcdask.Retention(keep_last=2),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while handle.status()["step"] < 20 and time.monotonic() < deadline:  # its retention has collected
+            time.sleep(0.2)
+        codes = []
+        for _ in range(10):
+            codes.append(_run(capsys, "gc", store, "--keep-last", "2"))
+            codes.append(_run(capsys, "versions", store, "--limit", "3"))
+        assert handle.status()["status"] == "running"  # it trained all along
+    finally:
+        handle.stop()
+        result = handle.result(timeout=120)
+    failed = [(out, err) for code, out, err in codes if code != 0]
+    assert failed == [], failed[:3]
+    assert result.stop_reason is not None and len(result.history) > 20
+    info = run_info(vcdask.open_store(store, mode="r"), handle.run_id)
+    assert info["status"].startswith("stopped"), info

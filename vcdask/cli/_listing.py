@@ -7,7 +7,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from ..errors import StoreNotFoundError
+from ..errors import StoreNotFoundError, VersionNotFoundError
 from ._errors import CommandError, missing_store
 
 __all__ = ["gc", "human", "open_store_for", "run_info", "runs", "tags", "versions"]
@@ -63,7 +63,10 @@ def versions(args: argparse.Namespace) -> int:
     for info in listed[: args.limit]:
         meta = info.metadata
         tag = f"  [{', '.join(by_version[info.id])}]" if info.id in by_version else ""
-        size = human(store.version_nbytes(info.id))
+        try:
+            size = human(store.version_nbytes(info.id))
+        except VersionNotFoundError:  # collected since it was listed (a run's retention, a gc): listed as it was
+            size = "removed"
         step, epoch = meta.get("step", ""), meta.get("epoch", "")
         print(f"{info.id}  {_when(info.written_at)}  {step:>6}  {epoch:>5}  {size:>10}  {info.message}{tag}")
     more = f" ({len(listed) - args.limit} more: --limit)" if len(listed) > args.limit else ""
@@ -234,7 +237,7 @@ def gc(args: argparse.Namespace) -> int:
     policy = Retention(keep_last=args.keep_last, keep_epochs=not args.no_epochs, every=args.every)
     store = open_store_for(args, mode="r" if args.dry_run else "r+")
     before = store.store_nbytes()
-    report = store.gc(policy, branches=args.branch or None, dry_run=args.dry_run)
+    report = _collect(store, policy, args.branch or None, args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for branch in sorted(report.kept):
         removed, deferred = report.removed.get(branch, []), report.deferred.get(branch, [])
@@ -248,3 +251,34 @@ def gc(args: argparse.Namespace) -> int:
         print(f"deleted {human(report.bytes_deleted)} in {report.objects_deleted} objects; the store holds ", end="")
         print(f"{human(store.store_nbytes())} (was {human(before)})")
     return 0
+
+
+#: How often ``vcdask gc`` collects again when a run on the same store moved a branch under it.
+GC_TRIES = 5
+
+
+def _collect(store: Any, policy: Any, branches: list[str] | None, dry_run: bool) -> Any:
+    """``store.gc``, again (at most :data:`GC_TRIES` times) when a run training on the store committed, or
+    collected its own old versions (its retention), while this collection moved the same branch (Icechunk's
+    "branch update conflict"), or removed a ref or version this collection had listed (its pins: "ref not
+    found", in a store that is there).  Collecting is idempotent: a second pass removes what the first did
+    not."""
+    import time
+
+    from ..errors import StoreConflict, StoreError
+
+    tries = 1
+    while True:
+        try:
+            return store.gc(policy, branches=branches, dry_run=dry_run)
+        except (StoreError, VersionNotFoundError) as e:
+            gone = isinstance(e, (StoreConflict, StoreNotFoundError, VersionNotFoundError))
+            if not gone and "branch update conflict" not in str(e):
+                raise
+            if tries == GC_TRIES:
+                raise StoreConflict(
+                    f"{e}: {GC_TRIES} times a writer on the store (a run's commits or its own retention) moved a "
+                    "branch while vcdask gc collected it; run vcdask gc again later, or once the run has ended"
+                ) from None
+        time.sleep(0.2 * tries)
+        tries += 1

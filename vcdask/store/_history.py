@@ -9,6 +9,7 @@ through a fresh :meth:`icechunk.Repository.reopen` (no I/O; an empty cache).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import VersionNotFoundError
@@ -17,6 +18,7 @@ from ._version import VersionInfo, version_id
 
 if TYPE_CHECKING:
     import icechunk
+    from fsspec import AbstractFileSystem
 
     from ._backend import StoreBackend
 
@@ -141,11 +143,55 @@ def version_nbytes(store: HistoryStore, version: str) -> int:
 
 
 def store_nbytes(store: HistoryStore) -> int:
-    """Bytes of every object of the store: versions, Icechunk's metadata and the side files."""
+    """Bytes of every object of the store: versions, Icechunk's metadata and the side files.
+
+    Best effort while a run writes to the store: an object it removes while they are counted (a merged
+    update, an expired snapshot, a moved branch's old ref) is left out, never an error."""
     fs, root = store._backend.filesystem(max_tries=store.max_tries)
-    total = int(fs.du(root, total=True)) if fs.exists(root) else 0
+    total = _tree_nbytes(fs, root)
     if store._backend.scheme == "memory":  # the repository itself lives in Icechunk's memory storage
         total += int(store._repo.chunk_storage_stats().native_bytes)
+    return total
+
+
+#: How often the size of a store that is not local is counted again when an object goes while it is listed.
+SIZE_TRIES = 3
+
+
+def _tree_nbytes(fs: AbstractFileSystem, root: str) -> int:
+    """Bytes of the objects under ``root``.  A local tree is walked entry by entry, each entry that goes
+    meanwhile skipped (fsspec's ``du`` stats every file it listed, and one that a run deleted in between
+    raised FileNotFoundError); an object store's listing gives the sizes itself, and is listed again when
+    a prefix goes while it is listed."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(fs, LocalFileSystem):
+        return _local_nbytes(fs._strip_protocol(root))
+    tries = 1
+    while True:
+        try:
+            return int(fs.du(root, total=True)) if fs.exists(root) else 0
+        except FileNotFoundError:
+            if tries == SIZE_TRIES:
+                raise
+            tries += 1
+
+
+def _local_nbytes(top: str) -> int:
+    total, folders = 0, [top]
+    while folders:
+        try:
+            with os.scandir(folders.pop()) as entries:
+                for entry in entries:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            folders.append(entry.path)
+                        else:
+                            total += entry.stat().st_size
+                    except FileNotFoundError:  # removed since the folder was listed
+                        continue
+        except (FileNotFoundError, NotADirectoryError):  # removed (or replaced) since its parent was listed
+            continue
     return total
 
 
