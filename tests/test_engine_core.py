@@ -409,10 +409,10 @@ def test_no_usable_worker_pauses_the_run_and_fails_it_past_no_worker_timeout():
     assert str(fail.failure).startswith(f"NoWorkersError: run {RUN} had no usable worker for 30 s")
 
 
-def test_a_worker_excluded_for_rejections_names_the_last_one_while_the_run_waits_and_when_it_fails(caplog):
+def test_a_worker_excluded_for_rejections_names_the_last_one_while_the_run_waits_and_when_it_fails():
     """The only worker's every update is over ``max_update_norm`` (a threshold set too low): it is excluded,
-    and the run waits for a usable worker.  The wait's log line and the final NoWorkersError say what the
-    rejections were, not only their count: the setting is named at once, not after ``no_worker_timeout``."""
+    and the run waits for a usable worker.  The pool's states (logged as the wait starts) and the final
+    NoWorkersError say what the rejections were, not only their count: the setting is named at once."""
     s = Script(n_shards=4, workers=("a",), max_attempts=5, max_worker_failures=3, no_worker_timeout=30.0)
     why = "update norm 0.41 > max_update_norm=1e-09"
     s(m.Poll())
@@ -425,8 +425,6 @@ def test_a_worker_excluded_for_rejections_names_the_last_one_while_the_run_waits
     assert s.state.pool.unusable() == {
         "a": f"0 failed, 0 timed out, 3 rejected (max_worker_failures=3); last: rejected: {why}"
     }
-    [waiting] = [r.getMessage() for r in caplog.records if "no usable worker (connected" in r.getMessage()]
-    assert why in waiting  # (logged as the wait starts)
     s.clock.advance(31.0)
     [fail] = [fx for fx in s(m.Poll()) if isinstance(fx, m.Fail)]
     assert str(fail.failure).startswith(f"NoWorkersError: run {RUN} had no usable worker for 30 s") and why in str(
