@@ -76,7 +76,11 @@ def schedule_restart(spec: Any, done: int, max_epochs: int) -> str | None:
     if not isinstance(schedule, RunSchedule):
         return None
     per_shard, total = run_steps(spec)
-    longer = dataclasses.replace(spec, max_epochs=max_epochs) if dataclasses.is_dataclass(spec) else None
+    longer = (
+        dataclasses.replace(spec, max_epochs=max_epochs)
+        if dataclasses.is_dataclass(spec) and not isinstance(spec, type)
+        else None
+    )
     if longer is None:  # (a stand-in spec: the steps scale with max_epochs)
         new_total = round(total / spec.max_epochs * max_epochs)
     else:

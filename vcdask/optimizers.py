@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -25,7 +25,7 @@ from .groups import Training, check_optimizer
 __all__ = ["DEFAULT_LR", "check_inner_optimizer", "describe_optimizer", "resolve_optimizer"]
 
 #: ``fit``'s default ``lr``: another value was given on purpose (and must be applied, or refused).
-DEFAULT_LR: float = next(f.default for f in dataclasses.fields(Training) if f.name == "lr")
+DEFAULT_LR: float = cast(float, next(f.default for f in dataclasses.fields(Training) if f.name == "lr"))
 
 
 def _optimizer_class(obj: Any) -> bool:

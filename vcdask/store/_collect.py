@@ -39,7 +39,7 @@ from ..errors import VersionNotFoundError
 from ._errors import translate
 from ._history import HOLD_PREFIX, HistoryStore, is_reserved, parse_pin, pin_name, reachable
 from ._layout import is_version
-from ._names import check_listed, ref_entries
+from ._names import NamedStore, check_listed, ref_entries
 from ._retention import GCReport, Retention, select
 from ._state import STATE_KEY, sweep_states
 from ._version import version_id
@@ -58,7 +58,7 @@ KEEP_FROM_KEY = "vcdask:keep_from_step"
 HOLDS = "_holds"
 
 
-class CollectedStore(HistoryStore, Protocol):
+class CollectedStore(HistoryStore, NamedStore, Protocol):
     """What a collection uses of an Icechunk-backed store (:class:`~vcdask.store.IcechunkParamStore`),
     besides what :class:`~._history.HistoryStore` reads.
 
