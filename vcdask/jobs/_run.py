@@ -281,6 +281,7 @@ def _fit(prepared: Prepared, report: dict[str, Any]) -> Any:
     progress = kwargs.pop("progress")
     try:
         handle = vcdask.fit(prepared.model, prepared.data, client=client, wait=False, **kwargs)
+        assert isinstance(handle, vcdask.RunHandle)  # (wait=False)
         report["run_id"] = handle.run_id
         handle.wait(progress=progress)  # Ctrl-C (or SIGTERM) here stops the run, as in fit
         return handle.result(wall_time=time.perf_counter() - t0)
