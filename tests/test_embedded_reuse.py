@@ -15,6 +15,7 @@ from vcdask._main_guard import _guarded
 from vcdask.cli._listing import run_info
 from vcdask.cluster import check_main_guard, close_embedded, embedded_client
 from vcdask.engine.end import read_record
+from vcdask.errors import RunNotFoundError
 
 
 def _data():
@@ -44,6 +45,10 @@ def test_two_fits_share_one_embedded_cluster(tmp_path):
     handle = vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=1, store=tmp_path / "s", wait=False)
     assert handle.client is client
     assert int(handle.result().history["accepted"].sum()) == int(first.history["accepted"].sum())
+    # attach without a client finds the runs of the embedded cluster (Dask's "No clients found" before)
+    assert vcdask.attach(handle.run_id).client is client
+    with pytest.raises(RunNotFoundError, match=r"no vcdask run 'run-nope'.*vcdask\.attach\(run_id, client_or_address"):
+        vcdask.attach("run-nope")
     # closed (by hand, or at exit): the next use starts a new one; a run still going is named, and ends where it is,
     # recorded as cut off by its scheduler's shutdown (resumable), not as cancelled (over)
     live = vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=500, store=tmp_path / "s", wait=False)
@@ -54,6 +59,14 @@ def test_two_fits_share_one_embedded_cluster(tmp_path):
     record = read_record(store, live.run_id)
     assert (record["status"], record["stop_kind"]) == ("incomplete", "shutdown"), record
     assert run_info(store, live.run_id)["status"] == "incomplete (shut down)"
+    # its handle says so (it raised AttributeError), and points to resume
+    assert repr(live) == f"<RunHandle {live.run_id} closed>"
+    said = rf"embedded cluster of run .* was closed.*vcdask\.resume\('{live.run_id}'"
+    for ask in (live.status, live.done, live.result):
+        with pytest.raises(RuntimeError, match=said):
+            ask()
+    with pytest.raises(RunNotFoundError, match="pass the scheduler it runs on"):
+        vcdask.attach(live.run_id)  # (no embedded cluster up now)
     again = embedded_client()
     assert again is not client and again.status == "running" and again.scheduler.address != address
     assert embedded_client() is again

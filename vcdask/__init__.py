@@ -8,9 +8,10 @@ from .api import fit, resume
 from .cluster import preempt
 from .errors import RunFailedError, VcdaskError
 from .groups import Merging, Stopping, Training
-from .handle import RunHandle, attach
+from .handle import RunHandle
 from .loading import load
 from .params import FlatParams, Layout, flatten, load_into
+from .reach import attach
 from .resilience import Resilience
 from .result import FitResult
 from .store import Checkpoint, GCReport, ParamStore, Retention, VersionInfo, open_store

@@ -28,11 +28,13 @@ __all__ = [
     "close_embedded",
     "embedded_client",
     "embedded_cluster",
+    "is_embedded",
     "live_runs",
     "owns_client",
     "preempt",
     "preemption_notice",
     "resolve_client",
+    "running_embedded_client",
     "start_forkserver",
 ]
 
@@ -233,6 +235,19 @@ def embedded_client():
             _embedded["atexit"] = True
         _embedded.update(client=client, cluster=cluster)
         return client
+
+
+def running_embedded_client():
+    """The embedded client, when this process started it and it is open; else None (never starts one:
+    :func:`vcdask.attach` without ``client=`` asks it first, where ``fit`` and ``resume`` run)."""
+    client = _embedded.get("client")
+    return client if client is not None and client.status == "running" else None
+
+
+def is_embedded(client: Any) -> bool:
+    """Whether ``client`` is the process's embedded client (its runs end when it is closed, see
+    :func:`close_embedded`)."""
+    return client is not None and client is _embedded.get("client")
 
 
 #: How long a running embedded cluster without workers is given for its nannies to bring one back.

@@ -28,6 +28,7 @@ __all__ = [
     "ReadOnlyStoreError",
     "RunCancelledError",
     "RunFailedError",
+    "RunLiveElsewhereError",
     "RunNotFoundError",
     "StoreAccessDeniedError",
     "StoreConflict",
@@ -191,6 +192,12 @@ class RunNotFoundError(VcdaskError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class RunLiveElsewhereError(VcdaskError, RuntimeError):
+    """A resume on one scheduler of a run that still goes on at another (the one its record names): two drivers
+    on one branch would overwrite each other's uploads and commits.  The message names that scheduler and how to
+    follow the run there (:func:`vcdask.attach`)."""
 
 
 class RunFailedError(VcdaskError, RuntimeError):

@@ -1,27 +1,27 @@
 """Handles on runs that live on a scheduler: watch, wait, stop, and collect a :class:`FitResult`.
 
-A run outlives the process that started it; :func:`attach` gives any process that can
-reach the scheduler the same handle ``fit`` uses.
+A run outlives the process that started it; :func:`vcdask.attach` (:mod:`vcdask.reach`) gives any process
+that can reach the scheduler the same handle ``fit`` uses.
 """
 
 from __future__ import annotations
 
 import pickle
 import threading
-from typing import Any
 
 import torch
 
 from ._ints import is_real
 from ._packages import check_scheduler_error
+from .cluster import is_embedded
 from .diagnose import annotate
 from .engine.end import best_version
 from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
-from .errors import RunCancelledError, RunFailedError, RunNotFoundError
+from .errors import RunCancelledError, RunFailedError
 from .params import load_into
 from .result import HISTORY_COLUMNS, FitResult, run_settings
 
-__all__ = ["FitResult", "RunCancelledError", "RunFailedError", "RunHandle", "attach", "ensure_plugin"]
+__all__ = ["FitResult", "RunCancelledError", "RunFailedError", "RunHandle", "ensure_plugin"]
 
 _ENDED = ("finished", "error", "cancelled")
 
@@ -86,12 +86,14 @@ class RunHandle:
         self._setup_seconds = setup_seconds  # from the fit call to the run's start (staging, initial commit)
         self._owns_client = owns_client
         self._closed = False
+        self._address = getattr(getattr(client, "scheduler", None), "address", None)  # (kept: the client may close)
+        self._embedded = is_embedded(client)  # (closed by close_embedded() or at exit, the run ends with it)
         self._lock = threading.Lock()  # one collection at a time (await handle + a done callback ...)
         self._result: FitResult | None = None
         self._res: dict | None = None  # the run's result dict, once it ended (then no client is needed)
 
     def __repr__(self) -> str:
-        where = "closed" if self._closed else f"on {self.client.scheduler.address}"
+        where = "closed" if self._closed or self._client_gone() else f"on {self._address}"
         return f"<RunHandle {self.run_id} {where}>"
 
     def __enter__(self) -> RunHandle:
@@ -107,11 +109,26 @@ class RunHandle:
             self._closed = True
             self.client.close()
 
+    def _client_gone(self) -> bool:
+        """Whether the handle's client was closed (by you, or by ``close_embedded()``), not by :meth:`close`."""
+        return getattr(self.client, "status", None) in ("closing", "closed") or self.client.scheduler is None
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(
                 f"this handle of run {self.run_id} is closed (its client was closed); "
                 "vcdask.attach(run_id, client) gives a new one"
+            )
+        if self._client_gone() and self._embedded:
+            raise RuntimeError(
+                f"the embedded cluster of run {self.run_id} was closed (vcdask.cluster.close_embedded(), or the "
+                f"interpreter's exit) and the run ended with it, where it was: vcdask.resume({self.run_id!r}, "
+                "store=<its store>) continues it"
+            )
+        if self._client_gone():
+            raise RuntimeError(
+                f"the client of this handle of run {self.run_id} was closed; the run goes on on its scheduler: "
+                f"vcdask.attach({self.run_id!r}, {self._address!r}) gives a new handle"
             )
 
     def __await__(self):
@@ -366,43 +383,3 @@ class RunHandle:
         )
         annotate(result)
         return result
-
-
-def attach(run_id: str, client: Any = None) -> RunHandle:
-    """A handle on a run that lives on a scheduler, from any process that can reach it.
-
-    Parameters
-    ----------
-    run_id : str
-        The run's id (``FitResult.run_id``, or the progress bar's label).
-    client : distributed.Client or str, optional
-        A client, or a scheduler address; default: the current default client.
-
-    Raises
-    ------
-    RunNotFoundError
-        No such run on the scheduler, or one it dropped (``vcdask.scheduler.ended-runs-kept``); the message says.
-    """
-    from distributed import Client, default_client
-
-    if client is None:
-        client = default_client()
-    elif isinstance(client, str):
-        client = Client(client, set_as_default=False)
-        try:
-            return _attach(run_id, client, owns_client=True)
-        except BaseException:
-            client.close()
-            raise
-    return _attach(run_id, client)
-
-
-def _attach(run_id: str, client: Any, owns_client: bool = False) -> RunHandle:
-    if not client.run_on_scheduler(_has_plugin):
-        raise RunNotFoundError(
-            f"no vcdask run {run_id!r}: the scheduler at {client.scheduler.address} has never run vcdask"
-        )
-    missing = client.sync(client.scheduler.vcdask_missing, run_id=run_id)
-    if missing is not None:
-        raise RunNotFoundError(missing)
-    return RunHandle(run_id, client, owns_client=owns_client)

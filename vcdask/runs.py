@@ -27,6 +27,7 @@ from ._packages import check_packages
 from .cluster import check_client, owns_client, resolve_client
 from .data import Shards
 from .device import cpu_copy
+from .engine.end import read_record
 from .errors import VersionNotFoundError
 from .extend import check_extend, epochs_done, keep_max_epochs
 from .handle import FitResult, RunHandle, ensure_plugin
@@ -35,6 +36,7 @@ from .inner import memory_steps, resolve_optimizer_state
 from .merge import DEFAULT_RULE, for_run
 from .metrics import label_shape
 from .options import DEFAULT_STORE, RunPlan
+from .reach import check_not_live_elsewhere, run_id_of
 from .spec import RunSpec, save_spec, spec_path
 from .staging import in_memory, stage
 from .steps import eval_modules
@@ -271,7 +273,7 @@ def _start(
 
 @overload
 def resume(
-    run_id: str,
+    run_id: str | FitResult | RunHandle,
     *,
     store: str | os.PathLike | ParamStore | None = None,
     client: Any = None,
@@ -283,7 +285,7 @@ def resume(
 
 @overload
 def resume(
-    run_id: str,
+    run_id: str | FitResult | RunHandle,
     *,
     store: str | os.PathLike | ParamStore | None = None,
     client: Any = None,
@@ -295,7 +297,7 @@ def resume(
 
 @overload
 def resume(
-    run_id: str,
+    run_id: str | FitResult | RunHandle,
     *,
     store: str | os.PathLike | ParamStore | None = None,
     client: Any = None,
@@ -306,7 +308,7 @@ def resume(
 
 
 def resume(
-    run_id: str,
+    run_id: str | FitResult | RunHandle,
     *,
     store: str | os.PathLike | ParamStore | None = None,
     client: Any = None,
@@ -319,11 +321,14 @@ def resume(
 
     The run restarts from the newest committed version on its branch, first merges the client
     updates that were uploaded but never committed, merges none twice (the versions' metadata
-    lists every merged (epoch, shard)), and trains the shards and epochs that are left.
+    lists every merged (epoch, shard)), and trains the shards and epochs that are left.  A run still ending on
+    the same scheduler (just stopped or cancelled) is waited for, then continued; one still going on another
+    scheduler is refused.
 
     Parameters
     ----------
-    run_id : str
+    run_id : str, FitResult or RunHandle
+        The run's id; a result or handle of the run stands for its own.
     store : str, path or ParamStore, optional
         The run's store (default ``./vcdask-runs``).
     client : distributed.Client or cluster, optional
@@ -348,6 +353,11 @@ def resume(
         The store has no branch ``run_id`` (the message lists the runs it has).
     ValueError
         ``max_epochs`` is not more than the epochs the run has done (both named).
+    RunLiveElsewhereError
+        The run still goes on at another scheduler (the one its record names, asked for a few seconds: one gone
+        is not in the way); the message names it and how to follow the run there (:func:`vcdask.attach`).
+    TypeError
+        ``run_id`` is not a str (nor a result or handle).
 
     Warns
     -----
@@ -360,6 +370,7 @@ def resume(
     >>> result = vcdask.fit(model, (X, y), max_epochs=5)                  # doctest: +SKIP
     >>> more = vcdask.resume(result.run_id, max_epochs=8)                 # 3 more epochs  # doctest: +SKIP
     """
+    run_id = run_id_of(run_id, "resume")
     check_client(client)
     if max_epochs is not None:
         max_epochs = positive_int("max_epochs", max_epochs)
@@ -371,6 +382,7 @@ def resume(
         check_extend(param_store, run_id, max_epochs)  # (and a schedule over the run that starts again, said)
     t0 = time.perf_counter()
     with resolve_client(client, keep=not wait) as c:
+        check_not_live_elsewhere(read_record(param_store, run_id), run_id, c)  # (one driver a run)
         _check_cluster(c, param_store, embedded=client is None)
         handle = _start(c, param_store, run_id, resume=True, max_epochs=max_epochs, owns=owns_client(client))
         if max_epochs is not None:  # the start was accepted (a live run is refused): the spec keeps it
