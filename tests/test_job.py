@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import re
 import signal
 import subprocess
@@ -690,6 +692,36 @@ def test_sigterm_stops_a_job_as_ctrl_c_does(job_dir):
     assert f"run {run_id} was stopped" in report["error"] and f"vcdask.resume('{run_id}'" in report["error"]
     info = run_info(vcdask.open_store(job_dir / "store", mode="r"), run_id)
     assert info["status"].startswith("stopped") and info["step"] >= 3, info
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_timeout_to_the_whole_process_group_stops_the_run_promptly(job_dir, sig):
+    """Ctrl-C in a terminal and ``timeout -s TERM`` signal the whole process group, the embedded cluster's
+    worker processes too: they ignore it (the job stops its run and closes them itself), so the run's last
+    validation runs and the run is recorded as stopped within seconds, not after the whole interrupt grace
+    (60 s) with the run left incomplete."""
+    from vcdask.cli._listing import run_info
+
+    job = _edit(job_dir, "fit: {max_epochs: 2, lr: 0.05}", "fit: {max_epochs: 2000, lr: 0.05}", "long.yaml")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vcdask.cli", "train", job.name],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=job.parent, start_new_session=True,
+    )  # fmt: skip
+    try:
+        run_id = wait_for_merges(job_dir / "store", proc)
+        os.killpg(proc.pid, sig)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out + err
+    assert took < 30, f"{took:.0f} s after the signal:\n{err[-3000:]}"
+    info = run_info(vcdask.open_store(job_dir / "store", mode="r"), run_id)
+    assert info["status"].startswith("stopped"), (info, err[-3000:])
+    assert json.loads((job_dir / "reports" / "report.json").read_text())["run_id"] == run_id
 
 
 FAILING = """

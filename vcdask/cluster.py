@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._main_guard import check_main_guard
+from ._worker_signals import sigterm_ignored_in_children, with_preload
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
     kwargs.setdefault("silence_logs", logging.ERROR)
     if kwargs["processes"]:
         start_forkserver()
+        kwargs["preload"] = with_preload(kwargs.get("preload"))  # workers ignore the group's Ctrl-C and SIGTERM
     with dask.config.set({"distributed.nanny.pre-spawn-environ": torch_friendly_environ()}):
         return _started(lambda: LocalCluster(n_workers=n, **kwargs))
 
@@ -128,7 +130,8 @@ def start_forkserver() -> None:
     os.environ.update(environ)
     os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
     try:
-        multiprocessing.forkserver.ensure_running()
+        with sigterm_ignored_in_children():
+            multiprocessing.forkserver.ensure_running()
     finally:
         for k, v in saved.items():
             if v is None:
