@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -71,27 +72,27 @@ def test_an_optimizer_over_the_callers_model_is_refused_naming_its_parameters(da
         "optimizer=per_layer: the optimizer holds 4 parameters",
         "holds 4 parameters that are not those it was given: your model's 0.weight, 0.bias, 2.weight, 2.bias "
         "(a closure over your model?)",
+        "trains only what it holds, so 4 trainable parameters are in no group of the optimizer",
         "build the groups from the params argument",
-        "4 trainable parameters are in no group of the optimizer",
         "model.named_parameters() order (0.weight, 0.bias, 2.weight, 2.bias)",
         optimizer=per_layer,
     )
     assert "params[i:j]" in message
 
 
-def test_trainable_parameters_in_no_group_are_refused_and_frozen_ones_may_stay_out(data, tmp_path):
-    refused(
-        _net(),
-        data,
-        tmp_path,
-        ValueError,
-        "2 trainable parameters are in no group of the optimizer (2.weight, 2.bias) and would not train",
-        "requires_grad_(False)",
-        optimizer=lambda params: torch.optim.SGD(params[:2], lr=0.1),
-    )
+def test_trainable_parameters_in_no_group_are_said_and_frozen_ones_may_stay_out():
+    """Fine-tuning the head only (``SGD(params[-2:])``) is torch's own idiom: it was refused, and worked before."""
+    head_only = lambda params: torch.optim.SGD(params[-2:], lr=0.1)  # noqa: E731
+    with pytest.warns(UserWarning) as warned:
+        check_inner_optimizer(head_only, _net(), given=head_only, lr=1e-3)
+    [message] = [str(w.message) for w in warned]
+    assert "optimizer=<lambda>: 2 trainable parameters are in no group of the optimizer (0.weight, 0.bias)" in message
+    assert "they get gradients but no step" in message and "requires_grad_(False)" in message
     model = _net()
-    model[2].requires_grad_(False)  # frozen: outside the optimizer is where they belong
-    check_inner_optimizer(lambda params: torch.optim.SGD(params[:2], lr=0.1), model, given=None, lr=1e-3)
+    model[0].requires_grad_(False)  # frozen: outside the optimizer is where they belong, and nothing is said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_inner_optimizer(head_only, model, given=head_only, lr=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -139,3 +140,16 @@ def test_two_learning_rates_or_one_a_factory_ignores_are_refused(data, tmp_path)
     )
     # the function's own rate is lr's: nothing is lost
     check_inner_optimizer(lambda params: torch.optim.SGD(params, lr=0.1), _net(), given=lambda _p: None, lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        # a base rate beside a group's own: lr= is the base's
+        lambda params: torch.optim.AdamW([{"params": params[:2], "lr": 1e-4}, {"params": params[2:]}], lr=3e-4),
+        lambda params: torch.optim.Adam(params, lr=torch.tensor(3e-4)),  # 3e-4 as float32 holds it
+    ],
+)
+def test_an_lr_that_one_of_the_factorys_groups_uses_is_taken(make):
+    """Both were refused: the check wanted lr= to be every group's rate, exactly."""
+    check_inner_optimizer(make, _net(), given=make, lr=3e-4)

@@ -106,12 +106,15 @@ def fit(
         ``params -> optimizer``: each worker calls it with a list of its copy's parameters (in
         ``model.named_parameters()`` order), so build parameter groups from ``params``, not from your model.
         It is built once on a copy of the model before any cluster work, and refused (``ValueError``) when it
-        holds parameters that are not the copy's, leaves a trainable one in no group, or needs a closure
-        (LBFGS).  Whether its state lives on between a worker's shard tasks: ``optimizer_state``.
+        holds parameters that are not the copy's or needs a closure (LBFGS); a trainable parameter in no group
+        (``SGD(params[-2:])``, the head only) is a ``UserWarning``: it gets gradients but no step (freeze it,
+        ``requires_grad_(False)``, to skip its backward).  Whether its state lives on between a worker's shard
+        tasks: ``optimizer_state``.
     lr : float, default 1e-3
         The learning rate of the default Adam, of an optimizer class, and of a ``functools.partial`` of one that
         sets no ``lr`` (a partial that sets another is refused).  A function ``params -> optimizer`` sets its
-        own: an ``lr`` other than the default that its optimizer does not use cannot be applied, and is refused.
+        own: an ``lr`` other than the default that none of its optimizer's groups uses cannot be applied, and is
+        refused.
     max_epochs : int, default 10
     n_shards : int, optional
         Default: as many per worker thread of the cluster when the run starts as leave each task at

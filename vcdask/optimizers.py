@@ -5,8 +5,8 @@ Each worker builds the optimizer on its own copy of the model, as ``optimizer(pa
 that copy's parameters in ``model.parameters()`` order: a factory that refers to the caller's model (a closure
 ``lambda params: AdamW(model[0].parameters())``) makes an optimizer over parameters no task trains, and every
 update would equal its base.  :func:`check_inner_optimizer` builds it once, on a CPU copy, and refuses that, a
-trainable parameter in no group, an optimizer whose ``step`` needs a closure (LBFGS), and an ``lr=`` the factory
-would ignore.
+optimizer whose ``step`` needs a closure (LBFGS) and an ``lr=`` the factory would ignore, and warns of a trainable
+parameter in no group (it gets gradients but no step: a factory that trains the head only).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -101,11 +103,16 @@ def check_inner_optimizer(make: Callable, model: torch.nn.Module, *, given: Any,
     Raises
     ------
     ValueError
-        The optimizer holds parameters that are not the copy's (a closure over the caller's model), leaves
-        trainable parameters in no group, needs a closure at every step (LBFGS), or a factory ignores an ``lr=``
-        that is not the default; ``make`` raised a ``ValueError`` (or another error but a ``TypeError``).
+        The optimizer holds parameters that are not the copy's (a closure over the caller's model), needs a
+        closure at every step (LBFGS), or a factory uses an ``lr=`` that is not the default in none of its groups;
+        ``make`` raised a ``ValueError`` (or another error but a ``TypeError``).
     TypeError
         ``make`` does not return a ``torch.optim.Optimizer``, or raised a ``TypeError``.
+
+    Warns
+    -----
+    UserWarning
+        Trainable parameters are in no group: they get gradients but no step (freeze them to skip their backward).
     """
     name = "Adam (the default)" if given is None else describe_optimizer(given)
     copy_ = cpu_copy(model)
@@ -132,7 +139,7 @@ def check_inner_optimizer(make: Callable, model: torch.nn.Module, *, given: Any,
     _check_groups(optimizer, copy_, model, name)
     if lr != DEFAULT_LR and not (given is None or _optimizer_class(given) or _class_partial(given)):
         rates = sorted({float(group["lr"]) for group in optimizer.param_groups if "lr" in group})
-        if rates != [lr]:
+        if not any(math.isclose(rate, lr, rel_tol=1e-6) for rate in rates):  # (a base rate beside a group's own)
             raise ValueError(
                 f"lr={lr!r} cannot be applied to optimizer={name}, a function that makes its optimizer with its own "
                 f"learning rate{'s' if len(rates) > 1 else ''} ({', '.join(map(repr, rates))}): set it in the "
@@ -151,35 +158,36 @@ def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _check_groups(optimizer: torch.optim.Optimizer, copy_: torch.nn.Module, model: torch.nn.Module, name: str) -> None:
-    """The optimizer's groups hold the copy's parameters only (by identity), every trainable one among them."""
+    """The optimizer's groups hold the copy's parameters only (by identity); a trainable one in none is said."""
     names = {id(p): n for n, p in copy_.named_parameters()}
     held = [p for group in optimizer.param_groups for p in group["params"]]
     held_ids = {id(p) for p in held}
     foreign = [p for p in held if id(p) not in names]
     idle = [n for n, p in copy_.named_parameters() if p.requires_grad and id(p) not in held_ids]
-    if not foreign and not idle:
-        return
     order = list(names.values())
-    problems = []
+    layout = (
+        f"params is a list of the model's parameters in model.named_parameters() order ({_names(order, shown=6)}): "
+        "params[i:j] picks a layer's, [p for p in params if p.ndim < 2] its biases and norms"
+    )
+    untrained = f"{len(idle)} trainable parameters are in no group of the optimizer ({_names(idle)})"
     if foreign:
         yours = {id(p): n for n, p in model.named_parameters()}
         mine = [yours[id(p)] for p in foreign if id(p) in yours]
         whose = f"your model's {_names(mine)} (a closure over your model?)" if mine else "not the model's"
-        problems.append(
-            f"the optimizer holds {len(foreign)} parameters that are not those it was given: {whose}. Each worker "
-            "builds the optimizer on its own copy of the model, as optimizer(params), and trains only what it holds; "
-            "build the groups from the params argument"
+        raise ValueError(
+            f"optimizer={name}: the optimizer holds {len(foreign)} parameters that are not those it was given: "
+            f"{whose}. Each worker builds the optimizer on its own copy of the model, as optimizer(params), and "
+            f"trains only what it holds{f', so {untrained}' if idle else ''}; build the groups from the params "
+            f"argument. {layout}"
         )
-    if idle:
-        problems.append(
-            f"{len(idle)} trainable parameters are in no group of the optimizer ({_names(idle)}) and would not train: "
-            "put them in a group, or freeze them before fit (requires_grad_(False))"
+    if idle:  # (fine-tuning a head only is torch's own idiom: said, not refused)
+        warnings.warn(
+            f"optimizer={name}: {untrained}: they get gradients but no step, and keep the values you gave them; "
+            "freeze them before fit (requires_grad_(False)) to skip their backward, or put them in a group. "
+            f"{layout}",
+            UserWarning,
+            stacklevel=5,  # (fit's caller: through fit, plan and check_inner_optimizer)
         )
-    raise ValueError(
-        f"optimizer={name}: {'; and '.join(problems)}. params is a list of the model's parameters in "
-        f"model.named_parameters() order ({_names(order, shown=6)}): params[i:j] picks a layer's, "
-        "[p for p in params if p.ndim < 2] its biases and norms"
-    )
 
 
 def _names(names: list[str], shown: int = 4) -> str:
