@@ -4,6 +4,7 @@ dtype, each layer's mode).  No cluster: the metrics, the pre-flight and the pred
 
 from __future__ import annotations
 
+import functools
 import types
 
 import numpy as np
@@ -79,7 +80,8 @@ def test_a_binary_classifier_predicts_class_ids_shaped_as_its_labels_and_their_p
     from vcdask.predict import binary_classifier, predicted, probabilities
 
     logits = torch.tensor([[2.0], [-1.0], [0.0]])
-    for loss in (BCE_LOGITS, torch.nn.BCEWithLogitsLoss()):
+    weighted = functools.partial(BCE_LOGITS, pos_weight=torch.tensor([2.0]))  # (a partial was not seen as one)
+    for loss in (BCE_LOGITS, torch.nn.BCEWithLogitsLoss(), weighted, functools.partial(weighted, reduction="sum")):
         spec = _spec(classification=False, loss=loss, label_shape=())
         assert binary_classifier(spec)
         ids = predicted(logits, spec)
@@ -141,6 +143,39 @@ def test_accuracy_on_float_labels_needs_a_loss_of_one_logit(tmp_path):
     )
     planned = plan(torch.nn.Linear(4, 1), (X, y), loss=BCE_LOGITS, metrics=["accuracy"], store=tmp_path / "s")
     assert planned.metric_names == ("loss", "accuracy")
+    weighted = functools.partial(BCE_LOGITS, pos_weight=torch.tensor([3.0]))  # refused: a partial was not seen
+    planned = plan(torch.nn.Linear(4, 1), (X, y), loss=weighted, metrics=["accuracy"], store=tmp_path / "s")
+    assert planned.metric_names == ("loss", "accuracy")
+
+
+def test_integer_labels_with_a_last_axis_of_size_1_are_read_as_labels_without_it(tmp_path):
+    """Outputs (n, C) against labels (n, 1), with a loss that squeezes them: the outputs were thresholded at 0 and
+    compared with the labels broadcast to (n, C), a wrong accuracy, silently (mae failed)."""
+    from vcdask.data import DataError
+    from vcdask.options import accuracy, mae, plan
+    from vcdask.predict import predicted, probabilities
+
+    out = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.2, 0.0], [0.0, 0.1, 0.7], [0.5, 0.0, 0.2]])
+    labels = torch.tensor([[1], [1], [2], [2]])  # predicted 1, 0, 2, 0: 2 of 4 right
+    assert accuracy(out, labels) == 0.5
+    assert mae(out, labels) == pytest.approx((0 + 1 + 0 + 2) / 4)
+    spec = _spec(label_shape=(1,))
+    assert predicted(out, spec).tolist() == [[1], [0], [2], [0]]  # shaped as the labels
+    np.testing.assert_allclose(probabilities(out, spec), torch.softmax(out, dim=-1).numpy(), rtol=1e-6)
+    per_position = torch.randn(5, 3, 6, generator=torch.Generator().manual_seed(0))  # (n, C, T) against (n, T, 1)
+    ids = per_position.argmax(dim=1)
+    assert accuracy(per_position, ids[..., None]) == 1.0
+    assert predicted(per_position, _spec(label_shape=(6, 1))).tolist() == ids[..., None].tolist()
+
+    def squeezed(out, target):
+        return torch.nn.functional.cross_entropy(out, target.squeeze(-1))
+
+    X = np.random.default_rng(0).normal(size=(40, 2, 6)).astype("float32")
+    y = ((X[:, 0] > 0).astype("int64") + (X[:, 1] > 0.5).astype("int64"))[..., None]  # classes 0..2, (n, 6, 1)
+    planned = plan(torch.nn.Conv1d(2, 3, 1), (X, y), loss=squeezed, store=tmp_path / "s")
+    assert planned.metric_names == ("loss", "accuracy")
+    with pytest.raises(DataError, match=r"outputs 2 classes; labels must be in \[0, 1\]"):  # axis 1's, not T's
+        plan(torch.nn.Conv1d(2, 2, 1), (X, y), loss=squeezed, store=tmp_path / "s")
 
 
 def test_predict_casts_rows_to_the_models_dtype_now(tmp_path):

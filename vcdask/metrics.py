@@ -18,6 +18,7 @@ A run's validation numbers become the columns of ``FitResult.epochs``, beside th
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "label_shape",
     "metric_name",
     "one_logit",
+    "unwrapped",
 ]
 
 #: The columns every row of ``FitResult.epochs`` has (:meth:`vcdask.engine.ledger.Ledger._epoch_row`); a metric
@@ -51,14 +53,17 @@ def class_axis(out_shape: Sequence[int], target_shape: Sequence[int]) -> int | N
     ``target_shape``: the last axis of ``(n, C)`` outputs; of ``(n, C, T, ...)`` ones (a class per position), axis 1,
     as :func:`torch.nn.functional.cross_entropy` reads them, unless only the last axis leaves the labels' shape
     (``(n, T, V)`` against ``(n, T)``: a language model whose loss flattens its outputs); None when the outputs have
-    the labels' axes (one score per label).
+    the labels' axes (one score per label).  A last label axis of size 1 beside outputs of the labels' rank
+    (``(n, C)`` against ``(n, 1)``: a loss that squeezes the labels) is taken as absent.
 
     Examples
     --------
     >>> class_axis((32, 10), (32,)), class_axis((32, 3, 6), (32, 6)), class_axis((32, 8, 16), (32, 8))
     (-1, 1, -1)
+    >>> class_axis((32, 10), (32, 1)), class_axis((32, 4), (32, 4))
+    (-1, None)
     """
-    out_shape, target_shape = tuple(out_shape), tuple(target_shape)
+    out_shape, target_shape = tuple(out_shape), _class_target(out_shape, target_shape)
     if len(out_shape) != len(target_shape) + 1:
         return None
     if len(out_shape) > 2 and out_shape[2:] != target_shape[1:] and out_shape[1:-1] == target_shape[1:]:
@@ -66,10 +71,19 @@ def class_axis(out_shape: Sequence[int], target_shape: Sequence[int]) -> int | N
     return 1 if len(out_shape) > 2 else -1
 
 
+def _class_target(out_shape: Sequence[int], target_shape: Sequence[int]) -> tuple[int, ...]:
+    """``target_shape`` as the classes are read against it: without a last axis of size 1 where the outputs have
+    the labels' rank (labels ``(n, 1)`` beside outputs ``(n, C)`` are ``(n,)``)."""
+    target_shape = tuple(target_shape)
+    if len(target_shape) > 1 and target_shape[-1] == 1 and len(tuple(out_shape)) == len(target_shape):
+        return target_shape[:-1]
+    return target_shape
+
+
 def ambiguous_axis(out_shape: Sequence[int], target_shape: Sequence[int]) -> bool:
     """Whether both axis 1 and the last axis of outputs ``out_shape`` leave the labels' ``target_shape``
     (``(n, C, T)`` with ``C == T``): :func:`class_axis` reads axis 1 then, as ``cross_entropy`` does."""
-    out_shape, target_shape = tuple(out_shape), tuple(target_shape)
+    out_shape, target_shape = tuple(out_shape), _class_target(out_shape, target_shape)
     return (
         len(out_shape) > 2
         and len(out_shape) == len(target_shape) + 1
@@ -84,16 +98,29 @@ def class_ids(output: torch.Tensor, target_shape: Sequence[int]) -> torch.Tensor
     labels' axes or one axis more of size 1 (``(n, 1)`` against ``(n,)``): a logit, class 1 where it is above 0.
     """
     axis = class_axis(output.shape, target_shape)
-    if axis is not None:
-        if output.shape[axis] != 1:
-            return output.argmax(dim=axis)
-        output = output.squeeze(axis)
-    return (output > 0).long()
+    if axis is None:
+        ids = (output > 0).long()
+    elif output.shape[axis] != 1:
+        ids = output.argmax(dim=axis)
+    else:
+        ids = (output.squeeze(axis) > 0).long()
+    target_shape = tuple(target_shape)  # (labels (n, 1) beside (n, C) outputs: ids (n,), shaped as them)
+    return ids.reshape(target_shape) if ids.shape != target_shape and ids.numel() == math.prod(target_shape) else ids
+
+
+def unwrapped(fn: Any) -> Any:
+    """``fn`` without the :func:`functools.partial` layers around it (``partial(F.binary_cross_entropy_with_logits,
+    pos_weight=w)``: the function), as a loss is told by what it computes."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
 
 
 def one_logit(loss: Any) -> bool:
     """Whether ``loss`` trains one logit per label (:data:`LOGIT_LOSSES`, or a
-    :class:`torch.nn.BCEWithLogitsLoss`): its outputs are a binary classifier's."""
+    :class:`torch.nn.BCEWithLogitsLoss`, also in a :func:`functools.partial`): its outputs are a binary
+    classifier's."""
+    loss = unwrapped(loss)
     return any(loss is fn for fn in LOGIT_LOSSES) or isinstance(loss, torch.nn.BCEWithLogitsLoss)
 
 

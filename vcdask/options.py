@@ -28,7 +28,7 @@ from .finite import check_finite
 from .groups import Merging, Stopping, Training
 from .holdout import check_early_stopping, hold_out
 from .merge import Auto, MergeRule, get_rule
-from .metrics import check_accuracy, check_metric_names, class_ids, metric_name
+from .metrics import check_accuracy, check_metric_names, class_axis, class_ids, metric_name
 from .optimizers import check_inner_optimizer, resolve_optimizer
 from .overlap import check_overlap
 from .preflight import HALF_DTYPES, check_model, check_probe_cost, check_run, check_target, model_dtype
@@ -86,7 +86,7 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> float:
 def _predicted(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What an error metric compares: a classifier's class ids (its scores per class, integer labels:
     :func:`vcdask.metrics.class_ids`) as numbers, or a regression's outputs in the labels' shape."""
-    if not target.is_floating_point() and output.dim() == target.dim() + 1:
+    if not target.is_floating_point() and class_axis(output.shape, target.shape) is not None:
         return class_ids(output, target.shape).float(), target.float()
     return output.reshape(target.shape), target
 

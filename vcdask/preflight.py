@@ -22,7 +22,7 @@ from ._ints import is_real
 from .device import cpu_copy
 from .dtype_kinds import check_input_dtypes, string_labels_error
 from .errors import DataError
-from .metrics import ambiguous_axis, class_axis
+from .metrics import ambiguous_axis, class_axis, unwrapped
 from .trainable import check_trainable
 
 if TYPE_CHECKING:
@@ -252,8 +252,8 @@ def check_model(
                 f"{what} labels range over [{lo}, {hi}] but the model outputs "
                 f"{n_classes} classes; labels must be in [0, {n_classes - 1}]{hint}"
             )
-    class_loss = any(loss is fn for fn in _CLASS_LOSSES.values()) or isinstance(
-        loss, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
+    class_loss = any(unwrapped(loss) is fn for fn in _CLASS_LOSSES.values()) or isinstance(
+        unwrapped(loss), (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
     )
     if classification and not class_loss and ambiguous_axis(out.shape, y.shape):  # (n, C, T) with C == T
         shapes = f"outputs {_shape(tuple(out.shape))} against labels {_shape(tuple(y.shape))}"
