@@ -724,6 +724,28 @@ def test_ctrl_c_or_timeout_to_the_whole_process_group_stops_the_run_promptly(job
     assert json.loads((job_dir / "reports" / "report.json").read_text())["run_id"] == run_id
 
 
+@pytest.mark.slow
+def test_a_run_that_has_not_ended_within_the_interrupt_grace_is_not_reported_as_stopped(job_dir):
+    """With no grace (``vcdask.interrupt-grace: 0``) the job leaves before its run has ended: the report says
+    that it was told to stop, not that it was stopped with its work committed."""
+    job = _edit(job_dir, "fit: {max_epochs: 2, lr: 0.05}", "fit: {max_epochs: 2000, lr: 0.05}", "long.yaml")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vcdask.cli", "train", job.name],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=job.parent,
+        env={**os.environ, "DASK_VCDASK__INTERRUPT_GRACE": "0"},
+    )  # fmt: skip
+    try:
+        run_id = wait_for_merges(job_dir / "store", proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out + err
+    report = json.loads((job_dir / "reports" / "report.json").read_text())
+    assert report["run_id"] == run_id and report["run_status"] not in ("finished", "error", "cancelled"), report
+    assert f"run {run_id} was told to stop but had not ended when the job left" in report["error"]
+
+
 FAILING = """
 import torch
 

@@ -6,6 +6,7 @@ error after it (training, scoring, tagging) is a failure of the job (exit 1), no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -119,10 +120,13 @@ def _interrupted(report: dict[str, Any]) -> str:
         return f"{said} before a run started: nothing trained, nothing released"
     if "version" in report:  # its run had ended: the job was scoring or releasing its result
         return f"{said} after run {run_id} ended, while scoring or releasing its result: nothing released"
-    return (
-        f"{said}: run {run_id} was stopped, what it merged is committed, nothing released; "
-        f"vcdask.resume({run_id!r}, store=...) continues it"
-    )
+    resume = f"vcdask.resume({run_id!r}, store=...) continues it"
+    if report.get("run_status") not in (None, "finished", "error", "cancelled"):
+        return (
+            f"{said}: run {run_id} was told to stop but had not ended when the job left (vcdask.interrupt-grace); "
+            f"nothing released, its last commit stays; {resume}"
+        )
+    return f"{said}: run {run_id} was stopped, what it merged is committed, nothing released; {resume}"
 
 
 def _report_path(path: Path) -> Path | None:
@@ -283,7 +287,12 @@ def _fit(prepared: Prepared, report: dict[str, Any]) -> Any:
         handle = vcdask.fit(prepared.model, prepared.data, client=client, wait=False, **kwargs)
         assert isinstance(handle, vcdask.RunHandle)  # (wait=False)
         report["run_id"] = handle.run_id
-        handle.wait(progress=progress)  # Ctrl-C (or SIGTERM) here stops the run, as in fit
+        try:
+            handle.wait(progress=progress)  # Ctrl-C (or SIGTERM) here stops the run, as in fit
+        except KeyboardInterrupt:
+            with contextlib.suppress(Exception):  # whether it ended within the interrupt grace (the report says)
+                report["run_status"] = handle.status()["status"]
+            raise
         return handle.result(wall_time=time.perf_counter() - t0)
     finally:
         if client is not None:
