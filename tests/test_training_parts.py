@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import threading
 import types
@@ -250,10 +251,24 @@ def test_optimizer_state_on_two_devices_is_checked_and_kept_as_on_a_gpu():
     assert not inner.InnerOptimizer(spec, model, opt.precision, 1).resumed
 
 
-def test_a_loss_modules_tensors_go_to_the_workers_device_once_a_run(monkeypatch):
-    """``CrossEntropyLoss(weight=...)``'s class weights stayed on the CPU while the outputs and labels were on the
-    GPU: every task of a CUDA worker failed.  The stand-in refuses the same mix; the loss the default step gets on
-    the device is a copy there (made once per run and device), and the spec's stays on the CPU for validation."""
+def _weights(loss):
+    """The class weights a loss carries: a module's, or a partial's keyword."""
+    return loss.weight if isinstance(loss, torch.nn.Module) else loss.keywords["weight"]
+
+
+@pytest.mark.parametrize(
+    "make_loss",
+    [
+        lambda w: torch.nn.CrossEntropyLoss(weight=w),
+        lambda w: functools.partial(torch.nn.functional.cross_entropy, weight=w),  # (failed every task still)
+    ],
+    ids=["module", "partial"],
+)
+def test_the_tensors_of_a_loss_go_to_the_workers_device_once_a_run(monkeypatch, make_loss):
+    """``CrossEntropyLoss(weight=...)``'s class weights (or ``partial(F.cross_entropy, weight=...)``'s) stayed on
+    the CPU while the outputs and labels were on the GPU: every task of a CUDA worker failed.  The stand-in refuses
+    the same mix; the loss the default step gets on the device is a copy there (made once per run and device), and
+    the spec's stays on the CPU for validation."""
     from vcdask import _held
     from vcdask.steps import SupervisedStep
     from vcdask.testing.devices import ACCELERATOR, OnAccelerator, on_accelerator
@@ -267,7 +282,7 @@ def test_a_loss_modules_tensors_go_to_the_workers_device_once_a_run(monkeypatch)
         return real_to(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", to)
-    loss = torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 1.0]))
+    loss = make_loss(torch.tensor([1.0, 5.0, 1.0]))
     spec = _spec(run_id="loss-on-device", loss=loss)
     logits = on_accelerator(torch.randn(4, 3, requires_grad=True))  # the model's outputs on the worker's GPU
     batch = (None, on_accelerator(torch.tensor([0, 1, 2, 1])))  # the batch, moved there by vcdask
@@ -279,9 +294,9 @@ def test_a_loss_modules_tensors_go_to_the_workers_device_once_a_run(monkeypatch)
     with pytest.raises(RuntimeError, match="same device"):  # what the workers' step did
         SupervisedStep(spec.loss)(Outputs(), batch)
     on_gpu = _held.loss_on(spec, ACCELERATOR)
-    expected = torch.nn.functional.cross_entropy(logits.cpu(), batch[1].cpu(), weight=loss.weight)
+    expected = torch.nn.functional.cross_entropy(logits.cpu(), batch[1].cpu(), weight=_weights(loss))
     assert torch.allclose(SupervisedStep(on_gpu)(Outputs(), batch).cpu(), expected)
-    assert on_gpu.weight.device == ACCELERATOR and loss.weight.device.type == "cpu"
+    assert _weights(on_gpu).device == ACCELERATOR and _weights(loss).device.type == "cpu"
     assert _held.loss_on(spec, ACCELERATOR) is on_gpu  # once a run and device
     assert _held.loss_on(spec, torch.device("cpu")) is loss  # already there: the spec's own
     plain = _spec(loss=torch.nn.functional.cross_entropy)

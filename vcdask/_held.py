@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -106,33 +106,54 @@ def _model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
     return model
 
 
-_losses: OrderedDict[tuple[str, str], torch.nn.Module] = OrderedDict()  # (run_id, device) -> the loss there
+_losses: OrderedDict[tuple[str, str], Callable] = OrderedDict()  # (run_id, device) -> the loss there
 
 
 def loss_on(spec: RunSpec, device: torch.device) -> Callable:
     """The run's loss for the default step of a task on ``device``.
 
-    A loss module's tensors (``CrossEntropyLoss(weight=...)``'s class weights; on the CPU in the run's spec) are
-    copied to ``device`` once per run and device in this process, as the model is: a CUDA worker's every task
-    failed on the outputs and the weights being on two devices.  A loss function, or a module already there, is
-    the spec's own.  The copy is shared by the process's threads (a loss module keeps no state of a step).
+    A loss module's tensors (``CrossEntropyLoss(weight=...)``'s class weights; on the CPU in the run's spec), and
+    a :func:`functools.partial`'s tensor arguments (``partial(F.cross_entropy, weight=w)``), are copied to
+    ``device`` once per run and device in this process, as the model is: a CUDA worker's every task failed on the
+    outputs and the weights being on two devices.  A loss function, or one whose tensors are already there, is
+    the spec's own.  The copy is shared by the process's threads (a loss keeps no state of a step).
     """
     loss = spec.loss
-    if not isinstance(loss, torch.nn.Module):
-        return loss
-    if all(t.device == device for t in itertools.chain(loss.parameters(), loss.buffers())):
+    if all(t.device == device for t in _loss_tensors(loss)):
         return loss
     key = (spec.run_id, str(device))
     with _lock:
         moved = _losses.get(key)
     if moved is None:
-        moved = copy.deepcopy(loss).to(device)  # (the spec's stays on the CPU: validation computes it there)
+        moved = _loss_to(loss, device)  # (the spec's stays on the CPU: validation computes it there)
     with _lock:
         _losses[key] = moved
         _losses.move_to_end(key)
         while len(_losses) > _MAX_MODELS:
             _losses.popitem(last=False)
     return moved
+
+
+def _loss_tensors(loss: Any) -> list[torch.Tensor]:
+    """The tensors a loss carries: a module's parameters and buffers, a partial's tensor arguments (its function's
+    too, a partial or a module)."""
+    if isinstance(loss, torch.nn.Module):
+        return [*loss.parameters(), *loss.buffers()]
+    if isinstance(loss, functools.partial):
+        given = [*loss.args, *loss.keywords.values()]
+        return [*_loss_tensors(loss.func), *(a for a in given if isinstance(a, torch.Tensor))]
+    return []
+
+
+def _loss_to(loss: Any, device: torch.device) -> Any:
+    """A copy of ``loss`` whose tensors (:func:`_loss_tensors`) are on ``device``; the partial rebuilt around them."""
+    if isinstance(loss, torch.nn.Module):
+        return copy.deepcopy(loss).to(device)
+    if isinstance(loss, functools.partial):
+        args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in loss.args]
+        keywords = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in loss.keywords.items()}
+        return functools.partial(_loss_to(loss.func, device), *args, **keywords)
+    return loss
 
 
 def brought(version: str | None, payload: dict[str, Any]) -> FlatParams:

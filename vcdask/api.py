@@ -100,7 +100,8 @@ def fit(
         For the default step: cross-entropy for integer labels, MSE otherwise.  A name (``"cross_entropy"``,
         ``"mse"``, ``"l1"``, ``"nll"``), a function ``(output, target) -> scalar tensor`` or a loss module
         instance (``torch.nn.CrossEntropyLoss(weight=w)``, not the class; each worker copies its tensors to its
-        device).  A loss that is not one number for the batch (``reduction="none"``) is refused.
+        device, as it does a ``functools.partial``'s, ``partial(F.cross_entropy, weight=w)``).  A loss that is
+        not one number for the batch (``reduction="none"``) is refused.
     optimizer : torch.optim.Optimizer subclass or callable, optional
         Default: Adam with learning rate ``lr``.  A class, a ``functools.partial`` of one, or a function
         ``params -> optimizer``: each worker calls it with a list of its copy's parameters (in
