@@ -5,6 +5,7 @@ shadows vcdask with a package that cannot be imported, as an environment without
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from chaos_helpers import worker_info
 from distributed import Client, LocalCluster
 
 import vcdask
-from vcdask._packages import check_answers
+from vcdask._packages import NoAnswer, ask_workers, check_answers
 from vcdask.errors import ClusterPackageError
 from vcdask.handle import ensure_plugin
 
@@ -110,15 +111,39 @@ def test_machines_missing_a_package_are_each_named():
         "scheduler tcp://s:8786": {"vcdask": vcdask.__version__, "torch": "2.4.1+cpu"},
         "worker tcp://a:1": {"vcdask": "missing: ModuleNotFoundError: No module named 'vcdask'", "torch": "2.4.1"},
         "worker tcp://b:1": {"vcdask": vcdask.__version__, "torch": "missing: ImportError: libcudart.so.12"},
-        "worker tcp://c:1": OSError("Timed out"),
+        "worker tcp://c:1": RuntimeError("the probe broke"),
+        "worker tcp://d:1": NoAnswer("no answer within 10 s"),  # (not known to lack anything: not refused)
     }
     with pytest.raises(ClusterPackageError, match="3 of the cluster's machines") as caught:
         check_answers(answers, HERE)
     said = str(caught.value)
     assert "worker tcp://a:1 cannot import vcdask (ModuleNotFoundError: No module named 'vcdask')" in said
     assert "worker tcp://b:1 cannot import torch (ImportError: libcudart.so.12)" in said
-    assert "worker tcp://c:1 (the probe failed: OSError: Timed out)" in said
-    assert "scheduler" not in said.split(". Install")[0]
+    assert "worker tcp://c:1 (the probe failed: RuntimeError: the probe broke)" in said
+    assert "scheduler" not in said.split(". Install")[0] and "tcp://d:1" not in said
+    with pytest.warns(RuntimeWarning, match=r"could not ask 1 of the cluster's workers .*tcp://d:1 \(no answer"):
+        check_answers({"worker tcp://a:1": HERE, "worker tcp://d:1": answers["worker tcp://d:1"]}, HERE)
+
+
+@pytest.mark.cluster
+def test_a_frozen_worker_is_left_unknown_within_the_probes_time_not_waited_for():
+    """One worker of two frozen (SIGSTOP: a paused VM, a machine swapping hard): the check asked both and
+    waited for both, for good, and fit never started.  Each worker has its own time to answer."""
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        pids = client.run(os.getpid)
+        frozen, running = sorted(pids)
+        os.kill(pids[frozen], signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            answers = ask_workers(client, timeout=2.0)
+            took = time.monotonic() - started
+        finally:
+            os.kill(pids[frozen], signal.SIGCONT)
+    assert isinstance(answers[frozen], NoAnswer) and str(answers[frozen]) == "no answer within 2 s"
+    assert answers[running]["vcdask"] == vcdask.__version__ and took < 10
 
 
 def test_another_torch_minor_is_a_warning_a_build_or_patch_release_is_not():

@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import ClusterPackageError
 
-__all__ = ["PACKAGES", "check_packages", "check_scheduler_error", "probe"]
+__all__ = ["PACKAGES", "PROBE_SECONDS", "NoAnswer", "ask_workers", "check_packages", "check_scheduler_error", "probe"]
 
 #: The packages every machine of a run's cluster must import.
 PACKAGES = ("vcdask", "torch")
@@ -82,16 +82,53 @@ def check_packages(client: Any) -> None:
             f"({type(e).__name__}: {e}); the scheduler needs both installed"
         ) from e
     answers = {f"scheduler {client.scheduler.address}": scheduler}
-    answers.update({f"worker {w}": found for w, found in client.run(probe, on_error="return").items()})
+    answers.update({f"worker {w}": found for w, found in ask_workers(client, PROBE_SECONDS).items()})
     check_answers(answers, here)
+
+
+#: Seconds each worker has to answer the probe.  One that does not (frozen, swapping, leaving) is left
+#: unknown, with a warning: the run's own deadlines deal with a stuck worker; the check must not hang on it.
+PROBE_SECONDS = 10.0
+
+
+class NoAnswer(Exception):
+    """A worker did not answer the probe (no answer in time, or its connection failed): nothing is known."""
+
+
+def ask_workers(client: Any, timeout: float) -> dict[str, Any]:
+    """Each connected worker's answer to :data:`probe`, asked of all at once, each within ``timeout`` seconds:
+    a worker that does not answer in time or whose connection fails gives a :class:`NoAnswer`, and one whose
+    probe raised gives that exception.  (``client.run`` has no time limit: one frozen worker held it, and the
+    run's start, for good.)"""
+    import asyncio
+
+    workers = list(client.scheduler_info()["workers"])
+
+    async def one(worker: str) -> Any:
+        try:
+            answers = await asyncio.wait_for(client._run(probe, workers=[worker], on_error="return"), timeout)
+        except TimeoutError:
+            return NoAnswer(f"no answer within {timeout:g} s")
+        except OSError as e:  # (its connection failed: it left, or its machine is gone)
+            return NoAnswer(f"{type(e).__name__}: {e}")
+        return answers.get(worker, NoAnswer("it left before answering"))
+
+    async def every() -> dict[str, Any]:
+        return dict(zip(workers, await asyncio.gather(*(one(w) for w in workers)), strict=True))
+
+    return client.sync(every)
 
 
 def check_answers(answers: Mapping[str, Any], here: Mapping[str, str]) -> None:
     """:func:`check_packages` on the machines' answers (machine -> package -> version, or the exception the
     probe raised there), against this process's versions ``here``."""
     missing: list[str] = []
+    unknown: list[str] = []
     differ: dict[str, list[str]] = {}
     for machine, found in answers.items():
+        if isinstance(found, NoAnswer):
+            unknown.append(f"{machine} ({found})")
+            continue
         if isinstance(found, BaseException) or not isinstance(found, Mapping):
             missing.append(f"{machine} (the probe failed: {type(found).__name__}: {found})")
             continue
@@ -108,6 +145,13 @@ def check_answers(answers: Mapping[str, Any], here: Mapping[str, str]) -> None:
             f"vcdask {here['vcdask']} and torch {here['torch']} (this process's) on the scheduler and every worker "
             "(in the environment their `dask scheduler` / `dask worker` runs in, or the image they start from), "
             "then start the run again; nothing was staged or saved"
+        )
+    if unknown:
+        warnings.warn(
+            f"could not ask {len(unknown)} of the cluster's workers which vcdask and torch they have: "
+            f"{'; '.join(unknown)}. The run goes on; a worker that cannot import vcdask leaves on its first task",
+            RuntimeWarning,
+            stacklevel=3,
         )
     for name, rows in differ.items():
         warnings.warn(
