@@ -1,6 +1,7 @@
-"""Fine-tuning with frozen batch-norm layers: a model in train mode whose batch norm the user put in eval mode (and
-froze) trains with that layer in eval mode on the workers, in a resumed run too; its running statistics do not
-move.  The workers set the whole model to train mode before every task, which updated them."""
+"""Fine-tuning with frozen layers: a layer the user froze, in eval mode with its parameters frozen (a batch norm, a
+feature extractor), trains in eval mode on the workers, in a resumed run too, whatever the model's own mode; its
+running statistics do not move.  The workers set the whole model to train mode before every task, which updated
+them.  A trainable layer in eval mode (a pretrained backbone's loader leaves it so) trains in train mode."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import torch
 
 import vcdask
+from vcdask.steps import eval_modules, train_mode
 
 
 def _frozen_model():
@@ -49,8 +51,72 @@ def test_a_frozen_batch_norm_keeps_its_statistics_through_fit_resume_and_predict
     more.predict(X[:5])
     assert [m.training for m in more.model] == [True, False, True, True, True]  # and predict restores each layer
 
-    loaded = vcdask.load(more.store, version=more.version)  # wholly in eval mode: trains in train mode throughout
+    loaded = vcdask.load(more.store, version=more.version)  # in eval mode, its batch norm still frozen: kept so
+    assert eval_modules(loaded) == ("1",)
+    loaded.requires_grad_(True)  # every layer trainable: trains in train mode throughout
     again = vcdask.fit(loaded, (X, y), max_epochs=1, n_shards=2, client=cluster[1], store=store, progress=False)
     assert load_spec(again.store, again.run_id).eval_modules == ()
     assert not torch.equal(again.model[1].running_mean, frozen["running_mean"])
     assert int(again.model[1].num_batches_tracked) > 0
+
+
+class _Backbone(torch.nn.Module):
+    """A pretrained backbone as transformers' ``from_pretrained`` makes it: in eval mode from its constructor."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.dropout = torch.nn.Dropout(0.1)
+        self.eval()
+
+    def forward(self, x):
+        return self.dropout(self.norm(self.linear(x)))
+
+
+class _Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = _Backbone()
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def _modes(model):
+    return {name: m.training for name, m in model.named_modules() if name}
+
+
+def test_a_trainable_backbone_in_eval_mode_trains_in_train_mode_and_a_frozen_one_stays_in_eval_mode():
+    """The backbone's eval mode (from its constructor) was kept for the whole run, its dropout off, silently,
+    because the model holding it was in train mode: fine-tuning it trained another model than torch's would."""
+    model = _Classifier()
+    assert eval_modules(model) == ()  # trainable: train mode, as model.train() sets it
+    assert all(_modes(train_mode(model, eval_modules(model))).values())
+    model = _Classifier()
+    model.backbone.requires_grad_(False)  # a frozen feature extractor: stays in eval mode, all of it
+    assert eval_modules(model) == ("backbone",)  # (the topmost only)
+    assert _modes(train_mode(model, eval_modules(model))) == {
+        "backbone": False,
+        "backbone.linear": False,
+        "backbone.norm": False,
+        "backbone.dropout": False,
+        "head": True,
+    }
+
+
+def test_a_frozen_batch_norm_stays_in_eval_mode_whatever_the_models_own_mode():
+    """``model.eval(); model[4].train()`` kept nothing in eval mode: only a model in train mode was read."""
+    model = _frozen_model()
+    model.eval()
+    model[4].train()
+    assert eval_modules(model) == ("1",)
+    assert [m.training for m in train_mode(model, eval_modules(model))] == [True, False, True, True, True]
+    trainable = _frozen_model()
+    trainable[1].requires_grad_(True)  # in eval mode but trainable, a parameterless dropout in eval: train mode
+    trainable[3].eval()
+    assert eval_modules(trainable) == ()
+    still = _frozen_model()
+    still[1].train()  # frozen, but in train mode: its statistics move, as torch's would
+    assert eval_modules(still) == ()

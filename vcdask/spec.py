@@ -82,7 +82,7 @@ class RunSpec:
     overlap: str = "wait"  # vcdask.overlap: how a worker's next shard meets its last merge (runs before it: wait)
     merge_in_flight: int | None = None  # fit's default rule: the tasks in flight it is for (None: the user's rule)
     label_shape: tuple[int, ...] | None = None  # a sample's label (vcdask.metrics.label_shape): predict's class axis
-    eval_modules: tuple[str, ...] = ()  # submodules a model in train mode left in eval mode (steps.eval_modules)
+    eval_modules: tuple[str, ...] = ()  # frozen submodules in eval mode, trained so (steps.eval_modules): topmost
 
     @property
     def spec_path(self) -> str:

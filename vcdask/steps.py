@@ -51,28 +51,39 @@ class SupervisedStep:
 
 
 def eval_modules(model: torch.nn.Module) -> tuple[str, ...]:
-    """The submodules, by name, that ``model`` holds in eval mode while it is in train mode itself: layers the
-    user froze (a batch-norm layer whose running statistics fine-tuning keeps).  A model wholly in eval mode
-    (from :func:`vcdask.load`, say) has none: it trains in train mode throughout.
+    """The submodules, by name, that ``model`` trains with in eval mode: those the user froze, in eval mode with
+    every parameter frozen (``requires_grad`` False), and every submodule of theirs in eval mode too, holding at
+    least one parameter or buffer (a batch norm whose running statistics fine-tuning keeps, a frozen feature
+    extractor); the topmost of them only.  The root's own mode does not count: a trainable backbone in eval mode
+    (a pretrained model's loader puts it there) and a parameterless dropout train in train mode, as
+    ``model.train()`` sets them.
 
     Examples
     --------
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
-    >>> _ = model[1].eval()
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout())
+    >>> _ = model.eval(), model[1].requires_grad_(False)
     >>> eval_modules(model)
     ('1',)
     """
-    if not model.training:
-        return ()
-    return tuple(name for name, m in model.named_modules() if name and not m.training)
+    kept: list[str] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(f"{above}.") for above in kept):
+            continue
+        if (
+            all(not m.training for m in module.modules())
+            and all(not p.requires_grad for p in module.parameters())
+            and next(itertools.chain(module.parameters(), module.buffers()), None) is not None
+        ):
+            kept.append(name)
+    return tuple(kept)
 
 
 def train_mode(model: torch.nn.Module, frozen: tuple[str, ...] = ()) -> torch.nn.Module:
     """``model`` in train mode but for the submodules named in ``frozen`` (:func:`eval_modules` of the model
-    given to ``fit``: the run's ``RunSpec.eval_modules``), each of which keeps eval mode (its own flag only)."""
+    given to ``fit``: the run's ``RunSpec.eval_modules``), each of which is put in eval mode with all its own."""
     model.train()
     for name in frozen:
-        model.get_submodule(name).training = False
+        model.get_submodule(name).eval()
     return model
 
 
