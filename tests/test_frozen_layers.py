@@ -120,3 +120,20 @@ def test_a_frozen_batch_norm_stays_in_eval_mode_whatever_the_models_own_mode():
     still = _frozen_model()
     still[1].train()  # frozen, but in train mode: its statistics move, as torch's would
     assert eval_modules(still) == ()
+
+
+def test_a_batch_norm_without_parameters_is_kept_in_eval_mode_only_where_the_user_put_it_there():
+    """A layer of buffers alone (``BatchNorm1d(affine=False)``) has no parameter to freeze: it stays in eval
+    mode when the user put it there under a parent in train mode, and trains in train mode in a model wholly in
+    eval mode (``vcdask.load``'s, ``model.eval()`` before ``fit``) or under a backbone that put itself there.
+    (The frozen-parameters rule held vacuously for it: a loaded model's batch norm never moved again.)"""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, affine=False), torch.nn.Linear(8, 2))
+    assert eval_modules(model.eval()) == ()
+    model.train()
+    model[1].eval()
+    assert eval_modules(model) == ("1",)
+    backbone = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, affine=False)).eval()
+    assert eval_modules(torch.nn.Sequential(backbone, torch.nn.Linear(8, 2)).train().requires_grad_(True)) == ()
+    before = model[1].running_mean.clone()
+    train_mode(model.eval(), eval_modules(model.eval()))(torch.randn(16, 4))
+    assert not torch.equal(model[1].running_mean, before)  # trained in train mode: its statistics move

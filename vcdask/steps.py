@@ -51,12 +51,14 @@ class SupervisedStep:
 
 
 def eval_modules(model: torch.nn.Module) -> tuple[str, ...]:
-    """The submodules, by name, that ``model`` trains with in eval mode: those the user froze, in eval mode with
-    every parameter frozen (``requires_grad`` False), and every submodule of theirs in eval mode too, holding at
-    least one parameter or buffer (a batch norm whose running statistics fine-tuning keeps, a frozen feature
-    extractor); the topmost of them only.  The root's own mode does not count: a trainable backbone in eval mode
-    (a pretrained model's loader puts it there) and a parameterless dropout train in train mode, as
-    ``model.train()`` sets them.
+    """The submodules, by name, that ``model`` trains with in eval mode: those the user froze, the topmost only.
+
+    Frozen: in eval mode with every submodule of its own, and every parameter frozen (``requires_grad``
+    False): a batch norm whose running statistics fine-tuning keeps, a frozen feature extractor.  A layer of
+    buffers alone (a batch norm without ``affine``) has no parameter to freeze: it is kept in eval mode when
+    put there under a parent in train mode.  Otherwise the root's mode does not count: a trainable backbone in
+    eval mode (a pretrained model's loader puts it there), a parameterless dropout, and every layer of a model
+    wholly in eval mode (``vcdask.load``'s) train in train mode, as ``model.train()`` sets them.
 
     Examples
     --------
@@ -66,14 +68,19 @@ def eval_modules(model: torch.nn.Module) -> tuple[str, ...]:
     ('1',)
     """
     kept: list[str] = []
-    for name, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
         if not name or any(name.startswith(f"{above}.") for above in kept):
             continue
-        if (
-            all(not m.training for m in module.modules())
-            and all(not p.requires_grad for p in module.parameters())
-            and next(itertools.chain(module.parameters(), module.buffers()), None) is not None
-        ):
+        if not all(not m.training for m in module.modules()):
+            continue
+        params = list(module.parameters())
+        if params:
+            frozen = all(not p.requires_grad for p in params)
+        else:  # (a layer of buffers alone, a batch norm without affine: put in eval mode under a parent in train mode)
+            parent = modules[name.rpartition(".")[0]]
+            frozen = parent.training and next(module.buffers(), None) is not None
+        if frozen:
             kept.append(name)
     return tuple(kept)
 
