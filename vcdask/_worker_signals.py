@@ -9,10 +9,6 @@ was left to run.  The process that started them stops their runs and closes them
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 #: The preload (``distributed.worker.preload`` takes a module's text as well as its name): text, so that a
@@ -30,6 +26,19 @@ def dask_setup(worker):  # vcdask: the embedded cluster's workers ignore the gro
 """
 
 
+def with_preload_argv(preloads: list[str], given: Any = None) -> Any:
+    """The preloads' arguments for ``preloads`` (:func:`with_preload`'s): ``given``
+    (``LocalCluster(preload_argv=...)``), else ``distributed.worker.preload-argv``; a list of lists (one per
+    preload, as distributed documents it) gets an empty one for :data:`PRELOAD`, or distributed refuses the
+    mismatched lengths and no worker starts.  A flat list is every preload's: left as it is."""
+    import dask.config
+
+    argv = given if given is not None else dask.config.get("distributed.worker.preload-argv")
+    if argv and not isinstance(argv[0], str) and len(argv) == len(preloads) - 1:
+        return [*argv, []]
+    return argv
+
+
 def with_preload(given: Any = None) -> list[str]:
     """The worker preloads of the embedded cluster: ``given`` (``LocalCluster(preload=...)``), else
     ``distributed.worker.preload``, and :data:`PRELOAD`."""
@@ -38,18 +47,3 @@ def with_preload(given: Any = None) -> list[str]:
     preloads = given if given is not None else dask.config.get("distributed.worker.preload")
     preloads = [preloads] if isinstance(preloads, str) else list(preloads or ())
     return preloads if PRELOAD in preloads else [*preloads, PRELOAD]
-
-
-@contextlib.contextmanager
-def sigterm_ignored_in_children() -> Iterator[None]:
-    """SIGTERM ignored by this process while the block starts a child (the fork server), which keeps it
-    ignored across ``exec``: a ``timeout -s TERM`` to the group then leaves the fork server and the workers
-    forked from it alone (it ignores SIGINT itself).  Off the main thread nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._main_guard import check_main_guard
-from ._worker_signals import sigterm_ignored_in_children, with_preload
+from ._worker_signals import with_preload, with_preload_argv
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ def embedded_cluster(n_workers: int | None = None, **kwargs: Any):
     if kwargs["processes"]:
         start_forkserver()
         kwargs["preload"] = with_preload(kwargs.get("preload"))  # workers ignore the group's Ctrl-C and SIGTERM
+        kwargs["preload_argv"] = with_preload_argv(kwargs["preload"], kwargs.get("preload_argv"))
     with dask.config.set({"distributed.nanny.pre-spawn-environ": torch_friendly_environ()}):
         return _started(lambda: LocalCluster(n_workers=n, **kwargs))
 
@@ -130,8 +131,10 @@ def start_forkserver() -> None:
     os.environ.update(environ)
     os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
     try:
-        with sigterm_ignored_in_children():
-            multiprocessing.forkserver.ensure_running()
+        # (not started with SIGTERM ignored: forkserver.main restores only SIGINT and SIGCHLD, so every process
+        # forked from it, a user's own LocalCluster's workers too, would ignore SIGTERM; the embedded cluster's
+        # workers ignore it through their preload)
+        multiprocessing.forkserver.ensure_running()
     finally:
         for k, v in saved.items():
             if v is None:
