@@ -76,6 +76,7 @@ STARTING = textwrap.dedent(
     import threading
     import time
 
+    import dask
     import numpy as np
     import psutil
     import torch
@@ -89,7 +90,11 @@ STARTING = textwrap.dedent(
         found = []
         for p in psutil.Process().children(recursive=True):
             try:
-                if p.pid != server and "resource_tracker" not in " ".join(p.cmdline()):
+                command = " ".join(p.cmdline())
+                # (the fork server is a child of this process before its pid is known: the Ctrl-C came while
+                # it started, not the cluster; the workers forked from it are its children)
+                server_starting = p.ppid() == os.getpid() and "forkserver" in command
+                if p.pid != server and not server_starting and "resource_tracker" not in command:
                     found.append(p.pid)
             except psutil.Error:
                 pass
@@ -103,6 +108,10 @@ STARTING = textwrap.dedent(
 
 
     if __name__ == "__main__":
+        # (each worker takes 5 s more to start, so Ctrl-C comes while the cluster starts: on a busy machine a
+        # worker process appeared, and the cluster was up, before this thread had seen it)
+        slow = "import time\\ndef dask_setup(worker):\\n    time.sleep(5)\\n"
+        dask.config.set({"distributed.worker.preload": [slow]})
         threading.Thread(target=ctrl_c_once_a_worker_starts, daemon=True).start()
         X = np.random.default_rng(0).random((64, 8), dtype=np.float32)
         try:
