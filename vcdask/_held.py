@@ -93,17 +93,24 @@ def _model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
         models = _models.by_run = _Models()
         with _lock:
             _every_thread[id(models)] = models
-    key = (spec.run_id, str(device))
-    with _lock:  # (forget may drop a run's copies from any thread)
-        model = models.get(key)
-    if model is None:
-        model = copy.deepcopy(spec.model).to(device)
+    # (an old run's copy, and its device memory, goes past _MAX_MODELS)
+    return _newest(models, (spec.run_id, str(device)), lambda: copy.deepcopy(spec.model).to(device))
+
+
+def _newest(cache: OrderedDict, key: Any, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` if it is not there, as the cache's newest entry; the oldest entries
+    past :data:`_MAX_MODELS` go.  Under the process's lock (forget may drop a run's entries from any thread),
+    but not while it makes one."""
     with _lock:
-        models[key] = model
-        models.move_to_end(key)
-        while len(models) > _MAX_MODELS:  # an old run's copy (and its device memory) goes
-            models.popitem(last=False)
-    return model
+        value = cache.get(key)
+    if value is None:
+        value = make()
+    with _lock:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > _MAX_MODELS:
+            cache.popitem(last=False)
+    return value
 
 
 _losses: OrderedDict[tuple[str, str], Callable] = OrderedDict()  # (run_id, device) -> the loss there
@@ -121,17 +128,8 @@ def loss_on(spec: RunSpec, device: torch.device) -> Callable:
     loss = spec.loss
     if all(t.device == device for t in _loss_tensors(loss)):
         return loss
-    key = (spec.run_id, str(device))
-    with _lock:
-        moved = _losses.get(key)
-    if moved is None:
-        moved = _loss_to(loss, device)  # (the spec's stays on the CPU: validation computes it there)
-    with _lock:
-        _losses[key] = moved
-        _losses.move_to_end(key)
-        while len(_losses) > _MAX_MODELS:
-            _losses.popitem(last=False)
-    return moved
+    # (the spec's stays on the CPU: validation computes it there)
+    return _newest(_losses, (spec.run_id, str(device)), lambda: _loss_to(loss, device))
 
 
 def _loss_tensors(loss: Any) -> list[torch.Tensor]:
