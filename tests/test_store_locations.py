@@ -176,16 +176,7 @@ def test_an_empty_icechunk_repository_and_a_store_with_versions_open(tmp_path):
 @pytest.mark.s3
 def test_an_icechunk_repository_on_s3_that_is_not_a_store_is_refused(s3):
     bucket = s3.new_bucket()
-    storage = icechunk.s3_storage(
-        bucket=bucket,
-        prefix="data",
-        endpoint_url=s3.endpoint_url,
-        region="us-east-1",
-        allow_http=True,
-        force_path_style=True,
-        access_key_id="testing",
-        secret_access_key="testing",
-    )
+    storage = s3.icechunk_storage(bucket, "data")
     repo, snapshot = _dataset_repository(storage)
     with pytest.raises(StoreNotFoundError, match="not a vcdask store"):
         open_store(f"s3://{bucket}/data", **s3.options())

@@ -84,18 +84,7 @@ def _icechunk_repo(store, s3_server=None) -> icechunk.Repository:
     if s3_server is None:
         return icechunk.Repository.open(icechunk.local_filesystem_storage(store.location))
     bucket = store.location[len("s3://") :].split("/")[0]
-    return icechunk.Repository.open(
-        icechunk.s3_storage(
-            bucket=bucket,
-            prefix="runs",
-            endpoint_url=s3_server.endpoint_url,
-            region="us-east-1",
-            allow_http=True,
-            force_path_style=True,
-            access_key_id="testing",
-            secret_access_key="testing",
-        )
-    )
+    return icechunk.Repository.open(s3_server.icechunk_storage(bucket, "runs"))
 
 
 @pytest.mark.parametrize(

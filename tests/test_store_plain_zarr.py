@@ -51,17 +51,7 @@ def test_plain_zarr_and_xarray_read_s3(s3):
     bucket = s3.new_bucket()
     store = open_store(f"s3://{bucket}/p", **s3.options())
     v1 = store.commit(trained_state(1))
-    storage = icechunk.s3_storage(
-        bucket=bucket,
-        prefix="p",
-        region="us-east-1",
-        endpoint_url=s3.endpoint_url,
-        allow_http=True,
-        force_path_style=True,
-        access_key_id="testing",
-        secret_access_key="testing",
-    )
-    _check(icechunk.Repository.open(storage), store, v1)
+    _check(icechunk.Repository.open(s3.icechunk_storage(bucket, "p")), store, v1)
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])

@@ -58,6 +58,22 @@ class S3Server:
         """Storage options for :func:`vcdask.open_store` pointing at this server."""
         return {"endpoint_url": self.endpoint_url, "region": "us-east-1", **CREDENTIALS, **extra}
 
+    def icechunk_storage(self, bucket: str, prefix: str):
+        """Icechunk's own storage for ``s3://bucket/prefix`` on this server (a store read, or a repository made,
+        with Icechunk itself rather than through vcdask)."""
+        import icechunk
+
+        return icechunk.s3_storage(
+            bucket=bucket,
+            prefix=prefix,
+            endpoint_url=self.endpoint_url,
+            region="us-east-1",
+            allow_http=True,
+            force_path_style=True,
+            access_key_id=CREDENTIALS["access_key_id"],
+            secret_access_key=CREDENTIALS["secret_access_key"],
+        )
+
 
 @contextmanager
 def moto_server(*, auth: bool = False) -> Iterator[S3Server]:
