@@ -112,14 +112,15 @@ def test_cancel_stops_the_run_and_leaves_the_store_readable_at_its_head(cluster,
     X, y = _data()
     store = tmp_path / "store"
 
-    def slow(epoch, step):
-        import time
-
-        time.sleep(0.02)
-        return 1.0
-
     handle = vcdask.fit(
-        _model(), (X, y), max_epochs=50, n_shards=4, lr_schedule=slow, client=cluster[0], store=store, wait=False
+        _model(),
+        (X, y),
+        max_epochs=50,
+        n_shards=4,
+        lr_schedule=_slow_schedule,
+        client=cluster[0],
+        store=store,
+        wait=False,
     )
     assert handle.client is not client
     while handle.status()["step"] < 2:
@@ -172,6 +173,14 @@ def _step(model, batch):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
+def _slow_schedule(epoch, step):
+    """A learning-rate schedule of factor 1 that takes 20 ms a step: a run long enough to act on while it trains."""
+    import time
+
+    time.sleep(0.02)
+    return 1.0
+
+
 def _slow_eval(model, batch):
     """An eval_step that takes half a second a batch (a large validation set, a slow model)."""
     import time
@@ -186,12 +195,6 @@ def test_a_stopped_run_validates_its_final_version_once_however_long_that_takes(
     the run failed (a stopped run, a time limit, a Ctrl-C)."""
     X, y = _data(n=1200)
 
-    def slow(epoch, step):
-        import time
-
-        time.sleep(0.02)
-        return 1.0
-
     handle = vcdask.fit(
         _model(),
         (X, y),
@@ -200,7 +203,7 @@ def test_a_stopped_run_validates_its_final_version_once_however_long_that_takes(
         eval_step=_slow_eval,
         max_epochs=50,
         n_shards=20,
-        lr_schedule=slow,
+        lr_schedule=_slow_schedule,
         client=client,
         store=tmp_path / "store",
         wait=False,
@@ -224,15 +227,9 @@ def test_a_resume_of_a_run_still_ending_waits_for_its_end_then_trains_on(client,
     X, y = _data()
     store = tmp_path / "store"
 
-    def slow(epoch, step):
-        import time
-
-        time.sleep(0.02)
-        return 1.0
-
     handle = vcdask.fit(
         _model(), (X, y), validation=0.25, train_step=_step, eval_step=_slow_eval, max_epochs=2, n_shards=8,
-        batch_size=64, lr_schedule=slow, client=client, store=store, wait=False, progress=False,
+        batch_size=64, lr_schedule=_slow_schedule, client=client, store=store, wait=False, progress=False,
     )  # fmt: skip
     while handle.status()["step"] < 2:
         assert not handle.done(), handle.status()
