@@ -85,16 +85,15 @@ STARTING = textwrap.dedent(
 
 
     def workers():
-        \"\"\"This process's worker processes (not their fork server, nor the resource tracker).\"\"\"
+        \"\"\"This process's worker processes, named by what they are, not by what they are not: a child caught
+        between its fork and its exec (the fork server, the resource tracker, as they start) has this script's
+        command line, and was once taken for a worker, so the Ctrl-C came before the cluster's start.\"\"\"
         server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
         found = []
         for p in psutil.Process().children(recursive=True):
             try:
-                command = " ".join(p.cmdline())
-                # (the fork server is a child of this process before its pid is known: the Ctrl-C came while
-                # it started, not the cluster; the workers forked from it are its children)
-                server_starting = p.ppid() == os.getpid() and "forkserver" in command
-                if p.pid != server and not server_starting and "resource_tracker" not in command:
+                forked = server is not None and p.ppid() == server  # a worker forked from the fork server
+                if forked or "spawn_main" in " ".join(p.cmdline()):  # ... or spawned (Dask's default)
                     found.append(p.pid)
             except psutil.Error:
                 pass
