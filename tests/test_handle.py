@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -219,6 +220,45 @@ def test_a_stopped_run_validates_its_final_version_once_however_long_that_takes(
     assert final % 20 != 0  # (mid-epoch: no epoch's validation covered it)
     assert np.isfinite(result.metrics["loss"])
     assert not [r for r in caplog.records if "final validation" in r.getMessage()], caplog.text
+
+
+@pytest.mark.parametrize("workers_leave", ["before the stop", "during the final validation"])
+def test_a_run_asked_to_stop_with_no_worker_left_ends_at_once_without_its_final_validation(tmp_path, workers_leave):
+    """A run stopped (``stop()``, Ctrl-C, a time limit) whose workers had all gone waited for one to validate its
+    head: a Ctrl-C its whole interrupt grace (60 s), the validation sent again every 10 s, and the run failed at
+    ``no_worker_timeout``.  It ends at once, stopped, its merged work committed, its final version not validated."""
+    from distributed import Client
+
+    from vcdask.cluster import embedded_cluster
+    from vcdask.engine.end import read_record
+
+    X, y = _data(n=1200)
+    with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+        handle = vcdask.fit(
+            _model(), (X, y), validation=0.25, train_step=_step, eval_step=_slow_eval, validate_every=1000,
+            max_epochs=50, n_shards=20, lr_schedule=_slow_schedule, client=client, store=tmp_path / "store",
+            wait=False, progress=False,
+        )  # fmt: skip
+        while handle.status()["step"] < 2:
+            assert not handle.done(), handle.status()
+        if workers_leave == "before the stop":
+            cluster.scale(0)
+            while client.scheduler_info()["workers"]:
+                time.sleep(0.05)
+            handle.stop("the test stops it")
+        else:
+            handle.stop("the test stops it")
+            final = f"validate-{handle.run_id}-final-"
+            while not any(final in str(k) for ks in client.processing().values() for k in ks):
+                time.sleep(0.05)
+            cluster.scale(0)
+        began = time.monotonic()
+        result = handle.result(timeout=60)
+        assert time.monotonic() - began < 15
+    assert result.stop_reason == "the test stops it" and result.metrics == {}
+    merged = result.store.read(result.version).metadata["step"]
+    assert merged >= 2  # what it merged is committed, and loads
+    assert read_record(result.store, result.run_id)["status"] == "stopped"
 
 
 def test_a_resume_of_a_run_still_ending_waits_for_its_end_then_trains_on(client, tmp_path):

@@ -209,6 +209,9 @@ class RunHandle:
     def stop(self, reason: str = "stopped by the user") -> dict:
         """Stop dispatching; the run commits what it merged and finishes (with a result, unlike :meth:`cancel`).
 
+        The run validates its final version first, unless that version was validated already or no usable
+        worker is connected to do it (the run then ends at once, its ``metrics`` empty).
+
         Returns
         -------
         dict

@@ -138,13 +138,18 @@ async def validate_final(
     deadline: Callable[[], float],
     watch: Callable[[], Awaitable[None]],
     store_fault: Callable[[TaskRecord, BaseException], Awaitable[float]],
-) -> dict[str, Any]:
+    give_up: Callable[[], str | None] = lambda: None,
+) -> dict[str, Any] | str:
     """The final version's validation record, waiting through store outages (``store_fault`` tells the
     run's core and says how long to hold off; past ``store_outage_timeout`` the core fails the run), and
     validating it again elsewhere when an attempt is late (``deadline()``, twice over: the attempt may
-    wait for a worker to start it) or lost with its worker.  ``placement(avoid)``: where it may run."""
+    wait for a worker to start it) or lost with its worker.  ``placement(avoid)``: where it may run.
+    ``give_up()``, asked while it waits, says why the run should end without the validation (a run asked
+    to stop, with no worker left to run it): that reason is returned."""
     avoid: set[str] = set()
     for attempt in range(1000):
+        if (why := give_up()) is not None:
+            return why
         future = tasks.client.submit(
             validate_version,
             store,
@@ -155,20 +160,22 @@ async def validate_final(
             priority=10,
             **(placement(avoid) or {}),
         )
-        limit = 2 * deadline()
         try:
-            rec = await asyncio.wait_for(_run_then_fetch(tasks, future, watch), limit)
-        except TimeoutError:
+            rec = await _validation(tasks, future, watch, deadline(), give_up)
+        except _Late:
             on = tasks.processing_on(future.key)
             logger.warning(
                 "run %s: the final validation did not come back from %s within %.1f s; validating it elsewhere",
                 run_id,
                 on or "the scheduler's queue",
-                limit,
+                2 * deadline(),
             )
             avoid |= {on} if on else set()
             await tasks.client.cancel([future])  # (its slot is the next attempt's)
             continue
+        except _GaveUp as e:
+            await tasks.client.cancel([future])
+            return str(e)
         except StoreError as exc:
             task = TaskRecord("validation", step=step, version=version, attempt=attempt)
             await asyncio.sleep(await store_fault(task, exc))
@@ -178,3 +185,32 @@ async def validate_final(
             continue
         return rec
     raise RuntimeError(f"run {run_id}: the final validation of version {version} failed 1000 times")
+
+
+class _Late(Exception):
+    """A final validation ran past twice its deadline."""
+
+
+class _GaveUp(Exception):
+    """The run ends without its final validation (the reason)."""
+
+
+async def _validation(
+    tasks: InFlight,
+    future: Any,
+    watch: Callable[[], Awaitable[None]],
+    deadline: float,
+    give_up: Callable[[], str | None],
+) -> dict[str, Any] | str:
+    """:func:`_run_then_fetch` of a final validation just sent: :class:`_Late` past twice ``deadline``,
+    :class:`_GaveUp` once ``give_up()`` says so."""
+    late = time.monotonic() + 2 * deadline
+
+    async def look() -> None:
+        await watch()
+        if (why := give_up()) is not None:
+            raise _GaveUp(why)
+        if time.monotonic() > late:
+            raise _Late
+
+    return await _run_then_fetch(tasks, future, look)

@@ -303,6 +303,11 @@ class Run:
             self.state.dispatch.parked_validations.clear()
             return self.state.outage.wait_seconds()
 
+        def give_up() -> str | None:  # a run asked to stop does not wait for a worker to join
+            if self.state.asked_to_stop and not self.state.pool.usable():
+                return "it was asked to stop, and no usable worker is connected to validate it"
+            return None
+
         rec = await results.validate_final(
             self.tasks,
             self.store,
@@ -313,8 +318,12 @@ class Run:
             deadline=lambda: validation_deadline(self.state),
             watch=self._watch_pool,
             store_fault=store_fault,
+            give_up=give_up,
         )
         await self.step(m.StoreBack())
+        if isinstance(rec, str):
+            logger.warning("run %s: ends without validating its final version %s: %s", self.id, version, rec)
+            return
         await self.step(m.Validated(rec["step"], rec["metrics"]))
 
     async def _release(self) -> None:

@@ -145,6 +145,7 @@ def _(event: m.Stop, state: RunState) -> None:
     if state.phase in (Phase.STARTING, Phase.RUNNING) and state.stopping is None:
         state.stopping = event.reason
         state.cancelled = event.cancel
+        state.asked_to_stop = True
         state.out.append(m.Cancel(tuple(k for k, _ in state.tasks.updates())))
 
 

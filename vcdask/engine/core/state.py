@@ -104,6 +104,7 @@ class RunState:
         self.handed_over = 0  # records taken as their tasks finished (not through Dask)
         self.stopping: str | None = None
         self.cancelled = False  # stopped by RunHandle.cancel(): it ends "cancelled", without a result
+        self.asked_to_stop = False  # stopped from outside (stop(), Ctrl-C, a time limit), not by its own end
         self.failure: Failure | None = None
         self.idle_since: float | None = None  # since when no usable worker is connected
         self.no_workers: str | None = None  # why the run waits for workers (status()["paused"])
