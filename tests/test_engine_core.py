@@ -222,6 +222,25 @@ def test_a_copy_lost_with_its_worker_is_re_issued_and_its_worker_blamed():
     assert rows(s.state, "lost")[0]["shard"] == task.shard and s.state.dispatch.failures[(1, task.shard)] == 1
 
 
+def test_a_shard_given_up_after_os_errors_says_what_the_error_said():
+    """An ``OSError`` on a worker (its environment: a path it cannot read) is a lost copy, tried elsewhere; when the
+    shard is given up, the run's error named only its type ("last: FileNotFoundError"), not the path."""
+    s = Script(n_shards=2, max_attempts=2)
+    key = keys(s(m.Poll()))[0]
+    for attempt, worker in enumerate(("a", "b")):
+        s.start(key, worker)
+        task = s.state.tasks.records[key]
+        s(m.Completed(key))
+        effects = s(m.TaskFailed(task, FileNotFoundError(2, "No such file or directory", f"/data/{worker}.csv")))
+        if attempt == 0:
+            [again] = [fx for fx in effects if isinstance(fx, m.Submit)]
+            key = again.key
+    [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]
+    assert "failed 2 times (last: FileNotFoundError: [Errno 2] No such file or directory: '/data/b.csv')" in (
+        fail.failure.message
+    )
+
+
 def test_a_record_that_cannot_be_read_back_is_a_lost_copy_re_issued_without_blame():
     s = Script()
     key = keys(s(m.Poll()))[0]

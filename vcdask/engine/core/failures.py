@@ -80,7 +80,7 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
         state.ledger.record_copy(task, "lost", f"lost: {type(exc).__name__}: {exc}")
         if not state.ledger.is_merged(task.epoch, task.shard):
             # A task that never started was only queued on the dead worker: not its fault.
-            retry_or_give_up(state, task.epoch, task.shard, f"{type(exc).__name__}", count=task.began)
+            retry_or_give_up(state, task.epoch, task.shard, _lost_why(exc), count=task.began)
         return
     # an epoch may be waiting for these numbers; a validation dies mostly as collateral of a shard
     # that killed its worker, so it gets more attempts than a shard does
@@ -285,6 +285,18 @@ def move_queued_off(state: RunState, stuck: set[str]) -> None:
         if not other.overdue and not other.began and state.tasks.processing_on(key) in stuck:
             other.overdue = True
             submit_shard(state, other.epoch, other.shard, avoid=stuck)
+
+
+def _lost_why(exc: BaseException) -> str:
+    """What a lost copy says when its shard is given up: Dask's error by its name (its text is about Dask's
+    retries), any other (an ``OSError`` of the worker's environment: a path it cannot read, a disk it cannot
+    write) with its text, which is all the user hears of it."""
+    from distributed.scheduler import KilledWorker
+
+    if isinstance(exc, KilledWorker):
+        return "KilledWorker: its worker died running it"
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _suspects(exc: BaseException) -> list[str]:
