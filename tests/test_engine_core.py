@@ -574,6 +574,29 @@ def test_a_resumed_run_trains_no_shard_it_gave_up_and_its_earlier_epochs_keep_th
     assert [e["epoch"] for e in s.state.ledger.epochs] == [1, 2] and s.state.ledger.epochs[1]["skipped"] == 1
 
 
+def test_a_resumed_runs_earlier_epochs_keep_their_bands_and_its_wall_time_counts_on():
+    """A run extended by ``resume(max_epochs=)``: epoch 1's band (mean, min and max over the versions validated in
+    it) was replaced by its end value alone, and epoch 2's ``wall_time`` counted from 0 again, before epoch 1's."""
+    s = Script(n_shards=2, max_epochs=2, validation=object())
+    row = {"epoch": 1, "version": 2, "wall_time": 12.5, "train_loss": 0.75, "skipped": 0}
+    row |= {"loss": 0.4, "loss_mean": 0.6, "loss_min": 0.4, "loss_max": 0.8}
+    s(m.Resumed({1: {0, 1}}, {1: (2, "v2")}, {}, (), {}, {1: row}, None))
+    s.state.head = Head(step=2, version="v2", version_step=2)
+
+    def validate(step):
+        [key] = [k for k, t in s.state.tasks.records.items() if t.kind == "validation"]
+        return s(m.Result(s.state.tasks.pop(key), {"kind": "validation", "step": step, "metrics": {"loss": 0.3}}))
+
+    validate(2)
+    assert s.state.ledger.epochs[0] == row | {"loss": 0.3}  # (validated again: the end value is this session's)
+    s.clock.advance(2.0)
+    for key in keys(s(m.Poll())):
+        s.start(key, "a")
+        s.merge(s.finish_task(key, "a"))
+    validate(4)
+    assert s.state.ledger.epochs[1]["epoch"] == 2 and s.state.ledger.epochs[1]["wall_time"] == 12.5 + 2.0
+
+
 @pytest.mark.parametrize("resumed_at", [None, 0])
 def test_a_target_and_patience_count_from_a_resume_that_extends_a_run_not_from_one_after_a_crash(resumed_at):
     """A run given more epochs after it ended counts its target and patience from the epochs it trains now

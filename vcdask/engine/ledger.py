@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..metrics import DERIVED_SUFFIXES
 from . import policy
 from .durations import Durations
 from .events import ACTIVE_STATES, FINAL_STATES, EventLog, Outcome, ShardState
@@ -101,8 +102,20 @@ class Ledger:
         self.patience, self.monitor = patience, monitor
         self.best: dict[str, Any] | None = None  # {"epoch", "step", "value"} of the best epoch so far
         self.resumed_at = 0  # epochs done before a resume: the target and patience count from there
-        #: A resumed run's epoch rows as its last session closed them (their losses, times and skips).
+        #: A resumed run's epoch rows as its last session closed them (their losses, times, skips and bands).
         self.restored: dict[int, dict[str, Any]] = {}
+        self._wall_before = 0.0  # the run's wall seconds in its earlier sessions (:meth:`restore`)
+
+    def restore(self, rows: dict[int, dict[str, Any]]) -> None:
+        """A resumed run's epoch rows as its last session closed them: their own numbers stay theirs, and the
+        epochs this session closes count their ``wall_time`` on from the last of them."""
+        self.restored = dict(rows)
+        walls = [float(r["wall_time"]) for r in rows.values() if math.isfinite(r.get("wall_time", math.nan))]
+        self._wall_before = max(walls, default=0.0)
+
+    def wall(self) -> float:
+        """Seconds of the run so far, its earlier sessions' included (an epoch row's ``wall_time``)."""
+        return self._wall_before + self.clock()
 
     # -- shards ---------------------------------------------------------------------------------
     def done(self, epoch: int, shard: int) -> bool:
@@ -145,7 +158,7 @@ class Ledger:
         if math.isfinite(seconds):
             self.shard_seconds.append(seconds)
         if self.remaining(epoch) == 0 and not ended:
-            self.epoch_end[epoch] = (step, self.clock())
+            self.epoch_end[epoch] = (step, self.wall())
             return True
         return False
 
@@ -155,7 +168,7 @@ class Ledger:
         self.skipped.setdefault(epoch, set()).add(shard)
         self.set_shard(epoch, shard, "skipped", why)
         if self.remaining(epoch) == 0:
-            self.epoch_end[epoch] = (step, self.clock())
+            self.epoch_end[epoch] = (step, self.wall())
             return True
         return False
 
@@ -268,6 +281,8 @@ class Ledger:
                 row[f"{name}_mean"] = _mean(values)
                 row[f"{name}_min"] = min(values)
                 row[f"{name}_max"] = max(values)
+            if before is not None and not merges:  # its band was over versions this session did not validate
+                row.update({k: before[k] for k in row if k.endswith(DERIVED_SUFFIXES) and k in before})
         return row
 
     def last_merged(self) -> dict[str, Any] | None:

@@ -161,7 +161,7 @@ def _(event: m.Resumed, state: RunState) -> None:
     uploads no committed version holds are taken out of the queues (the shell merges them next)."""
     state.ledger.merged = event.merged
     state.ledger.skipped = {e: set(shards) for e, shards in event.skipped.items()}  # (given up: not trained again)
-    state.ledger.restored = dict(event.rows)
+    state.ledger.restore(event.rows)
     resumed = event.resumed_at
     state.ledger.resumed_at = max(event.ends, default=0) if resumed is None else resumed  # target, patience count from
     last = max([*event.merged, *event.skipped, *(meta["epoch"] for meta in event.pending), 0])
