@@ -5,11 +5,15 @@ read the way the run read its training data (a DataFrame's feature columns, or a
 variables, selected by the names the run recorded, as float32; arrays cast to the model's dtype as it is now,
 unless the run kept integer inputs), and the outputs come back as numpy.  A classifier's class ids and
 probabilities are read from its outputs as its ``accuracy`` reads them (:func:`vcdask.metrics.class_ids`).
+Threads may predict with one model at once (a threaded model server): each call holds the model's lock while it
+has the model in eval mode, so the others wait, and each gets the answer it would get alone.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -22,6 +26,21 @@ from .preflight import describe_output
 
 __all__ = ["binary_classifier", "model_outputs", "predicted", "probabilities"]
 
+# One lock per model predicted with in place: a prediction sets the model's modules to eval mode and sets each
+# back after, so two at once on one model (a threaded model server) would see each other's modes (dropout on,
+# batch norm updating its running statistics) and could leave the model in the other's mode.
+_model_locks: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_model_locks_guard = threading.Lock()
+
+
+def _lock_for(model: torch.nn.Module) -> threading.RLock:
+    """The lock held while ``model`` predicts in place (made on first use; goes with the model)."""
+    with _model_locks_guard:
+        lock = _model_locks.get(model)
+        if lock is None:
+            lock = _model_locks[model] = threading.RLock()
+        return lock
+
 
 def model_outputs(
     model: torch.nn.Module, spec: Any, X: Any, *, batch_size: int = 1024, device: Any = None
@@ -31,7 +50,8 @@ def model_outputs(
     Parameters
     ----------
     model : torch.nn.Module
-        The trained model (left in the mode and on the device it was: another device gets a copy).
+        The trained model (left in the mode and on the device it was: another device gets a copy).  Calls from
+        several threads with one model take turns (a lock per model, held while it is in eval mode).
     spec : RunSpec
         The run's spec: its batch form, feature columns, whether it kept integer inputs.  Floating rows
         (and integer ones, unless the run kept them) take the dtype of the model's first floating parameter,
@@ -73,7 +93,19 @@ def model_outputs(
     else:  # (a copy; to the CPU without a second one on the model's GPU)
         net = cpu_copy(model) if target.type == "cpu" else copy.deepcopy(model).to(target)
     x = cast_like_training(x, spec, dtype=_dtype(net))  # (the model's dtype now: it may have been cast since)
-    modes = [(m, m.training) for m in net.modules()]  # each restored after (a frozen batch norm stays in eval)
+    # the model's own modes are set and restored under its lock: other threads predicting with it wait (a copy
+    # is this call's own, but lock it all the same: cheap, and one path)
+    with _lock_for(net):
+        outs = _forward(net, x, batch_size, target)
+    if not outs:
+        raise DataError("X is empty (0 rows)")
+    return torch.cat(outs)
+
+
+def _forward(net: torch.nn.Module, x: torch.Tensor, batch_size: int, target: torch.device) -> list[torch.Tensor]:
+    """``net``'s outputs for ``x``, batch by batch, on the CPU: in eval mode, each module's mode restored after
+    (a frozen batch norm stays in eval); the caller holds ``net``'s lock."""
+    modes = [(m, m.training) for m in net.modules()]
     net.eval()
     outs = []
     try:
@@ -103,9 +135,7 @@ def model_outputs(
     finally:
         for m, mode in modes:
             m.training = mode
-    if not outs:
-        raise DataError("X is empty (0 rows)")
-    return torch.cat(outs)
+    return outs
 
 
 def _dtype(model: torch.nn.Module) -> torch.dtype | None:
