@@ -111,6 +111,44 @@ def test_a_non_finite_update_decodes_non_finite_and_leaves_no_residual():
     assert not compress._residuals.get("nan")
 
 
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "int4"])
+def test_float_buffers_travel_as_they_are_beside_weights_that_move_far(codec, tmp_path):
+    """A BatchNorm's running variance of a low-variance feature (1e-6) shared its block's scale with weights
+    that moved ~1: int4 decoded it below zero (-1.5e-4), and every prediction of the model was NaN."""
+    base_model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 300))
+    base = flatten(base_model)
+    with torch.no_grad():
+        base_model[1].weight.add_(torch.randn(300, 4))
+        base_model[0].running_var.copy_(torch.tensor([1e-6, 1.0, 2.0, 3.0]))
+        base_model[0].running_mean.add_(0.5)
+    w_c = flatten(base_model)
+    assert "0.running_var" in w_c.layout.buffers
+    for _ in range(3):  # (with the error feedback of the updates before)
+        update = encode(codec, w_c, base, "v0", run_id=f"bn-{codec}")
+        path = update_path("run", 1, 0, 0)
+        write_update(vcdask.open_store(tmp_path / codec).files, path, update)
+        out = read_update(vcdask.open_store(tmp_path / codec).files, path).decode(base)
+        for name in ("0.running_var", "0.running_mean"):
+            assert torch.equal(out[name], w_c[name]), (codec, name)  # exactly: not quantized
+
+
+def test_an_fp16_difference_beyond_its_range_is_sent_as_its_largest_value_and_the_rest_kept():
+    """A difference beyond 65504 (a buffer counting samples: +70,000) was sent as inf, and the merge turned
+    the update down as non-finite, again and again, until the run excluded its healthy worker."""
+    model = torch.nn.Linear(BLOCK, 1, bias=False)
+    base = flatten(model)
+    delta = torch.zeros(BLOCK)
+    delta[:3] = torch.tensor([70_000.0, -1e6, 1.0])
+    w_c = FlatParams(base.layout, {"float32": base.arrays["float32"] + delta})
+    first = encode("fp16", w_c, base, "v", run_id="big").decode(base).arrays["float32"] - base.arrays["float32"]
+    assert bool(torch.isfinite(first).all())
+    assert first[:3].tolist() == [65504.0, -65504.0, 1.0]
+    sent = first.clone()
+    for _ in range(20):  # updates of no difference of their own: the rest follows, with the error feedback
+        sent += encode("fp16", base, base, "v", run_id="big").decode(base).arrays["float32"] - base.arrays["float32"]
+    assert sent[:3].tolist() == pytest.approx([70_000.0, -1e6, 1.0], rel=1e-3)
+
+
 def test_int8_and_int4_files_are_a_quarter_and_an_eighth_of_float32(tmp_path):
     store = vcdask.open_store(tmp_path / "s")
     base, w_c = _pair(n=1_000_000)

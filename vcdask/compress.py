@@ -12,9 +12,14 @@ What quantization leaves out is not lost: the worker keeps it (*error feedback*,
 worker process) and adds it to its next update, as DiLoCo-style systems do with their compressed
 outer gradients.  The merge thread adds the decoded difference to the base version (which it keeps,
 or reads from the store) and merges the resulting ``W_c`` with any rule, checks included.  Integer
-state (e.g. BatchNorm's counters) travels as it is.  A tensor the model holds under two names (a head
-tied to its embedding) is encoded once per name, each copy in its own blocks; the decoded ``W_c``
-takes the first name's values for both, so the merged versions hold one value for it.
+state (e.g. BatchNorm's counters) travels as it is, and so do float buffers (BatchNorm's running
+statistics; :attr:`~vcdask.params.Layout.buffers`), which are few: quantized in a block beside weights
+that move far more, a small running variance decoded below zero, and the model predicted NaN.  A
+difference beyond float16's range is sent as the largest float16 of its sign (``"fp16"``), the rest
+kept as error feedback: it was sent as ``inf``, and the merge turned the update down as non-finite.
+A tensor the model holds under two names (a head tied to its embedding) is encoded once per name, each
+copy in its own blocks; the decoded ``W_c`` takes the first name's values for both, so the merged
+versions hold one value for it.
 """
 
 from __future__ import annotations
@@ -104,7 +109,20 @@ class EncodedUpdate:
             else:
                 wide = torch.float64 if b.dtype == torch.float64 else torch.float32
                 arrays[dtype] = (b.to(wide) + delta.to(wide)).to(b.dtype)
+            if "buffers" in mine:  # (none in an earlier vcdask's updates: it quantized them with the rest)
+                arrays[dtype][_buffer_positions(self.layout, dtype)] = mine["buffers"].to(b.dtype)
         return _copy_tied(FlatParams(self.layout, arrays), self.layout.tied or base.layout.tied)
+
+
+def _buffer_positions(layout: Layout, dtype: str) -> torch.Tensor | None:
+    """Where the float buffers of ``dtype`` (:attr:`~vcdask.params.Layout.buffers`) sit in its flat vector;
+    None when it holds none."""
+    spans = [
+        torch.arange(e.offset, e.offset + e.size)
+        for e in layout.entries
+        if e.dtype == dtype and e.name in layout.buffers and e.size
+    ]
+    return torch.cat(spans) if spans else None
 
 
 def _copy_tied(params: FlatParams, tied: tuple[tuple[str, str], ...]) -> FlatParams:
@@ -146,6 +164,10 @@ def encode(codec: str, w_c: FlatParams, base: FlatParams, base_version: str, run
         scratch = r
         if scratch is None and codec in _LEVELS:
             scratch = kept.buffer(size)
+        raw = _buffer_positions(w_c.layout, dtype)
+        if raw is not None:  # sent as they are, outside the blocks (their difference left out: nothing kept)
+            parts[f"{dtype}.buffers"] = a[raw].clone()
+            work[raw] = 0
         encoded = _encode(codec, work, n, scratch)
         parts.update({f"{dtype}.{k}": v for k, v in encoded.items()})
         left.residual[dtype] = work  # now what this update left out
@@ -165,6 +187,9 @@ def _encode(codec: str, x: torch.Tensor, n: int, scratch: torch.Tensor | None) -
     blocks stays zero).  ``scratch``: a float32 buffer of ``x``'s size, needed by the integer codecs."""
     if codec in ("fp16", "bf16"):
         half = x[:n].to(torch.float16 if codec == "fp16" else torch.bfloat16)
+        if codec == "fp16" and not bool(half.isfinite().all()):
+            over = half.isinf() & x[:n].isfinite()  # beyond float16's range (a non-finite one stays so)
+            half[over] = torch.finfo(torch.float16).max * x[:n][over].sign().to(torch.float16)
         x[:n].sub_(half)
         return {"delta": half}
     assert scratch is not None
