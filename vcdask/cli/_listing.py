@@ -253,6 +253,18 @@ def gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_branches(store: Any, branches: list[str] | None) -> None:
+    """A :class:`CommandError` (exit 2, nothing there) naming the branches of ``--branch`` that ``store`` lacks."""
+    if not branches:
+        return
+    there = store.branches()
+    missing = [b for b in branches if b not in there]
+    if missing:
+        listed = sorted(b for b in there if not b.startswith(HIDDEN_BRANCHES))
+        names = ", ".join(repr(b) for b in missing)
+        raise CommandError(f"no branch {names} in {store.location!r}; branches: {listed}")
+
+
 #: How often ``vcdask gc`` collects again when a run on the same store moved a branch under it.
 GC_TRIES = 5
 
@@ -262,16 +274,20 @@ def _collect(store: Any, policy: Any, branches: list[str] | None, dry_run: bool)
     collected its own old versions (its retention), while this collection moved the same branch (Icechunk's
     "branch update conflict"), or removed a ref or version this collection had listed (its pins: "ref not
     found", in a store that is there).  Collecting is idempotent: a second pass removes what the first did
-    not."""
+    not.  A branch named that the store does not have (or no longer has) is no race: a :class:`CommandError`
+    (exit 2) names it at once."""
     import time
 
     from ..errors import StoreConflict, StoreError
 
     tries = 1
+    _check_branches(store, branches)
     while True:
         try:
             return store.gc(policy, branches=branches, dry_run=dry_run)
         except (StoreError, VersionNotFoundError) as e:
+            if isinstance(e, VersionNotFoundError):
+                _check_branches(store, branches)  # (a branch named deleted meanwhile is not a race to retry)
             gone = isinstance(e, (StoreConflict, StoreNotFoundError, VersionNotFoundError))
             if not gone and "branch update conflict" not in str(e):
                 raise
