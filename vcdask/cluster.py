@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "check_main_guard",
+    "check_sync",
     "close_embedded",
     "embedded_client",
     "embedded_cluster",
@@ -161,12 +162,12 @@ def torch_friendly_environ() -> dict[str, Any]:
 
 def check_client(client: Any) -> None:
     """Reject anything that is not a Dask Client, a cluster object, a scheduler address or None (before any
-    cluster work).
+    cluster work), and a client or cluster that is asynchronous where it is given (:func:`check_sync`).
 
     Raises
     ------
     TypeError
-        Another kind of object.
+        Another kind of object; an asynchronous client or cluster, given from its event loop.
     ValueError
         A string that is no scheduler address (``"tcp://host:8786"``, ``"host:8786"``).
     """
@@ -176,6 +177,7 @@ def check_client(client: Any) -> None:
     from distributed.comm.addressing import get_address_host_port, parse_address
 
     if isinstance(client, Client) or hasattr(client, "scheduler_address"):
+        check_sync(client)
         return
     if isinstance(client, str):
         try:
@@ -191,6 +193,34 @@ def check_client(client: Any) -> None:
         f"client must be a distributed.Client, a Dask cluster (LocalCluster, dask-cloudprovider ...), "
         f"a scheduler address ('tcp://host:8786') or None for the embedded LocalCluster; got {type(client).__name__}"
     )
+
+
+#: What :func:`check_sync` says to do instead, by default.
+SYNC_REMEDY = (
+    "pass a synchronous Client (Client(address)), or call vcdask in a thread: "
+    "await asyncio.to_thread(vcdask.fit, model, data, client=client) (likewise vcdask.resume and vcdask.attach)"
+)
+
+
+def check_sync(client: Any, remedy: str = SYNC_REMEDY) -> None:
+    """Refuse a client (or cluster) that is asynchronous here: ``Client(asynchronous=True)`` used from its
+    event loop, where each of its calls returns a coroutine to await, and vcdask's calls, which block, would
+    read that coroutine as the answer.
+
+    From another thread the same client answers synchronously (distributed's ``Client.asynchronous`` is
+    False there): ``await asyncio.to_thread(vcdask.fit, ...)`` trains with it.
+
+    Raises
+    ------
+    TypeError
+        ``client`` is asynchronous in the calling thread (``remedy`` says what to do instead).
+    """
+    if getattr(client, "asynchronous", False):
+        what = " ".join(str(part) for part in (type(client).__name__, getattr(client, "id", None)) if part)
+        raise TypeError(
+            f"{what} is asynchronous here (asynchronous=True, used from its event loop: its calls return "
+            f"coroutines), and vcdask's calls block: {remedy}"
+        )
 
 
 def embedded_client():

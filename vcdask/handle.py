@@ -13,7 +13,7 @@ import torch
 
 from ._ints import is_real
 from ._packages import check_scheduler_error
-from .cluster import is_embedded
+from .cluster import check_sync, is_embedded
 from .diagnose import annotate
 from .engine.end import best_version
 from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
@@ -48,7 +48,8 @@ class RunHandle:
     :func:`attach` gives one from any process that reaches the scheduler.  Like
     :class:`concurrent.futures.Future` and :class:`distributed.Future`: :meth:`done`,
     :meth:`result`, :meth:`cancel`, :meth:`cancelled`, :meth:`add_done_callback`, and ``await handle``
-    in async code.
+    in async code (with an asynchronous Client, the other methods are called in a thread:
+    ``await asyncio.to_thread(handle.status)``; from its event loop they raise ``TypeError``).
 
     Parameters
     ----------
@@ -114,6 +115,15 @@ class RunHandle:
         return getattr(self.client, "status", None) in ("closing", "closed") or self.client.scheduler is None
 
     def _check_open(self) -> None:
+        """Refuse to ask the scheduler through a client that was closed, or that is asynchronous here."""
+        self._check_closed()
+        check_sync(
+            self.client,
+            "await handle (the result), or call the handle's methods in a thread: "
+            "await asyncio.to_thread(handle.status); or attach with a synchronous Client",
+        )
+
+    def _check_closed(self) -> None:
         if self._closed:
             raise RuntimeError(
                 f"this handle of run {self.run_id} is closed (its client was closed); "

@@ -17,6 +17,12 @@ from .result import FitResult
 
 __all__ = ["ASK_TIMEOUT", "attach", "check_not_live_elsewhere", "run_id_of"]
 
+#: What an asynchronous client used from its event loop is told to do instead.
+ATTACH_REMEDY = (
+    "pass a synchronous Client (Client(address)), or attach in a thread: "
+    "await asyncio.to_thread(vcdask.attach, run_id, client)"
+)
+
 #: How long a resume waits for the scheduler its run's record names to answer (seconds): one that is gone
 #: (its machine reclaimed, its process killed) does not hold the resume up longer.
 ASK_TIMEOUT = 3.0
@@ -58,13 +64,16 @@ def attach(run_id: str | FitResult | RunHandle, client: Any = None) -> RunHandle
         No such run on the scheduler, or one it dropped (``vcdask.scheduler.ended-runs-kept``); the message says.
         Without ``client``: no cluster of this process has it (the message names the ones asked).
     TypeError
-        ``run_id`` is neither a str nor a result or handle; ``client`` is not one of the above.
+        ``run_id`` is neither a str nor a result or handle; ``client`` is not one of the above, or is an
+        asynchronous client used from its event loop (the default client too, without ``client``): call
+        ``await asyncio.to_thread(vcdask.attach, run_id, client)`` there.
     """
     from distributed import Client
 
-    from .cluster import check_client
+    from .cluster import check_client, check_sync
 
     run_id = run_id_of(run_id, "attach")
+    check_sync(client, ATTACH_REMEDY)
     check_client(client)
     if client is None:
         return _attach_here(run_id)
@@ -103,6 +112,9 @@ def _attach_here(run_id: str) -> RunHandle:
 
 
 def _attach(run_id: str, client: Any, owns_client: bool = False) -> RunHandle:
+    from .cluster import check_sync
+
+    check_sync(client, ATTACH_REMEDY)  # (an asynchronous default client: its answers are coroutines)
     if not client.run_on_scheduler(_has_plugin):
         raise RunNotFoundError(
             f"no vcdask run {run_id!r}: the scheduler at {client.scheduler.address} has never run vcdask"
