@@ -6,8 +6,10 @@ that can reach the scheduler the same handle ``fit`` uses.
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import threading
+from typing import Any
 
 import torch
 
@@ -124,35 +126,54 @@ class RunHandle:
         )
 
     def _check_closed(self) -> None:
+        error = self._closed_error()
+        if error is not None:
+            raise error
+
+    def _closed_error(self) -> RuntimeError | None:
+        """What a call through a closed client says, and how to reach the run again (None while it is open)."""
         if self._closed:
-            raise RuntimeError(
+            return RuntimeError(
                 f"this handle of run {self.run_id} is closed (its client was closed); "
                 "vcdask.attach(run_id, client) gives a new one"
             )
         if self._client_gone() and self._embedded:
-            raise RuntimeError(
+            return RuntimeError(
                 f"the embedded cluster of run {self.run_id} was closed (vcdask.cluster.close_embedded(), or the "
                 f"interpreter's exit) and the run ended with it, where it was: vcdask.resume({self.run_id!r}, "
                 "store=<its store>) continues it"
             )
         if self._client_gone():
-            raise RuntimeError(
+            return RuntimeError(
                 f"the client of this handle of run {self.run_id} was closed; the run goes on on its scheduler: "
                 f"vcdask.attach({self.run_id!r}, {self._address!r}) gives a new handle"
             )
+        return None
+
+    def _ask(self, handler: str, **kwargs: Any) -> Any:
+        """The answer of the run's scheduler to ``handler`` (``vcdask_status``, ``vcdask_wait`` ...) for this run.
+
+        A client closed while the call waits (a thread in :meth:`wait` or :meth:`result` when the
+        ``with Client(...)`` block ends, or ``close_embedded()``) raises what a call after it would
+        (:meth:`_check_open`), not what the closing left in the call (a bare ``CommClosedError``)."""
+        self._check_open()
+        try:
+            return self.client.sync(getattr(self.client.scheduler, handler), run_id=self.run_id, **kwargs)
+        except (Exception, asyncio.CancelledError):
+            error = self._closed_error()
+            if error is None:
+                raise
+            raise error from None
 
     def __await__(self):
         """``await handle``: the :class:`FitResult`, waited for in a thread (the event loop stays free)."""
-        import asyncio
-
         return asyncio.get_running_loop().run_in_executor(None, self.result).__await__()
 
     def status(self) -> dict:
         """Progress counters: status, step, epochs done, merged in the current epoch, last epoch's metrics."""
         if self._res is not None:
             return {k: v for k, v in self._res.items() if k != "store"}
-        self._check_open()
-        return self.client.sync(self.client.scheduler.vcdask_status, run_id=self.run_id)
+        return self._ask("vcdask_status")
 
     def done(self) -> bool:
         """Whether the run has ended (finished, failed or cancelled)."""
@@ -178,15 +199,14 @@ class RunHandle:
         """
         if self._res is not None:
             return self._res["status"] == "cancelled"
-        self._check_open()
-        status = self.client.sync(self.client.scheduler.vcdask_stop, run_id=self.run_id, reason=reason, cancel=True)
+        status = self._ask("vcdask_stop", reason=reason, cancel=True)
         if status["status"] in _ENDED:
             return status["status"] == "cancelled"
         if status["stopping"] != reason:
             return False  # the run was already stopping for another reason (it will finish with a result)
         self.wait()
         with self._lock:
-            self._res = self.client.sync(self.client.scheduler.vcdask_result, run_id=self.run_id)
+            self._res = self._ask("vcdask_result")
         self.close()
         return True
 
@@ -229,8 +249,7 @@ class RunHandle:
         """
         if self._res is not None:
             return self.status()
-        self._check_open()
-        return self.client.sync(self.client.scheduler.vcdask_stop, run_id=self.run_id, reason=reason)
+        return self._ask("vcdask_stop", reason=reason)
 
     def wait(self, timeout: float | None = None, progress: bool = False) -> dict:
         """Block until the run ends (or ``timeout`` seconds pass); Ctrl-C stops the run.
@@ -239,6 +258,11 @@ class RunHandle:
         -------
         dict
             The last status.
+
+        Raises
+        ------
+        RuntimeError
+            The handle's client was closed, also while this waited (it says how to reach the run again).
         """
         import time
 
@@ -256,7 +280,7 @@ class RunHandle:
         try:
             while True:
                 step = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
-                status = self.client.sync(self.client.scheduler.vcdask_wait, run_id=self.run_id, timeout=step)
+                status = self._ask("vcdask_wait", timeout=step)
                 bar.update(status)
                 if status["status"] in _ENDED or (deadline is not None and time.monotonic() >= deadline):
                     return status
@@ -284,7 +308,7 @@ class RunHandle:
             )
             deadline = time.monotonic() + float(config.get("interrupt-grace"))
             while time.monotonic() < deadline:
-                status = self.client.sync(self.client.scheduler.vcdask_wait, run_id=self.run_id, timeout=0.5)
+                status = self._ask("vcdask_wait", timeout=0.5)
                 if status["status"] in _ENDED:
                     break
         except KeyboardInterrupt:
@@ -316,6 +340,8 @@ class RunHandle:
             The run was cancelled (a :class:`concurrent.futures.CancelledError`).
         RunFailedError
             The run ended with an error.
+        RuntimeError
+            The handle's client was closed, also while this waited (it says how to reach the run again).
         TypeError
             ``timeout`` is not a number (a model passed positionally: pass ``model=``).
         """
@@ -337,7 +363,7 @@ class RunHandle:
             if self._result is not None and model is None:
                 return self._result
             if self._res is None:
-                self._res = self.client.sync(self.client.scheduler.vcdask_result, run_id=self.run_id)
+                self._res = self._ask("vcdask_result")
                 self.close()  # the run ended: a client this handle owns is no longer needed
             result = self._result_of(self._res, model, wall_time)
             if model is None:
