@@ -62,10 +62,10 @@ BASE_WAIT_STEPS = 2
 #: fits the notice; the margin is also kept free at the end of the notice for the worker to retire.
 NOTICE_SAFETY = 1.5
 NOTICE_MARGIN = 5.0
-#: Name endings of the metrics that improve downwards (a ``target`` is reached when the value is at most
-#: the goal): ``loss``, ``val_loss``, ``logloss``, ``mse``, ``rmse``, ``mae``, ``error``, ``val_error`` ...
 #: validate_every="auto": validations may take at most this share of the time the run's shard tasks took
 VALIDATION_SHARE = 0.05
+#: Name endings of the metrics that improve downwards (a ``target`` is reached when the value is at most
+#: the goal): ``loss``, ``val_loss``, ``logloss``, ``mse``, ``rmse``, ``mae``, ``error``, ``val_error`` ...
 LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse", "mape", "error")
 
 
@@ -205,8 +205,26 @@ def reached(name: str, goal: float, value: float | None) -> bool:
 def lower_is_better(name: str) -> bool:
     """Whether metric ``name`` improves downwards: its name ends in one of :data:`LOWER_IS_BETTER`
     (losses and errors: ``loss``, ``val_loss``, ``rmse``, ``mae``, ``error`` ...); the one rule vcdask
-    uses for a metric's direction (targets, early stopping, ``best_version``, releases, plots)."""
-    return name.lower().endswith(LOWER_IS_BETTER)
+    uses for a metric's direction (targets, early stopping, ``best_version``, releases, plots).
+
+    An argument list at the end of the name is not part of its ending: a :func:`functools.partial` is named
+    by its function and arguments (:func:`vcdask.metrics.metric_name`), and ``"scaled_error(scale=1.0)"`` or
+    ``"l1_loss(reduction='mean')"`` improve downwards as their functions do.
+
+    Examples
+    --------
+    >>> lower_is_better("val_loss"), lower_is_better("scaled_error(scale=1.0)"), lower_is_better("topk(k=3)")
+    (True, True, False)
+    """
+    return _function_name(name).lower().endswith(LOWER_IS_BETTER)
+
+
+def _function_name(name: str) -> str:
+    """``name`` without an argument list at its end: ``"scaled_error(scale=1.0)"`` -> ``"scaled_error"``
+    (from its first ``(``: a partial's arguments may hold parentheses, a function's name never does)."""
+    if name.endswith(")") and "(" in name:
+        return name[: name.index("(")].rstrip()
+    return name
 
 
 def improved(name: str, value: float | None, best: float | None) -> bool:
