@@ -250,7 +250,7 @@ def fit(
         Names ending in loss, mse, rmse, mae, mape or error improve downwards, a ``functools.partial``'s by its
         function's name (``"scaled_error(scale=2.0)"``: downwards) (:func:`vcdask.engine.policy.lower_is_better`),
         others upwards.  Needs validation data
-        (``validation=``) unless ``patience`` is given.
+        (``validation=``) unless ``patience`` or a ``target`` is given (10% is held out then).
     wait : bool, default True
         False: return the run's :class:`~vcdask.RunHandle` as soon as the data is staged and the
         initial version committed, before the first merge.  It behaves like a future:

@@ -29,15 +29,15 @@ def hold_out(validation: Any, *, target: Any, patience: Any, monitor: Any) -> An
     ------
     ValueError, TypeError
         Early-stopping options of the wrong type (:func:`check_early_stopping`), or a ``monitor``
-        without validation data or ``patience``.
+        of a run that gets no validation data (none given, no ``patience``, no ``target``).
     """
     if patience is not None or monitor is not None:
         check_early_stopping(patience, monitor, None, [monitor or "loss"], validated=False)  # types, before the data
-        if validation is None and patience is None:
+        if validation is None and patience is None and target is None:
             raise ValueError(
                 f"monitor={monitor!r} follows a validation metric, but this fit has no validation data: "
-                "pass validation= (a fraction such as 0.2, or held-out data), or patience= for early "
-                "stopping (which holds out 10% of the data by itself)"
+                "pass validation= (a fraction such as 0.2, or held-out data), patience= for early "
+                "stopping or target= (either holds out 10% of the data by itself)"
             )
     if validation is not None:
         return validation
