@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import torch
 
@@ -52,8 +52,35 @@ def _every(name: str, value: Any) -> int | str:
     return "auto" if value == "auto" else positive_int(name, value, also="'auto'")
 
 
+class _RemembersGiven:
+    """What a group was given when it was made: the fields passed by name or position (``_given``, beside the
+    fields: not compared, not shown, pickled with the group), so that :func:`fold` refuses a flat option whose
+    field the group was given, at its default value too (``Training(lr=1e-3)`` with ``lr=0.1``)."""
+
+    _given: frozenset[str]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        self = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        given = {*names[: len(args)], *kwargs}
+        if not args and given == set(names):
+            # every field by name: dataclasses.replace's call, which passes the fields it copies with those it
+            # changes; given are those off their defaults
+            defaults = {f.name: f.default for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+            given = {n for n in names if not _is_default(kwargs[n], defaults[n])}
+        object.__setattr__(self, "_given", frozenset(given))
+        return self
+
+
+def given_fields(group: Merging | Training | Stopping) -> frozenset[str]:
+    """The fields ``group`` sets: those it was given when it was made, and those off their defaults (all a group
+    pickled by an earlier release, which did not record what it was given, can say)."""
+    off = {f.name for f in dataclasses.fields(group) if not _is_default(getattr(group, f.name), f.default)}
+    return frozenset(off) | getattr(group, "_given", frozenset())
+
+
 @dataclass(frozen=True)
-class Merging:
+class Merging(_RemembersGiven):
     """How the server folds each update in: the rule, and how often it commits and what it is sent.
 
     Parameters
@@ -107,7 +134,7 @@ class Merging:
 
 
 @dataclass(frozen=True)
-class Training:
+class Training(_RemembersGiven):
     """How each shard task trains on its worker: the inner optimizer, its schedule and the step's numerics.
 
     Parameters
@@ -172,7 +199,7 @@ class Training:
 
 
 @dataclass(frozen=True)
-class Stopping:
+class Stopping(_RemembersGiven):
     """When a run stops early and how often it validates.
 
     Parameters
@@ -237,7 +264,9 @@ def fold(cls: type[G], group: G | None, **flat: Any) -> G:
     """``group`` (default ``cls()``) with ``fit``'s flat arguments of it folded in.
 
     A flat argument at its default leaves the group's field as it is; one that differs from it sets the
-    field, unless the group sets it too.
+    field, unless the group was given that field too (at any value, its default included: ``lr=0.1`` with
+    ``Training(lr=1e-3)`` is refused).  A group made by ``dataclasses.replace`` counts as given the fields it
+    holds off their defaults (replace passes every field: it cannot say which it was told).
 
     Parameters
     ----------
@@ -271,6 +300,7 @@ def fold(cls: type[G], group: G | None, **flat: Any) -> G:
         raise TypeError(f"{name} must be a vcdask.{cls.__name__}, got {type(group).__name__}")
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     names = _flat_names(cls)
+    given_in_group = given_fields(group)
     changes = {}
     for given, value in flat.items():
         field = names.get(given)
@@ -278,7 +308,7 @@ def fold(cls: type[G], group: G | None, **flat: Any) -> G:
             raise TypeError(f"{given} is not a flat option of vcdask.{cls.__name__}; its options: {list(names)}")
         if _is_default(value, defaults[field]):
             continue
-        if not _is_default(getattr(group, field), defaults[field]):
+        if field in given_in_group:
             raise TypeError(
                 f"{given}={value!r} and {name}={cls.__name__}({field}={getattr(group, field)!r}) both set "
                 f"{field}: pass it once, as {given}= or in {name}="
