@@ -116,7 +116,7 @@ def spot_cluster_spec(
     worker_type: str | None = None,
     scheduler_type: str | None = None,
     image: str | None = None,
-    packages: tuple[str, ...] | list[str] | None = None,
+    packages: str | tuple[str, ...] | list[str] | None = None,
     env: dict[str, str] | None = None,
     watcher: PreemptionWatcher | None = None,
     **cluster_kwargs: Any,
@@ -138,9 +138,9 @@ def spot_cluster_spec(
         are refused there.
     image : str, optional
         The container image (default: dask-cloudprovider's, with ``packages`` installed at start).
-    packages : sequence of str, optional
+    packages : str or sequence of str, optional
         pip requirements the workers install at start (default ``("vcdask", "torch")``; ``()`` for an
-        image that has them).
+        image that has them); a string is one requirement (``"vcdask==0.4"``; several: a list).
     env : dict, optional
         More environment variables for the scheduler and workers.
     watcher : PreemptionWatcher, optional
@@ -181,9 +181,13 @@ def spot_cluster_spec(
     for name, value in (("worker_type", worker_type), ("scheduler_type", scheduler_type), ("image", image)):
         if value is not None and not (isinstance(value, str) and value):
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-    pkgs = DEFAULT_PACKAGES if packages is None else tuple(packages)
+    # (a string is one requirement, not its characters)
+    pkgs = DEFAULT_PACKAGES if packages is None else (packages,) if isinstance(packages, str) else tuple(packages)
     if not all(isinstance(p, str) and p and not any(c.isspace() for c in p) for p in pkgs):
-        raise ValueError(f"packages must be pip requirements without spaces, got {list(pkgs)!r}")
+        raise ValueError(
+            f"packages must be pip requirements without spaces (several: a list, e.g. ['vcdask', 'torch']), "
+            f"got {list(pkgs)!r}"
+        )
 
     environment = {
         "DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": WORKER_TTL,
