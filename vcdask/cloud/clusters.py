@@ -144,7 +144,10 @@ def spot_cluster_spec(
     env : dict, optional
         More environment variables for the scheduler and workers.
     watcher : PreemptionWatcher, optional
-        Default: ``PreemptionWatcher(provider=...)`` for the provider.
+        Default: ``PreemptionWatcher(provider="aws")`` for ``"aws"``, ``PreemptionWatcher(provider="gcp")`` for
+        ``"gcp"``, and none for ``"aws-fargate"``: a Fargate task has no instance metadata to poll for a
+        notice (AWS sends it a SIGTERM, which its worker takes as a shutdown: its shards are re-issued, without
+        the drain).
     **cluster_kwargs
         Passed on to the dask-cloudprovider class (region, VPC, security, ...).
 
