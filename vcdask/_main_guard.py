@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import threading
 import types
 
 from .errors import MainGuardError
@@ -23,7 +24,9 @@ def check_main_guard(stacklevel: int = 2) -> None:
     script that calls :func:`vcdask.fit` at its top level, outside ``if __name__ == "__main__":``,
     would make every worker call ``fit`` again (a dozen tracebacks ending in "Nanny failed to
     start").  This looks, before any process starts, for the script's module-level frame in the
-    call stack and whether the line it executes lies inside that guard (read from the script's source).
+    call stack and whether the line it executes lies inside that guard (read from the script's source);
+    called from another thread than the main one without such a frame, in the main thread's stack (a
+    script that starts a thread calling ``fit`` at its top level is as unguarded).
 
     Raises
     ------
@@ -42,17 +45,28 @@ def check_main_guard(stacklevel: int = 2) -> None:
         frame: types.FrameType | None = sys._getframe(stacklevel)
     except ValueError:  # a call stack shallower than stacklevel: start from here
         frame = sys._getframe(0)
-    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
-        frame = frame.f_back
+    frame, via = _top_level(frame, main), ""
+    if frame is None and threading.current_thread() is not threading.main_thread():
+        # a thread the script started (threading.Thread, asyncio.to_thread, an executor): the script's own
+        # top level is on the main thread's stack, where the thread was started from (or is being waited on)
+        via = f" (in thread {threading.current_thread().name!r}, which it started)"
+        frame = _top_level(sys._current_frames().get(threading.main_thread().ident or -1), main)
     if frame is None or _guarded(str(path), frame.f_lineno):
         return
     raise MainGuardError(
-        f"vcdask started its embedded cluster from the top level of {path} (line {frame.f_lineno}), outside "
+        f"vcdask started its embedded cluster from the top level of {path} (line {frame.f_lineno}){via}, outside "
         'an `if __name__ == "__main__":` guard.  The worker processes are spawned: each imports the script '
         "again and would start training (and another cluster) itself.  Move the call under "
         '`if __name__ == "__main__":` (Python\'s "Safe importing of main module": '
         f"{MAIN_GUARD_DOCS}), or pass client= a cluster started elsewhere."
     )
+
+
+def _top_level(frame: types.FrameType | None, main: types.ModuleType) -> types.FrameType | None:
+    """The frame of ``main``'s module-level code on the stack ``frame`` is the top of, or None."""
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    return frame
 
 
 def may_start_here() -> bool:
