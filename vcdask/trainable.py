@@ -33,7 +33,8 @@ def check_trainable(model: torch.nn.Module) -> None:
     ValueError
         The model holds no parameters, or none that requires grad (every one frozen).
     TypeError
-        A parameter or buffer of a dtype no version can store (complex numbers, ...); a module parametrized with
+        A state-dict entry that is not a tensor (a module's ``get_extra_state`` returning a dict, an int, ...); a
+        parameter or buffer of a dtype no version can store (complex numbers, ...); a module parametrized with
         ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``spectral_norm``, ``orthogonal``, ...);
         a tensor attribute computed from the parameters (the older ``torch.nn.utils.weight_norm``).
     """
@@ -53,13 +54,14 @@ def check_trainable(model: torch.nn.Module) -> None:
             "model.requires_grad_(True) for the whole model, or model.get_submodule(name).requires_grad_(True) for "
             "the layers to fine-tune (frozen parameters beside them stay as they are)"
         )
+    state = model.state_dict()
+    _check_tensors_only(state)
     unstorable = []
-    for name, t in model.state_dict().items():
-        if isinstance(t, torch.Tensor):
-            try:
-                dtype_name(t.dtype)
-            except TypeError:
-                unstorable.append(f"{name} ({str(t.dtype).removeprefix('torch.')})")
+    for name, t in state.items():
+        try:
+            dtype_name(t.dtype)
+        except TypeError:
+            unstorable.append(f"{name} ({str(t.dtype).removeprefix('torch.')})")
     if unstorable:
         raise TypeError(
             f"the model holds {_listed(unstorable)} of a dtype vcdask cannot store in a version; supported dtypes: "
@@ -67,6 +69,25 @@ def check_trainable(model: torch.nn.Module) -> None:
             "torch.nn.Parameter(torch.view_as_real(w)) (shape (..., 2)), and make the complex tensor in forward "
             "(torch.view_as_complex(self.w))"
         )
+
+
+def _check_tensors_only(state: dict) -> None:
+    """Refuse state-dict entries that are not tensors (a module's ``get_extra_state`` returning a dict, an int or a
+    str, as torch documents it): a version stores tensors, and the workers load them back into their copies by the
+    state dict's names (a dict or a str failed the staging, an int every task on its worker)."""
+    found = {name: value for name, value in state.items() if not isinstance(value, torch.Tensor)}
+    if not found:
+        return
+    shown = [f"{name} ({type(value).__name__})" for name, value in found.items()]
+    extra = any(name.rpartition(".")[2] == "_extra_state" for name in found)
+    raise TypeError(
+        f"the model's state_dict() holds {_listed(shown)}, not a tensor"
+        f"{' (what get_extra_state() returns)' if extra else ''}: vcdask stores a model's state in each version as "
+        "tensors and loads them into the workers' copies by name. Return a tensor from get_extra_state() "
+        "(return torch.tensor(self.calls), and self.calls = int(state) in set_extra_state), or keep that state "
+        "outside the state_dict (a plain attribute, without get_extra_state / set_extra_state: neither merged nor "
+        "returned)"
+    )
 
 
 def _check_parametrizations(model: torch.nn.Module) -> None:
