@@ -230,6 +230,7 @@ class InFlight(TaskTable):
         if self.client is not None:
             await self.client.cancel(list(self.futures.values()))
             await self.client.close()
+            _let_go_of_loop(self.client)
 
     def results_waiting(self) -> bool:
         """Whether results wait to be read: handed over, or finished futures that are not only Dask's late
@@ -238,3 +239,19 @@ class InFlight(TaskTable):
             return True
         completed = self.completed
         return completed is not None and completed.count() > len(self.stale) and completed.has_ready()
+
+
+def _let_go_of_loop(client: Any) -> None:
+    """Give back the count an asynchronous client took on its event loop's runner.  distributed's
+    ``Client.close()`` gives it back only for a synchronous client, so a cluster whose scheduler drove a run
+    kept its "IO loop" thread, sockets and objects after ``cluster.close()``: one more each time a notebook
+    closed a cluster (or ``close_embedded()``) and started another.  Never the last count: that is the
+    loop this runs on, which is not the run's to stop."""
+    from distributed.utils import LoopRunner
+
+    runner = getattr(client, "_loop_runner", None)
+    if runner is None or not runner.is_started():
+        return
+    count, _ = LoopRunner._all_loops.get(runner.loop, (0, None))
+    if count > 1:
+        runner.stop()
