@@ -340,7 +340,11 @@ class Run:
         await self.lane.write_record(self.store, self.id, lambda: end.record(state, final))  # (lists versions)
         self.lane.shutdown()
         self.server.release()
-        self.spec = state.spec = dataclasses.replace(self.spec, model=None)  # type: ignore[arg-type]
+        # (the data too: a map-style Dataset is the whole dataset, and the embedded scheduler is the notebook's
+        # process, which kept every ended run's data, up to ``ended-runs-kept`` of them)
+        released: dict[str, Any] = {"model": None, "train": _let_go(self.spec.train)}
+        released["validation"] = _let_go(self.spec.validation)
+        self.spec = state.spec = dataclasses.replace(self.spec, **released)
         await end.release_on_workers(self.scheduler, self.id, list(state.pool.records))  # (on their GPUs)
 
     # -- what the plugin's handlers and hooks call -------------------------------------------------
@@ -407,3 +411,14 @@ class Run:
                 break
             await asyncio.sleep(SETTLE_POLL)
         return self.step_now(m.Settle(worker, tuple(left))) if left else []
+
+
+@dataclasses.dataclass(frozen=True)
+class LetGo:
+    """What an ended run keeps of a data source: its size (whether it had one is what its views read)."""
+
+    n: int
+
+
+def _let_go(source: Any) -> LetGo | None:
+    return None if source is None else LetGo(int(getattr(source, "n", 0)))
