@@ -335,8 +335,9 @@ def test_a_scheduler_keeps_only_the_newest_ended_runs(tmp_path):
         assert "vcdask.scheduler.ended-runs-kept=2" in said and "vcdask.load(store, branch=run_id)" in said
         assert vcdask.attach(ids[2], client).result().run_id == ids[2]
         assert vcdask.open_store(tmp_path / "store", mode="r").head(ids[0])  # its versions stay in the store
-        # its event topics went with it (the scheduler kept them for good): the run's and its client's
-        assert _run_topics(cluster) == {run_id: 2 for run_id in ids[1:]}
+        # its event topics went with it (the scheduler kept them for good): the run's and its client's; a kept
+        # run keeps its own, not its client's once the client has left
+        assert _run_topics(cluster) == {run_id: 1 for run_id in ids[1:]}
         # neither a run still going nor an ended one whose result nobody collected yet is dropped; a fit's own
         # run is collected by it first, even when no ended run is kept
         with dask.config.set({"vcdask.scheduler.ended-runs-kept": 0}):

@@ -90,8 +90,9 @@ def client_name(run_id: str) -> str:
 
 
 def drop_topics(scheduler: Any, kept: Collection[str]) -> list[str]:
-    """Drop from ``scheduler``'s event broker the topics of every run not in ``kept``: the run's own
-    (:func:`topic`) and that of its client (:func:`client_name`, once the client has left); the names dropped.
+    """Drop from ``scheduler``'s event broker the topics of every run not in ``kept`` (:func:`topic`), and
+    those of the runs' clients (:func:`client_name`) that have left, a kept run's too (each session of a run
+    resumed again and again left one); the names dropped.
 
     Dask keeps a topic for as long as the scheduler runs (up to ``distributed.admin.low-level-log-length``
     events each, a long run's ~100 kB) and has no public call to drop one: this reads the broker's
@@ -101,15 +102,12 @@ def drop_topics(scheduler: Any, kept: Collection[str]) -> list[str]:
     if not isinstance(topics, MutableMapping):
         return []
     clients = getattr(scheduler, "clients", {})
-    kept_clients = tuple(f"Client-{client_name(run_id)}-" for run_id in kept)
     dropped = []
     for name in list(topics):
         if not isinstance(name, str):
             continue
         ours = name.startswith(TOPIC_PREFIX) and name.removeprefix(TOPIC_PREFIX) not in kept
-        ours = ours or (
-            name.startswith(f"Client-{TASK_PREFIX}run-") and not name.startswith(kept_clients) and name not in clients
-        )
+        ours = ours or (name.startswith(f"Client-{TASK_PREFIX}run-") and name not in clients)
         if ours and topics.pop(name, None) is not None:
             dropped.append(name)
     return dropped
