@@ -164,34 +164,41 @@ def test_worker_optimizer_state_with_schedule_and_clipping(client, tmp_path, dig
 
 def _held_for(run_id):
     """What this worker process keeps for run ``run_id``: model copies (every thread's), hand-overs, optimizer
-    states, compressed updates' residuals."""
-    from vcdask import _held, compress, inner, overlap
+    states, compressed updates' residuals, the versions its tasks loaded, its share of a shard's batches."""
+    from vcdask import _held, compress, inner, overlap, worker
 
     with _held._lock:
         models = sum(1 for by_run in list(_held._every_thread.values()) for key in by_run if key[0] == run_id)
+        versions = sum(
+            1 for version, run in _held._version_runs.items() if run == run_id and version in _held._versions
+        )
     return {
         "models": models,
         "hand_overs": len(overlap._pending.get(run_id, ())),
         "optimizer_states": len(inner._kept.get(run_id, ())),
         "residuals": len(compress._residuals.get(run_id, ())),
+        "versions": versions,
+        "fractions": int(run_id in worker._fractions),
     }
 
 
 def test_a_run_that_ends_leaves_nothing_of_its_own_on_its_workers(client, tmp_path, digits_data):
-    """Each worker drops a run's model copies, optimizer states, hand-overs and residuals when the run ends
-    (on a GPU they are its memory: about 4 model sizes a worker thread, kept for runs long gone before)."""
+    """Each worker drops a run's model copies, optimizer states, hand-overs, residuals and the versions it loaded
+    when the run ends (on a GPU they are its memory: about 4 model sizes a worker thread, kept for runs long gone
+    before; the versions, pinned host memory, 4 model sizes a worker process), and its share of the shards."""
     (X, y), val = digits_data
     handle = _fit(
         _mlp(), (X, y), client, tmp_path, max_epochs=6, optimizer_state="worker", compression="int8", wait=False
     )
     deadline = time.monotonic() + 60
     held: dict = {}
+    kept = ("models", "optimizer_states", "residuals", "versions")
     while time.monotonic() < deadline and not handle.done():
         held = client.run(_held_for, handle.run_id)
-        if all(h["models"] and h["optimizer_states"] and h["residuals"] for h in held.values()):
+        if all(all(h[k] for k in kept) for h in held.values()):
             break  # (every worker trained, and keeps what it keeps between its tasks)
         time.sleep(0.05)
-    assert held and all(h["models"] and h["optimizer_states"] and h["residuals"] for h in held.values()), held
+    assert held and all(all(h[k] for k in kept) for h in held.values()), held
     result = handle.result()
     assert (result.history.outcome == "merged").all()
     deadline = time.monotonic() + 10  # (the run says it ended, then lets go of its workers' caches)

@@ -39,6 +39,7 @@ __all__ = [
 # -- per-process caches -------------------------------------------------------------------
 _lock = threading.Lock()
 _versions: OrderedDict[str, FlatParams] = OrderedDict()
+_version_runs: dict[str, str] = {}  # version -> the run a task of which loaded it (:func:`forget_versions`)
 _models = threading.local()
 _MAX_VERSIONS = 4
 
@@ -82,7 +83,7 @@ def keep_version(version: str, params: FlatParams) -> FlatParams:
         _versions[version] = params
         _versions.move_to_end(version)
         while len(_versions) > _MAX_VERSIONS:
-            _versions.popitem(last=False)
+            _version_runs.pop(_versions.popitem(last=False)[0], None)
     return params
 
 
@@ -171,6 +172,9 @@ def loaded_model(
     if params is None:
         assert version is not None, "a version or its parameters"
         params = version_params(store, version)
+    if version is not None:
+        with _lock:
+            _version_runs[version] = spec.run_id
     if device.type != "cpu":  # one copy per dtype to the device, then device-to-device into the tensors
         # (asynchronous only from pinned memory: from pageable memory (MPS) the source may go, with the version
         # evicted from the cache by another thread, before the copy has read it)
@@ -199,6 +203,18 @@ def forget(run_id: str) -> int:
     return dropped
 
 
+def forget_versions(run_id: str) -> int:
+    """Drop the versions run ``run_id``'s tasks loaded (pinned host memory on a CUDA worker: up to
+    :data:`_MAX_VERSIONS` models' worth, kept after the run ended until other runs' versions pushed them out);
+    how many there were."""
+    with _lock:
+        versions = [v for v, run in _version_runs.items() if run == run_id]
+        for version in versions:
+            _versions.pop(version, None)
+            del _version_runs[version]
+    return len(versions)
+
+
 def forget_losses(run_id: str) -> int:
     """Drop run ``run_id``'s loss copies (:func:`loss_on`); how many there were."""
     with _lock:
@@ -222,12 +238,14 @@ async def release_run(run_id: str) -> dict[str, int]:
 
 
 def _release(run_id: str) -> dict[str, int]:
-    from . import batches, compress, inner, overlap, spec
+    from . import batches, compress, inner, overlap, spec, worker
 
     dropped = {
         "specs": spec.forget(run_id),  # (a resumed run may have a new one: more epochs, its schedule's length)
         "rows": batches.forget(run_id),
         "models": forget(run_id),
+        "versions": forget_versions(run_id),
+        "fractions": worker.forget_fraction(run_id),
         "losses": forget_losses(run_id),
         "hand_overs": overlap.forget(run_id),
         "optimizer_states": inner.forget(run_id),

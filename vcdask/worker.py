@@ -91,6 +91,11 @@ _MAX_NEXT_BASES = 8
 _fractions: dict[str, float] = {}
 
 
+def forget_fraction(run_id: str) -> int:
+    """Drop run ``run_id``'s share of its shards' batches here (the run ended); 1 if there was one."""
+    return int(_fractions.pop(run_id, None) is not None)
+
+
 def _hand_over(run_id: str, record: dict[str, Any], own: FlatParams | None = None) -> None:
     """Send the task's record to the run as the task finishes.
 
