@@ -1,4 +1,5 @@
-"""Where runs execute: a given Dask client or cluster, or the process's embedded ``LocalCluster``.
+"""Where runs execute: a given Dask client or cluster, or the process's embedded ``LocalCluster`` (inside a Dask
+task, the task's own cluster, as ``distributed.get_client()`` gives it).
 
 The embedded cluster is started by the first run that needs it and shared by every later one of the
 process (:func:`embedded_client`), closed when the interpreter exits, as Dask's default client is.
@@ -30,6 +31,7 @@ __all__ = [
     "close_embedded",
     "embedded_client",
     "embedded_cluster",
+    "in_task",
     "is_embedded",
     "live_runs",
     "owns_client",
@@ -357,13 +359,26 @@ def _close_at_exit() -> None:
         logging.disable(previous)
 
 
+def in_task() -> bool:
+    """Whether this code runs inside a Dask task (``distributed.get_worker()`` finds the worker running it)."""
+    from distributed import get_worker
+
+    try:
+        get_worker()
+    except ValueError:  # ("No worker found")
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def resolve_client(client: Any, *, keep: bool = False) -> Iterator[Any]:
     """Yield a Client: the given one (left open), one for a given cluster or address (cluster left
     running; the client closed on exit, and on an exception even with ``keep``: with ``keep`` the
-    caller owns it, see :func:`owns_client`), or the process's shared embedded client
+    caller owns it, see :func:`owns_client`), or without one, inside a Dask task the task's own
+    cluster's (:func:`distributed.worker_client`: the task's thread leaves the worker's pool while the
+    run goes on, and its worker trains too), else the process's shared embedded client
     (:func:`embedded_client`, left running)."""
-    from distributed import Client
+    from distributed import Client, worker_client
 
     check_client(client)
     if isinstance(client, Client):
@@ -377,6 +392,9 @@ def resolve_client(client: Any, *, keep: bool = False) -> Iterator[Any]:
             raise
         if not keep:
             c.close()
+    elif in_task():  # (a worker process cannot start the embedded cluster's: daemonic processes have no children)
+        with worker_client() as c:
+            yield c
     else:
         yield embedded_client()
 

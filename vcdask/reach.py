@@ -56,7 +56,8 @@ def attach(run_id: str | FitResult | RunHandle, client: Any = None) -> RunHandle
         The run's id (``FitResult.run_id``, or the progress bar's label); a result or handle stands for its own.
     client : distributed.Client, cluster or str, optional
         A client, a cluster object or a scheduler address.  Default: the process's embedded cluster, where
-        ``fit`` and ``resume`` without ``client=`` run (when it is up), then the current default client.
+        ``fit`` and ``resume`` without ``client=`` run (when it is up), then inside a Dask task the task's
+        own cluster (where they run there), then the current default client.
 
     Raises
     ------
@@ -88,12 +89,15 @@ def attach(run_id: str | FitResult | RunHandle, client: Any = None) -> RunHandle
 
 
 def _attach_here(run_id: str) -> RunHandle:
-    """:func:`attach` without a client: the embedded cluster's run, else the default client's."""
-    from distributed import default_client
+    """:func:`attach` without a client: the embedded cluster's run, else (in a Dask task) the task's cluster's,
+    else the default client's."""
+    from distributed import default_client, get_client
 
-    from .cluster import running_embedded_client
+    from .cluster import in_task, running_embedded_client
 
     candidates = [running_embedded_client()]
+    if in_task():  # (where fit and resume without a client run there)
+        candidates.append(get_client())
     try:
         candidates.append(default_client())
     except ValueError:  # ("No clients found")
