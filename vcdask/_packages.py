@@ -9,28 +9,48 @@ PyTorch, naming the machines.  A PyTorch or vcdask release that differs from thi
 for PyTorch: a CPU build beside a CUDA one, ``2.4.1+cpu`` and ``2.4.0+cu121``, is the same) is a
 warning: such clusters often work, and the warning says what to install where a run then fails to
 unpickle its model.
+
+The answers are remembered in this process, by machine: each later check (every ``fit`` and ``resume`` on the
+same cluster) asks the scheduler once which workers it has and probes only the machines not seen before (a
+scheduler or worker started again has another id: it is asked again).  Only answers that imported both
+packages are remembered: a machine that lacked one, whose probe failed or that did not answer in time is
+asked again the next time.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import ClusterPackageError
 
-__all__ = ["PACKAGES", "PROBE_SECONDS", "NoAnswer", "ask_workers", "check_packages", "check_scheduler_error", "probe"]
+__all__ = [
+    "KNOWN_MACHINES",
+    "PACKAGES",
+    "PROBE_SECONDS",
+    "NoAnswer",
+    "ask_workers",
+    "check_packages",
+    "check_scheduler_error",
+    "probe",
+    "roster",
+]
 
 #: The packages every machine of a run's cluster must import.
 PACKAGES = ("vcdask", "torch")
 
 
-def _probe() -> Callable[[], Any]:
-    """The function sent to the machines: it imports each package of :data:`PACKAGES` (off the event loop:
-    a fresh worker's first ``import torch`` takes seconds) and answers its version, or the import's error as
-    ``"missing: <error>"``.  Defined inside a function so that cloudpickle sends its code by value: a machine
-    without vcdask could not unpickle a function pickled by reference to this module."""
+def _probe() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The functions sent to the machines: ``probe`` imports each package of :data:`PACKAGES` (off the event
+    loop: a fresh worker's first ``import torch`` takes seconds) and answers its version, or the import's error
+    as ``"missing: <error>"``; ``roster``, run on the scheduler, answers its id, its workers (address -> the id
+    of the worker's process) and, unless its id is ``known``, its own ``probe``.  Defined inside a function so
+    that cloudpickle sends their code by value: a machine without vcdask could not unpickle a function pickled
+    by reference to this module."""
 
     async def probe(packages: tuple[str, ...] = PACKAGES) -> dict[str, str]:
         import asyncio
@@ -47,10 +67,54 @@ def _probe() -> Callable[[], Any]:
 
         return await asyncio.get_running_loop().run_in_executor(None, versions)
 
-    return probe
+    async def roster(dask_scheduler: Any = None, known: str | None = None) -> dict[str, Any]:
+        workers = {
+            address: str(getattr(ws, "server_id", None) or f"{ws.name}/{ws.pid}")
+            for address, ws in dask_scheduler.workers.items()
+        }
+        seen: dict[str, Any] = {"id": str(dask_scheduler.id), "workers": workers}
+        if seen["id"] != known:
+            seen["versions"] = await probe()
+        return seen
+
+    return probe, roster
 
 
-probe = _probe()
+probe, roster = _probe()
+
+#: How many machines' answers a process remembers (the oldest forgotten first).
+KNOWN_MACHINES = 4096
+
+
+class _Known:
+    """The answers this process remembers, by machine (``"scheduler ADDRESS"``, ``"worker ADDRESS"``) with the
+    id of the process that answered (another process at that address is another machine); only answers that
+    imported every package of :data:`PACKAGES`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._answers: OrderedDict[str, tuple[str, dict[str, str]]] = OrderedDict()
+
+    def get(self, machine: str) -> tuple[str, dict[str, str]] | None:
+        """The id of the process at ``machine`` whose answer is kept, and that answer (None: none kept)."""
+        with self._lock:
+            return self._answers.get(machine)
+
+    def remember(self, machine: str, mid: str, found: Any) -> None:
+        """Keep ``found`` as the answer of process ``mid`` at ``machine`` if it imported every package; else
+        forget what was kept there (asked again next time)."""
+        ok = isinstance(found, Mapping) and all(_said(found, name) is None for name in PACKAGES)
+        with self._lock:
+            if not ok:
+                self._answers.pop(machine, None)
+                return
+            self._answers[machine] = (mid, dict(found))
+            self._answers.move_to_end(machine)
+            while len(self._answers) > KNOWN_MACHINES:
+                self._answers.popitem(last=False)
+
+
+_known = _Known()
 
 
 def check_packages(client: Any) -> None:
@@ -74,16 +138,33 @@ def check_packages(client: Any) -> None:
     import torch
 
     here = {"vcdask": sys.modules["vcdask"].__version__, "torch": torch.__version__}  # (importing vcdask: a cycle)
-    try:
-        scheduler = client.run_on_scheduler(probe)
+    address = client.scheduler.address
+    known = _known.get(f"scheduler {address}")
+    try:  # (one round trip: which workers there are, and the scheduler's own answer unless it is known)
+        seen = client.run_on_scheduler(roster, known=known[0] if known else None)
     except Exception as e:  # (a scheduler that cannot even run the probe)
         raise ClusterPackageError(
-            f"could not ask the scheduler at {client.scheduler.address} which vcdask and torch it has "
+            f"could not ask the scheduler at {address} which vcdask and torch it has "
             f"({type(e).__name__}: {e}); the scheduler needs both installed"
         ) from e
-    answers = {f"scheduler {client.scheduler.address}": scheduler}
-    answers.update({f"worker {w}": found for w, found in ask_workers(client, PROBE_SECONDS).items()})
+    if known is None or "versions" in seen:
+        found_there = seen.get("versions")
+        _known.remember(f"scheduler {address}", seen["id"], found_there)
+    else:  # (the scheduler remembered, with the id it answered)
+        found_there = known[1]
+    answers: dict[str, Any] = {f"scheduler {address}": found_there}
+    workers: dict[str, str] = seen["workers"]
+    kept = {w: _kept_answer(_known.get(f"worker {w}"), wid) for w, wid in workers.items()}
+    fresh = ask_workers(client, PROBE_SECONDS, workers=[w for w, found in kept.items() if found is None])
+    for w, found in fresh.items():
+        _known.remember(f"worker {w}", workers[w], found)
+    answers.update({f"worker {w}": fresh[w] if found is None else found for w, found in kept.items()})
     check_answers(answers, here)
+
+
+def _kept_answer(kept: tuple[str, dict[str, str]] | None, mid: str) -> dict[str, str] | None:
+    """The answer kept for a machine, if the process that gave it is the one there now (id ``mid``)."""
+    return kept[1] if kept is not None and kept[0] == mid else None
 
 
 #: Seconds each worker has to answer the probe.  One that does not (frozen, swapping, leaving) is left
@@ -95,14 +176,17 @@ class NoAnswer(Exception):
     """A worker did not answer the probe (no answer in time, or its connection failed): nothing is known."""
 
 
-def ask_workers(client: Any, timeout: float) -> dict[str, Any]:
-    """Each connected worker's answer to :data:`probe`, asked of all at once, each within ``timeout`` seconds:
-    a worker that does not answer in time or whose connection fails gives a :class:`NoAnswer`, and one whose
-    probe raised gives that exception.  (``client.run`` has no time limit: one frozen worker held it, and the
-    run's start, for good.)"""
+def ask_workers(client: Any, timeout: float, workers: list[str] | None = None) -> dict[str, Any]:
+    """Each worker's answer to :data:`probe` (``workers``: these addresses; default every connected worker),
+    asked of all at once, each within ``timeout`` seconds: a worker that does not answer in time or whose
+    connection fails gives a :class:`NoAnswer`, and one whose probe raised gives that exception.
+    (``client.run`` has no time limit: one frozen worker held it, and the run's start, for good.)"""
     import asyncio
 
-    workers = list(client.scheduler_info()["workers"])
+    if workers is None:
+        workers = list(client.scheduler_info()["workers"])
+    if not workers:
+        return {}
 
     async def one(worker: str) -> Any:
         try:
