@@ -11,6 +11,7 @@ cluster object to :func:`vcdask.fit` like any other.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
 import contextlib
@@ -34,6 +35,7 @@ __all__ = [
     "in_task",
     "is_embedded",
     "live_runs",
+    "notify_runs",
     "owns_client",
     "preempt",
     "preemption_notice",
@@ -416,6 +418,8 @@ def preempt(client: Any, worker: str, *, retire: bool = True, window: float | No
     without it, every shard there is re-issued at once.  With ``retire=True`` the worker is then
     retired gracefully (after the shards let finish).  :class:`vcdask.cloud.PreemptionWatcher`
     calls this when the provider's notice arrives (AWS: two minutes ahead; GCP, Azure: 30 s).
+    On a scheduler where no vcdask run has started, there is nothing to tell: with ``retire=True``
+    the worker is retired gracefully all the same.
 
     Parameters
     ----------
@@ -431,9 +435,9 @@ def preempt(client: Any, worker: str, *, retire: bool = True, window: float | No
     Returns
     -------
     dict
-        run id -> keys of the shard copies re-issued.
+        run id -> keys of the shard copies re-issued (empty on a scheduler without vcdask runs).
     """
-    return client.sync(client.scheduler.vcdask_preempt, worker=worker, retire=retire, window=window)
+    return client.sync(notify_runs, client.scheduler, worker, retire=retire, window=window)
 
 
 def preemption_notice(*, retire: bool = True, window: float | None = None) -> dict[str, list[str]]:
@@ -442,4 +446,31 @@ def preemption_notice(*, retire: bool = True, window: float | None = None) -> di
     from distributed.utils import sync
 
     worker = get_worker()
-    return sync(worker.loop, worker.scheduler.vcdask_preempt, worker=worker.address, retire=retire, window=window)
+    return sync(worker.loop, notify_runs, worker.scheduler, worker.address, retire=retire, window=window)
+
+
+async def notify_runs(
+    scheduler: Any,
+    worker: str,
+    *,
+    retire: bool,
+    window: float | None,
+    reason: str = "",
+    timeout: float | None = None,
+) -> dict[str, list[str]]:
+    """Hand a preemption notice for ``worker`` to the vcdask runs of the scheduler that ``scheduler`` (a client's
+    or a worker's connection to it) reaches, waiting ``timeout`` seconds at most for its answer; on a scheduler
+    whose vcdask plugin was never registered (no run started there), retire the worker (``retire``) as the
+    plugin would, and hand back no re-issued copies.
+
+    Dask answers a request for a handler it lacks with None (and logs "No handler vcdask_preempt found");
+    vcdask's own handler always answers a dict.
+    """
+    ask = scheduler.vcdask_preempt(worker=worker, retire=retire, window=window, reason=reason)
+    moved = await (ask if timeout is None else asyncio.wait_for(ask, timeout))
+    if moved is not None:
+        return moved
+    logger.info("preemption notice for %s: no vcdask run on its scheduler%s", worker, "; retiring it" if retire else "")
+    if retire:
+        await scheduler.retire_workers(workers=[worker], close_workers=True, stimulus_id=f"vcdask-preempt-{worker}")
+    return {}

@@ -12,6 +12,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import config
 from .._ints import is_real
+from ..cluster import notify_runs
 from .metadata import PROVIDERS, MetadataService, Notice, detect, provider_for
 
 logger = logging.getLogger(__name__)
@@ -149,13 +150,15 @@ class PreemptionWatcher(WorkerPlugin):
         self.notice = notice
         window = max(0.0, notice.seconds_left - (time.time() - notice.seen))
         logger.warning("%s: %s; draining", worker.address, notice.describe())
-        try:
-            await asyncio.wait_for(
-                worker.scheduler.vcdask_preempt(
-                    worker=worker.address, retire=True, window=window, reason=notice.describe()
-                ),
-                ANSWER_TIMEOUT,
+        try:  # (on a scheduler without vcdask runs, this retires the worker: nothing else to tell)
+            await notify_runs(
+                worker.scheduler,
+                worker.address,
+                retire=True,
+                window=window,
+                reason=notice.describe(),
+                timeout=ANSWER_TIMEOUT,
             )
-        except Exception as e:  # noqa: BLE001 - no vcdask on this scheduler (or it did not answer): just retire
-            logger.info("%s: vcdask did not take the notice (%s); retiring", worker.address, e)
+        except Exception as e:  # noqa: BLE001 - the scheduler did not answer in time (or failed): just retire
+            logger.info("%s: the scheduler did not take the notice (%r); retiring", worker.address, e)
             await worker.scheduler.retire_workers(workers=[worker.address], close_workers=True)
