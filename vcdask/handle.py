@@ -195,7 +195,10 @@ class RunHandle:
         Returns
         -------
         bool
-            False when the run had already ended (nothing to cancel), True otherwise.
+            True when the run is cancelled, by this call or already before it (as
+            :meth:`concurrent.futures.Future.cancel` answers); False when it had ended otherwise (finished or
+            failed), or was already stopping for another reason (:meth:`stop`, a target reached: it ends with
+            a result).
         """
         if self._res is not None:
             return self._res["status"] == "cancelled"
