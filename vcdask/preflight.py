@@ -165,10 +165,21 @@ def _check_input_dtypes(prepared: PreparedData) -> None:
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype floating inputs (and float labels) take for ``model``: the floating dtype holding most of its
+    parameters' elements (the first such one on a tie), else torch's default dtype.
+
+    A model's layers decide what its inputs must be: a float64 scalar on the root module beside float32 layers
+    (a learned temperature, ``self.log_temp``, registered before them, so first in ``parameters()``) does not make
+    float64 inputs, nor does an empty float64 parameter.  Recorded as the run's ``RunSpec.x_dtype``: the workers
+    cast their batches to it.
+    """
+    elements: dict[torch.dtype, int] = {}
     for p in model.parameters():
         if p.is_floating_point():
-            return p.dtype
-    return torch.get_default_dtype()
+            elements[p.dtype] = elements.get(p.dtype, 0) + p.numel()
+    if not elements:
+        return torch.get_default_dtype()
+    return max(elements, key=lambda dtype: elements[dtype])  # (max keeps the first of equals: dicts keep order)
 
 
 def check_model(
@@ -219,9 +230,12 @@ def check_model(
             with torch.no_grad():  # integer inputs (token ids...) the model takes as they are
                 out, cast = probe(X), False
         except Exception:  # noqa: BLE001 - reported with the first error
+            fed = _name(x_dtype) if cast else _name(X.dtype)
+            given = str(prepared.x_dtype).removeprefix("torch.")
+            how = f", fed to the model as {fed} (the dtype of most of its parameters)" if fed != given else ""
             raise DataError(
                 f"the model cannot process the {what} data: samples of shape {tuple(prepared.x_shape)} "
-                f"and dtype {prepared.x_dtype} -> {type(e).__name__}: {e}"
+                f"and dtype {prepared.x_dtype}{how} -> {type(e).__name__}: {e}"
             ) from e
     if not isinstance(out, torch.Tensor):  # (a tuple, a dict: the user's step picks the output to train on)
         raise DataError(
@@ -329,11 +343,15 @@ def check_target(target: Any, metric_names: Sequence[str] | None = None) -> dict
     return {k: float(v) for k, v in target.items()}
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _probe(model: torch.nn.Module, sample_X: Any) -> torch.Tensor | None:
     """The model's outputs for a few rows, on a copy on the CPU (None when the model cannot take them)."""
     probe = cpu_copy(model).eval()
     X = torch.as_tensor(np.ascontiguousarray(sample_X))
-    dtype = next((p.dtype for p in probe.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    dtype = model_dtype(probe)
     with torch.no_grad():
         for x in (X.to(dtype),) if X.is_floating_point() else (X.to(dtype), X):
             try:
