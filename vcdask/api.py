@@ -150,7 +150,9 @@ def fit(
         and worker time): the result then says it was not validated (``FitResult.notes``, the panel's
         title), and warns when the training loss diverged (:mod:`vcdask.diagnose`).
     metrics : list of names/callables or dict, optional
-        Default: ``["accuracy"]`` for classification, ``["mae"]`` otherwise.
+        Default: ``["accuracy"]`` for classification (integer labels, or float 0/1 labels of one logit each,
+        trained with ``binary_cross_entropy_with_logits``), ``["mae"]`` otherwise.  A classifier's ``"mae"`` and
+        ``"mse"`` are the errors of its predicted class ids.
     client : distributed.Client, cluster or scheduler address, optional
         Where to run: a client (left open), a cluster object or a scheduler's address
         (``"tcp://10.0.0.5:8786"``: the run opens a client of its own, and closes it when ``fit`` returns;

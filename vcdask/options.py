@@ -10,6 +10,7 @@ check their own values (:mod:`vcdask.groups`); :func:`plan` checks what needs th
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -28,7 +29,7 @@ from .finite import check_finite
 from .groups import Merging, Stopping, Training
 from .holdout import check_early_stopping, hold_out
 from .merge import Auto, MergeRule, get_rule
-from .metrics import check_accuracy, check_metric_names, class_axis, class_ids, metric_name
+from .metrics import check_accuracy, check_metric_names, class_axis, class_ids, metric_name, one_logit, unwrapped
 from .optimizers import check_inner_optimizer, resolve_optimizer
 from .overlap import check_overlap
 from .preflight import HALF_DTYPES, check_model, check_probe_cost, check_run, check_target, model_dtype
@@ -50,6 +51,7 @@ __all__ = [
     "METRICS",
     "RunPlan",
     "accuracy",
+    "binary_classifier",
     "mae",
     "mse",
     "plan",
@@ -73,20 +75,23 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> float:
     return float((class_ids(output, target.shape) == target).float().mean()) if len(target) else float("nan")
 
 
-def mae(output: torch.Tensor, target: torch.Tensor) -> float:
-    """Mean absolute error; of a classifier, that of its predicted class ids (ordered classes: ratings)."""
-    return float(torch.nn.functional.l1_loss(*_predicted(output, target)))
+def mae(output: torch.Tensor, target: torch.Tensor, *, logits: bool = False) -> float:
+    """Mean absolute error; of a classifier, that of its predicted class ids (ordered classes: ratings).
+    ``logits``: the outputs are one logit per label of a binary classifier (see :func:`resolve_metrics`)."""
+    return float(torch.nn.functional.l1_loss(*_predicted(output, target, logits)))
 
 
-def mse(output: torch.Tensor, target: torch.Tensor) -> float:
-    """Mean squared error; of a classifier, that of its predicted class ids (ordered classes: ratings)."""
-    return float(torch.nn.functional.mse_loss(*_predicted(output, target)))
+def mse(output: torch.Tensor, target: torch.Tensor, *, logits: bool = False) -> float:
+    """Mean squared error; of a classifier, that of its predicted class ids (ordered classes: ratings).
+    ``logits``: the outputs are one logit per label of a binary classifier (see :func:`resolve_metrics`)."""
+    return float(torch.nn.functional.mse_loss(*_predicted(output, target, logits)))
 
 
-def _predicted(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What an error metric compares: a classifier's class ids (its scores per class, integer labels:
-    :func:`vcdask.metrics.class_ids`) as numbers, or a regression's outputs in the labels' shape."""
-    if not target.is_floating_point() and class_axis(output.shape, target.shape) is not None:
+def _predicted(output: torch.Tensor, target: torch.Tensor, logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an error metric compares: a classifier's class ids (its scores per class, integer labels; one logit
+    per float 0/1 label, ``logits``: :func:`vcdask.metrics.class_ids`) as numbers, or a regression's outputs in
+    the labels' shape."""
+    if logits or (not target.is_floating_point() and class_axis(output.shape, target.shape) is not None):
         return class_ids(output, target.shape).float(), target.float()
     return output.reshape(target.shape), target
 
@@ -118,28 +123,47 @@ def _mse_matching(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(output.reshape(target.shape), target)
 
 
-def resolve_metrics(metrics, classification: bool) -> dict[str, Callable]:
+def resolve_metrics(metrics, classification: bool, binary: bool = False) -> dict[str, Callable]:
     """``metrics=`` as ``{name: fn(output, target) -> float}`` (names from :data:`METRICS`, callables named by
     :func:`vcdask.metrics.metric_name`, or a dict); raises ValueError for an unknown name or names that collide
-    (:func:`vcdask.metrics.check_metric_names`), TypeError for a value that is not a callable."""
+    (:func:`vcdask.metrics.check_metric_names`), TypeError for a value that is not a callable.
+
+    ``binary``: a binary classifier of one logit per float 0/1 label (:func:`binary_classifier`): a classifier's
+    default, ``accuracy``, and :func:`mae` / :func:`mse` of its class ids (class 1 where the logit is above 0),
+    as ``accuracy`` and :meth:`FitResult.predict <vcdask.FitResult.predict>` read them, not of its logits.
+    """
     if metrics is None:
-        return {"accuracy": accuracy} if classification else {"mae": mae}
+        return {"accuracy": accuracy} if classification or binary else {"mae": mae}
     if isinstance(metrics, str):
         metrics = [metrics]
     if isinstance(metrics, Mapping):
         bad = [k for k, v in metrics.items() if not callable(v)]
         if bad:
             raise TypeError(f"metrics {bad} are not callables (output, target) -> float")
-        return dict(zip(check_metric_names(metrics), metrics.values(), strict=True))
-    named = []
-    for m in metrics:
-        if callable(m):
-            named.append((metric_name(m), m))  # (a partial: "topk(k=3)")
-        elif m in METRICS:
-            named.append((m, METRICS[m]))
-        else:
-            raise ValueError(f"unknown metric {m!r}; available: {sorted(METRICS)} (or a callable)")
-    return dict(zip(check_metric_names(n for n, _ in named), (fn for _, fn in named), strict=True))
+        named = list(zip(check_metric_names(metrics), metrics.values(), strict=True))
+    else:
+        named = []
+        for m in metrics:
+            if callable(m):
+                named.append((metric_name(m), m))  # (a partial: "topk(k=3)")
+            elif m in METRICS:
+                named.append((m, METRICS[m]))
+            else:
+                raise ValueError(f"unknown metric {m!r}; available: {sorted(METRICS)} (or a callable)")
+        check_metric_names(n for n, _ in named)
+    return {name: functools.partial(fn, logits=True) if binary and _error(fn) else fn for name, fn in named}
+
+
+def _error(fn: Callable) -> bool:
+    """Whether ``fn`` is vcdask's :func:`mae` or :func:`mse`."""
+    return fn is mae or fn is mse
+
+
+def binary_classifier(prepared: PreparedData, loss: Callable) -> bool:
+    """Whether a run of the default step on ``prepared`` with ``loss`` is a binary classifier of one logit per
+    label: float labels and a loss of :func:`vcdask.metrics.one_logit` (as
+    :func:`vcdask.predict.binary_classifier` reads the run's spec)."""
+    return not prepared.classification and one_logit(loss)
 
 
 @dataclass(frozen=True)
@@ -265,8 +289,8 @@ def plan(
     check_run(model, prepared, loss=loss, train_step=train_step)  # causes and remedies, before the probes below
     if train_step is None:
         loss_fn = resolve_loss(loss, prepared.classification)
-        metric_fns = resolve_metrics(metrics, prepared.classification)
-        ours = [n for n, fn in metric_fns.items() if any(fn is f for f in METRICS.values())]
+        metric_fns = resolve_metrics(metrics, prepared.classification, binary_classifier(prepared, loss_fn))
+        ours = [n for n, fn in metric_fns.items() if any(unwrapped(fn) is f for f in METRICS.values())]
         cast_x = check_model(
             model, prepared, loss_fn, prepared.classification, x_dtype, metrics=metric_fns, strict=ours
         )
