@@ -16,6 +16,7 @@ import functools
 import inspect
 import math
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -85,7 +86,9 @@ def resolve_optimizer(optimizer: Any, lr: float) -> Callable[..., torch.optim.Op
     return optimizer
 
 
-def check_inner_optimizer(make: Callable, model: torch.nn.Module, *, given: Any, lr: float) -> None:
+def check_inner_optimizer(
+    make: Callable, model: torch.nn.Module, *, given: Any, lr: float, clip_grad_norm: float | None = None
+) -> None:
     """Build ``make(params)`` on a CPU copy of ``model``, as each worker does on its copy, and refuse what would
     train wrong or fail on the cluster.
 
@@ -99,13 +102,18 @@ def check_inner_optimizer(make: Callable, model: torch.nn.Module, *, given: Any,
         ``fit``'s ``optimizer=``, as the messages name it.
     lr : float
         ``fit``'s ``lr=``.
+    clip_grad_norm : float, optional
+        ``fit``'s ``clip_grad_norm=``: checked against the sparse gradients of the model's embeddings.
 
     Raises
     ------
     ValueError
         The optimizer holds parameters that are not the copy's (a closure over the caller's model), needs a
         closure at every step (LBFGS), or a factory uses an ``lr=`` that is not the default in none of its groups;
-        ``make`` raised a ``ValueError`` (or another error but a ``TypeError``).
+        ``make`` raised a ``ValueError`` (or another error but a ``TypeError``); the model has embeddings with
+        sparse gradients (``torch.nn.Embedding(sparse=True)``, ``EmbeddingBag``) that the optimizer's step or the
+        clipping cannot take (Adam, AdamW, SparseAdam beside dense layers, SGD with weight decay; any
+        ``clip_grad_norm``).
     TypeError
         ``make`` does not return a ``torch.optim.Optimizer``, or raised a ``TypeError``.
 
@@ -137,6 +145,7 @@ def check_inner_optimizer(make: Callable, model: torch.nn.Module, *, given: Any,
             "steps from the gradients (torch.optim.Adam, AdamW, SGD, ...)"
         )
     _check_groups(optimizer, copy_, model, name)
+    _check_sparse_gradients(optimizer, copy_, name, clip_grad_norm)
     if lr != DEFAULT_LR and not (given is None or _optimizer_class(given) or _class_partial(given)):
         rates = sorted({float(group["lr"]) for group in optimizer.param_groups if "lr" in group})
         if not any(math.isclose(rate, lr, rel_tol=1e-6) for rate in rates):  # (a base rate beside a group's own)
@@ -146,6 +155,68 @@ def check_inner_optimizer(make: Callable, model: torch.nn.Module, *, given: Any,
                 "function, or pass a class with lr= (optimizer=torch.optim.AdamW, lr=...) or a partial without lr "
                 "(optimizer=functools.partial(torch.optim.AdamW, weight_decay=0.01), lr=...)"
             )
+
+
+def _check_sparse_gradients(
+    optimizer: torch.optim.Optimizer, copy_: torch.nn.Module, name: str, clip_grad_norm: float | None
+) -> None:
+    """Embeddings with sparse gradients (``torch.nn.Embedding(sparse=True)``, ``EmbeddingBag``) take one step of
+    the optimizer (and the clipping, with ``clip_grad_norm``), as a task takes it, on the CPU copy: a sparse gradient
+    on their weights, a dense one on one other parameter (SparseAdam refuses those), none elsewhere (no state is
+    made for the rest).  Most optimizers refuse sparse gradients (Adam: 'Adam does not support sparse gradients'),
+    and so does the clipping ('aten::linalg_vector_norm' on 'SparseCPU'): every task failed on the cluster."""
+    holders = Counter(id(p) for m in copy_.modules() for p in m.parameters(recurse=False))
+    sparse = {  # (a weight tied to another layer's, an output layer's, gets dense gradients: sparse + dense)
+        path: module
+        for path, module in copy_.named_modules()
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        and module.sparse
+        and module.weight.requires_grad
+        and holders[id(module.weight)] == 1
+    }
+    if not sparse:
+        return
+    modules = _names([f"{path or 'the model itself'} ({type(m).__name__}(sparse=True))" for path, m in sparse.items()])
+    sparse_ids = {id(m.weight) for m in sparse.values()}
+    dense = [p for p in copy_.parameters() if p.requires_grad and id(p) not in sparse_ids]
+    stepped = [m.weight for m in sparse.values()] + sorted(dense, key=torch.Tensor.numel)[:1]
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.grad = None
+        for t in stepped:
+            if id(t) in sparse_ids:  # (as an embedding's backward gives it: the rows of the ids it looked up)
+                ids = torch.zeros((1, 1), dtype=torch.long)
+                t.grad = torch.sparse_coo_tensor(ids, torch.zeros_like(t[:1]), t.shape, check_invariants=True)
+            else:
+                t.grad = torch.zeros_like(t)
+    dense_fix = "pass sparse=False to the embedding (dense gradients, which every optimizer and the clipping take)"
+    if clip_grad_norm is not None:
+        try:
+            torch.nn.utils.clip_grad_norm_(stepped, clip_grad_norm)
+        except Exception as e:  # (torch's refusal, said with the remedy)
+            raise ValueError(
+                f"clip_grad_norm={clip_grad_norm!r} cannot clip the sparse gradients of {modules} "
+                f"({_said(e)}), and every task would fail on the cluster: "
+                f"{dense_fix}, or leave clip_grad_norm unset (with optimizer=torch.optim.SGD or Adagrad, which "
+                "take sparse gradients)"
+            ) from e
+    try:
+        with warnings.catch_warnings():  # (torch's own notes on sparse tensors, for a step on a copy)
+            warnings.simplefilter("ignore")
+            optimizer.step()
+    except Exception as e:  # (the step every task would take, said with the remedy)
+        raise ValueError(
+            f"optimizer={name} cannot step the sparse gradients of {modules} ({_said(e)}), and every task would "
+            f"fail on the cluster: {dense_fix}, or pass an "
+            "optimizer that takes sparse gradients beside dense ones: optimizer=torch.optim.SGD (without "
+            "weight_decay) or torch.optim.Adagrad"
+        ) from e
+
+
+def _said(e: Exception) -> str:
+    """An error's type and first sentence (torch's dispatcher lists every backend after it)."""
+    first = (str(e).strip().splitlines() or [""])[0].split(". ")[0]
+    return f"{type(e).__name__}: {first}"
 
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
