@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +32,7 @@ __all__ = [
     "HALF_DTYPES",
     "check_model",
     "check_model_precision",
+    "check_nonpersistent_buffers",
     "check_probe_cost",
     "check_run",
     "check_target",
@@ -71,10 +72,16 @@ def check_run(model: torch.nn.Module, prepared: PreparedData, *, loss: Any, trai
         String labels; float labels on a classifier with the default loss, or with ``loss="cross_entropy"``
         / ``"nll"``; outputs and labels whose shapes ``loss="mse"`` / ``"l1"`` would broadcast.  (Outputs that
         are not one tensor, a tuple or a dict, are refused by :func:`check_model`, which follows.)
+
+    Warns
+    -----
+    UserWarning
+        A non-persistent buffer that a forward pass in train mode changes (:func:`check_nonpersistent_buffers`).
     """
     check_model_precision(model)
     check_trainable(model)  # parameters to train (vcdask.trainable)
     _check_input_dtypes(prepared)
+    check_nonpersistent_buffers(model, prepared, train_step=train_step)
     if train_step is not None or prepared.form != "xy" or prepared.sample_y is None:
         return
     y = np.asarray(prepared.sample_y)
@@ -150,6 +157,75 @@ def check_model_precision(model: torch.nn.Module) -> None:
             "(model.float()) and pass precision='16-mixed' (float16 autocast with a gradient scaler) or "
             "precision='bf16' (bfloat16 autocast): the parameters stay float32 and the arithmetic runs in half"
         )
+
+
+def check_nonpersistent_buffers(model: torch.nn.Module, prepared: PreparedData, *, train_step: Any = None) -> None:
+    """Warn when a non-persistent buffer (``register_buffer(name, t, persistent=False)``) changes in a forward pass
+    in train mode (the default step's ``model(X)``, or ``train_step``, on a few rows, on a copy, on the CPU):
+    vcdask merges and returns a model's ``state_dict()``, which leaves such buffers out, so what the workers'
+    copies count in them is neither merged nor returned (``result.model`` keeps the values given to ``fit``).
+
+    A buffer the pass replaces with one of another shape or dtype (a cache sized to the inputs) is not said.
+
+    Warns
+    -----
+    UserWarning
+        Naming the buffers that changed and the remedy (register them persistent).
+    """
+    names = [
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        for name in sorted(module._non_persistent_buffers_set)
+        if module._buffers.get(name) is not None
+    ]
+    if not names:
+        return
+    from .steps import eval_modules, probe_batch, train_mode
+
+    dtype = model_dtype(model)
+    step: Callable[[torch.nn.Module, Any], Any]
+    if train_step is not None:
+        step, batches = train_step, [probe_batch(prepared, dtype)]
+    elif prepared.sample_X is not None:
+        X = torch.as_tensor(np.ascontiguousarray(prepared.sample_X))
+        step, batches = _forward, [X.to(dtype)] if X.is_floating_point() else [X.to(dtype), X]  # (check_model's)
+    else:
+        return
+    frozen = eval_modules(model)
+    for batch in batches:
+        probe = train_mode(cpu_copy(model), frozen)
+        before = {name: probe.get_buffer(name).clone() for name in names}
+        try:
+            with torch.no_grad():
+                step(probe, batch)
+        except Exception:  # noqa: BLE001 - the user's model or step: check_model / check_steps report it
+            continue
+        changed = []
+        for name, was in before.items():
+            now = probe.get_buffer(name) if _has_buffer(probe, name) else None
+            if now is not None and now.shape == was.shape and now.dtype == was.dtype and not torch.equal(now, was):
+                changed.append(name)
+        if changed:
+            shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+            warnings.warn(
+                f"the model's non-persistent buffer{'s' if len(changed) > 1 else ''} {shown} (registered with "
+                "persistent=False) changed in a forward pass in train mode, but vcdask merges and returns the "
+                "model's state_dict(), which leaves such buffers out: what the workers count in them is neither "
+                "merged nor returned (result.model keeps the values given to fit). To keep them, register them "
+                "persistent: self.register_buffer(name, tensor) (persistent=True, the default)",
+                UserWarning,
+                stacklevel=5,  # (fit's caller: through fit, plan and check_run)
+            )
+        return
+
+
+def _forward(model: torch.nn.Module, x: torch.Tensor) -> Any:
+    return model(x)
+
+
+def _has_buffer(model: torch.nn.Module, name: str) -> bool:
+    path, _, leaf = name.rpartition(".")
+    return model.get_submodule(path)._buffers.get(leaf) is not None
 
 
 def _check_input_dtypes(prepared: PreparedData) -> None:
