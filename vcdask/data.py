@@ -375,9 +375,25 @@ def _zarr_source(data: Any, storage_options) -> DataSource | None:
                 "an instance role (profile=... is fine here), and pass only non-secret options such as "
                 "endpoint_url"
             )
-        return DataSource(data, (), "", "", 0, dict(storage_options or {}))
+        return DataSource(_absolute(data), (), "", "", 0, dict(storage_options or {}))
     mod = type(data).__module__
     if mod.startswith("icechunk"):
         store = data.store if hasattr(data, "snapshot_id") else data  # a Session or its store
         return DataSource(None, (), "", "", 0, {}, store)
     return None
+
+
+def _absolute(url: str) -> str:
+    """``url`` as the workers open it: a local path (no scheme, ``file://`` or ``local://``) made absolute against
+    this process's working directory when ``fit`` is called, as the checks read it (a worker's is another: the one
+    it started in, before an ``os.chdir`` or Jupyter's ``%cd`` here, or on another machine); other URLs as given."""
+    import os
+
+    from fsspec.core import split_protocol
+
+    protocol, path = split_protocol(url)
+    if protocol is None:
+        return os.path.abspath(os.path.expanduser(url))
+    if protocol in ("file", "local"):
+        return f"{protocol}://{os.path.abspath(os.path.expanduser(path))}"
+    return url  # (another filesystem, or a chain of them: "simplecache::s3://...")
