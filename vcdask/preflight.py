@@ -140,16 +140,17 @@ def check_run(model: torch.nn.Module, prepared: PreparedData, *, loss: Any, trai
 def check_model_precision(model: torch.nn.Module) -> None:
     """Refuse a model with half-precision parameters (``model.half()``), pointing to ``precision=``.
 
+    Half-precision buffers beside float32 parameters (a mask, a float16 table) are taken: a buffer is not
+    trained, and a version stores it as it is (merged as an average, which a half dtype holds).
+
     Raises
     ------
     ValueError
-        Naming the parameters' dtype and the remedy.
+        Naming the parameters, their dtype and the remedy.
     """
-    half = sorted(
-        {str(t.dtype).removeprefix("torch.") for t in (*model.parameters(), *model.buffers()) if t.dtype in HALF_DTYPES}
-    )
-    if half:
-        names = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.dtype in HALF_DTYPES]
+    names = [n for n, p in model.named_parameters() if p.dtype in HALF_DTYPES]
+    if names:
+        half = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.dtype in HALF_DTYPES})
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise ValueError(
             f"the model holds {'/'.join(half)} parameters ({shown}): trained and merged in half precision, "

@@ -56,19 +56,42 @@ def check_trainable(model: torch.nn.Module) -> None:
         )
     state = model.state_dict()
     _check_tensors_only(state)
-    unstorable = []
+    unstorable: list[str] = []
+    remedies: dict[str, None] = {}  # (each remedy once, in order)
     for name, t in state.items():
         try:
             dtype_name(t.dtype)
         except TypeError:
             unstorable.append(f"{name} ({str(t.dtype).removeprefix('torch.')})")
+            remedies.setdefault(_remedy(t.dtype), None)
     if unstorable:
         raise TypeError(
             f"the model holds {_listed(unstorable)} of a dtype vcdask cannot store in a version; supported dtypes: "
-            f"{sorted(_DTYPES)}. Keep a complex parameter as a real one of its real and imaginary parts, "
+            f"{sorted(_DTYPES)}. {'; '.join(remedies)}"
+        )
+
+
+def _remedy(dtype: torch.dtype) -> str:
+    """What to keep a tensor of an unstorable ``dtype`` as instead."""
+    name = str(dtype).removeprefix("torch.")
+    if dtype.is_complex:
+        return (
+            "Keep a complex tensor as a real one of its real and imaginary parts, "
             "torch.nn.Parameter(torch.view_as_real(w)) (shape (..., 2)), and make the complex tensor in forward "
             "(torch.view_as_complex(self.w))"
         )
+    if name.startswith("uint"):  # (uint16, uint32, uint64: torch's own arithmetic on them is limited too)
+        wider = {"uint16": "int32"}.get(name, "int64")
+        return (
+            f"Keep a {name} tensor as {wider} (t.to(torch.{wider}), which holds its values"
+            f"{'' if name != 'uint64' else ' below 2**63'}) and cast it in forward where the {name} matters"
+        )
+    if dtype.is_floating_point:  # (float8 / float4 variants)
+        return (
+            f"Keep a {name} tensor in float32 (t.float()) and cast it to {name} in forward where that matters "
+            "(for lower-precision arithmetic, precision='bf16' or '16-mixed' runs it with float32 parameters)"
+        )
+    return f"Keep a {name} tensor as one of the supported dtypes and convert it in forward"
 
 
 def _check_tensors_only(state: dict) -> None:
