@@ -28,7 +28,7 @@ from .cluster import check_client, owns_client, resolve_client
 from .data import Shards
 from .device import cpu_copy
 from .engine.end import read_record
-from .errors import VersionNotFoundError
+from .errors import StoreNotFoundError, VersionNotFoundError
 from .extend import check_extend, epochs_done, keep_max_epochs
 from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
@@ -328,9 +328,12 @@ def resume(
     Parameters
     ----------
     run_id : str, FitResult or RunHandle
-        The run's id; a result or handle of the run stands for its own.
+        The run's id; a result or handle of the run stands for its own, and for its store.
     store : str, path or ParamStore, optional
-        The run's store (default ``./vcdask-runs``).
+        The run's store.  Default: a result's own store (``FitResult.store``); a handle's once it holds its
+        run's result (after ``handle.result()`` or ``handle.cancel()``: before, a handle knows only the run's
+        id, so pass ``store=`` unless the run is in ``./vcdask-runs``); for a run id, ``./vcdask-runs``.  A
+        ``store=`` given is the one searched, over a result's own.
     client : distributed.Client or cluster, optional
         Default: the process's embedded LocalCluster (see :func:`vcdask.fit`).
     progress : bool, default True
@@ -350,7 +353,8 @@ def resume(
     Raises
     ------
     VersionNotFoundError
-        The store has no branch ``run_id`` (the message lists the runs it has).
+        The store has no branch ``run_id`` (the message lists the runs it has; for a handle that does not hold
+        its run's store, it says to pass ``store=``).
     ValueError
         ``max_epochs`` is not more than the epochs the run has done (both named).
     RunLiveElsewhereError
@@ -370,14 +374,12 @@ def resume(
     >>> result = vcdask.fit(model, (X, y), max_epochs=5)                  # doctest: +SKIP
     >>> more = vcdask.resume(result.run_id, max_epochs=8)                 # 3 more epochs  # doctest: +SKIP
     """
-    run_id = run_id_of(run_id, "resume")
+    run = run_id
+    run_id = run_id_of(run, "resume")
     check_client(client)
     if max_epochs is not None:
         max_epochs = positive_int("max_epochs", max_epochs)
-    param_store = open_store(DEFAULT_STORE if store is None else store, mode="r+")
-    if run_id not in param_store.branches() or not param_store.files.exists(spec_path(run_id)):
-        runs = sorted(b for b in param_store.branches() if param_store.files.exists(spec_path(b)))
-        raise VersionNotFoundError(f"no run {run_id!r} in {param_store.location!r}; runs: {runs}")
+    param_store = _run_store(run, run_id, store)
     if max_epochs is not None:
         check_extend(param_store, run_id, max_epochs)  # (and a schedule over the run that starts again, said)
     t0 = time.perf_counter()
@@ -391,3 +393,43 @@ def resume(
             return handle
         handle.wait(progress=progress)
         return handle.result(wall_time=time.perf_counter() - t0)
+
+
+def _run_store(run: Any, run_id: str, store: Any) -> ParamStore:
+    """The store that :func:`resume` continues ``run_id`` in (``run``: as given to it): ``store`` when given,
+    over a result's own; else the run's own (:func:`_own_store`); else ``./vcdask-runs``.
+
+    Raises
+    ------
+    VersionNotFoundError
+        The store has no run ``run_id`` (the runs it has listed); a handle that does not hold its store is
+        told to pass ``store=``, also where ``./vcdask-runs`` does not exist.
+    """
+    own = _own_store(run) if store is None else None
+    unknown = store is None and own is None and isinstance(run, RunHandle)
+    hint = (
+        f"; this handle of run {run_id} does not hold its run's store (it does once it has collected the run's "
+        "result, handle.result(), or cancelled it): pass store=, the store fit was given"
+        if unknown
+        else ""
+    )
+    try:
+        param_store = open_store(store if store is not None else own if own is not None else DEFAULT_STORE, mode="r+")
+    except StoreNotFoundError as e:
+        if not unknown:
+            raise
+        raise VersionNotFoundError(f"{e}{hint}") from None
+    if run_id not in param_store.branches() or not param_store.files.exists(spec_path(run_id)):
+        runs = sorted(b for b in param_store.branches() if param_store.files.exists(spec_path(b)))
+        raise VersionNotFoundError(f"no run {run_id!r} in {param_store.location!r}; runs: {runs}{hint}")
+    return param_store
+
+
+def _own_store(run: Any) -> ParamStore | None:
+    """The store a result or a handle of a run names: a :class:`FitResult`'s own; a :class:`RunHandle`'s once
+    it holds the run's result (collected, or the run cancelled through it: the store comes pickled in it, as
+    ``handle.result()`` reads it); None otherwise (a run id, a handle that knows only the id)."""
+    if isinstance(run, FitResult):
+        return run.store
+    res = run._res if isinstance(run, RunHandle) else None  # (RunHandle keeps no store of its own before that)
+    return None if res is None else pickle.loads(res["store"])
