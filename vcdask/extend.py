@@ -45,7 +45,7 @@ def check_extend(store: ParamStore, run_id: str, max_epochs: int) -> None:
             f"pass max_epochs > {done} (the total number of epochs, not the number to add)"
         )
     logger.info("run %s: %d epochs done, training up to %d", run_id, done, max_epochs)
-    note = schedule_restart(loads(store.files.get(spec_path(run_id))), done, max_epochs)
+    note = schedule_restart(loads(store.files.get(spec_path(run_id)), store), done, max_epochs)
     if note is not None:
         warnings.warn(f"run {run_id}: {note}", UserWarning, stacklevel=3)
 
@@ -98,7 +98,8 @@ def schedule_restart(spec: Any, done: int, max_epochs: int) -> str | None:
 
 
 def keep_max_epochs(store: ParamStore, run_id: str, max_epochs: int) -> None:
-    """Keep the run's new ``max_epochs`` in its spec (a later plain ``resume`` trains up to it)."""
-    spec = loads(store.files.get(spec_path(run_id)))
+    """Keep the run's new ``max_epochs`` in its spec (a later plain ``resume`` trains up to it), in ``store``: the
+    spec read from it is bound to it (:func:`vcdask.spec.bind`), wherever it was written."""
+    spec = loads(store.files.get(spec_path(run_id)), store)
     if spec.max_epochs != max_epochs:
         save_spec(dataclasses.replace(spec, max_epochs=max_epochs))

@@ -1,11 +1,14 @@
 """The run specification: everything about a run that workers and the scheduler plugin need.
 
 Written once per run to ``<store>/runs/<run_id>/spec.pkl`` (cloudpickle) and read once per
-process.  It holds no secret: the store inside pickles as its location and non-secret options.
+process.  It holds no secret: the store inside pickles as its location and non-secret options.  A spec read
+from a store is bound to that store (:func:`bind`): a store copied or moved elsewhere trains, records and
+resumes there, never where its specs were written.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import threading
@@ -16,7 +19,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["MOVED_MODULES", "RunSpec", "forget", "load_spec", "loads", "record_path", "save_spec", "spec_path"]
+__all__ = [
+    "MOVED_MODULES",
+    "RunSpec",
+    "bind",
+    "forget",
+    "load_spec",
+    "loads",
+    "record_path",
+    "save_spec",
+    "spec_path",
+]
 
 
 def spec_path(run_id: str) -> str:
@@ -136,9 +149,42 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(MOVED_MODULES.get(module, module), name)
 
 
-def loads(data: bytes) -> RunSpec:
-    """A spec from its bytes (as :func:`save_spec` wrote them, by this or an earlier vcdask version)."""
-    return _Unpickler(io.BytesIO(data)).load()
+def loads(data: bytes, store: Any = None) -> RunSpec:
+    """A spec from its bytes (as :func:`save_spec` wrote them, by this or an earlier vcdask version); with
+    ``store``, the store they were read from, bound to it (:func:`bind`).
+
+    Unpickling opens no store (a store unpickles unopened: :class:`vcdask.store._copies.Unopened`), so the
+    store the spec was written to is not opened, nor created, wherever it is now.
+    """
+    spec = _Unpickler(io.BytesIO(data)).load()
+    return spec if store is None else bind(spec, store)
+
+
+def bind(spec: RunSpec, store: Any) -> RunSpec:
+    """``spec``, read from ``store``, with ``store`` as its store: the spec names the store it was written to,
+    which is where ``store`` is unless the store was copied or moved since (``cp -r``, ``mv``, a tar round
+    trip, a bucket copied).  The data staged in the run's folder is read from ``store`` too (its URL there);
+    data read where it lives (a Zarr URL of the user's own, a ``Dataset``) is left as it is.
+
+    Nothing of the store the spec was written to is opened.
+    """
+    written = spec.store
+    changes: dict[str, Any] = {"store": store}
+    for name in ("train", "validation"):
+        source: Any = getattr(spec, name)  # a DataSource, a torch DatasetSource, or None
+        staged = getattr(source, "store", None)  # (a DataSource staged in a store: that store, unopened)
+        if staged is not None and source.path and staged.location == written.location:
+            changes[name] = _with(source, store=store, url=store.files.url(source.path))
+    return _with(spec, **changes)
+
+
+def _with(obj: Any, **changes: Any) -> Any:
+    """A shallow copy of the frozen dataclass ``obj`` with ``changes`` (``dataclasses.replace`` would call its
+    constructor: a spec or source written by an earlier vcdask may lack a field that has no class default)."""
+    out = copy.copy(obj)
+    for name, value in changes.items():
+        object.__setattr__(out, name, value)
+    return out
 
 
 def cached_spec(store, run_id: str) -> RunSpec | None:
@@ -148,13 +194,16 @@ def cached_spec(store, run_id: str) -> RunSpec | None:
 
 
 def load_spec(store, run_id: str) -> RunSpec:
-    """The run's spec, read from the store once per process."""
+    """The run's spec, read from the store once per process, bound to ``store`` (:func:`bind`)."""
     key = (store.location, run_id)
     with _lock:
         spec = _specs.get(key)
         if spec is not None:
             _specs.move_to_end(key)
     if spec is None:
-        spec = loads(store.files.get(spec_path(run_id)))
+        spec = loads(store.files.get(spec_path(run_id)), store)
+        _remember(key, spec)
+    elif spec.store is not store:  # (read through another object of the same store: e.g. read-only, for load)
+        spec = bind(spec, store)
         _remember(key, spec)
     return spec
