@@ -103,17 +103,18 @@ def test_float64_values_beyond_the_models_float32_are_refused(lazy, xy, tmp_path
     import dask.array as da
 
     X, y = _overflowing(xy)
-    data = (da.from_array(X, chunks=8), da.from_array(y, chunks=8)) if lazy else (X, y)
-    _refused(
-        _linear(),
-        data,
-        tmp_path,
-        DataError,
-        "data X has 1 value(s) beyond the range of float32",
-        "sample 10 (index [10, 1])",
-        "cast to the model's dtype, float32",
-        "model.double()",
-    )
+    said = ["data X has 1 value(s) beyond the range of float32", "sample 10 (index [10, 1])"]
+    said += ["cast to the model's dtype, float32", "model.double()"]
+    if not lazy:
+        _refused(_linear(), (X, y), tmp_path, DataError, *said)
+        return
+    # dask data is scanned on the cluster of client= (tests/test_review69_dask_checks.py); without one, here
+    from vcdask.options import plan
+
+    store = tmp_path / "store"
+    with pytest.raises(DataError) as info:
+        plan(_linear(), (da.from_array(X, chunks=8), da.from_array(y, chunks=8)), store=store)
+    assert all(fragment in str(info.value) for fragment in said) and not store.exists()
 
 
 def test_float64_labels_beyond_float32_are_refused_for_validation_too(xy, tmp_path):

@@ -156,7 +156,9 @@ def fit(
     client : distributed.Client, cluster or scheduler address, optional
         Where to run: a client (left open), a cluster object or a scheduler's address
         (``"tcp://10.0.0.5:8786"``: the run opens a client of its own, and closes it when ``fit`` returns;
-        with ``wait=False`` the handle closes it).  Default: the process's embedded ``LocalCluster`` (one
+        with ``wait=False`` the handle closes it).  Dask data is checked there too (its first rows, the
+        labels' range, the NaN / inf scan), through that same client, connected at the first check that computes
+        (none for data in memory).  Default: the process's embedded ``LocalCluster`` (one
         worker process per core), started by the first ``fit`` and shared by every later ``fit`` and
         :func:`resume` of the process, closed when the interpreter exits (:func:`vcdask.cluster.embedded_client`).  Its
         workers are spawned, so a script must call ``fit`` under ``if __name__ == "__main__":``

@@ -218,11 +218,14 @@ def prepare_data(
     what: str = "data",
     batches: str = "xy",
     collate_fn=None,
+    scheduler: Any = None,
 ) -> PreparedData:
     """Check ``data`` and describe it; reads at most a few rows (and the labels' range for checks).
 
     ``batches="dict"`` (the caller has a ``train_step``) reads xarray / Zarr data as one input per
-    variable instead of stacking the features into ``X``.
+    variable instead of stacking the features into ``X``.  ``scheduler`` computes dask data's rows and range
+    (:func:`dask.compute`'s ``scheduler=``: fit's is the cluster of its ``client=``, :func:`vcdask.options.plan`;
+    None: dask's default).
 
     Raises
     ------
@@ -243,7 +246,7 @@ def prepare_data(
     if frame is not None:  # pandas: checked, float32 features (see vcdask.frames)
         return replace(prepare_data(frame[0], what=what), feature_names=frame[1])
     if isinstance(data, Mapping) and not isinstance(data, xr.Dataset):
-        return _prepare_dict(data, what)
+        return _prepare_dict(data, what, scheduler)
     if isinstance(data, (tuple, list)):
         if len(data) != 2:
             raise DataError(f"{what} as a sequence must be (X, y), got {len(data)} items")
@@ -263,11 +266,14 @@ def prepare_data(
         if X.shape[0] == 0:
             raise DataError(f"{what} is empty (0 samples)")
         head = slice(0, min(4, X.shape[0]))
-        sx, sy = np.array(X[head]), np.array(y[head])  # (copies: a read-only array's rows would make torch warn)
-        if np.issubdtype(y.dtype, np.integer):
-            lo, hi = (y.min(), y.max()) if not _is_dask(y) else (y.min().compute(), y.max().compute())
+        ranged = (y.min(), y.max()) if np.issubdtype(y.dtype, np.integer) else (None, None)
+        if _is_dask(X):  # (both are: the first rows and the labels' range in one pass, where scheduler computes)
+            import dask
+
+            sx, sy, lo, hi = dask.compute(X[head], y[head], *ranged, scheduler=scheduler)
         else:
-            lo = hi = None
+            sx, sy, (lo, hi) = X[head], y[head], ranged
+        sx, sy = np.array(sx), np.array(sy)  # (copies: a read-only array's rows would make torch warn)
         return PreparedData(
             None,
             X,
@@ -283,7 +289,7 @@ def prepare_data(
         )
     if isinstance(data, xr.Dataset) and batches == "dict":
         names, dim = dict_vars(data, features, label, sample_dim, what)
-        return _prepare_dict({n: data[n].transpose(dim, ...).data for n in names}, what)
+        return _prepare_dict({n: data[n].transpose(dim, ...).data for n in names}, what, scheduler)
     if isinstance(data, xr.Dataset):
         features, label = infer_vars(data, features, label, what)
         dim = infer_sample_dim(data, features, label, sample_dim)
@@ -294,7 +300,7 @@ def prepare_data(
         X = _stack(data, features, dim)
         y = data[label].transpose(dim, ...).data
         # (the variables by name, in X's order: predict picks a DataFrame's columns or a Dataset's variables by them)
-        return replace(prepare_data((X, y), what=what), feature_names=tuple(features))
+        return replace(prepare_data((X, y), what=what, scheduler=scheduler), feature_names=tuple(features))
     src = _zarr_source(data, storage_options)
     if src is not None:
         try:
@@ -326,7 +332,7 @@ def prepare_data(
     )
 
 
-def _prepare_dict(data: Mapping, what: str) -> PreparedData:
+def _prepare_dict(data: Mapping, what: str, scheduler: Any = None) -> PreparedData:
     """Dict data: equal-length arrays, one per input (each batch a dict of tensors)."""
     if not data:
         raise DataError(f"{what} as a dict needs at least one array")
@@ -345,7 +351,12 @@ def _prepare_dict(data: Mapping, what: str) -> PreparedData:
     n = next(iter(lengths.values()))
     if n == 0 or any(math.isnan(s) for a in columns.values() for s in a.shape):
         raise DataError(f"{what} is empty (0 samples) or has unknown chunk sizes")
-    sample = {k: np.array(a[: min(4, n)]) for k, a in columns.items()}  # (copies, writable, as above)
+    heads = {k: a[: min(4, n)] for k, a in columns.items()}
+    if any(_is_dask(a) for a in heads.values()):
+        import dask
+
+        (heads,) = dask.compute(heads, scheduler=scheduler)
+    sample = {k: np.array(a) for k, a in heads.items()}  # (copies, writable, as above)
     return PreparedData(None, n=int(n), form="dict", columns=columns, sample=sample)
 
 

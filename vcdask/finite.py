@@ -6,7 +6,8 @@ scikit-learn's ``check_array`` does, :func:`check_finite` refuses such data up f
 array, how many values and where the first is.
 
 Numpy arrays are checked in blocks of rows (no copy of the whole array); dask arrays (and Zarr /
-xarray data, read through dask) in one pass over their chunks.  Integer and boolean arrays hold no
+xarray data, read through dask) in one pass over their chunks, by the ``scheduler`` given (``fit``'s: the cluster
+of its ``client=``, :func:`vcdask.options.plan`).  Integer and boolean arrays hold no
 NaN and are skipped.  A ``torch.utils.data.Dataset`` is checked on the batch the run probes (reading
 every sample of an arbitrary dataset is not cheap): a NaN further in shows up as rejected updates.
 
@@ -41,21 +42,23 @@ def _floating(a: Any) -> bool:
 Found = tuple[int, tuple[int, ...] | None]  # how many values, and the index of the first (None: none)
 
 
-def first_non_finite(a: Any) -> Found:
+def first_non_finite(a: Any, scheduler: Any = None) -> Found:
     """``(count, index)``: how many values of ``a`` are NaN or inf, and the index of the first (None
-    when there is none).  ``a`` is a numpy or dask array; an integer one has none."""
-    return scan(a)[0]
+    when there is none).  ``a`` is a numpy or dask array; an integer one has none.  ``scheduler``: what computes
+    a dask array (:func:`dask.compute`'s ``scheduler=``; None: dask's default)."""
+    return scan(a, scheduler=scheduler)[0]
 
 
-def scan(a: Any, limit: float | None = None) -> tuple[Found, Found]:
+def scan(a: Any, limit: float | None = None, scheduler: Any = None) -> tuple[Found, Found]:
     """``(non-finite, beyond)``: the values of ``a`` that are NaN or inf, and the finite ones whose magnitude
-    exceeds ``limit`` (none without one), each as :func:`first_non_finite` gives them; in one pass."""
+    exceeds ``limit`` (none without one), each as :func:`first_non_finite` gives them; in one pass (of a dask
+    array, computed by ``scheduler``)."""
     if not _floating(a):
         return (0, None), (0, None)
     if limit is not None and (np.dtype(a.dtype).kind != "f" or float(np.finfo(a.dtype).max) <= limit):
         limit = None  # (no value of this dtype can exceed it)
     if type(a).__module__.startswith("dask"):
-        return _dask(a, limit)
+        return _dask(a, limit, scheduler)
     a = np.asarray(a)
     found: list[list[Any]] = [[0, None], [0, None]]
     for start, block in _blocks(a):
@@ -84,7 +87,7 @@ def _blocks(a: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         yield start, a[start : start + step]
 
 
-def _dask(a: Any, limit: float | None) -> tuple[Found, Found]:
+def _dask(a: Any, limit: float | None, scheduler: Any) -> tuple[Found, Found]:
     import dask
     import dask.array as da
 
@@ -93,14 +96,14 @@ def _dask(a: Any, limit: float | None) -> tuple[Found, Found]:
     for bad in masks:
         rows = bad.reshape(a.shape[0], -1).any(axis=1) if a.ndim > 1 else bad
         sums += [bad.sum(), rows.sum(), da.argmax(rows)]
-    computed = dask.compute(*sums)  # (one pass over the chunks for both)
+    computed = dask.compute(*sums, scheduler=scheduler)  # (one pass over the chunks for both)
     found: list[Found] = []
     for i in range(len(masks)):
         count, n_rows, row = computed[3 * i : 3 * i + 3]
         if not int(n_rows):
             found.append((0, None))
             continue
-        within = np.asarray(a[int(row)])  # the first bad sample's values, to name the element
+        within = np.asarray(a[int(row)].compute(scheduler=scheduler))  # the first bad sample's, to name the element
         bad = _masks(np, within, limit)[i]
         rest = np.unravel_index(int(np.argmax(bad)), bad.shape) if within.ndim else ()
         found.append((int(count), (int(row), *map(int, rest))))
@@ -148,9 +151,11 @@ def _batch_arrays(batch: Any, where: str) -> Iterator[tuple[str, Any]]:
             yield from _batch_arrays(value, f"{where}[{i}]")
 
 
-def check_finite(prepared: PreparedData, what: str = "data", dtype: Any = None) -> None:
+def check_finite(prepared: PreparedData, what: str = "data", dtype: Any = None, scheduler: Any = None) -> None:
     """Refuse data with NaN or inf values, naming the array, the count and the first bad index; and, given the
     model's ``dtype`` (a ``torch.dtype``), floating values beyond its range, which the cast to it makes inf.
+    Dask arrays (and Zarr data, read through dask) are computed by ``scheduler`` (:func:`dask.compute`'s
+    ``scheduler=``: a Client computes them on its cluster; None: dask's default).
 
     Raises
     ------
@@ -163,7 +168,7 @@ def check_finite(prepared: PreparedData, what: str = "data", dtype: Any = None) 
 
         limit = float(torch.finfo(dtype).max) if dtype.is_floating_point else None
     for name, array in _arrays(prepared):
-        (count, first), (beyond, first_beyond) = scan(array, limit)
+        (count, first), (beyond, first_beyond) = scan(array, limit, scheduler)
         if count:
             raise DataError(
                 f"{what}{name} has {count} non-finite value(s) (NaN or inf); the first at {_at(first)}. Every "

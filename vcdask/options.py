@@ -10,6 +10,7 @@ check their own values (:mod:`vcdask.groups`); :func:`plan` checks what needs th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -196,6 +197,9 @@ class RunPlan:
     step_metrics: tuple[str, ...]  # eval_step's names (RunSpec.metric_names); () with the default step
     prices: dict[str, dict[str, float]]  # vcdask.cost, from vcdask.cloud.prices
     overlap: str  # vcdask.overlap, from vcdask.worker.overlap
+    # the Client plan opened for client= given as a cluster or an address, to compute its checks of dask data on
+    # that cluster (_Computing): the run's, which runs.launch runs it on and closes; None when none was opened
+    client: Any = None
 
 
 def plan(
@@ -231,6 +235,11 @@ def plan(
     the rest, and what needs the model and the data.  The one place that decides the validation a run gets
     (:func:`vcdask.holdout.hold_out`), the metrics it reports (:attr:`RunPlan.metric_names`) and its early
     stopping, for ``fit`` and ``vcdask train`` alike.  The keywords are ``fit``'s, with its defaults.
+
+    Dask data (and Zarr data, scanned through dask) is computed on the cluster of ``client`` (:class:`_Computing`):
+    a cluster object or an address is connected to once, at the first computation, and that Client comes back
+    as :attr:`RunPlan.client` (the run's: :func:`vcdask.runs.launch` runs on it and closes it; a caller that
+    does not launch the plan closes it).
 
     Returns
     -------
@@ -274,102 +283,157 @@ def plan(
         if not 0.0 < float(validation) < 1.0:
             raise ValueError(f"validation as a fraction must be in (0, 1), got {validation!r}")
         validation = float(validation)
-
-    names = {"features": features, "label": label, "sample_dim": sample_dim, "storage_options": storage_options}
-    names.update(batches="dict" if train_step is not None else "xy", collate_fn=collate_fn)
-    prepared = prepare_data(data, **names)
-    x_dtype = model_dtype(model)
-    cast_to = None if x_dtype in HALF_DTYPES else x_dtype  # (a half-precision model: check_run says what to do)
-    check_finite(prepared, dtype=cast_to)  # NaN / inf (or inf once cast), named, before a NaN update blames a worker
-    if train_step is None and prepared.form == "dict":
-        raise TypeError(
-            "dict data gives dict batches, which the default step (loss(model(X), y)) cannot train on; "
-            "pass train_step=fn(model, batch) -> loss (and eval_step=fn(model, batch) -> dict of metrics)"
-        )
-    check_run(model, prepared, loss=loss, train_step=train_step)  # causes and remedies, before the probes below
-    if train_step is None:
-        loss_fn = resolve_loss(loss, prepared.classification)
-        metric_fns = resolve_metrics(metrics, prepared.classification, binary_classifier(prepared, loss_fn))
-        ours = [n for n, fn in metric_fns.items() if any(unwrapped(fn) is f for f in METRICS.values())]
-        cast_x = check_model(
-            model, prepared, loss_fn, prepared.classification, x_dtype, metrics=metric_fns, strict=ours
-        )
-        metric_names = ("loss", *metric_fns)
-        check_accuracy([n for n, fn in metric_fns.items() if fn is accuracy], loss_fn, prepared.classification)
-    else:
-        loss_fn, metric_fns, cast_x = resolve_loss(loss, prepared.classification), {}, False
-        metric_names = tuple(check_steps(model, probe_batch(prepared, x_dtype), train_step, eval_step))
-    target = check_target(stopping.target, [m for m in metric_names if m != "loss"])
-    screens = [n for n in NEEDS_VALIDATION if getattr(resilience, n) is not None]
-    if screens and validation is None:
-        raise ValueError(
-            f"Resilience({screens[0]}=...) screens updates on a probe of the validation set; "
-            "pass validation= (data, or a fraction of the training data to hold out)"
-        )
-    val_prepared = None
-    if validation is not None and not isinstance(validation, float):
-        # a DataFrame's columns, an xarray / Zarr dataset's variables: training's, by name, in training's order
-        named = training_features(data, prepared, features, label)
-        if named:
-            names["features"] = list(named)
-        val_prepared = prepare_data(validation, **names, what="validation")
-        check_finite(val_prepared, "validation", dtype=cast_to)
-        _check_same_form(prepared, val_prepared)
-        if prepared.form != "dataset" and val_prepared.shapes != prepared.shapes:
-            raise DataError(f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}")
-        if train_step is None:  # its labels fit too: of the training's kind (cast like them), in range
-            _check_label_kind(prepared, val_prepared)
-            check_model(model, val_prepared, loss_fn, prepared.classification, x_dtype, what="validation")
-    prepared, split_val = split(prepared, validation, seed, shuffle and not stored_order(data))
     n_shards = None if n_shards is None else positive_int("n_shards", n_shards)
-    if n_shards is not None and n_shards > prepared.n:
-        raise ValueError(
-            f"n_shards={n_shards} is more than the {prepared.n} training samples; choose 1 <= n_shards <= {prepared.n}"
+    prices = check_prices(config.get("cloud.prices"))
+
+    # what needs the data, computed on the cluster of client= for dask data: from here on, a Client it connected
+    computing = _Computing(client)
+    with contextlib.ExitStack() as undo:
+        undo.callback(computing.close)  # (a refusal after it connected closes the Client it opened)
+        names = {"features": features, "label": label, "sample_dim": sample_dim, "storage_options": storage_options}
+        names.update(batches="dict" if train_step is not None else "xy", collate_fn=collate_fn)
+        names.update(scheduler=computing.scheduler)
+        prepared = prepare_data(data, **names)
+        x_dtype = model_dtype(model)
+        cast_to = None if x_dtype in HALF_DTYPES else x_dtype  # (a half-precision model: check_run says what to do)
+        # NaN / inf (or inf once cast), named, before a NaN update blames a worker
+        check_finite(prepared, dtype=cast_to, scheduler=computing.scheduler)
+        if train_step is None and prepared.form == "dict":
+            raise TypeError(
+                "dict data gives dict batches, which the default step (loss(model(X), y)) cannot train on; "
+                "pass train_step=fn(model, batch) -> loss (and eval_step=fn(model, batch) -> dict of metrics)"
+            )
+        check_run(model, prepared, loss=loss, train_step=train_step)  # causes and remedies, before the probes below
+        if train_step is None:
+            loss_fn = resolve_loss(loss, prepared.classification)
+            metric_fns = resolve_metrics(metrics, prepared.classification, binary_classifier(prepared, loss_fn))
+            ours = [n for n, fn in metric_fns.items() if any(unwrapped(fn) is f for f in METRICS.values())]
+            cast_x = check_model(
+                model, prepared, loss_fn, prepared.classification, x_dtype, metrics=metric_fns, strict=ours
+            )
+            metric_names = ("loss", *metric_fns)
+            check_accuracy([n for n, fn in metric_fns.items() if fn is accuracy], loss_fn, prepared.classification)
+        else:
+            loss_fn, metric_fns, cast_x = resolve_loss(loss, prepared.classification), {}, False
+            metric_names = tuple(check_steps(model, probe_batch(prepared, x_dtype), train_step, eval_step))
+        target = check_target(stopping.target, [m for m in metric_names if m != "loss"])
+        screens = [n for n in NEEDS_VALIDATION if getattr(resilience, n) is not None]
+        if screens and validation is None:
+            raise ValueError(
+                f"Resilience({screens[0]}=...) screens updates on a probe of the validation set; "
+                "pass validation= (data, or a fraction of the training data to hold out)"
+            )
+        val_prepared = None
+        if validation is not None and not isinstance(validation, float):
+            # a DataFrame's columns, an xarray / Zarr dataset's variables: training's, by name, in training's order
+            named = training_features(data, prepared, features, label)
+            if named:
+                names["features"] = list(named)
+            val_prepared = prepare_data(validation, **names, what="validation")
+            check_finite(val_prepared, "validation", dtype=cast_to, scheduler=computing.scheduler)
+            _check_same_form(prepared, val_prepared)
+            if prepared.form != "dataset" and val_prepared.shapes != prepared.shapes:
+                shapes = f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}"
+                raise DataError(shapes)
+            if train_step is None:  # its labels fit too: of the training's kind (cast like them), in range
+                _check_label_kind(prepared, val_prepared)
+                check_model(model, val_prepared, loss_fn, prepared.classification, x_dtype, what="validation")
+        prepared, split_val = split(prepared, validation, seed, shuffle and not stored_order(data))
+        if n_shards is not None and n_shards > prepared.n:
+            raise ValueError(
+                f"n_shards={n_shards} is more than the {prepared.n} training samples; "
+                f"choose 1 <= n_shards <= {prepared.n}"
+            )
+        rule = get_rule(merging.rule, merging.alpha, samples_per_epoch=prepared.n)
+        if "loss" in rule.needs and not isinstance(rule, Auto):  # a probe at every merge, on the scheduler: its cost
+            check_probe_cost(rule, model, probe_batch(prepared, x_dtype), train_step or SupervisedStep(loss_fn))
+        optimizer_fn = resolve_optimizer(training.optimizer, training.lr)
+        check_inner_optimizer(optimizer_fn, model, given=training.optimizer, lr=training.lr)  # as the workers build it
+        param_store = open_store(DEFAULT_STORE if store is None else store)  # last: it may create a directory
+        if not param_store.shared_across_processes and client is None:
+            raise ValueError(
+                f"store {param_store.location!r} lives in this process only, but the embedded cluster "
+                "runs worker processes; use a directory or object-store location, or pass a client "
+                "whose workers run in this process (LocalCluster(processes=False))"
+            )
+        reported = tuple(dict.fromkeys(("loss", *metric_names)))
+        validated = val_prepared or split_val
+        patience, monitor = check_early_stopping(
+            stopping.patience, stopping.monitor, target, reported, validated is not None
         )
-    rule = get_rule(merging.rule, merging.alpha, samples_per_epoch=prepared.n)
-    if "loss" in rule.needs and not isinstance(rule, Auto):  # a probe at every merge, on the scheduler: its cost
-        check_probe_cost(rule, model, probe_batch(prepared, x_dtype), train_step or SupervisedStep(loss_fn))
-    optimizer_fn = resolve_optimizer(training.optimizer, training.lr)
-    check_inner_optimizer(optimizer_fn, model, given=training.optimizer, lr=training.lr)  # as the workers build it
-    param_store = open_store(DEFAULT_STORE if store is None else store)  # last: it may create a directory
-    if not param_store.shared_across_processes and client is None:
-        raise ValueError(
-            f"store {param_store.location!r} lives in this process only, but the embedded cluster "
-            "runs worker processes; use a directory or object-store location, or pass a client "
-            "whose workers run in this process (LocalCluster(processes=False))"
+        planned = RunPlan(
+            model=model,
+            train=prepared,
+            validation=validated,
+            store=param_store,
+            rule=rule,
+            loss=loss_fn,
+            optimizer=optimizer_fn,
+            metrics=metric_fns,
+            x_dtype=x_dtype,
+            cast_x=cast_x,
+            n_shards=n_shards,
+            max_epochs=max_epochs,
+            seed=seed,
+            keep_updates=keep_updates,
+            merging=merging,
+            training=training,
+            stopping=replace(stopping, target=target, patience=patience, monitor=monitor),
+            resilience=resilience,
+            retention=checked_retention,
+            train_step=train_step,
+            eval_step=eval_step,
+            metric_names=reported,
+            step_metrics=metric_names if train_step is not None else (),
+            prices=prices,
+            overlap=overlap,
+            client=computing.opened,
         )
-    reported = tuple(dict.fromkeys(("loss", *metric_names)))
-    validated = val_prepared or split_val
-    patience, monitor = check_early_stopping(
-        stopping.patience, stopping.monitor, target, reported, validated is not None
-    )
-    return RunPlan(
-        model=model,
-        train=prepared,
-        validation=validated,
-        store=param_store,
-        rule=rule,
-        loss=loss_fn,
-        optimizer=optimizer_fn,
-        metrics=metric_fns,
-        x_dtype=x_dtype,
-        cast_x=cast_x,
-        n_shards=n_shards,
-        max_epochs=max_epochs,
-        seed=seed,
-        keep_updates=keep_updates,
-        merging=merging,
-        training=training,
-        stopping=replace(stopping, target=target, patience=patience, monitor=monitor),
-        resilience=resilience,
-        retention=checked_retention,
-        train_step=train_step,
-        eval_step=eval_step,
-        metric_names=reported,
-        step_metrics=metric_names if train_step is not None else (),
-        prices=check_prices(config.get("cloud.prices")),
-        overlap=overlap,
-    )
+        undo.pop_all()  # (the Client opened is the run's now: runs.launch closes it)
+        return planned
+
+
+class _Computing:
+    """Where :func:`plan` computes on dask data (its first rows, the labels' range, the NaN / inf scan; Zarr data
+    too, scanned through dask): the cluster of ``client=``, whose workers stage and train on it, never this
+    process nor a default Client of another cluster (``data.md``: dask data never goes through your process).
+
+    A Client is used as given.  A cluster object or a scheduler's address is connected to once, at the first
+    computation (data in memory connects to nothing, so input refused before any computation is refused before
+    any cluster work), as :func:`vcdask.cluster.resolve_client` would (``set_as_default=False``); the run then
+    runs on that Client (:attr:`RunPlan.client`), not on a second one.  Without ``client=`` the run goes to the
+    embedded LocalCluster, which runs on this machine, reading what this process reads: the data is computed
+    here, by dask's threads, before that cluster is started (starting it to check the data would be cluster
+    work before the checks).
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.given = client
+        self.opened: Any = None  # the Client connected for a cluster object or an address
+
+    @property
+    def scheduler(self) -> Any:
+        """:func:`dask.compute`'s ``scheduler=`` for the data of this run."""
+        from distributed import Client
+
+        if self.given is None:
+            return "threads"
+        if isinstance(self.given, Client):
+            return self.given
+        return self._get  # (connects at the first computation only)
+
+    def _get(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        if self.opened is None:
+            from distributed import Client
+
+            self.opened = Client(self.given, set_as_default=False)
+        return self.opened.get(dsk, keys, **kwargs)
+
+    def close(self) -> None:
+        """Close the Client connected here (a run that will not start)."""
+        if self.opened is not None:
+            self.opened.close()
+            self.opened = None
 
 
 def _check_steps(train_step: Any, eval_step: Any, loss: Any, metrics: Any) -> None:

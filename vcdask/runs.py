@@ -16,6 +16,7 @@ import os
 import pickle
 import secrets
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any, Literal, overload
 
@@ -89,7 +90,7 @@ def launch(
         pool.shutdown(wait=False)
     saved = False
     try:
-        with resolve_client(client, keep=not wait) as c:
+        with _run_client(plan, client, keep=not wait) as c:
             _check_cluster(c, plan.store, embedded=client is None)
             staged = early.result() if early is not None else _stage_data(plan, run_id, c, start)
             spec = _stage(plan, run_id, c, *staged)
@@ -108,6 +109,25 @@ def launch(
         if not saved:
             _discard(plan.store, run_id)
         raise
+
+
+@contextlib.contextmanager
+def _run_client(plan: RunPlan, client: Any, *, keep: bool) -> Iterator[Any]:
+    """The Client a run starts on: the one :func:`~vcdask.options.plan` connected to ``client`` (a cluster object
+    or an address) to compute on the run's dask data there, owned as :func:`~vcdask.cluster.resolve_client` owns
+    one it opens (closed on an error, and on exit unless ``keep``: then the handle owns it); else
+    :func:`~vcdask.cluster.resolve_client`'s."""
+    if plan.client is None:
+        with resolve_client(client, keep=keep) as c:
+            yield c
+        return
+    started = False
+    try:
+        yield plan.client
+        started = True
+    finally:
+        if not started or not keep:
+            plan.client.close()
 
 
 def _discard(store: ParamStore, run_id: str) -> None:
