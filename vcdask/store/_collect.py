@@ -15,7 +15,9 @@ collection:
    policy, its whole history (which holds back expiry in the whole store: see ``GCReport.held_back``);
    never later than when the collection listed the branches (less ``grace``);
 4. expires the snapshots older than the cutoff, reads the holds again (a reader that came meanwhile
-   gets its pin before anything is deleted), then garbage-collects objects older than ``grace``.
+   gets its pin before anything is deleted), then garbage-collects objects older than ``grace``;
+5. on a local disk, removes the empty folders that deleted branches leave under ``refs/`` (Icechunk deletes
+   a ref's file, not its folder): its own pins', and any a collection before this release left.
 
 A reader that holds a version (:func:`hold`) writes its hold first and then checks that the version
 is still reachable: either a collection saw the hold before deleting anything, or the reader sees
@@ -39,7 +41,7 @@ from ..errors import VersionNotFoundError
 from ._errors import translate
 from ._history import HOLD_PREFIX, HistoryStore, is_reserved, parse_pin, pin_name, reachable
 from ._layout import is_version
-from ._names import NamedStore, check_listed, ref_entries
+from ._names import NamedStore, check_listed, ref_entries, remove_empty_refs
 from ._retention import GCReport, Retention, select
 from ._state import STATE_KEY, sweep_states
 from ._version import version_id
@@ -163,7 +165,7 @@ def collect(
     entries = ref_entries(store)  # (read before Icechunk lists them)
     fresh = repo.reopen()  # another process may have expired history since this one last looked
     listed, tags = fresh.list_branches(), fresh.list_tags()
-    check_listed(store, entries, listed, tags, "collecting old versions")
+    empty = check_listed(store, entries, listed, tags, "collecting old versions")  # (deleted branches' folders)
     heads = _heads(fresh, listed)
     names = set(heads)
     tagged = {fresh.lookup_tag(t) for t in tags}
@@ -198,21 +200,27 @@ def collect(
     for name, version in want_pins.items():
         if name not in names:
             repo.create_branch(name, version)
-    released = _pin_holds(repo, names, held)
+    unpinned = _pin_holds(repo, names, held)
     for name in stale_pins:
         _unpin(repo, name)
-    if any(report.removed.values()) or stale_pins or released:
+    unpinned |= stale_pins
+    expire = any(report.removed.values()) or bool(unpinned)
+    if expire or empty:
         with store._backend.commit_lock():  # no vcdask commit (whose chunks no branch reaches yet) meanwhile
-            # a repository opened now: one kept open holds snapshots as they were read, whose parents an
-            # earlier expiry rewrote and a garbage collection deleted (walked again, they are not found)
-            now = repo.reopen()
-            now.expire_snapshots(cutoff)
-            _pin_holds(now, set(now.list_branches()), _live_holds(store))  # readers that came meanwhile
-            summary = now.garbage_collect(datetime.now(UTC) - grace)
-        deleted = summary.chunks_deleted + summary.manifests_deleted + summary.snapshots_deleted
-        report = replace(
-            report, bytes_deleted=summary.bytes_deleted, objects_deleted=deleted + summary.transaction_logs_deleted
-        )
+            if expire:
+                # a repository opened now: one kept open holds snapshots as they were read, whose parents an
+                # earlier expiry rewrote and a garbage collection deleted (walked again, they are not found)
+                now = repo.reopen()
+                now.expire_snapshots(cutoff)
+                unpinned |= _pin_holds(now, set(now.list_branches()), _live_holds(store))  # readers since
+                summary = now.garbage_collect(datetime.now(UTC) - grace)
+                deleted = summary.chunks_deleted + summary.manifests_deleted + summary.snapshots_deleted
+                report = replace(
+                    report,
+                    bytes_deleted=summary.bytes_deleted,
+                    objects_deleted=deleted + summary.transaction_logs_deleted,
+                )
+            remove_empty_refs(store, empty | {f"branch.{name}" for name in unpinned})
     for b in drops:  # by the branch's writer (between its commits), or on an idle branch
         if b in in_use:
             _sweep(store, b, None)
@@ -270,9 +278,9 @@ def _sweep(store: CollectedStore, branch: str, written_before: datetime | None) 
             store._state_writer.forget(branch)  # (this process's writer, if any, knew of objects now gone)
 
 
-def _pin_holds(repo: Any, names: set[str], held: set[str]) -> int:
-    """A pin for every held version (even one already expired: it is there until collected); return how
-    many pins of released holds were removed."""
+def _pin_holds(repo: Any, names: set[str], held: set[str]) -> set[str]:
+    """A pin for every held version (even one already expired: it is there until collected); return the
+    pins of released holds it removed."""
     import icechunk
 
     for version in held:
@@ -282,10 +290,10 @@ def _pin_holds(repo: Any, names: set[str], held: set[str]) -> int:
                 repo.create_branch(name, version)
             except icechunk.IcechunkError:
                 logger.debug("held version %s is gone already", version)
-    released = [n for n in names if n.startswith(HOLD_PREFIX) and n[len(HOLD_PREFIX) :] not in held]
+    released = {n for n in names if n.startswith(HOLD_PREFIX) and n[len(HOLD_PREFIX) :] not in held}
     for name in released:
         _unpin(repo, name)
-    return len(released)
+    return released
 
 
 def _unpin(repo: Any, name: str) -> None:
