@@ -6,7 +6,10 @@ such folders are tidied by their next collection; a folder with anything in it s
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
 import vcdask
@@ -65,3 +68,36 @@ def test_a_collection_removes_the_empty_folders_an_earlier_release_left_and_noth
     assert folders["tag.gone"] == ["ref.json", "ref.json.deleted"] and folders["tag.best"] == ["ref.json"]
     assert set(folders) == _listed(store) | {"branch.nested", "tag.gone"}  # every ref file where it was
     assert [v.id for v in store.versions("run")] == ids[::-1] and store.tags() == {"best": ids[1]}
+
+
+_COLLECTING_WRITER = """
+import sys, torch, vcdask
+store, branch = vcdask.open_store(sys.argv[1]), sys.argv[2]
+for step in range(int(sys.argv[3])):
+    store.commit({"w": torch.full((4,), float(step))}, {"step": step, "epoch": 0}, branch=branch)
+    store.gc(vcdask.Retention(keep_last=2, keep_epochs=False, grace=0), branches=branch)
+"""
+
+
+@pytest.mark.slow
+def test_three_processes_collecting_in_one_store_at_once_all_succeed(tmp_path):
+    """Each run collects its own branch: one's garbage collection lists every ref of the store, then looks each up,
+    and another's pin deleted meanwhile failed it with VersionNotFoundError ("ref not found vcdask.keep...": two of
+    three writers died in every try of 60 commits)."""
+    store = vcdask.open_store(tmp_path / "s")
+    for branch in "abc":
+        store.create_branch(branch)
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COLLECTING_WRITER, str(tmp_path / "s"), branch, "60"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for branch in "abc"
+    ]
+    done = [writer.communicate(timeout=280) for writer in writers]
+    assert [writer.returncode for writer in writers] == [0, 0, 0], [err[-2000:] for _, err in done]
+    for branch in "abc":
+        assert [v.metadata["step"] for v in store.versions(branch)] == [59, 58]
+    assert [name for name, inside in _folders(store).items() if not inside] == []

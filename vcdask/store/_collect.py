@@ -200,14 +200,15 @@ def collect(
     for name, version in want_pins.items():
         if name not in names:
             repo.create_branch(name, version)
-    unpinned = _pin_holds(repo, names, held)
-    for name in stale_pins:
-        _unpin(repo, name)
-    unpinned |= stale_pins
-    expire = any(report.removed.values()) or bool(unpinned)
-    if expire or empty:
-        with store._backend.commit_lock():  # no vcdask commit (whose chunks no branch reaches yet) meanwhile
-            if expire:
+    if any(report.removed.values()) or stale_pins or unheld or empty:
+        # Under the lock: no vcdask commit (whose chunks no branch reaches yet) meanwhile, and no pin deleted by
+        # another process's collection (its garbage collection lists the refs, then looks each up: a pin deleted
+        # meanwhile failed it, "ref not found"; on a local disk, whose lock is real).
+        with store._backend.commit_lock():
+            unpinned = _pin_holds(repo, names, held) | stale_pins
+            for name in stale_pins:
+                _unpin(repo, name)
+            if any(report.removed.values()) or unpinned:
                 # a repository opened now: one kept open holds snapshots as they were read, whose parents an
                 # earlier expiry rewrote and a garbage collection deleted (walked again, they are not found)
                 now = repo.reopen()
@@ -221,6 +222,8 @@ def collect(
                     objects_deleted=deleted + summary.transaction_logs_deleted,
                 )
             remove_empty_refs(store, empty | {f"branch.{name}" for name in unpinned})
+    else:
+        _pin_holds(repo, names, held)  # (the pins of new holds: none to delete)
     for b in drops:  # by the branch's writer (between its commits), or on an idle branch
         if b in in_use:
             _sweep(store, b, None)

@@ -191,7 +191,8 @@ def check_listed(
         :func:`ref_entries`, read before Icechunk listed ``branches`` and ``tags`` (a ref made meanwhile is
         in those).  The entries they leave out are looked into now: most hold no live ref (a local store keeps
         an empty folder for each deleted branch, such as a collection's old pins, and a deleted tag keeps its
-        key beside ``ref.json.deleted``; a ref deleted meanwhile is gone).  None: nothing to check.
+        key beside ``ref.json.deleted``; a ref deleted meanwhile is gone); a live one is looked for in a new
+        listing (a ref whose folder was made before Icechunk listed and its file after).  None: nothing to check.
     branches, tags : iterable of str
         What Icechunk lists.
     what : str
@@ -222,6 +223,10 @@ def check_listed(
                 empty.add(entry)
     except OSError as e:
         raise StoreError(redact(f"{what} in {where}: listing its refs failed: {e}")) from None
+    if unlisted:  # (or made meanwhile: its folder was there before Icechunk listed the refs, its file after)
+        now = store._repo.reopen()
+        listed = {("branch", b) for b in now.list_branches()} | {("tag", t) for t in now.list_tags()}
+        unlisted = [ref for ref in unlisted if ref not in listed]
     if not unlisted:
         return empty
     shown = ", ".join(f"{kind} {unquote(name)!r} (key refs/{kind}.{name})" for kind, name in sorted(unlisted))
