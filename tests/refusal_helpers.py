@@ -11,6 +11,7 @@ class NoCluster:
     """A client stand-in that fails the test if fit ever reaches for the cluster."""
 
     scheduler_address = "tcp://127.0.0.1:1"
+    asynchronous = False  # (fit asks whether a client is asynchronous first: no cluster work)
 
     def __getattr__(self, name):
         raise AssertionError(f"fit touched the cluster ({name}) before rejecting its input")

@@ -8,19 +8,11 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
+from refusal_helpers import NoCluster
 
 import vcdask
 from vcdask import finite
 from vcdask.data import DataError
-
-
-class NoCluster:
-    """A client stand-in that fails the test if fit ever reaches for the cluster."""
-
-    scheduler_address = "tcp://127.0.0.1:1"
-
-    def __getattr__(self, name):
-        raise AssertionError(f"fit touched the cluster ({name}) before rejecting its input")
 
 
 def _model():
@@ -76,13 +68,19 @@ def test_dask_and_zarr_data_are_checked_chunk_by_chunk(xy, tmp_path):
     X, y = xy
     X = X.copy()
     X[123, 1, 0] = np.nan
+    from vcdask.options import plan
+
+    def refused(data, match, **kw):  # (planned without a client: dask's threads scan it here, before any cluster)
+        store = tmp_path / "store"
+        with pytest.raises(DataError, match=match) as info:
+            plan(_model(), data, store=store, **kw)
+        assert not store.exists() and isinstance(info.value, ValueError)
+
     lazy = da.from_array(X, chunks=(50, 2, 3))
-    _refused(
-        (lazy, da.from_array(y, chunks=50)), tmp_path, r"data X has 1 non-finite.*sample 123 \(index \[123, 1, 0\]\)"
-    )
+    refused((lazy, da.from_array(y, chunks=50)), r"data X has 1 non-finite.*sample 123 \(index \[123, 1, 0\]\)")
     ds = xr.Dataset({"x": (("sample", "a", "b"), X), "label": (("sample",), y)})
     ds.to_zarr(tmp_path / "data.zarr", encoding={"x": {"chunks": (40, 2, 3)}}, consolidated=False)
-    _refused(str(tmp_path / "data.zarr"), tmp_path, r"data variable 'x' has 1 non-finite.*sample 123", label="label")
+    refused(str(tmp_path / "data.zarr"), r"data variable 'x' has 1 non-finite.*sample 123", label="label")
 
 
 def test_integer_data_and_clean_floats_pass_and_blocks_cover_every_row(monkeypatch):

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 import xarray as xr
+from refusal_helpers import NoCluster
 
 import vcdask
 from vcdask.data import DataError
@@ -25,15 +26,6 @@ def _linear(n_out=10):
 def xy():
     rng = np.random.default_rng(0)
     return rng.random((100, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 100)
-
-
-class NoCluster:
-    """A client stand-in that fails the test if fit ever reaches for the cluster."""
-
-    scheduler_address = "tcp://127.0.0.1:1"
-
-    def __getattr__(self, name):
-        raise AssertionError(f"fit touched the cluster ({name}) before rejecting its input")
 
 
 def _bad(model, data, tmp_path, exc, match, **kwargs):

@@ -222,6 +222,7 @@ def test_a_stopped_run_validates_its_final_version_once_however_long_that_takes(
     assert not [r for r in caplog.records if "final validation" in r.getMessage()], caplog.text
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("workers_leave", ["before the stop", "during the final validation"])
 def test_a_run_asked_to_stop_with_no_worker_left_ends_at_once_without_its_final_validation(tmp_path, workers_leave):
     """A run stopped (``stop()``, Ctrl-C, a time limit) whose workers had all gone waited for one to validate its

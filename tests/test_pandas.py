@@ -8,18 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from refusal_helpers import NoCluster
 
 import vcdask
 from vcdask.data import DataError, prepare_data
-
-
-class NoCluster:
-    """A client stand-in that fails the test if fit ever reaches for the cluster."""
-
-    scheduler_address = "tcp://127.0.0.1:1"
-
-    def __getattr__(self, name):
-        raise AssertionError(f"fit touched the cluster ({name}) before rejecting its input")
 
 
 def frame(n: int = 300, seed: int = 0) -> pd.DataFrame:

@@ -39,6 +39,8 @@ __all__ = [
 # -- per-process caches -------------------------------------------------------------------
 _lock = threading.Lock()
 _versions: OrderedDict[str, FlatParams] = OrderedDict()
+#: run id -> the share of its shard's batches the run last gave this worker (``speed_adaptive``; ``worker``'s)
+fractions: dict[str, float] = {}
 _version_runs: dict[str, str] = {}  # version -> the run a task of which loaded it (:func:`forget_versions`)
 _models = threading.local()
 _MAX_VERSIONS = 4
@@ -238,14 +240,14 @@ async def release_run(run_id: str) -> dict[str, int]:
 
 
 def _release(run_id: str) -> dict[str, int]:
-    from . import batches, compress, inner, overlap, spec, worker
+    from . import batches, compress, inner, overlap, spec
 
     dropped = {
         "specs": spec.forget(run_id),  # (a resumed run may have a new one: more epochs, its schedule's length)
         "rows": batches.forget(run_id),
         "models": forget(run_id),
         "versions": forget_versions(run_id),
-        "fractions": worker.forget_fraction(run_id),
+        "fractions": int(fractions.pop(run_id, None) is not None),
         "losses": forget_losses(run_id),
         "hand_overs": overlap.forget(run_id),
         "optimizer_states": inner.forget(run_id),

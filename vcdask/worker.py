@@ -87,13 +87,9 @@ _lock = threading.Lock()
 #: Bases that hand-overs' answers gave for the shard copies to run next here: key -> (base, seconds waited)
 _next_bases: OrderedDict[str, tuple[dict[str, Any], float]] = OrderedDict()
 _MAX_NEXT_BASES = 8
-#: run id -> the share of its shard's batches the run last gave this worker (``speed_adaptive``)
-_fractions: dict[str, float] = {}
-
-
-def forget_fraction(run_id: str) -> int:
-    """Drop run ``run_id``'s share of its shards' batches here (the run ended); 1 if there was one."""
-    return int(_fractions.pop(run_id, None) is not None)
+#: run id -> the share of its shard's batches the run last gave this worker (``speed_adaptive``; dropped as
+#: the run ends, with what else the worker keeps for it: :func:`vcdask._held.release_run`)
+_fractions = _held.fractions
 
 
 def _hand_over(run_id: str, record: dict[str, Any], own: FlatParams | None = None) -> None:
