@@ -5,13 +5,16 @@ The embedded cluster is started by the first run that needs it and shared by eve
 process (:func:`embedded_client`), closed when the interpreter exits, as Dask's default client is.
 Before it spawns worker processes, :func:`check_main_guard` refuses a script's unguarded top level.
 
+The fork server that worker processes are forked from (:func:`start_forkserver`, :func:`torch_friendly_environ`)
+lives in :mod:`vcdask._forkserver`, and the preemption notices (:func:`preempt`, :func:`preemption_notice`,
+:func:`notify_runs`) in :mod:`vcdask._preemption`; both are re-exported here.
+
 Cloud fleets come from dask-cloudprovider (``pip install vcdask[cloud]``); pass the
 cluster object to :func:`vcdask.fit` like any other.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import concurrent.futures
 import contextlib
@@ -21,7 +24,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ._forkserver import WORKER_MODULES as WORKER_MODULES
+from ._forkserver import start_forkserver, torch_friendly_environ
 from ._main_guard import check_main_guard
+from ._preemption import notify_runs, preempt, preemption_notice
 from ._worker_signals import with_preload, with_preload_argv
 
 logger = logging.getLogger(__name__)
@@ -100,68 +106,6 @@ def _started(start: Callable[[], Any]) -> Any:
         if cluster is not None:
             _close(cluster)
         raise
-
-
-#: What a shard task imports.  Under the ``forkserver`` start method the fork server imports them once,
-#: and every worker process is forked with them loaded (:func:`start_forkserver`).
-WORKER_MODULES = ("torch", "torch._dynamo", "vcdask.worker")
-
-
-def start_forkserver() -> None:
-    """Start the fork server that worker processes are forked from, with PyTorch and vcdask's worker
-    imported, when ``distributed.worker.multiprocessing-method`` is ``"forkserver"``.
-
-    A spawned worker process imports PyTorch afresh, and its first shard imports ``torch._dynamo``
-    (``torch.optim`` does): 5-7 s of CPU each time a worker starts or a nanny restarts one.  Forked from
-    a server that has them, a worker starts in a fraction of a second.  :func:`embedded_cluster` calls
-    this; call it before you start a ``LocalCluster`` of your own with that setting.  Under Dask's
-    default (``spawn``) it does nothing, and once the fork server runs (a cluster of this process
-    started it) it changes nothing.
-
-    The server's environment is the one distributed gives spawned workers
-    (``distributed.nanny.pre-spawn-environ``, less ``MALLOC_TRIM_THRESHOLD_``: see
-    :func:`torch_friendly_environ`); forked workers get no other, as that setting's documentation warns.
-    """
-    import multiprocessing.forkserver
-    import os
-
-    import dask.config
-    from distributed.utils import get_mp_context
-
-    if dask.config.get("distributed.worker.multiprocessing-method") != "forkserver":
-        return
-    get_mp_context().set_forkserver_preload(["distributed", *WORKER_MODULES])  # after distributed's own
-    environ = {k: str(v) for k, v in torch_friendly_environ().items()}
-    saved = {k: os.environ.get(k) for k in [*environ, "MALLOC_TRIM_THRESHOLD_"]}
-    os.environ.update(environ)
-    os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
-    try:
-        # (not started with SIGTERM ignored: forkserver.main restores only SIGINT and SIGCHLD, so every process
-        # forked from it, a user's own LocalCluster's workers too, would ignore SIGTERM; the embedded cluster's
-        # workers ignore it through their preload)
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def torch_friendly_environ() -> dict[str, Any]:
-    """distributed's worker environment without ``MALLOC_TRIM_THRESHOLD_``.
-
-    distributed sets ``MALLOC_TRIM_THRESHOLD_=65536`` in every worker so that freed memory
-    goes back to the OS at once.  PyTorch's many short-lived allocations then page-fault on
-    every step: the digits shard task trained in 46 ms instead of 27 ms (1.7x slower).  The
-    embedded cluster leaves glibc's default; give your own clusters the same setting with
-    ``distributed.nanny.pre-spawn-environ``.
-    """
-    import dask.config
-
-    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
-    environ.pop("MALLOC_TRIM_THRESHOLD_", None)
-    return environ
 
 
 def check_client(client: Any) -> None:
@@ -407,70 +351,3 @@ def owns_client(client: Any) -> bool:
     from distributed import Client
 
     return client is not None and not isinstance(client, Client)
-
-
-def preempt(client: Any, worker: str, *, retire: bool = True, window: float | None = None) -> dict[str, list[str]]:
-    """Tell every vcdask run that ``worker`` is about to be reclaimed (a spot/preemptible notice).
-
-    The runs stop giving it shards and re-issue the shards queued on it elsewhere (not counted
-    as failures).  With ``window`` (seconds until the instance goes), a shard running there is let
-    finish when its expected remaining time fits the window with margin, and re-issued otherwise;
-    without it, every shard there is re-issued at once.  With ``retire=True`` the worker is then
-    retired gracefully (after the shards let finish).  :class:`vcdask.cloud.PreemptionWatcher`
-    calls this when the provider's notice arrives (AWS: two minutes ahead; GCP, Azure: 30 s).
-    On a scheduler where no vcdask run has started, there is nothing to tell: with ``retire=True``
-    the worker is retired gracefully all the same.
-
-    Parameters
-    ----------
-    client : distributed.Client
-        A client of the scheduler the runs live on.
-    worker : str
-        The worker's address.
-    retire : bool, default True
-        Retire the worker once the shards let finish there are done.
-    window : float, optional
-        Seconds until the instance goes.  Default: every shard there is re-issued at once.
-
-    Returns
-    -------
-    dict
-        run id -> keys of the shard copies re-issued (empty on a scheduler without vcdask runs).
-    """
-    return client.sync(notify_runs, client.scheduler, worker, retire=retire, window=window)
-
-
-def preemption_notice(*, retire: bool = True, window: float | None = None) -> dict[str, list[str]]:
-    """:func:`vcdask.preempt` for the worker this code runs on (call it from a task or a worker plugin)."""
-    from distributed import get_worker
-    from distributed.utils import sync
-
-    worker = get_worker()
-    return sync(worker.loop, notify_runs, worker.scheduler, worker.address, retire=retire, window=window)
-
-
-async def notify_runs(
-    scheduler: Any,
-    worker: str,
-    *,
-    retire: bool,
-    window: float | None,
-    reason: str = "",
-    timeout: float | None = None,
-) -> dict[str, list[str]]:
-    """Hand a preemption notice for ``worker`` to the vcdask runs of the scheduler that ``scheduler`` (a client's
-    or a worker's connection to it) reaches, waiting ``timeout`` seconds at most for its answer; on a scheduler
-    whose vcdask plugin was never registered (no run started there), retire the worker (``retire``) as the
-    plugin would, and hand back no re-issued copies.
-
-    Dask answers a request for a handler it lacks with None (and logs "No handler vcdask_preempt found");
-    vcdask's own handler always answers a dict.
-    """
-    ask = scheduler.vcdask_preempt(worker=worker, retire=retire, window=window, reason=reason)
-    moved = await (ask if timeout is None else asyncio.wait_for(ask, timeout))
-    if moved is not None:
-        return moved
-    logger.info("preemption notice for %s: no vcdask run on its scheduler%s", worker, "; retiring it" if retire else "")
-    if retire:
-        await scheduler.retire_workers(workers=[worker], close_workers=True, stimulus_id=f"vcdask-preempt-{worker}")
-    return {}
