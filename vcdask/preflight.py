@@ -5,6 +5,7 @@ error that hides its cause, NaN updates on the cluster, or a loss that trains on
 the cause (what vcdask saw) and the remedy (what to change).  :func:`check_model` (the model accepts the data
 and the loss its outputs) and :func:`check_target` follow it there.  The model is run once, on a copy, on the CPU,
 on a few training rows: that is cheap and tells what its outputs look like against the labels.
+:func:`check_model` lives in :mod:`vcdask._forward_check` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -12,17 +13,17 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ._forward_check import _CLASS_LOSSES, _N, _shape, check_model, describe_output
 from ._ints import is_real
 from .device import cpu_copy
 from .dtype_kinds import check_input_dtypes, string_labels_error
 from .errors import DataError
-from .metrics import ambiguous_axis, class_axis, unwrapped
 from .trainable import check_trainable
 
 if TYPE_CHECKING:
@@ -45,8 +46,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # the built-in losses that compare outputs and labels element by element (and so broadcast mismatched shapes)
 _ELEMENTWISE = {"mse": torch.nn.functional.mse_loss, "l1": torch.nn.functional.l1_loss}
-# the built-in losses that take class ids (float targets only as class probabilities shaped like the outputs)
-_CLASS_LOSSES = {"cross_entropy": torch.nn.functional.cross_entropy, "nll": torch.nn.functional.nll_loss}
+# (the built-in losses that take class ids, _CLASS_LOSSES, are check_model's: in vcdask._forward_check)
 
 
 def check_run(model: torch.nn.Module, prepared: PreparedData, *, loss: Any, train_step: Any = None) -> None:
@@ -259,143 +259,6 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return max(elements, key=lambda dtype: elements[dtype])  # (max keeps the first of equals: dicts keep order)
 
 
-def check_model(
-    model,
-    prepared: PreparedData,
-    loss,
-    classification: bool,
-    x_dtype,
-    what: str = "training",
-    metrics=None,
-    strict: Collection[str] = (),
-) -> bool:
-    """One forward pass on a few rows: the model accepts the data and its outputs fit the labels and the loss
-    (one number for the batch: a scalar tensor) and ``metrics`` (name -> fn(output, target)) can compare them
-    (``what``: the ``"training"`` or ``"validation"`` data, as the messages name it).  A metric named in
-    ``strict`` (vcdask's own) that fails is refused; another (the user's, which may need more rows than these)
-    is warned of.  Outputs that are not one tensor (a tuple, a dict) are refused: the default step cannot tell
-    which to train on.
-
-    Returns whether ``X`` is cast to the model's dtype (True), or stays integer (False: integer
-    inputs such as token ids that the model takes as they are, and not as floats).
-    """
-    probe = cpu_copy(model).eval()  # (the probe rows are CPU tensors, whatever device the model is on)
-    if prepared.form == "dataset":
-        if prepared.sample_X is None:
-            sample = prepared.sample  # (items (x, "cat"): a batch of x and a list of strings)
-            labels = sample[1] if isinstance(sample, (tuple, list)) and len(sample) == 2 else ()
-            if isinstance(labels, (tuple, list)) and labels and all(isinstance(v, str) for v in labels):
-                fix = "; in the Dataset, __getitem__ returns the code: (x, codes[i]) or (x, classes.index(label))"
-                raise string_labels_error(np.asarray(labels, dtype=object), "the dataset's labels", fix)
-            raise DataError(
-                "the default step needs dataset items (x, y) of tensors; pass train_step=fn(model, batch) "
-                "(and eval_step=) for other items"
-            )
-        X = torch.as_tensor(prepared.sample_X)
-        X, cast = (X.to(x_dtype), True) if X.is_floating_point() else (X, False)
-    else:
-        X = torch.as_tensor(np.ascontiguousarray(prepared.sample_X))
-        cast = True
-    try:
-        with torch.no_grad():
-            out = probe(X.to(x_dtype) if cast else X)
-    except Exception as e:  # noqa: BLE001 - the user's model; retried with integer inputs, else reported
-        integer = not X.is_floating_point() and cast
-        try:
-            if not integer:
-                raise
-            with torch.no_grad():  # integer inputs (token ids...) the model takes as they are
-                out, cast = probe(X), False
-        except Exception:  # noqa: BLE001 - reported with the first error
-            fed = _name(x_dtype) if cast else _name(X.dtype)
-            given = str(prepared.x_dtype).removeprefix("torch.")
-            how = f", fed to the model as {fed} (the dtype of most of its parameters)" if fed != given else ""
-            raise DataError(
-                f"the model cannot process the {what} data: samples of shape {tuple(prepared.x_shape)} "
-                f"and dtype {prepared.x_dtype}{how} -> {type(e).__name__}: {e}"
-            ) from e
-    if not isinstance(out, torch.Tensor):  # (a tuple, a dict: the user's step picks the output to train on)
-        raise DataError(
-            f"the default step computes loss(model(X), y) and needs the model to return one tensor, but it returns "
-            f"{describe_output(out)}; pass train_step=fn(model, batch) -> loss that picks the output to train on "
-            "(x, y = batch; logits, _ = model(x); return loss(logits, y)) and eval_step=fn(model, batch) -> dict "
-            "of metrics, or have the model's forward return the one tensor"
-        )
-    y = torch.as_tensor(np.ascontiguousarray(prepared.sample_y))
-    y = y.long() if classification else y.to(x_dtype)
-    if classification:
-        axis = class_axis(out.shape, y.shape)  # (scores per class along axis 1 of (n, C, T): cross_entropy's)
-        n_classes = out.shape[axis] if axis is not None else out.shape[-1] if out.dim() > 1 else 1
-        label_range = prepared.label_range
-        assert label_range is not None  # set for classification data
-        lo, hi = label_range
-        if lo < 0 or hi >= n_classes:
-            hint = (
-                " (bool labels are two classes, False 0 and True 1: give the model 2 outputs, or for a regression "
-                "on one output pass float labels, y.astype('float32'))"
-                if prepared.bool_labels
-                else ""
-            )
-            if out.dim() > 2 and axis == 1:  # a class per position: say which axis holds the classes
-                shapes = f"outputs {_shape(tuple(out.shape))} against labels {_shape(tuple(y.shape))}"
-                hint += f" (the classes lie along axis 1 of {shapes}, as cross_entropy reads them)"
-            raise DataError(
-                f"{what} labels range over [{lo}, {hi}] but the model outputs "
-                f"{n_classes} classes; labels must be in [0, {n_classes - 1}]{hint}"
-            )
-    class_loss = any(unwrapped(loss) is fn for fn in _CLASS_LOSSES.values()) or isinstance(
-        unwrapped(loss), (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
-    )
-    if classification and not class_loss and ambiguous_axis(out.shape, y.shape):  # (n, C, T) with C == T
-        shapes = f"outputs {_shape(tuple(out.shape))} against labels {_shape(tuple(y.shape))}"
-        warnings.warn(
-            f"the classes of {shapes} may lie along axis 1 or along the last axis; accuracy, predict and "
-            "predict_proba read axis 1, as cross_entropy does: if your loss reads the last axis, have the model "
-            "return its outputs as (n, classes, positions) (out.transpose(1, 2)), or pass metrics of your own",
-            stacklevel=3,
-        )
-    try:
-        value = loss(out, y)
-    except Exception as e:
-        raise DataError(
-            f"the loss cannot compare model outputs of shape {tuple(out.shape)} with labels of "
-            f"shape {tuple(y.shape)}: {type(e).__name__}: {e}"
-        ) from e
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:  # (backward needs one number for the batch)
-        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise DataError(
-            f"the loss must return one number for the batch (a scalar tensor), but returns {got} for {len(y)} "
-            "samples: with reduction='none', pass reduction='mean' (the default) or 'sum'; a function of yours "
-            "returns the batch's mean (its .mean()) as a tensor"
-        )
-    for name, fn in (metrics or {}).items():  # (a metric that fails here failed the run's first validation)
-        try:
-            float(fn(out.float(), y))
-        except Exception as e:
-            message = (
-                f"metric {name!r} cannot compare model outputs of shape {tuple(out.shape)} with labels of "
-                f"shape {tuple(y.shape)} (as validation gives them: outputs as float32): {type(e).__name__}: {e}"
-            )
-            if name not in strict:
-                # a function of the user's may need more than these few rows (both classes, say): said, not refused
-                warnings.warn(
-                    f"{message}; on these {len(y)} rows only: the run's validation fails if it does", stacklevel=3
-                )
-                continue
-            raise DataError(message) from e
-    return cast
-
-
-def describe_output(out: Any) -> str:
-    """What a model returned, for a message: ``"a tuple of 2 (Tensor, Tensor)"``, ``"a dict with keys ['logits']"``."""
-    if isinstance(out, (tuple, list)):
-        kinds = ", ".join(type(o).__name__ for o in out[:4]) + (", ..." if len(out) > 4 else "")
-        return f"a {type(out).__name__} of {len(out)} ({kinds})"
-    if isinstance(out, Mapping):
-        return f"a {type(out).__name__} with keys {list(out)[:6]}"
-    return f"a {type(out).__module__}.{type(out).__qualname__}"
-
-
 def check_target(target: Any, metric_names: Sequence[str] | None = None) -> dict[str, float] | None:
     """``target`` as ``{metric: float}``; its names checked against ``metric_names`` (None: not known yet,
     the form alone is checked: :class:`vcdask.Stopping`).
@@ -418,10 +281,6 @@ def check_target(target: Any, metric_names: Sequence[str] | None = None) -> dict
         if not is_real(goal) or math.isnan(goal):
             raise ValueError(f"target value for {name!r} must be a number, got {goal!r}")
     return {k: float(v) for k, v in target.items()}
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _probe(model: torch.nn.Module, sample_X: Any) -> torch.Tensor | None:
@@ -477,12 +336,3 @@ def _rows(batch: Any) -> int:
     while isinstance(batch, (tuple, list, Mapping)) and len(batch):
         batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
     return len(batch) if isinstance(batch, torch.Tensor) and batch.ndim else 1
-
-
-_N = 7919  # a stand-in for the sample count n in shapes (a prime no model's axis is likely to have)
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    """A batch shape with its sample axis as ``n``: ``(4, 1) -> "(n, 1)"`` (and ``_N`` anywhere as ``n``)."""
-    dims = ["n", *("n" if d == _N else str(d) for d in shape[1:])]
-    return "(" + ", ".join(dims) + ("," if len(shape) == 1 else "") + ")"
