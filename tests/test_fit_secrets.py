@@ -7,6 +7,7 @@ every object back and looks for the secret (issue 10: it used to be written into
 from __future__ import annotations
 
 import secrets
+import time
 
 import pytest
 import torch
@@ -22,6 +23,16 @@ def _tiny(digits_data):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
     return model, (X_train[:400], y_train[:400])
+
+
+def _spawned_cluster():
+    """A LocalCluster of one worker with this process's environment now: spawned, not forked from the test
+    session's fork server, which has the environment of when it started (an earlier test's credentials)."""
+    import dask
+    from distributed import LocalCluster
+
+    with dask.config.set({"distributed.worker.multiprocessing-method": "spawn"}):
+        return LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0")
 
 
 def test_fit_on_s3_writes_no_secret_anywhere(s3, digits_data):
@@ -70,7 +81,7 @@ def test_fit_on_s3_writes_no_secret_anywhere(s3, digits_data):
 def test_a_cluster_without_credentials_is_told_how_to_get_them(s3, digits_data, monkeypatch):
     """A store opened with explicit secrets, a cluster whose workers have none: a clear error before the
     run starts, naming the remedies; nothing is written to the bucket."""
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     bucket = s3.new_bucket()
     store = vcdask.open_store(
@@ -86,12 +97,35 @@ def test_a_cluster_without_credentials_is_told_how_to_get_them(s3, digits_data, 
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    with (
-        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster, set_as_default=False) as c,
-    ):
+    with _spawned_cluster() as cluster, Client(cluster, set_as_default=False) as c:
         with pytest.raises(StoreCredentialsError, match="share_credentials") as info:
             vcdask.fit(model, data, store=store, client=c, max_epochs=1, n_shards=2, progress=False)
     assert "not-in-the-workers-env" not in str(info.value)
     runs = [b for b in store.branches() if b.startswith("run-")]
     assert runs == []  # refused before any branch, spec or data was written
+
+
+def test_a_cluster_without_the_credentials_this_process_has_is_told_before_the_run(s3, digits_data, monkeypatch):
+    """A store holding no secrets (this process has credentials in its environment), a cluster of the caller's
+    whose workers have none: the same clear error before the run starts, not every task failing on the
+    workers until the run gives up."""
+    from distributed import Client
+
+    bucket = s3.new_bucket()
+    model, data = _tiny(digits_data)
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with _spawned_cluster() as cluster, Client(cluster, set_as_default=False) as c:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # (this process only: its workers have started)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        store = vcdask.open_store(f"s3://{bucket}/vc", endpoint_url=s3.endpoint_url, region="us-east-1")
+        assert not vcdask.store.store_holds_secrets(store)
+        t0 = time.perf_counter()
+        with pytest.raises(StoreCredentialsError, match="AWS_ACCESS_KEY_ID") as info:
+            vcdask.fit(model, data, store=store, client=c, max_epochs=1, n_shards=2, progress=False)
+        assert time.perf_counter() - t0 < 30
+    assert "1 of 2 processes" in str(info.value)  # (the worker; the scheduler runs in this process)
+    assert [b for b in store.branches() if b.startswith("run-")] == []

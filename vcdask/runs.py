@@ -9,14 +9,12 @@ stopping, ``resume(max_epochs=)``: :mod:`vcdask.extend`) and where a run's initi
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import os
 import pickle
 import secrets
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any, Literal, overload
 
@@ -24,8 +22,7 @@ import torch
 
 from ._ints import positive_int
 from ._main_guard import may_start_here
-from ._packages import check_packages
-from .cluster import check_client, owns_client, resolve_client
+from .cluster import check_client, in_task, owns_client, resolve_client
 from .data import Shards
 from .device import cpu_copy
 from .engine.end import read_record
@@ -34,6 +31,7 @@ from .extend import check_extend, epochs_done, keep_max_epochs
 from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
 from .inner import memory_steps, resolve_optimizer_state
+from .launching import check_cluster, discard_run, run_client
 from .merge import DEFAULT_RULE, for_run
 from .metrics import label_shape
 from .options import DEFAULT_STORE, RunPlan
@@ -41,7 +39,7 @@ from .reach import check_not_live_elsewhere, run_id_of
 from .spec import RunSpec, save_spec, spec_path
 from .staging import in_memory, stage
 from .steps import eval_modules
-from .store import ParamStore, check_cluster_access, open_store, share_credentials, store_holds_secrets
+from .store import ParamStore, open_store
 from .variables import recorded_features
 
 logger = logging.getLogger(__name__)
@@ -90,8 +88,8 @@ def launch(
         pool.shutdown(wait=False)
     saved = False
     try:
-        with _run_client(plan, client, keep=not wait) as c:
-            _check_cluster(c, plan.store, embedded=client is None)
+        with run_client(plan, client, keep=not wait) as c:
+            check_cluster(c, plan.store, embedded=client is None and not in_task())
             staged = early.result() if early is not None else _stage_data(plan, run_id, c, start)
             spec = _stage(plan, run_id, c, *staged)
             save_spec(dataclasses.replace(spec, start=start))
@@ -107,76 +105,14 @@ def launch(
         if early is not None:  # (nothing writes to the store once it is done and fit has raised)
             concurrent.futures.wait([early])
         if not saved:
-            _discard(plan.store, run_id)
+            discard_run(plan.store, run_id)
         raise
-
-
-@contextlib.contextmanager
-def _run_client(plan: RunPlan, client: Any, *, keep: bool) -> Iterator[Any]:
-    """The Client a run starts on: the one :func:`~vcdask.options.plan` connected to ``client`` (a cluster object
-    or an address) to compute on the run's dask data there, owned as :func:`~vcdask.cluster.resolve_client` owns
-    one it opens (closed on an error, and on exit unless ``keep``: then the handle owns it); else
-    :func:`~vcdask.cluster.resolve_client`'s."""
-    if plan.client is None:
-        with resolve_client(client, keep=keep) as c:
-            yield c
-        return
-    started = False
-    try:
-        yield plan.client
-        started = True
-    finally:
-        if not started or not keep:
-            plan.client.close()
-
-
-def _discard(store: ParamStore, run_id: str) -> None:
-    """Delete what staging wrote for a run that never started: its branch (its initial version) and its
-    folder (the staged data).  What cannot be deleted is logged: the launch's own error is what the caller
-    hears of."""
-    try:
-        repo = getattr(store, "_repo", None)  # (an Icechunk store's repository: no ParamStore method deletes a branch)
-        if repo is not None and run_id in repo.list_branches():
-            repo.delete_branch(run_id)
-        files = store.files
-        with contextlib.suppress(FileNotFoundError):
-            files.fs.rm(f"{files.root}/{run_id}", recursive=True)
-    except Exception:
-        logger.warning(
-            "run %s did not start; could not delete its branch and folder in %s", run_id, store.location, exc_info=True
-        )
 
 
 def _in_memory(plan: RunPlan) -> bool:
     """Whether the run's data is staged from this process (numpy or torch arrays, no dask)."""
     parts = [p for p in (plan.train, plan.validation) if p is not None]
     return all(p.source is None and in_memory(p) for p in parts)
-
-
-def _check_cluster(c, store: ParamStore, *, embedded: bool) -> None:
-    """What the cluster must offer before a run starts: a scheduler and workers with vcdask and PyTorch
-    (:func:`~vcdask._packages.check_packages`; the embedded cluster's run this interpreter), that can open the
-    store.
-
-    A store opened here with explicit credentials pickles without them: the embedded cluster (our own
-    processes on this machine) is given them with :func:`~vcdask.store.share_credentials`; any other
-    cluster must resolve them itself, and :func:`~vcdask.store.check_cluster_access` says so, naming
-    the remedies, before the run starts.
-    """
-    if not embedded:
-        check_packages(c)
-    if not store.shared_across_processes:
-        pids = set(c.run(os.getpid).values())
-        if pids != {os.getpid()}:
-            raise ValueError(
-                f"store {store.location!r} lives in this process only, but the workers "
-                "run in other processes; use a directory or object-store location"
-            )
-        return
-    if store_holds_secrets(store):
-        if embedded:
-            share_credentials(c, store)
-        check_cluster_access(store, c)
 
 
 def _stage_data(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> tuple[Any, Any]:
@@ -405,7 +341,7 @@ def resume(
     t0 = time.perf_counter()
     with resolve_client(client, keep=not wait) as c:
         check_not_live_elsewhere(read_record(param_store, run_id), run_id, c)  # (one driver a run)
-        _check_cluster(c, param_store, embedded=client is None)
+        check_cluster(c, param_store, embedded=client is None and not in_task())
         handle = _start(c, param_store, run_id, resume=True, max_epochs=max_epochs, owns=owns_client(client))
         if max_epochs is not None:  # the start was accepted (a live run is refused): the spec keeps it
             keep_max_epochs(param_store, run_id, max_epochs)

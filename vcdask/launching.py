@@ -1,0 +1,89 @@
+"""The cluster a run starts on, and what it must offer before the run's data is staged there.
+
+:func:`run_client` picks the Client (the one :func:`~vcdask.options.plan` connected to, or
+:func:`~vcdask.cluster.resolve_client`'s), :func:`check_cluster` checks its processes (vcdask and PyTorch
+installed, the store readable with their own credentials), and :func:`discard_run` deletes what a launch
+wrote when the run never started.  Used by :func:`vcdask.runs.launch` and :func:`vcdask.resume`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ._packages import check_packages
+from .cluster import resolve_client
+from .store import ParamStore, check_cluster_access, share_credentials, store_holds_secrets
+
+if TYPE_CHECKING:
+    from .options import RunPlan
+
+logger = logging.getLogger("vcdask")
+
+
+@contextlib.contextmanager
+def run_client(plan: RunPlan, client: Any, *, keep: bool) -> Iterator[Any]:
+    """The Client a run starts on: the one :func:`~vcdask.options.plan` connected to ``client`` (a cluster object
+    or an address) to compute on the run's dask data there, owned as :func:`~vcdask.cluster.resolve_client` owns
+    one it opens (closed on an error, and on exit unless ``keep``: then the handle owns it); else
+    :func:`~vcdask.cluster.resolve_client`'s."""
+    if plan.client is None:
+        with resolve_client(client, keep=keep) as c:
+            yield c
+        return
+    started = False
+    try:
+        yield plan.client
+        started = True
+    finally:
+        if not started or not keep:
+            plan.client.close()
+
+
+def discard_run(store: ParamStore, run_id: str) -> None:
+    """Delete what staging wrote for a run that never started: its branch (its initial version) and its
+    folder (the staged data).  What cannot be deleted is logged: the launch's own error is what the caller
+    hears of."""
+    try:
+        repo = getattr(store, "_repo", None)  # (an Icechunk store's repository: no ParamStore method deletes a branch)
+        if repo is not None and run_id in repo.list_branches():
+            repo.delete_branch(run_id)
+        files = store.files
+        with contextlib.suppress(FileNotFoundError):
+            files.fs.rm(f"{files.root}/{run_id}", recursive=True)
+    except Exception:
+        logger.warning(
+            "run %s did not start; could not delete its branch and folder in %s", run_id, store.location, exc_info=True
+        )
+
+
+def check_cluster(c, store: ParamStore, *, embedded: bool) -> None:
+    """What the cluster must offer before a run starts: a scheduler and workers with vcdask and PyTorch
+    (:func:`~vcdask._packages.check_packages`; the embedded cluster's run this interpreter), that can open the
+    store.
+
+    ``embedded``: ``c`` is the process's embedded cluster (our own processes on this machine, started from
+    this interpreter with its environment).  A store opened here with explicit credentials pickles without
+    them: the embedded cluster is given them with :func:`~vcdask.store.share_credentials`.  Any other
+    cluster (the caller's; a Dask task's own, for a run started inside a task) must open the store with what
+    its processes have, and :func:`~vcdask.store.check_cluster_access` checks that every one of them can,
+    naming the remedies, before the run starts: its workers might have no credentials for the store, or not
+    see the local directory it is in (another machine), and would otherwise fail every task of the run.
+    """
+    if not embedded:
+        check_packages(c)
+    if not store.shared_across_processes:
+        pids = set(c.run(os.getpid).values())
+        if pids != {os.getpid()}:
+            raise ValueError(
+                f"store {store.location!r} lives in this process only, but the workers "
+                "run in other processes; use a directory or object-store location"
+            )
+        return
+    if embedded and store_holds_secrets(store):
+        share_credentials(c, store)
+    if not embedded or store_holds_secrets(store):
+        check_cluster_access(store, c)
