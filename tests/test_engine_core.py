@@ -1027,3 +1027,34 @@ def test_a_copy_only_the_hand_over_counted_started_is_a_queued_copy_everywhere_i
     s(m.TaskFailed(task, KilledWorker(key, _Worker("a"), 3)))
     assert s.state.pool.record("a").failed == 0 and s.state.pool.record("a").excluded is None
     assert s.state.dispatch.failures.get((task.epoch, task.shard), 0) == 0
+
+
+def test_a_worker_the_store_refuses_is_blamed_and_its_shard_tried_elsewhere():
+    """A worker without credentials of its own (it joined after the run's start was checked) is refused by the
+    store: its fault, not the shard's.  It is blamed, excluded at ``max_worker_failures``, and the copy goes to
+    another worker; a store that refuses every worker still gives the shard up after ``max_attempts``."""
+    from vcdask.errors import StoreAccessDeniedError
+
+    refused = StoreAccessDeniedError("opening 's3://b/vc': no credentials")
+    s = Script(n_shards=2, workers=("a", "b", "c"), max_attempts=3, max_worker_failures=1)
+    key = keys(s(m.Poll()))[0]
+    s.start(key, "a")
+    task = s.state.tasks.records[key]
+    s(m.Completed(key))
+    effects = s(m.TaskFailed(task, refused))
+    [again] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    assert again.args[:3] == (task.epoch, task.shard, 1)
+    assert s.state.tasks.records[again.key].placed != "a"  # (not back to the worker the store refused)
+    record = s.state.pool.record("a")
+    assert record.failed == 1 and record.excluded is not None and "refused" in record.last_fault
+    assert emitted(effects, "excluded")[0]["worker"] == "a"
+    assert "no credentials" in rows(s.state, "lost")[0]["reason"]
+    key = again.key
+    for worker in ("b", "c"):
+        s.start(key, worker)
+        task = s.state.tasks.records[key]
+        s(m.Completed(key))
+        effects = s(m.TaskFailed(task, refused))
+        key = next((fx.key for fx in effects if isinstance(fx, m.Submit)), key)
+    [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]
+    assert "failed 3 times (last: StoreAccessDeniedError: opening 's3://b/vc': no credentials)" in fail.failure.message

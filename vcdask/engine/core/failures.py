@@ -62,6 +62,9 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
     if isinstance(exc, StoreError) and not isinstance(exc, (StoreNotFoundError, StoreAccessDeniedError)):
         store_fault(state, task, exc)
         return
+    if task.kind == "update" and isinstance(exc, StoreAccessDeniedError) and task.worker is not None:
+        denied(state, task, task.worker, exc)
+        return
     was_lost = isinstance(exc, (KilledWorker, OSError))
     if task.kind == "update" and was_lost:
         # Dask already retried it on other workers (allowed-failures); each loss is a worker failure,
@@ -96,6 +99,19 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
             retry_or_give_up(state, task.epoch, task.shard, repr(exc), avoid=task.worker)
         return
     fail(state, "task", f"{task.kind} task (epoch {task.epoch}, shard {task.shard}) failed: {exc!r}", exc)
+
+
+def denied(state: RunState, task: TaskRecord, worker: str, exc: BaseException) -> None:
+    """A shard task's worker (``worker``) was refused by the store: no credentials of its own (a worker that
+    joined after the run's start was checked, without the environment the others have).  The worker's fault,
+    not the shard's: it is blamed (excluded after ``max_worker_failures``, the run going on without it) and the
+    copy tried elsewhere.  The attempt counts, so a store that refuses every worker (credentials that expired)
+    still gives the shard up after ``max_attempts``, saying why."""
+    why = _lost_why(exc)
+    blame(state, worker, "failed", f"the store refused it: {why}")
+    state.ledger.record_copy(task, "lost", f"lost: {why}", worker=worker)
+    if not state.ledger.is_merged(task.epoch, task.shard):
+        retry_or_give_up(state, task.epoch, task.shard, why, avoid=worker)
 
 
 def lost(state: RunState, task: TaskRecord, why: str) -> None:
