@@ -16,6 +16,8 @@ A batch mirrors the data: ``(x, y)`` for ``(X, y)`` arrays and for xarray / Zarr
 the default step; a dict of tensors for dict data and for xarray / Zarr data when the caller gives a
 ``train_step`` (one entry per variable, so several input variables stay apart).
 
+``(X, y)`` arrays and dicts of arrays are checked and described in :mod:`vcdask._arrays`.
+
 Zarr locations are read by the workers where they are.  In-memory and dask data is
 staged once, as a Zarr group, into the run's folder of the parameter store; workers
 then read only their shard's rows.
@@ -23,13 +25,13 @@ then read only their shard's rows.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from ._arrays import _is_dask, _prepare_dict, _prepare_xy
 from .errors import DataError
 from .prepared import PreparedData
 from .store import FSSPEC_SECRET_OPTIONS
@@ -190,24 +192,6 @@ def _to_xy(ds, features, label, sample_dim) -> tuple[np.ndarray, np.ndarray]:
     return X, values(label)
 
 
-def _as_numpy(a: Any, what: str) -> np.ndarray:
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        from .torch_data import cpu_numpy
-
-        return cpu_numpy(a)
-    if isinstance(a, np.ndarray):
-        return a
-    if hasattr(a, "__array__") and not _is_dask(a):
-        return np.asarray(a)
-    raise DataError(f"{what} must be a numpy array, torch tensor or dask array, got {type(a).__name__}")
-
-
-def _is_dask(a: Any) -> bool:
-    return type(a).__module__.startswith("dask.array") or hasattr(a, "__dask_graph__")
-
-
 def prepare_data(
     data: Any,
     *,
@@ -248,45 +232,7 @@ def prepare_data(
     if isinstance(data, Mapping) and not isinstance(data, xr.Dataset):
         return _prepare_dict(data, what, scheduler)
     if isinstance(data, (tuple, list)):
-        if len(data) != 2:
-            raise DataError(f"{what} as a sequence must be (X, y), got {len(data)} items")
-        X, y = data
-        if _is_dask(X) or _is_dask(y):
-            import dask.array as da
-
-            X, y = da.asarray(X), da.asarray(y)
-            if any(math.isnan(s) for s in (*X.shape, *y.shape)):
-                raise DataError(f"{what}: dask arrays with unknown chunk sizes; call .compute_chunk_sizes() first")
-        else:
-            X, y = _as_numpy(X, f"{what} X"), _as_numpy(y, f"{what} y")
-        if X.ndim == 0 or y.ndim == 0:
-            raise DataError(f"{what}: X and y need a sample axis; got shapes {X.shape} and {y.shape}")
-        if X.shape[0] != y.shape[0]:
-            raise DataError(f"{what}: X has {X.shape[0]} samples but y has {y.shape[0]}; they must match")
-        if X.shape[0] == 0:
-            raise DataError(f"{what} is empty (0 samples)")
-        head = slice(0, min(4, X.shape[0]))
-        ranged = (y.min(), y.max()) if np.issubdtype(y.dtype, np.integer) else (None, None)
-        if _is_dask(X):  # (both are: the first rows and the labels' range in one pass, where scheduler computes)
-            import dask
-
-            sx, sy, lo, hi = dask.compute(X[head], y[head], *ranged, scheduler=scheduler)
-        else:
-            sx, sy, (lo, hi) = X[head], y[head], ranged
-        sx, sy = np.array(sx), np.array(sy)  # (copies: a read-only array's rows would make torch warn)
-        return PreparedData(
-            None,
-            X,
-            y,
-            int(X.shape[0]),
-            tuple(X.shape[1:]),
-            X.dtype,
-            y.dtype,
-            sx,
-            sy,
-            None if lo is None else int(lo),
-            None if hi is None else int(hi),
-        )
+        return _prepare_xy(data, what, scheduler)
     if isinstance(data, xr.Dataset) and batches == "dict":
         names, dim = dict_vars(data, features, label, sample_dim, what)
         return _prepare_dict({n: data[n].transpose(dim, ...).data for n in names}, what, scheduler)
@@ -330,34 +276,6 @@ def prepare_data(
         f"unsupported {what} type {type(data).__name__}; expected (X, y) arrays (numpy, torch or dask), "
         "a pandas DataFrame (with label=), an xarray.Dataset, a Zarr URL/path, or an Icechunk session"
     )
-
-
-def _prepare_dict(data: Mapping, what: str, scheduler: Any = None) -> PreparedData:
-    """Dict data: equal-length arrays, one per input (each batch a dict of tensors)."""
-    if not data:
-        raise DataError(f"{what} as a dict needs at least one array")
-    columns: dict[str, Any] = {}
-    for key, value in data.items():
-        if not isinstance(key, str) or not key or "/" in key:
-            raise DataError(f"{what}: dict keys must be non-empty strings without '/', got {key!r}")
-        a = value.data if type(value).__module__.startswith("xarray") else value
-        a = a if _is_dask(a) else _as_numpy(a, f"{what}[{key!r}]")
-        if a.ndim == 0:
-            raise DataError(f"{what}[{key!r}] needs a sample axis; got a scalar")
-        columns[key] = a
-    lengths = {k: a.shape[0] for k, a in columns.items()}
-    if len(set(lengths.values())) != 1:
-        raise DataError(f"{what}: the arrays must have equal lengths (one row per sample), got {lengths}")
-    n = next(iter(lengths.values()))
-    if n == 0 or any(math.isnan(s) for a in columns.values() for s in a.shape):
-        raise DataError(f"{what} is empty (0 samples) or has unknown chunk sizes")
-    heads = {k: a[: min(4, n)] for k, a in columns.items()}
-    if any(_is_dask(a) for a in heads.values()):
-        import dask
-
-        (heads,) = dask.compute(heads, scheduler=scheduler)
-    sample = {k: np.array(a) for k, a in heads.items()}  # (copies, writable, as above)
-    return PreparedData(None, n=int(n), form="dict", columns=columns, sample=sample)
 
 
 def _stack(ds, features, dim):
