@@ -98,3 +98,6 @@ def test_the_model_trains_as_plain_torch_does(xy, tmp_path):
     X, y = map(torch.as_tensor, xy)
     with torch.no_grad():
         assert torch.nn.functional.mse_loss(trained(X), y) < torch.nn.functional.mse_loss(initial(X), y)
+        expected = trained(X).numpy()
+    np.testing.assert_allclose(result.predict(xy[0]), expected, rtol=1e-6)  # (fed float32, as in training)
+    np.testing.assert_allclose(result.predict(xy[0].astype("float64")), expected, rtol=1e-6)

@@ -22,7 +22,7 @@ import torch
 from .device import check_device, cpu_copy, resolve_device, same_device
 from .errors import DataError
 from .metrics import class_axis, class_ids, one_logit
-from .preflight import describe_output
+from .preflight import describe_output, model_dtype
 
 __all__ = ["binary_classifier", "model_outputs", "predicted", "probabilities"]
 
@@ -139,10 +139,12 @@ def _forward(net: torch.nn.Module, x: torch.Tensor, batch_size: int, target: tor
 
 
 def _dtype(model: torch.nn.Module) -> torch.dtype | None:
-    """The dtype of ``model``'s first floating parameter (or buffer); None for a model without one."""
-    import itertools
-
-    return next((t.dtype for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()), None)
+    """The dtype ``model`` takes its floating inputs in now (it may have been cast since the run): the one most
+    of its floating parameters' elements hold (:func:`~vcdask.preflight.model_dtype`, the rule the run's
+    ``x_dtype`` was chosen by), else its first floating buffer's; None for a model with neither."""
+    if any(p.is_floating_point() for p in model.parameters()):
+        return model_dtype(model)
+    return next((b.dtype for b in model.buffers() if b.is_floating_point()), None)
 
 
 def _label_shape(out: torch.Tensor, spec: Any) -> tuple[int, ...]:
