@@ -61,6 +61,20 @@ def test_the_default_adam_with_a_sparse_embedding_is_refused_before_any_cluster_
     )
 
 
+def test_fit_refuses_clipping_sparse_gradients_before_any_cluster_work(ids_y, tmp_path):
+    """``fit(clip_grad_norm=)`` reaches the check (the plan passed none: an optimizer that takes sparse gradients,
+    SGD, with clipping failed every task on the cluster)."""
+    refused(
+        Bag(),
+        ids_y,
+        tmp_path,
+        ValueError,
+        "clip_grad_norm=1.0 cannot clip the sparse gradients of emb (Embedding(sparse=True))",
+        optimizer=torch.optim.SGD,
+        clip_grad_norm=1.0,
+    )
+
+
 @pytest.mark.parametrize(
     ("optimizer", "error"),
     [

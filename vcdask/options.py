@@ -348,7 +348,9 @@ def plan(
         if "loss" in rule.needs and not isinstance(rule, Auto):  # a probe at every merge, on the scheduler: its cost
             check_probe_cost(rule, model, probe_batch(prepared, x_dtype), train_step or SupervisedStep(loss_fn))
         optimizer_fn = resolve_optimizer(training.optimizer, training.lr)
-        check_inner_optimizer(optimizer_fn, model, given=training.optimizer, lr=training.lr)  # as the workers build it
+        check_inner_optimizer(  # as the workers build it
+            optimizer_fn, model, given=training.optimizer, lr=training.lr, clip_grad_norm=training.clip_grad_norm
+        )
         param_store = open_store(DEFAULT_STORE if store is None else store)  # last: it may create a directory
         if not param_store.shared_across_processes and client is None:
             raise ValueError(
