@@ -17,11 +17,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import config
+from ._computing import DataComputing
 from ._ints import check_bool, is_real, positive_int
+from ._plan_checks import check_label_kind, check_same_form, check_step_options
 from .cluster import check_client
 from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
@@ -198,7 +199,7 @@ class RunPlan:
     prices: dict[str, dict[str, float]]  # vcdask.cost, from vcdask.cloud.prices
     overlap: str  # vcdask.overlap, from vcdask.worker.overlap
     # the Client plan opened for client= given as a cluster or an address, to compute its checks of dask data on
-    # that cluster (_Computing): the run's, which runs.launch runs it on and closes; None when none was opened
+    # that cluster (DataComputing): the run's, which runs.launch runs it on and closes; None when none was opened
     client: Any = None
 
 
@@ -236,7 +237,7 @@ def plan(
     (:func:`vcdask.holdout.hold_out`), the metrics it reports (:attr:`RunPlan.metric_names`) and its early
     stopping, for ``fit`` and ``vcdask train`` alike.  The keywords are ``fit``'s, with its defaults.
 
-    Dask data (and Zarr data, scanned through dask) is computed on the cluster of ``client`` (:class:`_Computing`):
+    Dask data (and Zarr data, scanned through dask) is computed on the cluster of ``client`` (:class:`~vcdask._computing.DataComputing`):
     a cluster object or an address is connected to once, at the first computation, and that Client comes back
     as :attr:`RunPlan.client` (the run's: :func:`vcdask.runs.launch` runs on it and closes it; a caller that
     does not launch the plan closes it).
@@ -277,7 +278,7 @@ def plan(
     seed = positive_int("seed", seed, minimum=0)  # (numpy's generators take no negative seed)
     shuffle, keep_updates = check_bool("shuffle", shuffle), check_bool("keep_updates", keep_updates)
     checked_retention = check_retention(retention)  # None: the default policy; False: keep every version (None)
-    _check_steps(train_step, eval_step, loss, metrics)
+    check_step_options(train_step, eval_step, loss, metrics)
     validation = hold_out(validation, target=stopping.target, patience=stopping.patience, monitor=stopping.monitor)
     if validation is not None and is_real(validation):
         if not 0.0 < float(validation) < 1.0:
@@ -287,7 +288,7 @@ def plan(
     prices = check_prices(config.get("cloud.prices"))
 
     # what needs the data, computed on the cluster of client= for dask data: from here on, a Client it connected
-    computing = _Computing(client)
+    computing = DataComputing(client)
     with contextlib.ExitStack() as undo:
         undo.callback(computing.close)  # (a refusal after it connected closes the Client it opened)
         names = {"features": features, "label": label, "sample_dim": sample_dim, "storage_options": storage_options}
@@ -331,12 +332,12 @@ def plan(
                 names["features"] = list(named)
             val_prepared = prepare_data(validation, **names, what="validation")
             check_finite(val_prepared, "validation", dtype=cast_to, scheduler=computing.scheduler)
-            _check_same_form(prepared, val_prepared)
+            check_same_form(prepared, val_prepared)
             if prepared.form != "dataset" and val_prepared.shapes != prepared.shapes:
                 shapes = f"validation samples have shapes {val_prepared.shapes}, training samples {prepared.shapes}"
                 raise DataError(shapes)
             if train_step is None:  # its labels fit too: of the training's kind (cast like them), in range
-                _check_label_kind(prepared, val_prepared)
+                check_label_kind(prepared, val_prepared)
                 check_model(model, val_prepared, loss_fn, prepared.classification, x_dtype, what="validation")
         prepared, split_val = split(prepared, validation, seed, shuffle and not stored_order(data))
         if n_shards is not None and n_shards > prepared.n:
@@ -393,94 +394,3 @@ def plan(
         )
         undo.pop_all()  # (the Client opened is the run's now: runs.launch closes it)
         return planned
-
-
-class _Computing:
-    """Where :func:`plan` computes on dask data (its first rows, the labels' range, the NaN / inf scan; Zarr data
-    too, scanned through dask): the cluster of ``client=``, whose workers stage and train on it, never this
-    process nor a default Client of another cluster (``data.md``: dask data never goes through your process).
-
-    A Client is used as given.  A cluster object or a scheduler's address is connected to once, at the first
-    computation (data in memory connects to nothing, so input refused before any computation is refused before
-    any cluster work), as :func:`vcdask.cluster.resolve_client` would (``set_as_default=False``); the run then
-    runs on that Client (:attr:`RunPlan.client`), not on a second one.  Without ``client=`` the run goes to the
-    embedded LocalCluster, which runs on this machine, reading what this process reads: the data is computed
-    here, by dask's threads, before that cluster is started (starting it to check the data would be cluster
-    work before the checks).
-    """
-
-    def __init__(self, client: Any) -> None:
-        self.given = client
-        self.opened: Any = None  # the Client connected for a cluster object or an address
-
-    @property
-    def scheduler(self) -> Any:
-        """:func:`dask.compute`'s ``scheduler=`` for the data of this run."""
-        from distributed import Client
-
-        if self.given is None:
-            return "threads"
-        if isinstance(self.given, Client):
-            return self.given
-        return self._get  # (connects at the first computation only)
-
-    def _get(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
-        if self.opened is None:
-            from distributed import Client
-
-            self.opened = Client(self.given, set_as_default=False)
-        return self.opened.get(dsk, keys, **kwargs)
-
-    def close(self) -> None:
-        """Close the Client connected here (a run that will not start)."""
-        if self.opened is not None:
-            self.opened.close()
-            self.opened = None
-
-
-def _check_steps(train_step: Any, eval_step: Any, loss: Any, metrics: Any) -> None:
-    """The custom steps, and the default step's options that they replace."""
-    for name, fn in (("train_step", train_step), ("eval_step", eval_step)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be a callable (model, batch) -> ..., got {type(fn).__name__}")
-    if eval_step is not None and train_step is None:
-        raise TypeError("eval_step needs train_step (the default step evaluates loss and metrics= itself)")
-    if train_step is not None and (metrics is not None or loss is not None):
-        raise TypeError(
-            "loss= and metrics= belong to the default step; with train_step, compute the loss there "
-            "and return metrics from eval_step"
-        )
-
-
-_FORMS = {
-    "xy": "(X, y) arrays (or data read as them: a DataFrame, an xarray or Zarr dataset)",
-    "dict": "a dict of arrays (or an xarray / Zarr dataset read per variable for a train_step)",
-    "dataset": "a torch Dataset",
-}
-
-
-def _check_same_form(train: PreparedData, val: PreparedData) -> None:
-    """Validation batches are made as the training's are: of the same kind of data."""
-    if val.form == train.form:
-        return
-    hint = ""
-    if train.form == "dataset":
-        hint = ": arrays as torch.utils.data.TensorDataset(torch.as_tensor(X_val), torch.as_tensor(y_val))"
-    raise DataError(
-        f"validation is {_FORMS[val.form]} but the training data is {_FORMS[train.form]}; give validation data of "
-        f"the training's kind{hint}, or a fraction of the training data to hold out (validation=0.1)"
-    )
-
-
-def _check_label_kind(train: PreparedData, val: PreparedData) -> None:
-    """Validation labels are cast as the training's are (class ids or the model's dtype): refuse the other kind,
-    whose float class ids would be truncated (0.6 -> 0) or out of range on the workers."""
-    if train.y_dtype is None or val.y_dtype is None or train.classification == val.classification:
-        return
-    kinds = {True: "integer class ids (classification)", False: "floats (regression)"}
-    fix = "y_val.astype('int64') when they are whole class ids" if train.classification else "y_val.astype('float32')"
-    raise DataError(
-        f"validation labels are {np.dtype(val.y_dtype)}, {kinds[val.classification]}, but the training labels "
-        f"are {np.dtype(train.y_dtype)}, {kinds[train.classification]}; validation labels must be of the "
-        f"training's kind: {fix}"
-    )
