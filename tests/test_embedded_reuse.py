@@ -113,12 +113,12 @@ def _assert_no_run_left(location):
 def test_a_run_whose_cluster_fails_to_start_leaves_nothing_in_the_store(tmp_path, monkeypatch):
     """In-memory data staged while the embedded cluster starts (a branch, the data, the initial version) is
     deleted again when the cluster fails to start."""
-    import vcdask.runs
+    import vcdask.launching
 
     def no_cluster(client, *, keep=False):
         raise RuntimeError("the embedded cluster failed to start")
 
-    monkeypatch.setattr(vcdask.runs, "resolve_client", no_cluster)
+    monkeypatch.setattr(vcdask.launching, "resolve_client", no_cluster)
     X, y = _data()
     with pytest.raises(RuntimeError, match="failed to start"):
         vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=1, store=tmp_path / "store", progress=False)

@@ -169,6 +169,29 @@ def test_a_client_opened_for_a_cluster_is_closed_when_the_launch_fails(cluster):
         assert c is cluster[1]  # a Client you pass is yours
 
 
+def test_a_dropped_handle_closes_the_client_it_owns(cluster, tmp_path):
+    """``fit(client=<cluster>, wait=False)`` opens a client that its handle owns.  A handle dropped without
+    ``close()`` (such fits in a loop, a notebook cell run again) left that client open and connected for good:
+    one more client on the scheduler each time.  A handle you passed a Client to leaves it open."""
+    import gc
+
+    handle = vcdask.fit(
+        _model(), _data(), client=cluster[0], wait=False, store=tmp_path / "s", max_epochs=1, progress=False
+    )
+    owned = handle.client
+    handle.wait()
+    del handle
+    gc.collect()
+    assert owned.status == "closed"
+    handle = vcdask.fit(
+        _model(), _data(), client=cluster[1], wait=False, store=tmp_path / "s", max_epochs=1, progress=False
+    )
+    handle.wait()
+    del handle
+    gc.collect()
+    assert cluster[1].status == "running"
+
+
 def _step(model, batch):
     x, y = batch
     return torch.nn.functional.cross_entropy(model(x), y)

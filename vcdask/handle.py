@@ -7,21 +7,19 @@ that can reach the scheduler the same handle ``fit`` uses.
 from __future__ import annotations
 
 import asyncio
-import pickle
 import threading
+import weakref
 from typing import Any
 
 import torch
 
+from ._collect import result_of
 from ._ints import is_real
 from ._packages import check_scheduler_error
 from .cluster import check_sync, is_embedded
-from .diagnose import annotate
-from .engine.end import best_version
 from .engine.plugin import PLUGIN_NAME, VcdaskPlugin
 from .errors import RunCancelledError, RunFailedError
-from .params import load_into
-from .result import HISTORY_COLUMNS, FitResult, run_settings
+from .result import FitResult
 
 __all__ = ["FitResult", "RunCancelledError", "RunFailedError", "RunHandle", "ensure_plugin"]
 
@@ -87,13 +85,15 @@ class RunHandle:
         self.display = None  # the progress display of the last wait()
         self._model = model
         self._setup_seconds = setup_seconds  # from the fit call to the run's start (staging, initial commit)
-        self._owns_client = owns_client
         self._closed = False
         self._address = getattr(getattr(client, "scheduler", None), "address", None)  # (kept: the client may close)
         self._embedded = is_embedded(client)  # (closed by close_embedded() or at exit, the run ends with it)
         self._lock = threading.Lock()  # one collection at a time (await handle + a done callback ...)
         self._result: FitResult | None = None
         self._res: dict | None = None  # the run's result dict, once it ended (then no client is needed)
+        # a handle dropped without close() (fit(client=cluster, wait=False) in a loop) closes the client it owns
+        # when it is collected: the client's own periodic callbacks keep it alive, connected, for good
+        self._finalizer = weakref.finalize(self, client.close) if owns_client else None
 
     def __repr__(self) -> str:
         where = "closed" if self._closed or self._client_gone() else f"on {self._address}"
@@ -108,9 +108,9 @@ class RunHandle:
     def close(self) -> None:
         """Close the client this handle owns (see ``owns_client``; a client you passed stays open).
         The run goes on on its scheduler: :func:`attach` gives a new handle."""
-        if self._owns_client and not self._closed:
+        if self._finalizer is not None and not self._closed:  # (a handle that owns its client)
             self._closed = True
-            self.client.close()
+            self._finalizer()
 
     def _client_gone(self) -> bool:
         """Whether the handle's client was closed (by you, or by ``close_embedded()``), not by :meth:`close`."""
@@ -368,60 +368,15 @@ class RunHandle:
             if self._res is None:
                 self._res = self._ask("vcdask_result")
                 self.close()  # the run ended: a client this handle owns is no longer needed
-            result = self._result_of(self._res, model, wall_time)
+            panel = self.display if type(self.display).__name__ == "RunPanel" else None
+            result = result_of(
+                self.run_id,
+                self._res,
+                model if model is not None else self._model,
+                wall_time=wall_time,
+                setup_seconds=self._setup_seconds,
+                panel=panel,
+            )
             if model is None:
                 self._result = result
             return result
-
-    def _result_of(self, res: dict, model: torch.nn.Module | None, wall_time: float | None) -> FitResult:
-        if res["status"] == "cancelled":
-            raise RunCancelledError(
-                f"run {self.run_id} was cancelled ({res['stopping'] or 'its scheduler closed'}); its store "
-                f"holds the version it reached: vcdask.load(store, branch={self.run_id!r}) (version {res['version']})"
-            )
-        if res["status"] != "finished":
-            raise RunFailedError(f"run {self.run_id} ended with status {res['status']!r}:\n{res['error']}")
-        return self._collect(res, model if model is not None else self._model, wall_time)
-
-    def _collect(self, res: dict, model: torch.nn.Module | None, wall_time: float | None) -> FitResult:
-        import copy
-
-        import pandas as pd
-
-        from .spec import load_spec
-
-        store = pickle.loads(res["store"])
-        spec = load_spec(store, self.run_id)
-        if model is None:
-            model = copy.deepcopy(spec.model)
-        checkpoint = store.read(res["version"])
-        load_into(model, checkpoint.params)
-        # as vcdask.load marks a model (the same keys, vcdask's over the metadata's): a later fit of it records
-        # this version as its start
-        model.vcdask_version = {  # type: ignore[assignment]
-            **checkpoint.metadata,
-            "id": res["version"],
-            "run_id": self.run_id,
-            "tag": None,
-            "store": store.location,
-        }
-        epochs = pd.DataFrame(res["epochs"])
-        result = FitResult(
-            model=model,
-            history=pd.DataFrame(res["history"], columns=HISTORY_COLUMNS),
-            epochs=epochs.set_index("epoch") if len(epochs) else epochs,
-            run_id=self.run_id,
-            store=store,
-            version=res["version"],
-            metrics=res.get("final_metrics") or {},
-            workers=pd.DataFrame(res["workers"]),
-            cost=res.get("cost") or {},
-            stop_reason=res.get("stopping"),
-            wall_time=self._setup_seconds + res["elapsed"] if wall_time is None else wall_time,
-            panel=self.display if type(self.display).__name__ == "RunPanel" else None,
-            best_version=best_version(store, res),
-            start=res.get("start"),
-            settings=run_settings(spec, res.get("merge")),
-        )
-        annotate(result)
-        return result
