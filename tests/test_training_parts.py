@@ -304,6 +304,31 @@ def test_the_tensors_of_a_loss_go_to_the_workers_device_once_a_run(monkeypatch, 
     assert asyncio.run(_held.release_run("loss-on-device"))["losses"] == 1
 
 
+@pytest.mark.parametrize(
+    "make_loss",
+    [
+        lambda w: torch.nn.CrossEntropyLoss(weight=w),
+        lambda w: functools.partial(torch.nn.functional.cross_entropy, weight=w),
+        lambda w: functools.partial(torch.nn.CrossEntropyLoss(weight=w)),  # (a partial of a module: both moved)
+    ],
+    ids=["module", "partial", "partial-of-module"],
+)
+def test_a_loss_with_tensors_on_the_gpu_is_planned_on_the_cpu(make_loss, tmp_path):
+    """``fit(model.cuda(), data, loss=partial(F.cross_entropy, weight=w.cuda()))``: the run's loss is a CPU copy,
+    as a loss module's was (a partial stayed on the GPU: the check of the model on a few rows, on the CPU,
+    refused the run, 'the loss cannot compare model outputs of shape (4, 2) with labels of shape (4,)')."""
+    from vcdask.options import plan
+    from vcdask.testing.devices import ACCELERATOR, on_accelerator
+
+    loss = make_loss(on_accelerator(torch.tensor([1.0, 2.0])))
+    X = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    planned = plan(torch.nn.Linear(4, 2), (X, (X[:, 0] > 0).astype("int64")), loss=loss, store=tmp_path / "s")
+    from vcdask.device import loss_tensors
+
+    assert [t.device.type for t in loss_tensors(planned.loss)] == ["cpu"]
+    assert [t.device for t in loss_tensors(loss)] == [ACCELERATOR]  # (the caller's left where it is)
+
+
 def test_a_cpu_copy_of_a_gpu_model_is_made_on_the_cpu():
     """``cpu_copy`` (the client's checks and the run's staged model): every tensor on the CPU, equal to the
     model's, its own memory; parameters stay parameters (a frozen one frozen), tied ones tied; the model

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 
 from ._wire import unpack
-from .device import Precision, resolve_device
+from .device import Precision, loss_tensors, loss_to, resolve_device
 from .errors import ParameterMismatchError
 from .params import FlatParams, flatten, load_into
 from .spec import RunSpec
@@ -129,32 +128,10 @@ def loss_on(spec: RunSpec, device: torch.device) -> Callable:
     the spec's own.  The copy is shared by the process's threads (a loss keeps no state of a step).
     """
     loss = spec.loss
-    if all(t.device == device for t in _loss_tensors(loss)):
+    if all(t.device == device for t in loss_tensors(loss)):
         return loss
     # (the spec's stays on the CPU: validation computes it there)
-    return _newest(_losses, (spec.run_id, str(device)), lambda: _loss_to(loss, device))
-
-
-def _loss_tensors(loss: Any) -> list[torch.Tensor]:
-    """The tensors a loss carries: a module's parameters and buffers, a partial's tensor arguments (its function's
-    too, a partial or a module)."""
-    if isinstance(loss, torch.nn.Module):
-        return [*loss.parameters(), *loss.buffers()]
-    if isinstance(loss, functools.partial):
-        given = [*loss.args, *loss.keywords.values()]
-        return [*_loss_tensors(loss.func), *(a for a in given if isinstance(a, torch.Tensor))]
-    return []
-
-
-def _loss_to(loss: Any, device: torch.device) -> Any:
-    """A copy of ``loss`` whose tensors (:func:`_loss_tensors`) are on ``device``; the partial rebuilt around them."""
-    if isinstance(loss, torch.nn.Module):
-        return copy.deepcopy(loss).to(device)
-    if isinstance(loss, functools.partial):
-        args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in loss.args]
-        keywords = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in loss.keywords.items()}
-        return functools.partial(_loss_to(loss.func, device), *args, **keywords)
-    return loss
+    return _newest(_losses, (spec.run_id, str(device)), lambda: loss_to(loss, device))
 
 
 def brought(version: str | None, payload: dict[str, Any]) -> FlatParams:

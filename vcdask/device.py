@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import re
 from collections.abc import Iterator, Mapping
@@ -158,6 +159,29 @@ def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
         # (a Parameter as Module.cpu() makes one)
         memo[id(t)] = torch.nn.Parameter(moved, t.requires_grad) if isinstance(t, torch.nn.Parameter) else moved
     return copy.deepcopy(model, memo).cpu()
+
+
+def loss_tensors(loss: Any) -> list[torch.Tensor]:
+    """The tensors a loss carries: a module's parameters and buffers, a :func:`functools.partial`'s tensor
+    arguments (its function's too, a partial or a module)."""
+    if isinstance(loss, torch.nn.Module):
+        return [*loss.parameters(), *loss.buffers()]
+    if isinstance(loss, functools.partial):
+        given = [*loss.args, *loss.keywords.values()]
+        return [*loss_tensors(loss.func), *(a for a in given if isinstance(a, torch.Tensor))]
+    return []
+
+
+def loss_to(loss: Any, device: torch.device) -> Any:
+    """A copy of ``loss`` whose tensors (:func:`loss_tensors`) are on ``device``, the partial rebuilt around them
+    (a module copied to the CPU by :func:`cpu_copy`: never a second copy on its GPU); a plain function as it is."""
+    if isinstance(loss, torch.nn.Module):
+        return cpu_copy(loss) if device.type == "cpu" else copy.deepcopy(loss).to(device)
+    if isinstance(loss, functools.partial):
+        args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in loss.args]
+        keywords = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in loss.keywords.items()}
+        return functools.partial(loss_to(loss.func, device), *args, **keywords)
+    return loss
 
 
 class Precision:

@@ -26,7 +26,7 @@ from ._plan_checks import check_label_kind, check_same_form, check_step_options
 from .cluster import check_client
 from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
-from .device import cpu_copy
+from .device import loss_to
 from .finite import check_finite
 from .groups import Merging, Stopping, Training
 from .holdout import check_early_stopping, hold_out
@@ -113,8 +113,8 @@ def resolve_loss(loss, classification: bool) -> Callable:
         where = "torch.nn" if loss.__module__.startswith("torch.nn.") else loss.__module__
         name = f"{where}.{loss.__qualname__}"
         raise TypeError(f"loss={name} is a class: pass an instance, loss={name}() (or a name from {sorted(LOSSES)})")
-    if isinstance(loss, torch.nn.Module):  # (its tensors on the CPU: the workers copy them to their device)
-        return cpu_copy(loss)
+    if isinstance(loss, (torch.nn.Module, functools.partial)):  # (its tensors on the CPU, as the run's model's:
+        return loss_to(loss, torch.device("cpu"))  # the checks compute there; the workers copy them to their device)
     if callable(loss):
         return loss
     raise TypeError(f"loss must be a name from {sorted(LOSSES)} or a callable, got {type(loss).__name__}")
@@ -237,8 +237,9 @@ def plan(
     (:func:`vcdask.holdout.hold_out`), the metrics it reports (:attr:`RunPlan.metric_names`) and its early
     stopping, for ``fit`` and ``vcdask train`` alike.  The keywords are ``fit``'s, with its defaults.
 
-    Dask data (and Zarr data, scanned through dask) is computed on the cluster of ``client`` (:class:`~vcdask._computing.DataComputing`):
-    a cluster object or an address is connected to once, at the first computation, and that Client comes back
+    Dask data (and Zarr data, scanned through dask) is computed on the cluster of ``client``
+    (:class:`~vcdask._computing.DataComputing`): a cluster object or an address is connected to once, at the
+    first computation, and that Client comes back
     as :attr:`RunPlan.client` (the run's: :func:`vcdask.runs.launch` runs on it and closes it; a caller that
     does not launch the plan closes it).
 
