@@ -111,17 +111,23 @@ def evaluate(spec, model: torch.nn.Module, batches: Iterable[tuple[Any, int]], p
     an ``eval_step`` (or a ``train_step`` alone) is averaged over batches, weighted by their size.
     """
     model.eval()
-    with torch.no_grad(), precision.autocast():
-        if spec.train_step is None:
+    if spec.train_step is None:
+        # the forward passes under the run's precision; the loss and the metrics in float32 on the CPU, whatever the
+        # worker's device (under a CPU worker's autocast, a metric with a matmul was computed in bf16 / fp16: the
+        # same version validated other numbers there than on a GPU worker, whose autocast leaves the CPU alone)
+        with torch.no_grad():
             outs, ys = [], []
             for batch, _ in batches:
                 x, y = _xy(batch)
-                outs.append(model(x).float().cpu())
+                with precision.autocast():
+                    out = model(x)
+                outs.append(out.float().cpu())
                 ys.append(y.cpu())
             out, y = torch.cat(outs), torch.cat(ys)
             result = {"loss": float(spec.loss(out, y))}
             result.update({name: float(fn(out, y)) for name, fn in spec.metrics.items()})
             return result
+    with torch.no_grad(), precision.autocast():  # (a custom step: the forward and its loss, as in training)
         sums: dict[str, float] = {}
         total = 0
         for batch, n in batches:
