@@ -28,6 +28,13 @@ def test_check_device_and_precision():
     assert vcdask.Training(device=torch.device("mps", 0)).device == "mps"
     with pytest.raises(ValueError, match=r"device 'mps:1': a machine has one MPS device, 'mps' \(or 'mps:0'\)"):
         check_device(torch.device("mps", 1))
+    assert check_device(torch.device("cpu", 0)) == "cpu" and check_device("cpu:0") == "cpu"
+    with pytest.raises(ValueError, match=r"device 'cpu:1': a machine has one CPU device, 'cpu' \(or 'cpu:0'\)"):
+        check_device("cpu:1")
+    for bad in ("cuda:01", "cuda:-1", "cuda:"):  # (torch.device refuses "cuda:01": every task failed on it)
+        with pytest.raises(ValueError, match=rf"got {bad!r}"):
+            check_device(bad)
+    assert check_device("cuda:10") == "cuda:10"
     assert check_precision("bf16-mixed") == "bf16" and check_precision(32) == "32"
     with pytest.raises(ValueError, match=r"precision must be one of \['32', 'bf16', '16-mixed'\], got 'fp8'"):
         check_precision("fp8")
@@ -720,6 +727,30 @@ def test_evaluate_weights_eval_step_values_by_batch_size():
     parts = [(torch.tensor([1.0, 1.0, 1.0]), 3), (torch.tensor([5.0]), 1)]
     got = evaluate(spec, torch.nn.Identity(), parts, Precision("32", torch.device("cpu")))
     assert got == {"v": pytest.approx((3 * 1.0 + 5.0) / 4)}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "16-mixed"])
+def test_validation_computes_the_loss_and_metrics_in_float32_under_any_precision(precision):
+    """The default step's forward passes run under the run's autocast; its loss and metrics, on the CPU, in float32
+    (on a CPU worker they ran under CPU autocast: a metric with a matmul came out in bf16 / fp16, so one version
+    validated other numbers on a CPU worker than on a GPU one)."""
+    torch.manual_seed(0)
+    model, W = torch.nn.Linear(8, 4), torch.randn(4, 4)
+
+    def energy(out, y):
+        return ((out @ W) ** 2).mean()
+
+    spec = types.SimpleNamespace(
+        train_step=None, loss=torch.nn.functional.cross_entropy, metrics={"energy": energy}, batch_form="xy"
+    )
+    x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+    got = evaluate(spec, model, [((x, y), 64)], Precision(precision, torch.device("cpu")))
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16):
+            out = model(x).float()
+        expected = energy(out, y)
+    assert got["energy"] == pytest.approx(float(expected), rel=1e-6)
+    assert got["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(out, y)), rel=1e-6)
 
 
 class _Squares(torch.utils.data.Dataset):

@@ -43,7 +43,8 @@ _PRECISION_ALIASES = {"32": "32", "32-true": "32", "bf16": "bf16", "bf16-mixed":
 def check_device(device: Any) -> str:
     """``device`` as the string every worker resolves; raise if it names no kind of device.
 
-    ``"mps:0"`` (``torch.device("mps", 0)``) is ``"mps"``: a machine has one MPS device.
+    ``"mps:0"`` (``torch.device("mps", 0)``) is ``"mps"``, ``"cpu:0"`` is ``"cpu"``: a machine has one of each.
+    ``"cuda:N"`` is spelled as torch spells it (``"cuda:01"`` is refused: torch refuses it on every worker).
 
     Raises
     ------
@@ -52,11 +53,14 @@ def check_device(device: Any) -> str:
     """
     if isinstance(device, torch.device):
         device = str(device)
-    if isinstance(device, str) and device == "mps:0":
-        return "mps"
-    if isinstance(device, str) and re.fullmatch(r"mps:\d+", device):
-        raise ValueError(f"device {device!r}: a machine has one MPS device, 'mps' (or 'mps:0')")
-    if isinstance(device, str) and (device in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d+", device)):
+    for one in ("mps", "cpu"):  # (torch.device("cpu", 0) is "cpu:0")
+        if isinstance(device, str) and device == f"{one}:0":
+            return one
+        if isinstance(device, str) and re.fullmatch(rf"{one}:\d+", device):
+            raise ValueError(f"device {device!r}: a machine has one {one.upper()} device, {one!r} (or '{one}:0')")
+    if isinstance(device, str) and (
+        device in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:(0|[1-9]\d*)", device)
+    ):
         return device
     raise ValueError(f"device must be one of {list(DEVICES)} (or a torch.device), got {device!r}")
 
