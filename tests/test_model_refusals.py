@@ -91,6 +91,21 @@ def test_a_complex_state_is_refused_before_any_cluster_work(buffer, xy, tmp_path
     )
 
 
+def test_a_model_on_the_meta_device_is_refused_with_its_remedy(xy, tmp_path):
+    """A model built under ``torch.device("meta")`` (shapes without values) gave torch's bare 'Cannot copy out of
+    meta tensor; no data!' from vcdask's copy of it."""
+    with torch.device("meta"):
+        model = _mlp()
+    _refused(
+        model,
+        xy,
+        tmp_path,
+        ValueError,
+        "the model's 0.weight, 0.bias, 2.weight, 2.bias are on the meta device",
+        "model.to_empty(device='cpu')",
+    )
+
+
 def test_a_float64_model_is_taken(xy, tmp_path):
     from vcdask.options import plan
 

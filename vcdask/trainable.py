@@ -31,7 +31,8 @@ def check_trainable(model: torch.nn.Module) -> None:
     Raises
     ------
     ValueError
-        The model holds no parameters, or none that requires grad (every one frozen).
+        The model holds no parameters, or none that requires grad (every one frozen), or tensors on the ``meta``
+        device (without values).
     TypeError
         A state-dict entry that is not a tensor (a module's ``get_extra_state`` returning a dict, an int, ...); a
         parameter or buffer of a dtype no version can store (complex numbers, ...); a module parametrized with
@@ -44,6 +45,7 @@ def check_trainable(model: torch.nn.Module) -> None:
             f"the model has no parameters to train ({type(model).__name__} holds no torch.nn.Parameter): vcdask "
             "trains and merges a model's parameters; give it the layers to learn (torch.nn.Linear, ...)"
         )
+    _check_materialized(model)
     _check_parametrizations(model)
     _check_computed_attributes(model)
     if not any(p.requires_grad for _, p in named):
@@ -92,6 +94,18 @@ def _remedy(dtype: torch.dtype) -> str:
             "(for lower-precision arithmetic, precision='bf16' or '16-mixed' runs it with float32 parameters)"
         )
     return f"Keep a {name} tensor as one of the supported dtypes and convert it in forward"
+
+
+def _check_materialized(model: torch.nn.Module) -> None:
+    """Refuse parameters and buffers on the ``meta`` device (shapes without values: a model built under
+    ``torch.device("meta")``, or ``init_empty_weights``), which nothing can copy, send or train."""
+    meta = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"the model's {_listed(meta)} are on the meta device: shapes without values, which no worker can train "
+            "(torch: 'Cannot copy out of meta tensor'). Give them values before fit: model.to_empty(device='cpu') "
+            "then initialise them (or load_state_dict(..., assign=True) from a checkpoint)"
+        )
 
 
 def _check_tensors_only(state: dict) -> None:
