@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Unopened", "copy_mode", "reopen", "split_options"]
 
-_reopened: dict[tuple, Any] = {}
+#: The stores unpickled in this process, by (location, options), the most recently used last: a worker's tasks
+#: reuse one store (its repository opened once); a long-lived worker that serves runs in many stores keeps the
+#: newest ones (a store dropped here stays open for whatever still holds it, and a later copy opens it again).
+_reopened: OrderedDict[tuple, Any] = OrderedDict()
 _reopened_lock = threading.Lock()
+MAX_REOPENED = 16
 
 
 def split_options(backend: StoreBackend) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -45,8 +50,8 @@ def copy_mode(mode: str) -> str:
 
 
 def reopen(open_store: Callable[..., Any], location: str, kwargs: dict[str, Any]) -> Any:
-    """Unpickle a store: one store per (location, options) per process (workers reuse it), opened at its
-    first use (:class:`Unopened`), not here.
+    """Unpickle a store: one store per (location, options) per process (workers reuse it; the
+    :data:`MAX_REOPENED` used last are kept), opened at its first use (:class:`Unopened`), not here.
 
     ``kwargs`` holds no secret; the credentials registered in this process for ``location``
     (if any) are added when it opens, else the backend falls back to the provider's standard chain.
@@ -58,6 +63,10 @@ def reopen(open_store: Callable[..., Any], location: str, kwargs: dict[str, Any]
         store = _reopened.get(key)
         if store is None:
             store = _reopened[key] = Unopened(open_store, location, kwargs)
+            while len(_reopened) > MAX_REOPENED:
+                _reopened.popitem(last=False)
+        else:
+            _reopened.move_to_end(key)
     return store
 
 
