@@ -1058,3 +1058,46 @@ def test_a_worker_the_store_refuses_is_blamed_and_its_shard_tried_elsewhere():
         key = next((fx.key for fx in effects if isinstance(fx, m.Submit)), key)
     [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]
     assert "failed 3 times (last: StoreAccessDeniedError: opening 's3://b/vc': no credentials)" in fail.failure.message
+
+
+def test_a_worker_without_the_runs_device_gets_no_more_shards_and_its_copy_goes_elsewhere():
+    """``device="cuda"`` on a mixed fleet: a CPU worker's task raises ``DeviceUnavailableError``.  That ended the
+    run (a task error under ``on_shard_failure="stop"``); the worker is now excluded at once, whatever its
+    faults, and the copy re-issued elsewhere without counting against the shard; a validation goes elsewhere."""
+    from vcdask.errors import DeviceUnavailableError
+
+    missing = DeviceUnavailableError("device='cuda' but this worker has no CUDA device (torch 2.13.0+cpu)")
+    s = Script(n_shards=2, max_attempts=1)
+    key = keys(s(m.Poll()))[0]
+    s.start(key, "a")
+    task = s.state.tasks.records[key]
+    s(m.Completed(key))
+    effects = s(m.TaskFailed(task, missing))
+    assert not [fx for fx in effects if isinstance(fx, m.Fail)]
+    [again] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    assert again.args[:3] == (task.epoch, task.shard, 1) and s.state.dispatch.failures[(1, task.shard)] == 0
+    assert s.state.tasks.records[again.key].placed == "b"
+    record = s.state.pool.record("a")
+    assert record.excluded == str(missing) and record.failed == 0 and "a" not in s.state.pool.usable()
+    s.state.pool.forgive("a", "failed")  # (another fault taken back does not lift it)
+    assert record.excluded == str(missing)
+    assert emitted(effects, "excluded")[0]["reason"] == str(missing)
+    assert "no CUDA device" in rows(s.state, "lost")[0]["reason"]
+    s.start(again.key, "b")
+    s.merge(s.finish_task(again.key, "b"))
+
+
+def test_a_validation_on_a_worker_without_the_runs_device_goes_elsewhere():
+    from vcdask.errors import DeviceUnavailableError
+
+    s = Script(n_shards=2, validation=object())
+    effects = s(m.Resumed({1: {0, 1}}, {1: (2, "v2")}, {(1, 0): 1, (1, 1): 1}))
+    [validate] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    s.start(validate.key, "a")
+    task = s.state.tasks.records[validate.key]
+    s(m.Completed(validate.key))
+    effects = s(m.TaskFailed(task, DeviceUnavailableError("device='mps' but this worker has no MPS device")))
+    assert not [fx for fx in effects if isinstance(fx, m.Fail)]
+    [again] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    assert again.kind == "validation" and again.args == ("v2", 2) and again.where == {"workers": ["b"]}
+    assert s.state.pool.record("a").excluded == "device='mps' but this worker has no MPS device"

@@ -282,6 +282,37 @@ def test_one_run_mixes_cuda_and_cpu_workers(tmp_path, digits_data):
     assert result.metrics["accuracy"] > 0.6
 
 
+@pytest.mark.gpu
+@pytest.mark.cluster
+def test_device_cuda_on_a_mixed_fleet_trains_on_its_gpus_only(tmp_path, digits_data):
+    """``device="cuda"``: the worker without one gets no shards (it ended the run at its first task)."""
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    workers = {
+        "gpu": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}},
+        "cpu": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": ""}}},
+    }
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
+    (X, y), val = digits_data
+    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as c:
+        result = _fit(_mlp(), (X, y), c, tmp_path, validation=val, max_epochs=2, device="cuda")
+    merged = result.history[result.history.outcome == "merged"]
+    assert all(d.startswith("cuda:") for d in merged.device), set(merged.device)
+    assert result.metrics["accuracy"] > 0.5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks workers without CUDA")
+def test_device_cuda_on_workers_without_one_is_refused_before_the_run(client, tmp_path, digits_data):
+    """Every worker lacks the device: refused naming it, before anything is staged (the run failed at its first
+    task; excluding each worker instead would wait no_worker_timeout for one that has it)."""
+    from vcdask.errors import DeviceUnavailableError
+
+    (X, y), _ = digits_data
+    with pytest.raises(DeviceUnavailableError, match=r"device='cuda', but none of the cluster's 2 workers has it"):
+        _fit(_mlp(), (X, y), client, tmp_path, device="cuda")
+    assert [b for b in vcdask.open_store(str(tmp_path / "store")).branches() if b.startswith("run-")] == []
+
+
 class _SlowOn:
     """The default step, sleeping ``delay`` s per batch on the worker at ``address`` (a slower machine) and
     ``others`` s on every other worker (so a run lasts long enough for the slow worker to be measured)."""

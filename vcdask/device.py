@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .errors import DeviceUnavailableError
+
 __all__ = [
     "DEVICES",
     "PRECISIONS",
@@ -93,9 +95,9 @@ def resolve_device(device: str, where: str = "this worker") -> torch.device:
 
     Raises
     ------
-    RuntimeError
-        An explicit ``"cuda"`` / ``"mps"`` on a worker without one: the task fails on this worker
-        and the run's failure policy sends the shard elsewhere.
+    DeviceUnavailableError
+        An explicit ``"cuda"`` / ``"mps"`` on a worker without one (a ``RuntimeError``): the run gives that
+        worker no more shards and sends the shard elsewhere.
     """
     if device == "auto":
         if torch.cuda.is_available():
@@ -104,13 +106,17 @@ def resolve_device(device: str, where: str = "this worker") -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"device={device!r} but {where} has no CUDA device (torch {torch.__version__})")
+            raise DeviceUnavailableError(
+                f"device={device!r} but {where} has no CUDA device (torch {torch.__version__})"
+            )
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
-            raise RuntimeError(f"device={device!r} but {where} has {torch.cuda.device_count()} CUDA device(s)")
+            raise DeviceUnavailableError(
+                f"device={device!r} but {where} has {torch.cuda.device_count()} CUDA device(s)"
+            )
         return torch.device("cuda", index)
     if dev.type == "mps" and not _mps_available():
-        raise RuntimeError(f"device={device!r} but {where} has no MPS device")
+        raise DeviceUnavailableError(f"device={device!r} but {where} has no MPS device")
     return dev
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "BranchExistsError",
     "ClusterPackageError",
     "DataError",
+    "DeviceUnavailableError",
     "InvalidLocationError",
     "MainGuardError",
     "MissingRegionError",
@@ -215,6 +216,11 @@ class MainGuardError(VcdaskError, RuntimeError):
 
 class ClusterPackageError(VcdaskError, ImportError):
     """The cluster's scheduler or workers cannot import vcdask or PyTorch (refused before the run is staged)."""
+
+
+class DeviceUnavailableError(VcdaskError, RuntimeError):
+    """A process asked to train on a device it does not have (``device="cuda"`` on a worker without a GPU, or
+    without that GPU index; ``"mps"`` off Apple silicon).  A run gives such a worker no more shards."""
 
 
 class NoWorkersError(VcdaskError, RuntimeError):

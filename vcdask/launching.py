@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._packages import check_packages
 from .cluster import resolve_client
+from .errors import DeviceUnavailableError
 from .store import ParamStore, check_cluster_access, share_credentials, store_holds_secrets
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def discard_run(store: ParamStore, run_id: str) -> None:
         )
 
 
-def check_cluster(c, store: ParamStore, *, embedded: bool) -> None:
+def check_cluster(c, store: ParamStore, *, embedded: bool, device: str = "auto") -> None:
     """What the cluster must offer before a run starts: a scheduler and workers with vcdask and PyTorch
     (:func:`~vcdask._packages.check_packages`; the embedded cluster's run this interpreter), that can open the
     store.
@@ -72,9 +73,11 @@ def check_cluster(c, store: ParamStore, *, embedded: bool) -> None:
     its processes have, and :func:`~vcdask.store.check_cluster_access` checks that every one of them can,
     naming the remedies, before the run starts: its workers might have no credentials for the store, or not
     see the local directory it is in (another machine), and would otherwise fail every task of the run.
+    ``device``: the run's (:func:`check_devices`).
     """
     if not embedded:
         check_packages(c)
+    check_devices(c, device)
     if not store.shared_across_processes:
         pids = set(c.run(os.getpid).values())
         if pids != {os.getpid()}:
@@ -87,3 +90,44 @@ def check_cluster(c, store: ParamStore, *, embedded: bool) -> None:
         share_credentials(c, store)
     if not embedded or store_holds_secrets(store):
         check_cluster_access(store, c)
+
+
+def check_devices(c, device: str) -> None:
+    """Refuse a run on a device none of the cluster's workers has (``device="cuda"`` on CPU machines: the run
+    would exclude each worker at its first task, then wait ``no_worker_timeout`` for one that has it); warn of
+    the workers without it, which get no shards (a mixed fleet).  ``"auto"`` and ``"cpu"`` run anywhere.
+
+    Raises
+    ------
+    DeviceUnavailableError
+        No worker has the device (each one's answer named).
+    """
+    if device in ("auto", "cpu"):
+        return
+    answers = c.run(_lacks_device, device)
+    lacking = {w: why for w, why in answers.items() if why is not None}
+    if answers and len(lacking) == len(answers):
+        first = next(iter(lacking.values()))
+        raise DeviceUnavailableError(
+            f"device={device!r}, but none of the cluster's {len(answers)} workers has it (e.g. {first}): start "
+            "workers on machines that have it, or use device='auto' (each worker trains on what it has)"
+        )
+    if lacking:
+        logger.warning(
+            "device=%r: %d of %d workers do not have it and get no shards of the run: %s",
+            device,
+            len(lacking),
+            len(answers),
+            ", ".join(sorted(lacking)),
+        )
+
+
+def _lacks_device(device: str) -> str | None:
+    """Why this worker cannot train on ``device`` (None: it can)."""
+    from .device import resolve_device
+
+    try:
+        resolve_device(device)
+    except DeviceUnavailableError as e:
+        return str(e)
+    return None

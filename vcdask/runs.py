@@ -89,7 +89,7 @@ def launch(
     saved = False
     try:
         with run_client(plan, client, keep=not wait) as c:
-            check_cluster(c, plan.store, embedded=client is None and not in_task())
+            check_cluster(c, plan.store, embedded=client is None and not in_task(), device=str(plan.training.device))
             staged = early.result() if early is not None else _stage_data(plan, run_id, c, start)
             spec = _stage(plan, run_id, c, *staged)
             save_spec(dataclasses.replace(spec, start=start))

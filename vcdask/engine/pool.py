@@ -42,6 +42,7 @@ class WorkerRecord:
     timed: int = 0
     preempted: bool = False
     excluded: str | None = None
+    unfit: str | None = None  # why it cannot train this run at all (no device of the run's): excluded for good
     last_fault: str | None = None  # why its last fault was one (e.g. a rejection's reason): said beside ``excluded``
     recent: list[float] = field(default_factory=list)
     device: str | None = None  # where it trains, as its last result said (e.g. "cuda:0 (NVIDIA H100 ...)")
@@ -69,6 +70,8 @@ class WorkerRecord:
 
     def exclusion(self, res) -> str | None:
         """Why this worker gets no more shards (None while it may), the rejections it repaid not counted."""
+        if self.unfit is not None:
+            return self.unfit
         return policy.exclusion(self.failed, self.timed_out, self.rejected - self.repaid, res)
 
     @property
@@ -213,6 +216,15 @@ class WorkerPool:
             return None
         rec.excluded = rec.exclusion(self.res)
         return rec.excluded
+
+    def unfit(self, address: str, why: str) -> bool:
+        """``address`` cannot train this run (``why``: it has no device of the run's): it gets no more shards,
+        whatever its faults.  Whether this excluded it (it was not already)."""
+        rec = self.record(address)
+        rec.unfit = why
+        newly = rec.excluded is None
+        rec.excluded = why
+        return newly
 
     def forgive(self, address: str, kind: Fault) -> None:
         """Take back a fault counted against ``address`` (it was not the worker's): an exclusion it

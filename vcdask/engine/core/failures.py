@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ...errors import StoreAccessDeniedError, StoreError, StoreNotFoundError, StoreOutageError
+from ...errors import DeviceUnavailableError, StoreAccessDeniedError, StoreError, StoreNotFoundError, StoreOutageError
 from .. import policy
 from ..inflight import TaskRecord
 from .dispatching import submit_shard, submit_validation
@@ -62,6 +62,9 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
     if isinstance(exc, StoreError) and not isinstance(exc, (StoreNotFoundError, StoreAccessDeniedError)):
         store_fault(state, task, exc)
         return
+    if isinstance(exc, DeviceUnavailableError) and task.worker is not None:
+        unfit(state, task, task.worker, exc)
+        return
     if task.kind == "update" and isinstance(exc, StoreAccessDeniedError) and task.worker is not None:
         denied(state, task, task.worker, exc)
         return
@@ -99,6 +102,23 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
             retry_or_give_up(state, task.epoch, task.shard, repr(exc), avoid=task.worker)
         return
     fail(state, "task", f"{task.kind} task (epoch {task.epoch}, shard {task.shard}) failed: {exc!r}", exc)
+
+
+def unfit(state: RunState, task: TaskRecord, worker: str, exc: BaseException) -> None:
+    """``worker`` has no device of the run's (``device="cuda"`` on a CPU machine of a mixed fleet): it gets no
+    more shards (excluded at once: every task there would fail alike), and the task goes elsewhere, its attempt
+    not counted against the shard (a fleet of such workers leaves none usable: the run waits for a worker
+    that has the device, ``no_worker_timeout``, then fails naming why each was excluded)."""
+    why = f"{exc}"
+    if state.pool.unfit(worker, why):
+        logger.warning("run %s: worker %s gets no shards: %s", state.id, worker, why)
+        state.emit("excluded", worker=worker, reason=why, worker_row=state.pool.record(worker).as_row())
+    if task.kind != "update":
+        submit_validation(state, task.version, task.step, retry=task.attempt + 1, avoid={worker})
+        return
+    state.ledger.record_copy(task, "lost", f"lost: {why}", worker=worker)
+    if not state.ledger.is_merged(task.epoch, task.shard) and not state.tasks.copy_running(task.epoch, task.shard):
+        retry_or_give_up(state, task.epoch, task.shard, why, avoid=worker, count=False)
 
 
 def denied(state: RunState, task: TaskRecord, worker: str, exc: BaseException) -> None:
