@@ -190,7 +190,7 @@ def fit(
         Shuffle in-memory arrays, DataFrames and dicts of arrays once (seeded) before sharding; xarray and Zarr
         data keep their stored order (``validation=0.1`` holds out their last rows).
     keep_updates : bool, default False
-        Keep every client update (``history.update`` gives its path under ``<store>/runs``)
+        Keep every client update (``history["update"]`` gives its path under ``<store>/runs``)
         instead of deleting it once its merge is committed: for audits and replays.
     tasks_per_slot : int, default 1
         Shard tasks kept in flight per worker thread (the paper's "simultaneous subtasks").  A
