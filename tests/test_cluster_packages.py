@@ -135,6 +135,8 @@ def test_a_frozen_worker_is_left_unknown_within_the_probes_time_not_waited_for()
     ):
         pids = client.run(os.getpid)
         frozen, running = sorted(pids)
+        warm = ask_workers(client, timeout=120.0)  # (the probe's first imports done: the 2 s below is an answer's)
+        assert all(answer["vcdask"] == vcdask.__version__ for answer in warm.values())
         os.kill(pids[frozen], signal.SIGSTOP)
         try:
             started = time.monotonic()
