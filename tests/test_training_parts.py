@@ -7,6 +7,7 @@ import functools
 import inspect
 import threading
 import types
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -385,6 +386,51 @@ def test_a_process_that_trains_on_its_cpu_pins_nothing_where_it_sees_a_gpu(monke
     _held._trained_on.add(torch.device("cuda", 0))  # as setup leaves a process that trained on CUDA
     _held.keep_version("v3", params)
     assert len(pinned) == len(params.arrays)
+
+
+def test_a_worker_keeps_fewer_versions_of_a_large_model(monkeypatch):
+    """A worker kept its 4 newest versions whatever their size (4 copies of a 264 MB model besides the one it
+    trains: tasks rarely read an older one again); it keeps 4 at most within its byte budget, and 2 at least."""
+    from vcdask import _held
+    from vcdask.params import flatten
+
+    monkeypatch.setattr(_held, "_versions", OrderedDict())
+    params = flatten(torch.nn.Linear(100, 10))  # 4,040 bytes
+    for i in range(6):
+        _held.keep_version(f"small{i}", params)
+    assert list(_held._versions) == ["small2", "small3", "small4", "small5"]
+    monkeypatch.setattr(_held, "_VERSIONS_BYTES", 3 * params.nbytes)
+    _held.keep_version("v6", params)
+    assert list(_held._versions) == ["small4", "small5", "v6"]
+    monkeypatch.setattr(_held, "_VERSIONS_BYTES", params.nbytes // 2)
+    _held.keep_version("v7", params)
+    assert list(_held._versions) == ["v6", "v7"]
+
+
+def test_the_scheduler_keeps_the_bases_of_compressed_updates_within_its_byte_budget(monkeypatch):
+    from vcdask.engine import committing
+
+    bases = OrderedDict((f"v{i}", None) for i in range(10))
+    committing.trim_bases(bases, 1 << 20)
+    assert list(bases) == [f"v{i}" for i in range(2, 10)]  # (BASES_KEPT of a small model)
+    committing.trim_bases(bases, 256 << 20)  # (a 67M-parameter model: 4 of them in 1 GiB)
+    assert list(bases) == ["v6", "v7", "v8", "v9"]
+    committing.trim_bases(bases, 2 << 30)
+    assert list(bases) == ["v8", "v9"]
+
+
+def test_a_tasks_gradients_go_when_it_ends():
+    """The thread's model copy is kept for its next task; its gradients were too (one more copy of the
+    parameters on every worker thread between tasks)."""
+    spec = types.SimpleNamespace(
+        run_id="r-grads", optimizer=torch.optim.SGD, optimizer_state="fresh", lr_schedule=None, clip_grad_norm=None
+    )
+    model = torch.nn.Linear(4, 2)
+    opt = inner.InnerOptimizer(spec, model, Precision("32", torch.device("cpu")), 1)
+    opt.step(model(torch.ones(3, 4)).sum())
+    assert model.weight.grad is not None
+    opt.done()
+    assert model.weight.grad is None and model.bias.grad is None
 
 
 def test_a_gpu_shard_is_copied_once_a_task_and_cut_there_without_a_copy_per_batch(monkeypatch):

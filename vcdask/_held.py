@@ -43,6 +43,8 @@ fractions: dict[str, float] = {}
 _version_runs: dict[str, str] = {}  # version -> the run a task of which loaded it (:func:`forget_versions`)
 _models = threading.local()
 _MAX_VERSIONS = 4
+#: ... and at most this many bytes of them (two versions at least: a task's base and the next one's)
+_VERSIONS_BYTES = 512 << 20
 
 
 class _Models(OrderedDict):
@@ -83,7 +85,8 @@ def keep_version(version: str, params: FlatParams) -> FlatParams:
     with _lock:
         _versions[version] = params
         _versions.move_to_end(version)
-        while len(_versions) > _MAX_VERSIONS:
+        kept = max(2, min(_MAX_VERSIONS, _VERSIONS_BYTES // max(1, params.nbytes)))
+        while len(_versions) > kept:  # (a large model's older versions go: tasks rarely read them again)
             _version_runs.pop(_versions.popitem(last=False)[0], None)
     return params
 

@@ -200,7 +200,9 @@ class InnerOptimizer:
 
         A task whose loss was not ``finite`` (or whose state holds NaN/inf) keeps nothing: its update
         will be rejected, and a poisoned state would spoil every later task on this worker.  The fp16 grad
-        scaler's state is kept for the worker's next task of the run in either case."""
+        scaler's state is kept for the worker's next task of the run in either case.  The gradients go (the
+        thread's model copy is kept for its next task: they held one more copy of the parameters till then)."""
+        self.optimizer.zero_grad(set_to_none=True)
         if finite and self.precision.scaler is not None:
             with _lock:
                 _scales.pop(self.spec.run_id, None)  # (the newest run last)

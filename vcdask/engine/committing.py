@@ -29,10 +29,12 @@ if TYPE_CHECKING:
 
 #: Base versions of compressed updates the merge thread keeps in memory (the newest commits).
 BASES_KEPT = 8
+#: ... and at most this many bytes of them (two at least); an update based on one dropped reads it from the store
+BASES_BYTES = 1 << 30
 #: A collection starts no sooner than this many times the last one's duration after that one began.
 COST_RATIO = 10
 
-__all__ = ["BASES_KEPT", "COST_RATIO", "Committing", "Head", "collection_due"]
+__all__ = ["BASES_BYTES", "BASES_KEPT", "COST_RATIO", "Committing", "Head", "collection_due", "trim_bases"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +151,7 @@ class Committing:
         self._backlog += self.params.nbytes if self.params is not None else 0
         if self._bases and self.params is not None:  # compressed updates: the next ones start from here
             self._bases[version] = self.params.clone()
-            while len(self._bases) > BASES_KEPT:
-                self._bases.popitem(last=False)
+            trim_bases(self._bases, self.params.nbytes)
         if update_gone("committed", self.keep_updates):
             for r in self.uncommitted:  # merged and committed: the update has done its job
                 self.side.delete(r["update"])
@@ -275,3 +276,12 @@ class Committing:
             and head.metadata.get("merged") == metadata["merged"]
         )
         return head.id if same else None
+
+
+def trim_bases(bases: OrderedDict, nbytes: int) -> None:
+    """Drop the oldest of ``bases`` (the versions compressed updates are based on, each ``nbytes``) past
+    :data:`BASES_KEPT` and :data:`BASES_BYTES` (8 copies of a 264 MB model were kept on the scheduler: in a
+    notebook's process, with the embedded cluster)."""
+    kept = max(2, min(BASES_KEPT, BASES_BYTES // max(1, nbytes)))
+    while len(bases) > kept:
+        bases.popitem(last=False)

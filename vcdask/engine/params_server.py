@@ -28,7 +28,7 @@ from ..merge import Arrival, MergeRule, RuleState
 from ..params import FlatParams
 from ..store import Retention
 from ..updates import delete_update, read_update, update_gone
-from .committing import BASES_KEPT, Committing, Head
+from .committing import BASES_KEPT, Committing, Head, trim_bases
 from .following import can_grow, grow
 from .guard import Guard
 from .policy import check_update
@@ -331,8 +331,7 @@ class ParamsServer(Committing):
             params = self._through_outages(lambda: self.store.read(version).params, f"reading version {version}")
             self._bases[version] = params
         self._bases.move_to_end(version)
-        while len(self._bases) > BASES_KEPT:
-            self._bases.popitem(last=False)
+        trim_bases(self._bases, params.nbytes)
         return params
 
     def _keep_recent(self) -> None:
