@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import threading
 import time
 
@@ -374,6 +375,20 @@ def test_a_scheduler_keeps_only_the_newest_ended_runs(tmp_path):
             assert slow.result().run_id == slow.run_id
             assert client.sync(client.scheduler.vcdask_runs) == {}
             assert _run_topics(cluster) == {}
+            # a handle of fit dropped (or closed) without its result lets go of the run, as a dropped Future
+            # does (each was kept for the scheduler's life: a fit interrupted with Ctrl-C, a handle left behind)
+            dropped = vcdask.fit(_model(6), (X, y), client=client, wait=False, **fit)
+            assert dropped.wait()["status"] == "finished"
+            attached = vcdask.attach(dropped.run_id, client)  # (an attached handle dropped lets go of nothing)
+            del attached
+            gc.collect()
+            assert list(client.sync(client.scheduler.vcdask_runs)) == [dropped.run_id]
+            del dropped
+            gc.collect()
+            assert client.sync(client.scheduler.vcdask_runs) == {}
+            with vcdask.fit(_model(7), (X, y), client=client, wait=False, **fit) as closed:
+                assert closed.wait()["status"] == "finished"
+            assert client.sync(client.scheduler.vcdask_runs) == {}
         with dask.config.set({"vcdask.scheduler.ended-runs-kept": -1}):
             with pytest.raises(ValueError, match=r"ended-runs-kept must be an integer >= 0, got -1"):
-                vcdask.fit(_model(6), (X, y), client=client, **fit)
+                vcdask.fit(_model(8), (X, y), client=client, **fit)

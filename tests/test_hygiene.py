@@ -56,9 +56,14 @@ def test_an_ended_run_on_the_scheduler_lets_go_of_its_data(tmp_path):
     with _local() as cluster, Client(cluster, set_as_default=False) as client:
         result = vcdask.fit(torch.nn.Linear(4, 2), dataset, max_epochs=1, validation=0.25, store=tmp_path / "s",
                             client=client, progress=False)  # fmt: skip
-        run = cluster.scheduler.plugins[PLUGIN_NAME].runs[result.run_id]
+        plugin = cluster.scheduler.plugins[PLUGIN_NAME]
+        run = plugin.runs[result.run_id]
         assert run.spec.train == LetGo(192) and run.spec.validation == LetGo(64) and run.spec.model is None
+        # (the probe kept for a rule the run might grow into holds the spec too: the model and the dataset)
+        assert run.server.probe is None and run.server.spare_probe is None
         assert client.sync(client.scheduler.vcdask_status, run_id=result.run_id)["status"] == "finished"
+    # a closed scheduler keeps this plugin (distributed keeps its handlers for the process's life): not its runs
+    assert plugin.runs == {} and plugin.tasks == {}
 
 
 def _run_client_topics(dask_scheduler, run_id):

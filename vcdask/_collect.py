@@ -1,5 +1,6 @@
-"""A run's :class:`~vcdask.FitResult`, made of what its scheduler answered when it ended (:func:`result_of`): the
-final parameters read from the store into the model, the history, the epochs, the workers, the settings."""
+"""How a :class:`~vcdask.RunHandle` ends: the run's :class:`~vcdask.FitResult`, made of what its scheduler answered
+when it ended (:func:`result_of`: the final parameters read from the store into the model, the history, the epochs,
+the workers, the settings), and what the handle lets go of when it is closed or dropped (:class:`Owner`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .errors import RunCancelledError, RunFailedError
 from .params import load_into
 from .result import HISTORY_COLUMNS, FitResult, run_settings
 
-__all__ = ["result_of"]
+__all__ = ["Owner", "result_of"]
 
 
 def result_of(
@@ -90,3 +91,23 @@ def result_of(
     )
     annotate(result)
     return result
+
+
+class Owner:
+    """What a :class:`RunHandle` lets go of when it is closed or dropped (its finalizer: it holds no reference
+    to the handle): the run's result, which nobody will collect through it (``run_id``; None for a handle
+    that does not release its run, or once it collected), and the client it owns (``owned``)."""
+
+    def __init__(self, client: Any, run_id: str | None, owned: bool) -> None:
+        self.client, self.run_id, self.owned = client, run_id, owned
+
+    def let_go(self) -> None:
+        run_id, self.run_id = self.run_id, None
+        try:
+            if run_id is not None and getattr(self.client, "status", None) == "running":
+                self.client.sync(self.client.scheduler.vcdask_release, run_id=run_id, callback_timeout=10)
+        except Exception:  # noqa: BLE001 - a scheduler gone, or a GC on the client's loop: it keeps the run, as before
+            pass
+        finally:
+            if self.owned:
+                self.client.close()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._collect import result_of
+from ._collect import Owner, result_of
 from ._ints import is_real
 from ._packages import check_scheduler_error
 from .cluster import check_sync, is_embedded
@@ -79,6 +79,7 @@ class RunHandle:
         *,
         setup_seconds: float = 0.0,
         owns_client: bool = False,
+        releases: bool = False,
     ):
         self.run_id = run_id
         self.client = client
@@ -92,8 +93,10 @@ class RunHandle:
         self._result: FitResult | None = None
         self._res: dict | None = None  # the run's result dict, once it ended (then no client is needed)
         # a handle dropped without close() (fit(client=cluster, wait=False) in a loop) closes the client it owns
-        # when it is collected: the client's own periodic callbacks keep it alive, connected, for good
-        self._finalizer = weakref.finalize(self, client.close) if owns_client else None
+        # when it is collected: the client's own periodic callbacks keep it alive, connected, for good; and fit's
+        # or resume's handle lets the scheduler drop the run's result once it ends, as a dropped Future does
+        self._owner = Owner(client, run_id if releases else None, owns_client)
+        self._finalizer = weakref.finalize(self, self._owner.let_go)
 
     def __repr__(self) -> str:
         where = "closed" if self._closed or self._client_gone() else f"on {self._address}"
@@ -107,10 +110,12 @@ class RunHandle:
 
     def close(self) -> None:
         """Close the client this handle owns (see ``owns_client``; a client you passed stays open).
-        The run goes on on its scheduler: :func:`attach` gives a new handle."""
-        if self._finalizer is not None and not self._closed:  # (a handle that owns its client)
+        The run goes on on its scheduler: :func:`attach` gives a new handle.  A handle of ``fit`` or
+        ``resume`` closed (or dropped) before it collected the result lets the scheduler drop the ended run
+        among the oldest beyond ``vcdask.scheduler.ended-runs-kept``, as it drops collected ones."""
+        if self._owner.owned:
             self._closed = True
-            self._finalizer()
+        self._finalizer()
 
     def _client_gone(self) -> bool:
         """Whether the handle's client was closed (by you, or by ``close_embedded()``), not by :meth:`close`."""
@@ -367,6 +372,7 @@ class RunHandle:
                 return self._result
             if self._res is None:
                 self._res = self._ask("vcdask_result")
+                self._owner.run_id = None  # (collected: the scheduler knows)
                 self.close()  # the run ended: a client this handle owns is no longer needed
             panel = self.display if type(self.display).__name__ == "RunPanel" else None
             result = result_of(

@@ -2,8 +2,9 @@
 
 :func:`run_client` picks the Client (the one :func:`~vcdask.options.plan` connected to, or
 :func:`~vcdask.cluster.resolve_client`'s), :func:`check_cluster` checks its processes (vcdask and PyTorch
-installed, the store readable with their own credentials), and :func:`discard_run` deletes what a launch
-wrote when the run never started.  Used by :func:`vcdask.runs.launch` and :func:`vcdask.resume`.
+installed, the store readable with their own credentials, a worker with the run's device), :func:`discard_run`
+deletes what a launch wrote when the run never started, and :func:`wait_for` waits for a run started.  Used
+by :func:`vcdask.runs.launch` and :func:`vcdask.resume`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .errors import DeviceUnavailableError
 from .store import ParamStore, check_cluster_access, share_credentials, store_holds_secrets
 
 if TYPE_CHECKING:
+    from .handle import RunHandle
     from .options import RunPlan
 
 logger = logging.getLogger("vcdask")
@@ -131,3 +133,14 @@ def _lacks_device(device: str) -> str | None:
     except DeviceUnavailableError as e:
         return str(e)
     return None
+
+
+def wait_for(handle: RunHandle, progress: bool) -> None:
+    """Wait for the run of ``fit`` or ``resume`` (``wait=True``); interrupted (Ctrl-C: the run was stopped), the
+    handle nobody else holds lets go of the run, so that the scheduler may drop it once it ended, as it drops
+    collected ones (:meth:`~vcdask.RunHandle.close`; ``vcdask.attach`` still finds it meanwhile)."""
+    try:
+        handle.wait(progress=progress)
+    except BaseException:
+        handle.close()
+        raise

@@ -31,7 +31,7 @@ from .extend import check_extend, epochs_done, keep_max_epochs
 from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
 from .inner import memory_steps, resolve_optimizer_state
-from .launching import check_cluster, discard_run, run_client
+from .launching import check_cluster, discard_run, run_client, wait_for
 from .merge import DEFAULT_RULE, for_run
 from .metrics import label_shape
 from .options import DEFAULT_STORE, RunPlan
@@ -99,7 +99,7 @@ def launch(
             )
             if not wait:
                 return handle
-            handle.wait(progress=progress)
+            wait_for(handle, progress)
             return handle.result(wall_time=time.perf_counter() - t0)
     except BaseException:
         if early is not None:  # (nothing writes to the store once it is done and fit has raised)
@@ -224,7 +224,7 @@ def _start(
     """Start (or resume) the run on the scheduler; its handle (owning ``c`` with ``owns``: it closes it)."""
     ensure_plugin(c)
     c.sync(c.scheduler.vcdask_start, store=pickle.dumps(store), run_id=run_id, resume=resume, max_epochs=max_epochs)
-    return RunHandle(run_id, c, model, setup_seconds=setup_seconds, owns_client=owns)
+    return RunHandle(run_id, c, model, setup_seconds=setup_seconds, owns_client=owns, releases=True)
 
 
 @overload
@@ -347,7 +347,7 @@ def resume(
             keep_max_epochs(param_store, run_id, max_epochs)
         if not wait:
             return handle
-        handle.wait(progress=progress)
+        wait_for(handle, progress)
         return handle.result(wall_time=time.perf_counter() - t0)
 
 

@@ -208,7 +208,7 @@ class ParamsServer(Committing):
         self._bases.clear()
         self._recent.clear()
         self.guard = None
-        self.probe = None
+        self.probe = self.spare_probe = None  # (a probe keeps the run's spec: its model and its training rows)
         self.side.close()
 
     # -- the merge thread -----------------------------------------------------------------------

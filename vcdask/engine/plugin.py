@@ -55,8 +55,9 @@ class VcdaskPlugin(SchedulerPlugin):
         self.tasks: dict[str, asyncio.Task] = {}
         #: Starts under way (reading the run's spec): a second start of the same run waits for the first
         self._starting: dict[str, asyncio.Future] = {}
-        #: Ended runs whose result a handle has collected, and how many ended runs were dropped from ``runs``
-        #: (``vcdask.scheduler.ended-runs-kept``)
+        #: Runs whose result a handle has collected, or that the handle of their fit or resume let go of (it was
+        #: dropped, closed or interrupted: nobody will collect it), and how many ended runs were dropped from
+        #: ``runs`` (``vcdask.scheduler.ended-runs-kept``)
         self._collected: set[str] = set()
         self._dropped = 0
 
@@ -77,6 +78,7 @@ class VcdaskPlugin(SchedulerPlugin):
                 "vcdask_base": self.handle_base,
                 "vcdask_finished": self.handle_finished,
                 "vcdask_panel": self.handle_panel,
+                "vcdask_release": self.handle_release,
             }
         )
 
@@ -88,6 +90,11 @@ class VcdaskPlugin(SchedulerPlugin):
             task.cancel()
         if drivers:
             await asyncio.wait(drivers, timeout=CLOSE_GRACE)
+        # (distributed keeps a closed scheduler's handlers, this plugin's bound methods among them, for the life of
+        # the process: the runs go, not the shell)
+        self.runs.clear()
+        self.tasks.clear()
+        self._collected.clear()
 
     # -- scheduler hooks: the runs' worker pools follow the cluster ------------------------------
     def add_worker(self, scheduler=None, worker: str = "") -> None:
@@ -190,7 +197,8 @@ class VcdaskPlugin(SchedulerPlugin):
 
     def _prune(self) -> None:
         """Drop the oldest ended runs beyond ``vcdask.scheduler.ended-runs-kept`` whose result a handle has
-        collected (one nobody collected is kept, as Dask keeps a result while a future holds it), and the event
+        collected or let go of (one a handle may still collect is kept, as Dask keeps a result while a future
+        holds it), and the event
         topics of every run no longer here (:func:`~.events.drop_topics`: the scheduler kept them for good)."""
         ended = [run_id for run_id, run in self.runs.items() if run.done.is_set() and run_id not in self._starting]
         excess = len(ended) - ended_runs_kept()
@@ -217,6 +225,13 @@ class VcdaskPlugin(SchedulerPlugin):
             self._collected.add(run_id)
             self._prune()
         return result
+
+    async def handle_release(self, comm=None, run_id: str = "") -> None:
+        """The handle of ``run_id``'s fit or resume let go of it without its result (dropped, closed, or its
+        wait interrupted): once it ends, the run may be dropped as a collected one is."""
+        if run_id in self.runs:
+            self._collected.add(run_id)
+            self._prune()
 
     async def handle_wait(self, comm=None, run_id: str = "", timeout: float | None = None) -> dict:
         run = self._run(run_id)
