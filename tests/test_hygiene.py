@@ -82,3 +82,20 @@ def test_a_run_resumed_again_and_again_keeps_no_topic_of_its_sessions_clients(tm
             result = vcdask.resume(result.run_id, store=tmp_path / "s", client=client, max_epochs=epochs,
                                    progress=False)  # fmt: skip
         assert client.run_on_scheduler(_run_client_topics, run_id=result.run_id) == []
+
+
+def test_fit_lets_go_of_its_copy_of_the_rows_once_they_are_staged(tmp_path):
+    """The seeded shuffle copies in-memory rows; fit held that copy (and the validation split's) for the whole
+    run, beside the caller's own: twice the data in the caller's process while the run trained."""
+    from vcdask.options import plan
+    from vcdask.runs import launch
+
+    X, y = _data()
+    model = torch.nn.Linear(4, 2)
+    checked = plan(model, (X, y), validation=0.25, max_epochs=1, store=tmp_path / "s")
+    assert checked.train.X is not None and checked.validation.X is not None  # (shuffled copies)
+    with _local() as cluster, Client(cluster, set_as_default=False) as client:
+        handle = launch(checked, client, model, wait=False, progress=False)
+        assert checked.train.X is None and checked.train.y is None and checked.validation.X is None
+        assert checked.train.sample_X is not None  # (its few rows for the checks)
+        assert handle.result().run_id == handle.run_id

@@ -94,6 +94,7 @@ def launch(
             spec = _stage(plan, run_id, c, *staged)
             save_spec(dataclasses.replace(spec, start=start))
             saved = True
+            _let_go_of_rows(plan)
             handle = _start(
                 c, plan.store, run_id, model=model, setup_seconds=time.perf_counter() - t0, owns=owns_client(client)
             )
@@ -107,6 +108,14 @@ def launch(
         if not saved:
             discard_run(plan.store, run_id)
         raise
+
+
+def _let_go_of_rows(plan: RunPlan) -> None:
+    """Drop the plan's arrays once staged (the workers read the store's copy): ``fit`` held the seeded shuffle's
+    copy of the caller's data for the whole run (1 GiB of rows: 2.6 GB resident in its process, not 1.6 GB)."""
+    for part in (plan.train, plan.validation):
+        if part is not None:  # (its few rows for the checks stay: sample_X, sample_y)
+            part.X = part.y = part.columns = None
 
 
 def _in_memory(plan: RunPlan) -> bool:
