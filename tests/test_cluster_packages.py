@@ -156,3 +156,30 @@ def test_another_torch_minor_is_a_warning_a_build_or_patch_release_is_not():
     older = {"vcdask": vcdask.__version__, "torch": "2.3.1"}
     with pytest.warns(RuntimeWarning, match=r"torch on the cluster differs .* 2\.4\.1\+cpu: worker tcp://b:1: 2\.3\.1"):
         check_answers({"worker tcp://a:1": same, "worker tcp://b:1": older}, HERE)
+
+
+@pytest.mark.cluster
+def test_the_store_check_leaves_a_frozen_worker_unknown_within_its_time(tmp_path, monkeypatch, caplog):
+    """fit on a caller's cluster checks that every worker can read the store: one frozen worker held that check,
+    and fit, for good (the package check had a time a worker; this one had none)."""
+    from vcdask.store import _credentials
+
+    monkeypatch.setattr(_credentials, "ACCESS_SECONDS", 2.0)
+    store = vcdask.open_store(tmp_path / "s")
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        pids = client.run(os.getpid)
+        frozen = sorted(pids)[0]
+        _credentials.check_cluster_access(store, client)  # (both answer: the first opening done)
+        os.kill(pids[frozen], signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with caplog.at_level("WARNING", logger="vcdask.store._credentials"):
+                _credentials.check_cluster_access(store, client)
+            took = time.monotonic() - started
+        finally:
+            os.kill(pids[frozen], signal.SIGCONT)
+    assert took < 10
+    assert "could not ask 1 worker(s) whether they can read the store" in caplog.text and frozen in caplog.text

@@ -1063,12 +1063,14 @@ def test_a_worker_the_store_refuses_is_blamed_and_its_shard_tried_elsewhere():
 def test_a_worker_without_the_runs_device_gets_no_more_shards_and_its_copy_goes_elsewhere():
     """``device="cuda"`` on a mixed fleet: a CPU worker's task raises ``DeviceUnavailableError``.  That ended the
     run (a task error under ``on_shard_failure="stop"``); the worker is now excluded at once, whatever its
-    faults, and the copy re-issued elsewhere without counting against the shard; a validation goes elsewhere."""
+    faults, and the copy re-issued elsewhere, not counted against the shard once a worker has trained one."""
     from vcdask.errors import DeviceUnavailableError
 
     missing = DeviceUnavailableError("device='cuda' but this worker has no CUDA device (torch 2.13.0+cpu)")
     s = Script(n_shards=2, max_attempts=1)
-    key = keys(s(m.Poll()))[0]
+    first, key = keys(s(m.Poll()))
+    s.start(first, "b")
+    s.merge(s.finish_task(first, "b"))  # (b has the device)
     s.start(key, "a")
     task = s.state.tasks.records[key]
     s(m.Completed(key))
@@ -1085,6 +1087,26 @@ def test_a_worker_without_the_runs_device_gets_no_more_shards_and_its_copy_goes_
     assert "no CUDA device" in rows(s.state, "lost")[0]["reason"]
     s.start(again.key, "b")
     s.merge(s.finish_task(again.key, "b"))
+
+
+def test_workers_without_the_runs_device_joining_one_after_another_use_up_the_shards_attempts():
+    """Before any worker has trained a shard, such a copy counts: workers without the device joining one after
+    another (a fleet scaling up, replacements) kept the shard going round, the run's idle clock never running
+    out, for good."""
+    from vcdask.errors import DeviceUnavailableError
+
+    s = Script(n_shards=1, workers=("a",), max_attempts=3)
+    [key] = keys(s(m.Poll()))
+    for n, worker in enumerate(("a", "b", "c")):
+        if n:
+            [key] = keys(s(m.Joined(worker, 1)) + s(m.Poll()))
+        s.start(key, worker)
+        task = s.state.tasks.records[key]
+        s(m.Completed(key))
+        effects = s(m.TaskFailed(task, DeviceUnavailableError(f"device='cuda' but {worker} has no CUDA device")))
+        s(m.Left(worker))
+    [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]
+    assert "failed 3 times (last: device='cuda' but c has no CUDA device)" in fail.failure.message
 
 
 def test_a_validation_on_a_worker_without_the_runs_device_goes_elsewhere():

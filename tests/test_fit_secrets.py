@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from env_helpers import spawned_cluster
 
 import vcdask
 from vcdask.errors import StoreCredentialsError
@@ -23,16 +24,6 @@ def _tiny(digits_data):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
     return model, (X_train[:400], y_train[:400])
-
-
-def _spawned_cluster():
-    """A LocalCluster of one worker with this process's environment now: spawned, not forked from the test
-    session's fork server, which has the environment of when it started (an earlier test's credentials)."""
-    import dask
-    from distributed import LocalCluster
-
-    with dask.config.set({"distributed.worker.multiprocessing-method": "spawn"}):
-        return LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0")
 
 
 def test_fit_on_s3_writes_no_secret_anywhere(s3, digits_data):
@@ -97,7 +88,7 @@ def test_a_cluster_without_credentials_is_told_how_to_get_them(s3, digits_data, 
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    with _spawned_cluster() as cluster, Client(cluster, set_as_default=False) as c:
+    with spawned_cluster() as cluster, Client(cluster, set_as_default=False) as c:
         with pytest.raises(StoreCredentialsError, match="share_credentials") as info:
             vcdask.fit(model, data, store=store, client=c, max_epochs=1, n_shards=2, progress=False)
     assert "not-in-the-workers-env" not in str(info.value)
@@ -118,7 +109,7 @@ def test_a_cluster_without_the_credentials_this_process_has_is_told_before_the_r
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    with _spawned_cluster() as cluster, Client(cluster, set_as_default=False) as c:
+    with spawned_cluster() as cluster, Client(cluster, set_as_default=False) as c:
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # (this process only: its workers have started)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
         store = vcdask.open_store(f"s3://{bucket}/vc", endpoint_url=s3.endpoint_url, region="us-east-1")

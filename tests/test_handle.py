@@ -193,6 +193,45 @@ def test_a_dropped_handle_closes_the_client_it_owns(cluster, tmp_path):
     assert cluster[1].status == "running"
 
 
+def test_a_client_two_handles_use_is_closed_when_the_last_lets_go(cluster, tmp_path):
+    """``attach(run_id, handle.client)`` uses the client a fit's handle owns: dropping the fit's handle closed it
+    under the second one's feet ('the client of this handle ... was closed')."""
+    handle = vcdask.fit(
+        _model(), _data(), client=cluster[0], wait=False, store=tmp_path / "s", max_epochs=1, progress=False
+    )
+    owned = handle.client
+    second = vcdask.attach(handle.run_id, owned)
+    del handle
+    gc.collect()
+    assert owned.status == "running" and second.result().run_id == second.run_id
+    del second
+    gc.collect()
+    assert owned.status == "closed"
+
+
+def test_a_handle_collected_on_its_clients_event_loop_closes_the_client(cluster):
+    """A handle in a reference cycle (its progress display refers to it) is freed by a garbage collection, which
+    may run on the client's own event-loop thread: there ``client.close()`` only made a coroutine nobody awaited,
+    and the client stayed 'closing', connected."""
+    from distributed import Client
+
+    from vcdask import RunHandle
+
+    client = Client(cluster[0].scheduler_address, set_as_default=False)
+    handle = RunHandle("run-none", client, owns_client=True)
+    handle.display = [handle]  # (a cycle, as a RunPanel's)
+    gc.disable()
+    try:
+        del handle
+        client.loop.add_callback(gc.collect)
+        deadline = time.monotonic() + 30
+        while client.status != "closed":
+            assert time.monotonic() < deadline, client.status
+            time.sleep(0.05)
+    finally:
+        gc.enable()
+
+
 def _step(model, batch):
     x, y = batch
     return torch.nn.functional.cross_entropy(model(x), y)

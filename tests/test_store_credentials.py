@@ -178,7 +178,8 @@ def test_worker_plugin_checks_names_and_hides_values():
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_cluster_without_credentials_is_refused_until_they_are_shared(secret_store, s3, no_aws_credentials):
-    from distributed import Client, LocalCluster
+    from distributed import Client
+    from env_helpers import spawned_cluster
 
     store, key_id, secret = secret_store
     v = store.commit({"w": torch.ones(3)})
@@ -192,13 +193,7 @@ def test_cluster_without_credentials_is_refused_until_they_are_shared(secret_sto
     os.environ.update(TEAM_KEY="team-key", TEAM_SECRET="team-secret")  # the scheduler runs in this process
     try:
         with (
-            LocalCluster(
-                n_workers=1,
-                threads_per_worker=1,
-                processes=True,
-                dashboard_address=":0",
-                env={"TEAM_KEY": "team-key", "TEAM_SECRET": "team-secret"},
-            ) as cluster,
+            spawned_cluster(env={"TEAM_KEY": "team-key", "TEAM_SECRET": "team-secret"}) as cluster,
             Client(cluster) as client,
         ):
             [worker] = worker_info(client)

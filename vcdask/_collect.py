@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import threading
 from typing import Any
 
 import torch
@@ -93,21 +94,53 @@ def result_of(
     return result
 
 
+#: Clients of live handles (by id): how many handles use each, and those a handle owns.  An owned client is
+#: closed when the last handle using it lets go (``attach(run_id, handle.client)`` shares the client of a fit's
+#: handle, which closed it under the second handle's feet when it was dropped).
+_users: dict[int, int] = {}
+_owned: set[int] = set()
+_users_lock = threading.Lock()
+
+
 class Owner:
     """What a :class:`RunHandle` lets go of when it is closed or dropped (its finalizer: it holds no reference
     to the handle): the run's result, which nobody will collect through it (``run_id``; None for a handle
-    that does not release its run, or once it collected), and the client it owns (``owned``)."""
+    that does not release its run, or once it collected), and its use of the client, which it closes if a
+    handle owned it (``owned``: the client ``fit`` opened for a cluster object or an address) and no other
+    handle uses it."""
 
     def __init__(self, client: Any, run_id: str | None, owned: bool) -> None:
         self.client, self.run_id, self.owned = client, run_id, owned
+        with _users_lock:
+            _users[id(client)] = _users.get(id(client), 0) + 1
+            if owned:
+                _owned.add(id(client))
 
     def let_go(self) -> None:
+        """Called once (the handle's finalizer).  On the client's own event-loop thread (a reference cycle of
+        the handle freed by a garbage collection there) its calls would only make coroutines nobody awaits: they
+        go to a thread of their own."""
+        if getattr(self.client, "asynchronous", False):
+            threading.Thread(target=self._let_go, name="vcdask-handle-let-go", daemon=True).start()
+        else:
+            self._let_go()
+
+    def _let_go(self) -> None:
         run_id, self.run_id = self.run_id, None
         try:
             if run_id is not None and getattr(self.client, "status", None) == "running":
                 self.client.sync(self.client.scheduler.vcdask_release, run_id=run_id, callback_timeout=10)
-        except Exception:  # noqa: BLE001 - a scheduler gone, or a GC on the client's loop: it keeps the run, as before
+        except Exception:  # noqa: BLE001 - a scheduler gone: it keeps the run, as before
             pass
         finally:
-            if self.owned:
+            key = id(self.client)
+            with _users_lock:
+                _users[key] = _users.get(key, 1) - 1
+                last = _users[key] <= 0
+                if last:
+                    del _users[key]
+                close = last and key in _owned
+                if close:
+                    _owned.discard(key)
+            if close:
                 self.client.close()

@@ -176,11 +176,14 @@ class NoAnswer(Exception):
     """A worker did not answer the probe (no answer in time, or its connection failed): nothing is known."""
 
 
-def ask_workers(client: Any, timeout: float, workers: list[str] | None = None) -> dict[str, Any]:
-    """Each worker's answer to :data:`probe` (``workers``: these addresses; default every connected worker),
-    asked of all at once, each within ``timeout`` seconds: a worker that does not answer in time or whose
-    connection fails gives a :class:`NoAnswer`, and one whose probe raised gives that exception.
+def ask_workers(
+    client: Any, timeout: float, workers: list[str] | None = None, fn: Any = None, args: tuple = ()
+) -> dict[str, Any]:
+    """Each worker's answer to ``fn(*args)`` (default :data:`probe`; ``workers``: these addresses; default every
+    connected worker), asked of all at once, each within ``timeout`` seconds: a worker that does not answer in
+    time or whose connection fails gives a :class:`NoAnswer`, and one whose call raised gives that exception.
     (``client.run`` has no time limit: one frozen worker held it, and the run's start, for good.)"""
+    call = probe if fn is None else fn
     import asyncio
 
     if workers is None:
@@ -190,7 +193,7 @@ def ask_workers(client: Any, timeout: float, workers: list[str] | None = None) -
 
     async def one(worker: str) -> Any:
         try:
-            answers = await asyncio.wait_for(client._run(probe, workers=[worker], on_error="return"), timeout)
+            answers = await asyncio.wait_for(client._run(call, *args, workers=[worker], on_error="return"), timeout)
         except TimeoutError:
             return NoAnswer(f"no answer within {timeout:g} s")
         except OSError as e:  # (its connection failed: it left, or its machine is gone)

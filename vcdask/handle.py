@@ -109,10 +109,11 @@ class RunHandle:
         self.close()
 
     def close(self) -> None:
-        """Close the client this handle owns (see ``owns_client``; a client you passed stays open).
-        The run goes on on its scheduler: :func:`attach` gives a new handle.  A handle of ``fit`` or
-        ``resume`` closed (or dropped) before it collected the result lets the scheduler drop the ended run
-        among the oldest beyond ``vcdask.scheduler.ended-runs-kept``, as it drops collected ones."""
+        """Close the client this handle owns (see ``owns_client``; a client you passed stays open, and so does
+        one another handle still uses: ``attach(run_id, handle.client)``).  The run goes on on its scheduler:
+        :func:`attach` gives a new handle.  A handle of ``fit`` or ``resume`` closed (or dropped) before it
+        collected the result lets the scheduler drop the ended run among the oldest beyond
+        ``vcdask.scheduler.ended-runs-kept``, as it drops collected ones."""
         if self._owner.owned:
             self._closed = True
         self._finalizer()

@@ -19,6 +19,7 @@ The registry itself, and the redaction of its secrets from messages, are in :mod
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pickle
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ from ._base import ParamStore
 from ._object import _ALIASES, CONFIG_SECRET, is_secret_config_key
 from ._schemes import BACKENDS, scheme_of
 from ._secrets import _EnvVar, _key, forget_credentials, lookup_credentials, redact, remember, remembered
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -254,11 +257,17 @@ def _remedy(location: str) -> str:
     )
 
 
+#: Seconds each worker has to say whether it can read a store (open it, read a branch's head).
+ACCESS_SECONDS = 30.0
+
+
 def check_cluster_access(store: ParamStore, client: Client) -> None:
     """Check that every worker and the scheduler of ``client`` can read ``store`` with their own credentials.
 
     Each process unpickles the store, as a task would (so without the secrets it was opened
-    with here), and reads the head of its ``main`` branch.  Workers that join later are not checked.
+    with here), and reads the head of its ``main`` branch.  Workers that join later are not checked, nor those
+    that do not answer within :data:`ACCESS_SECONDS` (a frozen machine) or whose connection fails (one leaving):
+    a warning names them, and the run goes on.
 
     Parameters
     ----------
@@ -273,8 +282,19 @@ def check_cluster_access(store: ParamStore, client: Client) -> None:
     StoreError
         Some process cannot read the store for another reason (e.g. the endpoint is unreachable from it).
     """
+    from .._packages import ask_workers
+
     payload = pickle.dumps(store)
-    found: dict[str, BaseException | None] = dict(client.run(_probe, payload, on_error="return"))
+    found: dict[str, Any] = ask_workers(client, ACCESS_SECONDS, fn=_probe, args=(payload,))
+    unknown = {where: e for where, e in found.items() if e is not None and not isinstance(e, StoreError)}
+    if unknown:  # (no answer in time, a connection that failed: nothing known of them)
+        logger.warning(
+            "could not ask %d worker(s) whether they can read the store %s: %s",
+            len(unknown),
+            store.describe(),
+            "; ".join(f"{w} ({e})" for w, e in sorted(unknown.items())),
+        )
+    found = {where: e for where, e in found.items() if where not in unknown}
     found["the scheduler"] = client.run_on_scheduler(_probe, payload)
     failed = {where: e for where, e in found.items() if e is not None}
     if not failed:

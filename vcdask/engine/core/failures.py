@@ -107,8 +107,9 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
 def unfit(state: RunState, task: TaskRecord, worker: str, exc: BaseException) -> None:
     """``worker`` has no device of the run's (``device="cuda"`` on a CPU machine of a mixed fleet): it gets no
     more shards (excluded at once: every task there would fail alike), and the task goes elsewhere, its attempt
-    not counted against the shard (a fleet of such workers leaves none usable: the run waits for a worker
-    that has the device, ``no_worker_timeout``, then fails naming why each was excluded)."""
+    not counted against the shard once some worker has trained one (a fleet of such workers leaves none
+    usable: the run waits for a worker that has the device, ``no_worker_timeout``, then fails naming why each
+    was excluded; workers without it joining one after another use up the shard's ``max_attempts``)."""
     why = f"{exc}"
     if state.pool.unfit(worker, why):
         logger.warning("run %s: worker %s gets no shards: %s", state.id, worker, why)
@@ -118,7 +119,10 @@ def unfit(state: RunState, task: TaskRecord, worker: str, exc: BaseException) ->
         return
     state.ledger.record_copy(task, "lost", f"lost: {why}", worker=worker)
     if not state.ledger.is_merged(task.epoch, task.shard) and not state.tasks.copy_running(task.epoch, task.shard):
-        retry_or_give_up(state, task.epoch, task.shard, why, avoid=worker, count=False)
+        # not counted once a worker has trained a shard of the run (it has the device); before that, counted:
+        # workers without the device joining one after another would keep the shard going round for good
+        trained = any(rec.done for rec in state.pool.records.values())
+        retry_or_give_up(state, task.epoch, task.shard, why, avoid=worker, count=not trained)
 
 
 def denied(state: RunState, task: TaskRecord, worker: str, exc: BaseException) -> None:
