@@ -577,7 +577,7 @@ def test_arrays_and_dataframes_are_still_shuffled(tmp_path):
     df = pd.DataFrame({"a": X[:, 0], "b": X[:, 1], "y": y})
     for data in ((X, y), df):
         checked = _plan(data, n_in=2, validation=0.2, store=tmp_path / "store")
-        rows = np.concatenate([checked.train.X[:, 0], checked.validation.X[:, 0]])
+        rows = np.concatenate([checked.train.arrays()["X"][:, 0], checked.validation.arrays()["X"][:, 0]])
         assert sorted(rows) == list(np.arange(n) * 2) and list(rows) != list(np.arange(n) * 2)
 
 

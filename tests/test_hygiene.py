@@ -93,7 +93,7 @@ def test_fit_lets_go_of_its_copy_of_the_rows_once_they_are_staged(tmp_path):
     X, y = _data()
     model = torch.nn.Linear(4, 2)
     checked = plan(model, (X, y), validation=0.25, max_epochs=1, store=tmp_path / "s")
-    assert checked.train.X is not None and checked.validation.X is not None  # (shuffled copies)
+    assert checked.train.X is not None and checked.validation.X is not None
     with _local() as cluster, Client(cluster, set_as_default=False) as client:
         handle = launch(checked, client, model, wait=False, progress=False)
         assert checked.train.X is None and checked.train.y is None and checked.validation.X is None

@@ -156,4 +156,4 @@ def let_go_of_rows(plan: RunPlan) -> None:
     copy of the caller's rows for the whole run (1 GiB of rows: 2.6 GB resident in its process, not 1.6)."""
     for part in (plan.train, plan.validation):
         if part is not None:  # (its few rows for the checks stay: sample_X, sample_y)
-            part.X = part.y = part.columns = None
+            part.X = part.y = part.columns = part.order = None

@@ -34,6 +34,10 @@ class PreparedData:
     columns: dict[str, Any] | None = None  # dict data to stage (form "dict")
     sample: Any = None  # dict data: a few rows of each column; a Dataset: a collated probe batch
     feature_names: tuple = ()  # pandas, xarray data: feature columns or variables, in X's order (predict picks them)
+    #: The rows of ``X`` and ``y`` (or of ``columns``) that are staged, in that order: the seeded shuffle's and the
+    #: validation split's share (gathered a chunk at a time as they are written: no copy of the data); None: as they
+    #: are
+    order: np.ndarray | None = None
 
     @property
     def classification(self) -> bool:
@@ -55,6 +59,15 @@ class PreparedData:
         if not self.classification or self.y_min is None or self.y_max is None:
             return None
         return int(self.y_min), int(self.y_max)
+
+    def arrays(self) -> dict[str, Any]:
+        """The columns to stage (``X`` and ``y``, or a dict's), their rows in the order they are staged (copies,
+        with an ``order``: for a look at small data; :func:`~vcdask.staging.stage` gathers them a chunk at a
+        time)."""
+        columns = dict(self.columns or {}) if self.form == "dict" else {"X": self.X, "y": self.y}
+        if self.order is None:
+            return columns
+        return {k: np.take(a, self.order, axis=0) for k, a in columns.items()}
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
