@@ -52,3 +52,24 @@ def test_staging_shuffled_rows_holds_a_chunk_of_them_not_a_copy_of_all(tmp_path)
     assert peak < 1.0 * X.nbytes, f"{peak / X.nbytes:.2f}x the rows"  # (3.2x: a shuffled copy, then more)
     order = np.random.default_rng(0).permutation(64_000)
     np.testing.assert_array_equal(_read(store, "r/train.zarr")["X"].values[:5], X[order[:5]])
+
+
+def test_wider_floating_columns_are_stored_in_the_models_dtype(tmp_path):
+    """A DataFrame's float64 for a float32 model was staged as float64 (twice the bytes to write, store and read)
+    and cast on every worker: it is stored as the workers train on it; integer labels and narrower columns stay."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(500, 6)), rng.normal(size=500)  # (float64 regression)
+    ids = rng.integers(0, 3, size=500)
+    store = vcdask.open_store(tmp_path / "s")
+    train, _ = split(prepare_data((X, y)), None, seed=3, shuffle=True)
+    stage(train, store.files, "r/reg.zarr", dtype=torch.float32)
+    staged = _read(store, "r/reg.zarr")
+    order = np.random.default_rng(3).permutation(500)
+    assert staged["X"].dtype == np.float32 and staged["y"].dtype == np.float32
+    np.testing.assert_array_equal(staged["X"].values, X[order].astype(np.float32))
+    np.testing.assert_array_equal(staged["y"].values, y[order].astype(np.float32))
+    stage(prepare_data((X.astype(np.float32), ids)), store.files, "r/cls.zarr", dtype=torch.float64)
+    staged = _read(store, "r/cls.zarr")
+    assert staged["X"].dtype == np.float32 and staged["y"].dtype == ids.dtype  # (never widened; ids as they are)

@@ -121,10 +121,12 @@ def _stage_data(plan: RunPlan, run_id: str, c, start: dict[str, Any] | None) -> 
     and its initial version committed; the sources of the training and validation data."""
     store = plan.store
     store.create_branch(run_id)
-    train = plan.train.source or stage(plan.train, store.files, f"{run_id}/train.zarr", client=c)
+    train = plan.train.source or stage(plan.train, store.files, f"{run_id}/train.zarr", client=c, dtype=plan.x_dtype)
     val = None
     if plan.validation is not None:
-        val = plan.validation.source or stage(plan.validation, store.files, f"{run_id}/validation.zarr", client=c)
+        val = plan.validation.source or stage(
+            plan.validation, store.files, f"{run_id}/validation.zarr", client=c, dtype=plan.x_dtype
+        )
     store.commit(
         plan.model,
         # max_epochs: what `vcdask runs` shows for a run without a record (it never unpickles the spec)

@@ -4,6 +4,7 @@ the run's folder of the parameter store, and the seeded shuffle and validation s
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
 
@@ -12,22 +13,29 @@ from .data import DataSource, PreparedData, _is_dask
 __all__ = ["in_memory", "split", "stage"]
 
 
-def stage(prepared: PreparedData, files, path: str, *, client=None, sample_dim: str = "sample") -> DataSource:
+def stage(
+    prepared: PreparedData, files, path: str, *, client=None, sample_dim: str = "sample", dtype: Any = None
+) -> DataSource:
     """Write in-memory or dask ``(X, y)`` as a Zarr group at ``<store>/runs/<path>``; return its source.
 
     ``files`` is the parameter store's :attr:`~vcdask.store.ParamStore.files`.  dask arrays are
     written by the workers of ``client`` (``to_zarr``), not through this process; the graph and
     the returned source carry the store (which pickles without secrets), never credentials.
+    ``dtype``: the model's floating dtype (the run's ``x_dtype``), which the workers cast floating columns to
+    (:func:`~vcdask.batches.cast_like_training`): wider floating columns are stored in it (a DataFrame's
+    float64 for a float32 model: half the bytes to write, store and read, the same values trained on).
     """
     import dask
     import xarray as xr
 
     columns = prepared.columns if prepared.form == "dict" else {"X": prepared.X, "y": prepared.y}
     assert columns is not None
-    rows = min(_rows_per_chunk(a) for a in columns.values())
+    narrow = {k: _narrowed(a, dtype) for k, a in columns.items()}
+    rows = min(_rows_per_chunk(a, narrow[k]) for k, a in columns.items())
     here = not any(_is_dask(a) for a in columns.values())
     if here:  # (this process's rows, written a chunk at a time: shuffled or split ones gathered as they are)
         columns = {k: _chunked(a, prepared.order, rows) for k, a in columns.items()}
+    columns = {k: a if narrow[k] is None else a.astype(narrow[k]) for k, a in columns.items()}  # (a chunk at a time)
     ds = xr.Dataset({k: ((sample_dim, *[f"{k}_dim_{i}" for i in range(1, a.ndim)]), a) for k, a in columns.items()})
     target = files.zarr_store(path)
     ds = ds.chunk({sample_dim: rows})
@@ -68,8 +76,18 @@ def _chunked(a: np.ndarray, order: np.ndarray | None, rows: int):
     return da.concatenate(blocks, axis=0)
 
 
-def _rows_per_chunk(X) -> int:
-    row_bytes = max(1, int(np.prod(X.shape[1:])) * np.dtype(X.dtype).itemsize)
+def _narrowed(a, dtype: Any) -> np.dtype | None:
+    """The dtype a floating column ``a`` is stored in for a model of floating ``dtype`` (a torch or NumPy dtype):
+    that one where it is narrower than ``a``'s; None to store ``a`` as it is."""
+    if dtype is None or np.dtype(a.dtype).kind != "f":
+        return None
+    target = np.dtype(str(dtype).removeprefix("torch."))
+    return target if target.kind == "f" and target.itemsize < np.dtype(a.dtype).itemsize else None
+
+
+def _rows_per_chunk(X, dtype: Any = None) -> int:
+    itemsize = np.dtype(X.dtype if dtype is None else dtype).itemsize
+    row_bytes = max(1, int(np.prod(X.shape[1:])) * itemsize)
     return max(1, min(int(X.shape[0]), (4 << 20) // row_bytes))
 
 
