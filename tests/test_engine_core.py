@@ -1089,15 +1089,29 @@ def test_a_worker_without_the_runs_device_gets_no_more_shards_and_its_copy_goes_
     s.merge(s.finish_task(again.key, "b"))
 
 
-def test_workers_without_the_runs_device_joining_one_after_another_use_up_the_shards_attempts():
-    """Before any worker has trained a shard, such a copy counts: workers without the device joining one after
-    another (a fleet scaling up, replacements) kept the shard going round, the run's idle clock never running
-    out, for good."""
+def test_workers_without_the_runs_device_joining_one_after_another_give_the_shard_up_in_the_end():
+    """Such losses are not attempts of the shard (with ``max_attempts=1`` a mixed fleet's first CPU worker, failing
+    before the GPU worker's first task ended, gave the shard up and ended the run); while no worker has trained a
+    shard, they have a bound of their own: workers without the device joining one after another (a fleet scaling
+    up, replacements) kept the shard going round, the run's idle clock never running out, for good."""
+    from vcdask.engine.core.failures import UNFIT_LOSSES
     from vcdask.errors import DeviceUnavailableError
 
-    s = Script(n_shards=1, workers=("a",), max_attempts=3)
+    s = Script(n_shards=2, workers=("gpu", "cpu"), max_attempts=1)
+    first, key = keys(s(m.Poll()))
+    s.start(first, "gpu")  # (training, not done yet)
+    s.start(key, "cpu")
+    task = s.state.tasks.records[key]
+    s(m.Completed(key))
+    effects = s(m.TaskFailed(task, DeviceUnavailableError("device='cuda' but cpu has no CUDA device")))
+    assert not [fx for fx in effects if isinstance(fx, m.Fail)]
+    [again] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    assert s.state.tasks.records[again.key].placed == "gpu"
+
+    s = Script(n_shards=1, workers=("w0",), max_attempts=1)
     [key] = keys(s(m.Poll()))
-    for n, worker in enumerate(("a", "b", "c")):
+    for n in range(UNFIT_LOSSES):
+        worker = f"w{n}"
         if n:
             [key] = keys(s(m.Joined(worker, 1)) + s(m.Poll()))
         s.start(key, worker)
@@ -1105,8 +1119,10 @@ def test_workers_without_the_runs_device_joining_one_after_another_use_up_the_sh
         s(m.Completed(key))
         effects = s(m.TaskFailed(task, DeviceUnavailableError(f"device='cuda' but {worker} has no CUDA device")))
         s(m.Left(worker))
+        if n < UNFIT_LOSSES - 1:
+            assert not [fx for fx in effects if isinstance(fx, m.Fail)], n
     [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]
-    assert "failed 3 times (last: device='cuda' but c has no CUDA device)" in fail.failure.message
+    assert f"went to {UNFIT_LOSSES} workers without the run's device, and no worker has trained" in fail.failure.message
 
 
 def test_a_validation_on_a_worker_without_the_runs_device_goes_elsewhere():

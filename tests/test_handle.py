@@ -418,7 +418,7 @@ def test_a_scheduler_keeps_only_the_newest_ended_runs(tmp_path):
             # does (each was kept for the scheduler's life: a fit interrupted with Ctrl-C, a handle left behind)
             dropped = vcdask.fit(_model(6), (X, y), client=client, wait=False, **fit)
             assert dropped.wait()["status"] == "finished"
-            attached = vcdask.attach(dropped.run_id, client)  # (an attached handle dropped lets go of nothing)
+            attached = vcdask.attach(dropped.run_id, client)  # (its hold goes; the fit's handle still holds it)
             del attached
             gc.collect()
             assert list(client.sync(client.scheduler.vcdask_runs)) == [dropped.run_id]
@@ -428,6 +428,20 @@ def test_a_scheduler_keeps_only_the_newest_ended_runs(tmp_path):
             with vcdask.fit(_model(7), (X, y), client=client, wait=False, **fit) as closed:
                 assert closed.wait()["status"] == "finished"
             assert client.sync(client.scheduler.vcdask_runs) == {}
+            # an attached handle holds the run too: the fit's handle dropped does not take its result away
+            first = vcdask.fit(_model(9), (X, y), client=client, wait=False, **fit)
+            attached = vcdask.attach(first.run_id, client)
+            del first
+            gc.collect()
+            assert attached.wait()["status"] == "finished" and attached.result().run_id
+            # a resumed run's session is held by the resume's handle: the earlier session's handle, dropped,
+            # lets go of that session only (its release dropped the new session once it ended)
+            earlier = vcdask.fit(_model(10), (X, y), client=client, wait=False, **fit)
+            earlier.wait()
+            later = vcdask.resume(earlier, client=client, store=fit["store"], max_epochs=2, wait=False, progress=False)
+            del earlier
+            gc.collect()
+            assert later.wait()["status"] == "finished" and later.result().run_id == later.run_id
         with dask.config.set({"vcdask.scheduler.ended-runs-kept": -1}):
             with pytest.raises(ValueError, match=r"ended-runs-kept must be an integer >= 0, got -1"):
                 vcdask.fit(_model(8), (X, y), client=client, **fit)

@@ -104,13 +104,13 @@ _users_lock = threading.Lock()
 
 class Owner:
     """What a :class:`RunHandle` lets go of when it is closed or dropped (its finalizer: it holds no reference
-    to the handle): the run's result, which nobody will collect through it (``run_id``; None for a handle
-    that does not release its run, or once it collected), and its use of the client, which it closes if a
+    to the handle): its hold of the run (``holder``, on the run's scheduler), whose result nobody will collect
+    through it (``run_id``; None once it collected), and its use of the client, which it closes if a
     handle owned it (``owned``: the client ``fit`` opened for a cluster object or an address) and no other
     handle uses it."""
 
-    def __init__(self, client: Any, run_id: str | None, owned: bool) -> None:
-        self.client, self.run_id, self.owned = client, run_id, owned
+    def __init__(self, client: Any, run_id: str | None, owned: bool, holder: str | None = None) -> None:
+        self.client, self.run_id, self.owned, self.holder = client, run_id, owned, holder
         with _users_lock:
             _users[id(client)] = _users.get(id(client), 0) + 1
             if owned:
@@ -128,8 +128,10 @@ class Owner:
     def _let_go(self) -> None:
         run_id, self.run_id = self.run_id, None
         try:
-            if run_id is not None and getattr(self.client, "status", None) == "running":
-                self.client.sync(self.client.scheduler.vcdask_release, run_id=run_id, callback_timeout=10)
+            if run_id is not None and self.holder is not None and getattr(self.client, "status", None) == "running":
+                self.client.sync(
+                    self.client.scheduler.vcdask_release, run_id=run_id, holder=self.holder, callback_timeout=10
+                )
         except Exception:  # noqa: BLE001 - a scheduler gone: it keeps the run, as before
             pass
         finally:

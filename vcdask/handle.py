@@ -61,6 +61,9 @@ class RunHandle:
         The handle closes ``client`` once the run's result is collected (or it is cancelled), on
         :meth:`close`, or at the end of a ``with`` block: ``fit(client=<cluster or address>,
         wait=False)`` opens a client of its own for the run and hands it over this way.
+    holder : str, optional
+        The id this handle holds the run's session by on its scheduler (``fit``, ``resume`` and ``attach``
+        register one): closed or dropped, the handle lets go, and a run none holds may be dropped once it ended.
 
     Examples
     --------
@@ -79,7 +82,7 @@ class RunHandle:
         *,
         setup_seconds: float = 0.0,
         owns_client: bool = False,
-        releases: bool = False,
+        holder: str | None = None,
     ):
         self.run_id = run_id
         self.client = client
@@ -93,9 +96,9 @@ class RunHandle:
         self._result: FitResult | None = None
         self._res: dict | None = None  # the run's result dict, once it ended (then no client is needed)
         # a handle dropped without close() (fit(client=cluster, wait=False) in a loop) closes the client it owns
-        # when it is collected: the client's own periodic callbacks keep it alive, connected, for good; and fit's
-        # or resume's handle lets the scheduler drop the run's result once it ends, as a dropped Future does
-        self._owner = Owner(client, run_id if releases else None, owns_client)
+        # when it is collected: the client's own periodic callbacks keep it alive, connected, for good; and it
+        # lets go of its hold of the run (a run none holds is dropped once it ended, as a result no future holds)
+        self._owner = Owner(client, run_id, owns_client, holder)
         self._finalizer = weakref.finalize(self, self._owner.let_go)
 
     def __repr__(self) -> str:
@@ -111,9 +114,9 @@ class RunHandle:
     def close(self) -> None:
         """Close the client this handle owns (see ``owns_client``; a client you passed stays open, and so does
         one another handle still uses: ``attach(run_id, handle.client)``).  The run goes on on its scheduler:
-        :func:`attach` gives a new handle.  A handle of ``fit`` or ``resume`` closed (or dropped) before it
-        collected the result lets the scheduler drop the ended run among the oldest beyond
-        ``vcdask.scheduler.ended-runs-kept``, as it drops collected ones."""
+        :func:`attach` gives a new handle.  The handle lets go of its hold of the run: a run no handle holds any
+        more (and one whose result a handle collected) is dropped once it ended, among the oldest beyond
+        ``vcdask.scheduler.ended-runs-kept``."""
         if self._owner.owned:
             self._closed = True
         self._finalizer()

@@ -9,6 +9,7 @@ branch would reuse each other's attempt numbers and update paths, delete each ot
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 
 from .errors import RunLiveElsewhereError, RunNotFoundError
@@ -126,7 +127,9 @@ def _attach(run_id: str, client: Any, owns_client: bool = False) -> RunHandle:
     missing = client.sync(client.scheduler.vcdask_missing, run_id=run_id)
     if missing is not None:
         raise RunNotFoundError(missing)
-    return RunHandle(run_id, client, owns_client=owns_client)
+    holder = secrets.token_hex(8)  # (the run is kept while this handle holds it)
+    client.sync(client.scheduler.vcdask_hold, run_id=run_id, holder=holder)
+    return RunHandle(run_id, client, owns_client=owns_client, holder=holder)
 
 
 def check_not_live_elsewhere(record: dict[str, Any] | None, run_id: str, client: Any) -> None:

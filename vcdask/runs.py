@@ -226,8 +226,10 @@ def _start(
 ) -> RunHandle:
     """Start (or resume) the run on the scheduler; its handle (owning ``c`` with ``owns``: it closes it)."""
     ensure_plugin(c)
-    c.sync(c.scheduler.vcdask_start, store=pickle.dumps(store), run_id=run_id, resume=resume, max_epochs=max_epochs)
-    return RunHandle(run_id, c, model, setup_seconds=setup_seconds, owns_client=owns, releases=True)
+    holder = secrets.token_hex(8)  # (what this handle holds the run's session by: it lets go when dropped)
+    start = {"store": pickle.dumps(store), "run_id": run_id, "resume": resume, "max_epochs": max_epochs}
+    c.sync(c.scheduler.vcdask_start, **start, holder=holder)
+    return RunHandle(run_id, c, model, setup_seconds=setup_seconds, owns_client=owns, holder=holder)
 
 
 @overload

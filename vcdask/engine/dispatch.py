@@ -33,6 +33,7 @@ class Dispatcher:
         self.epoch = 0  # the epoch dispatch has reached
         self.attempts: dict[tuple[int, int], int] = {}  # copies submitted (they name their keys)
         self.failures: dict[tuple[int, int], int] = {}  # lost, timed out or rejected copies
+        self.unfit: dict[tuple[int, int], int] = {}  # copies lost to workers without the run's device
         self.home: dict[int, str] = {}  # shard -> the worker that last merged it (it caches its rows)
         # shards to send again: their copy failed on the store, or no usable worker was there to take it
         self.returned: list[tuple[int, int]] = []

@@ -55,10 +55,13 @@ class VcdaskPlugin(SchedulerPlugin):
         self.tasks: dict[str, asyncio.Task] = {}
         #: Starts under way (reading the run's spec): a second start of the same run waits for the first
         self._starting: dict[str, asyncio.Future] = {}
-        #: Runs whose result a handle has collected, or that the handle of their fit or resume let go of (it was
-        #: dropped, closed or interrupted: nobody will collect it), and how many ended runs were dropped from
-        #: ``runs`` (``vcdask.scheduler.ended-runs-kept``)
+        #: Runs whose result a handle has collected, and how many ended runs were dropped from ``runs``
+        #: (``vcdask.scheduler.ended-runs-kept``)
         self._collected: set[str] = set()
+        #: The handles (ids) that hold each run's session: its fit's or resume's, and attach's; each lets go when
+        #: it is dropped, closed or interrupted, and a run none holds may be dropped once it ended, as Dask drops
+        #: a result no future holds (a run started without a holder, by an older client, is held till collected)
+        self._holders: dict[str, set[str]] = {}
         self._dropped = 0
 
     async def start(self, scheduler) -> None:
@@ -79,6 +82,7 @@ class VcdaskPlugin(SchedulerPlugin):
                 "vcdask_finished": self.handle_finished,
                 "vcdask_panel": self.handle_panel,
                 "vcdask_release": self.handle_release,
+                "vcdask_hold": self.handle_hold,
             }
         )
 
@@ -95,6 +99,7 @@ class VcdaskPlugin(SchedulerPlugin):
         self.runs.clear()
         self.tasks.clear()
         self._collected.clear()
+        self._holders.clear()
 
     # -- scheduler hooks: the runs' worker pools follow the cluster ------------------------------
     def add_worker(self, scheduler=None, worker: str = "") -> None:
@@ -141,7 +146,13 @@ class VcdaskPlugin(SchedulerPlugin):
         return said
 
     async def handle_start(
-        self, comm=None, store: bytes = b"", run_id: str = "", resume: bool = False, max_epochs: int | None = None
+        self,
+        comm=None,
+        store: bytes = b"",
+        run_id: str = "",
+        resume: bool = False,
+        max_epochs: int | None = None,
+        holder: str | None = None,
     ) -> str:
         """Load the run's spec from the store (off the loop) and start driving it.
 
@@ -153,7 +164,7 @@ class VcdaskPlugin(SchedulerPlugin):
         live = self.runs.get(run_id)
         if resume and live is not None and not live.done.is_set() and live.state.finished():
             await live.done.wait()  # (its last commit and its record are in: the new session goes on from them)
-            return await self.handle_start(comm, store, run_id, resume, max_epochs)
+            return await self.handle_start(comm, store, run_id, resume, max_epochs, holder)
         if live is not None and not live.done.is_set():
             if max_epochs is not None and max_epochs != live.spec.max_epochs:
                 raise ValueError(
@@ -161,11 +172,13 @@ class VcdaskPlugin(SchedulerPlugin):
                     f"max_epochs={max_epochs} cannot change it now; wait for it to end (or cancel it), then "
                     "resume(run_id, max_epochs=...)"
                 )
+            if holder is not None and run_id in self._holders:  # (one more handle holds the session going on)
+                self._holders[run_id].add(holder)
             return run_id
         starting = self._starting.get(run_id)
         if starting is not None:  # (two resumes at once: one driver, never two on one branch)
             await asyncio.wait([starting])
-            return await self.handle_start(comm, store, run_id, resume, max_epochs)
+            return await self.handle_start(comm, store, run_id, resume, max_epochs, holder)
         loop = asyncio.get_running_loop()
         starting = self._starting[run_id] = loop.create_future()
         try:
@@ -179,6 +192,9 @@ class VcdaskPlugin(SchedulerPlugin):
                 head = None
             run = self.runs[run_id] = Run(self.scheduler, spec, resume=resume)
             self._collected.discard(run_id)
+            self._holders.pop(run_id, None)  # (a new session: an earlier one's handles let go of that one only)
+            if holder is not None:
+                self._holders[run_id] = {holder}
             run.state.head_at_start = head
             task = self.tasks[run_id] = asyncio.ensure_future(run.drive())
             task.add_done_callback(self._forget_task)
@@ -202,9 +218,11 @@ class VcdaskPlugin(SchedulerPlugin):
         topics of every run no longer here (:func:`~.events.drop_topics`: the scheduler kept them for good)."""
         ended = [run_id for run_id, run in self.runs.items() if run.done.is_set() and run_id not in self._starting]
         excess = len(ended) - ended_runs_kept()
-        for run_id in [run_id for run_id in ended if run_id in self._collected][: max(0, excess)]:
+        let_go = [run_id for run_id in ended if run_id in self._collected or self._holders.get(run_id) == set()]
+        for run_id in let_go[: max(0, excess)]:
             del self.runs[run_id]
             self._collected.discard(run_id)
+            self._holders.pop(run_id, None)
             self._dropped += 1
         try:
             drop_topics(self.scheduler, [*self.runs, *self._starting])
@@ -226,11 +244,18 @@ class VcdaskPlugin(SchedulerPlugin):
             self._prune()
         return result
 
-    async def handle_release(self, comm=None, run_id: str = "") -> None:
-        """The handle of ``run_id``'s fit or resume let go of it without its result (dropped, closed, or its
-        wait interrupted): once it ends, the run may be dropped as a collected one is."""
-        if run_id in self.runs:
-            self._collected.add(run_id)
+    async def handle_hold(self, comm=None, run_id: str = "", holder: str = "") -> None:
+        """A handle (``vcdask.attach``'s) holds ``run_id``'s session: it is kept while one does."""
+        if run_id in self._holders:
+            self._holders[run_id].add(holder)
+
+    async def handle_release(self, comm=None, run_id: str = "", holder: str = "") -> None:
+        """The handle ``holder`` let go of ``run_id`` (dropped, closed, or its wait interrupted); a run none
+        holds may be dropped once it ended, as a collected one is.  A handle of an earlier session of the run,
+        or of another scheduler's, holds nothing here: its release changes nothing."""
+        holders = self._holders.get(run_id)
+        if holders is not None and holder in holders:
+            holders.discard(holder)
             self._prune()
 
     async def handle_wait(self, comm=None, run_id: str = "", timeout: float | None = None) -> dict:

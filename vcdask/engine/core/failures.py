@@ -37,6 +37,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+#: Copies of one shard lost to workers without the run's device (at least ``max_attempts``) that give it up while
+#: no worker has trained a shard of the run: workers without it joining one after another.
+UNFIT_LOSSES = 10
+
+
 def fail(state: RunState, kind: FailureKind, message: str, error: BaseException | None = None) -> None:
     """The run fails: a :class:`~.messages.Fail` effect (the shell ends the run on it; no effect after it
     is carried out)."""
@@ -107,9 +112,9 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
 def unfit(state: RunState, task: TaskRecord, worker: str, exc: BaseException) -> None:
     """``worker`` has no device of the run's (``device="cuda"`` on a CPU machine of a mixed fleet): it gets no
     more shards (excluded at once: every task there would fail alike), and the task goes elsewhere, its attempt
-    not counted against the shard once some worker has trained one (a fleet of such workers leaves none
-    usable: the run waits for a worker that has the device, ``no_worker_timeout``, then fails naming why each
-    was excluded; workers without it joining one after another use up the shard's ``max_attempts``)."""
+    not counted against the shard's ``max_attempts`` (a fleet of such workers leaves none usable: the run waits
+    for a worker that has the device, ``no_worker_timeout``, then fails naming why each was excluded; while no
+    worker has trained a shard of the run, :data:`UNFIT_LOSSES` such losses of one shard give it up)."""
     why = f"{exc}"
     if state.pool.unfit(worker, why):
         logger.warning("run %s: worker %s gets no shards: %s", state.id, worker, why)
@@ -118,11 +123,16 @@ def unfit(state: RunState, task: TaskRecord, worker: str, exc: BaseException) ->
         submit_validation(state, task.version, task.step, retry=task.attempt + 1, avoid={worker})
         return
     state.ledger.record_copy(task, "lost", f"lost: {why}", worker=worker)
-    if not state.ledger.is_merged(task.epoch, task.shard) and not state.tasks.copy_running(task.epoch, task.shard):
-        # not counted once a worker has trained a shard of the run (it has the device); before that, counted:
-        # workers without the device joining one after another would keep the shard going round for good
-        trained = any(rec.done for rec in state.pool.records.values())
-        retry_or_give_up(state, task.epoch, task.shard, why, avoid=worker, count=not trained)
+    key = (task.epoch, task.shard)
+    if not state.ledger.is_merged(*key) and not state.tasks.copy_running(*key):
+        # not an attempt of the shard; but while no worker has trained a shard of the run (has the device), such
+        # losses have a bound of their own: workers without it joining one after another kept it going round
+        losses = state.dispatch.unfit[key] = state.dispatch.unfit.get(key, 0) + 1
+        if losses >= max(UNFIT_LOSSES, state.res.max_attempts) and not any(r.done for r in state.pool.records.values()):
+            give_up(state, *key, f"shard {task.shard} of epoch {task.epoch} went to {losses} workers without the "
+                    f"run's device, and no worker has trained a shard of the run (last: {why})")  # fmt: skip
+            return
+        retry_or_give_up(state, *key, why, avoid=worker, count=False)
 
 
 def denied(state: RunState, task: TaskRecord, worker: str, exc: BaseException) -> None:
