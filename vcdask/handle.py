@@ -100,6 +100,7 @@ class RunHandle:
         # lets go of its hold of the run (a run none holds is dropped once it ended, as a result no future holds)
         self._owner = Owner(client, run_id, owns_client, holder)
         self._finalizer = weakref.finalize(self, self._owner.let_go)
+        self._finalizer.atexit = False  # (at exit there is nothing to let go of: the process and its clients go)
 
     def __repr__(self) -> str:
         where = "closed" if self._closed or self._client_gone() else f"on {self._address}"
