@@ -75,6 +75,18 @@ def s3_server():
 
 
 @pytest.fixture
+def no_aws_credentials(monkeypatch):
+    """This process (and the processes it starts from now on) has no AWS credentials of its own: none in its
+    environment, and none in the rest of the standard chain (profile files, the instance metadata service).
+    Listed after ``s3``, it takes that fixture's credentials away."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+                        "AWS_SHARED_CREDENTIALS_FILE": os.devnull}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
 def s3(s3_server, monkeypatch):
     """The S3 server, emptied after the test, with dummy credentials in the environment."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")

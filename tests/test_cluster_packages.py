@@ -159,12 +159,11 @@ def test_another_torch_minor_is_a_warning_a_build_or_patch_release_is_not():
 
 
 @pytest.mark.cluster
-def test_the_store_check_leaves_a_frozen_worker_unknown_within_its_time(tmp_path, monkeypatch, caplog):
+def test_the_store_check_leaves_a_frozen_worker_unknown_within_its_time(tmp_path, caplog):
     """fit on a caller's cluster checks that every worker can read the store: one frozen worker held that check,
     and fit, for good (the package check had a time a worker; this one had none)."""
     from vcdask.store import _credentials
 
-    monkeypatch.setattr(_credentials, "ACCESS_SECONDS", 2.0)
     store = vcdask.open_store(tmp_path / "s")
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
@@ -177,7 +176,7 @@ def test_the_store_check_leaves_a_frozen_worker_unknown_within_its_time(tmp_path
         try:
             started = time.monotonic()
             with caplog.at_level("WARNING", logger="vcdask.store._credentials"):
-                _credentials.check_cluster_access(store, client)
+                _credentials.check_cluster_access(store, client, timeout=2.0)
             took = time.monotonic() - started
         finally:
             os.kill(pids[frozen], signal.SIGCONT)

@@ -69,7 +69,7 @@ def test_fit_on_s3_writes_no_secret_anywhere(s3, digits_data):
         assert secret not in text and key_id not in text
 
 
-def test_a_cluster_without_credentials_is_told_how_to_get_them(s3, digits_data, monkeypatch):
+def test_a_cluster_without_credentials_is_told_how_to_get_them(s3, digits_data, no_aws_credentials):
     """A store opened with explicit secrets, a cluster whose workers have none: a clear error before the
     run starts, naming the remedies; nothing is written to the bucket."""
     from distributed import Client
@@ -83,11 +83,6 @@ def test_a_cluster_without_credentials_is_told_how_to_get_them(s3, digits_data, 
         secret_access_key="not-in-the-workers-env",
     )
     model, data = _tiny(digits_data)
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with spawned_cluster() as cluster, Client(cluster, set_as_default=False) as c:
         with pytest.raises(StoreCredentialsError, match="share_credentials") as info:
             vcdask.fit(model, data, store=store, client=c, max_epochs=1, n_shards=2, progress=False)
@@ -96,7 +91,9 @@ def test_a_cluster_without_credentials_is_told_how_to_get_them(s3, digits_data, 
     assert runs == []  # refused before any branch, spec or data was written
 
 
-def test_a_cluster_without_the_credentials_this_process_has_is_told_before_the_run(s3, digits_data, monkeypatch):
+def test_a_cluster_without_the_credentials_this_process_has_is_told_before_the_run(
+    s3, digits_data, no_aws_credentials, monkeypatch
+):
     """A store holding no secrets (this process has credentials in its environment), a cluster of the caller's
     whose workers have none: the same clear error before the run starts, not every task failing on the
     workers until the run gives up."""
@@ -104,11 +101,6 @@ def test_a_cluster_without_the_credentials_this_process_has_is_told_before_the_r
 
     bucket = s3.new_bucket()
     model, data = _tiny(digits_data)
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with spawned_cluster() as cluster, Client(cluster, set_as_default=False) as c:
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # (this process only: its workers have started)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")

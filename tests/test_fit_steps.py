@@ -264,18 +264,25 @@ def test_cuda_training_with_four_tasks_in_flight_chooses_its_rule_on_the_schedul
     assert result.metrics["accuracy"] > 0.6
 
 
-@pytest.mark.gpu
-@pytest.mark.cluster
-def test_one_run_mixes_cuda_and_cpu_workers(tmp_path, digits_data):
-    from distributed import Client, Nanny, Scheduler, SpecCluster
+def _gpu_and_cpu_worker():
+    """A cluster of two workers on this machine: one sees its GPUs, the other none (``CUDA_VISIBLE_DEVICES=""``)."""
+    from distributed import Nanny, Scheduler, SpecCluster
 
     workers = {
         "gpu": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}},
         "cpu": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": ""}}},
     }
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
+    return SpecCluster(workers=workers, scheduler=scheduler)
+
+
+@pytest.mark.gpu
+@pytest.mark.cluster
+def test_one_run_mixes_cuda_and_cpu_workers(tmp_path, digits_data):
+    from distributed import Client
+
     (X, y), val = digits_data
-    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as c:
+    with _gpu_and_cpu_worker() as cluster, Client(cluster) as c:
         result = _fit(_mlp(), (X, y), c, tmp_path, validation=val, max_epochs=4)
     devices = set(result.history[result.history.outcome == "merged"].device)
     assert "cpu" in devices and any(d.startswith("cuda:") for d in devices), devices
@@ -286,15 +293,10 @@ def test_one_run_mixes_cuda_and_cpu_workers(tmp_path, digits_data):
 @pytest.mark.cluster
 def test_device_cuda_on_a_mixed_fleet_trains_on_its_gpus_only(tmp_path, digits_data):
     """``device="cuda"``: the worker without one gets no shards (it ended the run at its first task)."""
-    from distributed import Client, Nanny, Scheduler, SpecCluster
+    from distributed import Client
 
-    workers = {
-        "gpu": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}},
-        "cpu": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": ""}}},
-    }
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
     (X, y), val = digits_data
-    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as c:
+    with _gpu_and_cpu_worker() as cluster, Client(cluster) as c:
         result = _fit(_mlp(), (X, y), c, tmp_path, validation=val, max_epochs=2, device="cuda")
     merged = result.history[result.history.outcome == "merged"]
     assert all(d.startswith("cuda:") for d in merged.device), set(merged.device)

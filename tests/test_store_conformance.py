@@ -265,19 +265,19 @@ def test_azure_side_files_get_the_stores_credentials():
     assert got.token == "AZBEARER" and got.expires_on > time.time() + 300  # the SDK's policy does not refresh it
 
 
-def test_a_process_keeps_the_stores_it_unpickled_used_last(tmp_path, monkeypatch):
+def test_a_process_keeps_the_stores_it_unpickled_used_last(tmp_path):
     """Copies of one store unpickle as one store in a process (a worker's tasks reuse its opened repository);
     a long-lived worker serving runs in many stores kept every one it ever opened.  It keeps the newest, and a
     store it dropped still works for whoever holds it."""
     from vcdask.store import _copies
 
-    monkeypatch.setattr(_copies, "_reopened", type(_copies._reopened)())
-    monkeypatch.setattr(_copies, "MAX_REOPENED", 3)
-    pickles = [pickle.dumps(open_store(tmp_path / f"s{i}")) for i in range(5)]
+    n = _copies.MAX_REOPENED + 2
+    pickles = [pickle.dumps(open_store(tmp_path / f"s{i}")) for i in range(n)]
     first = pickle.loads(pickles[0])
     assert pickle.loads(pickles[0]) is first  # (one store per location: reused)
     for data in pickles[1:]:
         pickle.loads(data)
-    assert [key[0] for key in _copies._reopened] == [str(tmp_path / f"s{i}") for i in (2, 3, 4)]
+    kept = [str(tmp_path / f"s{i}") for i in range(2, n)]
+    assert [key[0] for key in _copies._reopened] == kept  # (the newest; earlier tests' stores went too)
     assert pickle.loads(pickles[0]) is not first and list(first.branches()) == ["main"]  # (dropped, still open)
-    assert pickle.loads(pickles[3]) is pickle.loads(pickles[3]) and len(_copies._reopened) == 3
+    assert pickle.loads(pickles[3]) is pickle.loads(pickles[3]) and len(_copies._reopened) == _copies.MAX_REOPENED

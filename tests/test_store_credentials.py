@@ -24,15 +24,8 @@ from vcdask.store._errors import translate
 
 pytestmark = pytest.mark.s3
 
+
 # Where a process looks for AWS credentials besides these variables: nowhere, in these tests.
-NO_AWS_CHAIN = {
-    "AWS_EC2_METADATA_DISABLED": "true",
-    "AWS_CONFIG_FILE": os.devnull,
-    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-}
-AWS_CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
-
-
 @pytest.fixture
 def secret_store(s3):
     """A new S3 store opened with a unique key id and secret (moto accepts any); yields (store, key id, secret)."""
@@ -41,15 +34,6 @@ def secret_store(s3):
     store = open_store(location, endpoint_url=s3.endpoint_url, access_key_id=key_id, secret_access_key=secret)
     yield store, key_id, secret
     forget_credentials(location)
-
-
-@pytest.fixture
-def no_aws_credentials(monkeypatch):
-    """This process (and the processes it starts from now on) has no AWS credentials of its own."""
-    for name in AWS_CREDENTIAL_VARS:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in NO_AWS_CHAIN.items():
-        monkeypatch.setenv(name, value)
 
 
 def _assert_clean(blob: bytes | str, *secrets: str) -> None:

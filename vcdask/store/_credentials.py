@@ -261,18 +261,20 @@ def _remedy(location: str) -> str:
 ACCESS_SECONDS = 30.0
 
 
-def check_cluster_access(store: ParamStore, client: Client) -> None:
+def check_cluster_access(store: ParamStore, client: Client, *, timeout: float = ACCESS_SECONDS) -> None:
     """Check that every worker and the scheduler of ``client`` can read ``store`` with their own credentials.
 
     Each process unpickles the store, as a task would (so without the secrets it was opened
     with here), and reads the head of its ``main`` branch.  Workers that join later are not checked, nor those
-    that do not answer within :data:`ACCESS_SECONDS` (a frozen machine) or whose connection fails (one leaving):
+    that do not answer within ``timeout`` seconds (a frozen machine) or whose connection fails (one leaving):
     a warning names them, and the run goes on.
 
     Parameters
     ----------
     store : ParamStore
     client : distributed.Client
+    timeout : float, default :data:`ACCESS_SECONDS`
+        Seconds each worker has to answer.
 
     Raises
     ------
@@ -285,7 +287,7 @@ def check_cluster_access(store: ParamStore, client: Client) -> None:
     from .._packages import ask_workers
 
     payload = pickle.dumps(store)
-    found: dict[str, Any] = ask_workers(client, ACCESS_SECONDS, fn=_probe, args=(payload,))
+    found: dict[str, Any] = ask_workers(client, timeout, fn=_probe, args=(payload,))
     unknown = {where: e for where, e in found.items() if e is not None and not isinstance(e, StoreError)}
     if unknown:  # (no answer in time, a connection that failed: nothing known of them)
         logger.warning(
