@@ -17,7 +17,7 @@ import torch
 from ._wire import unpack
 from .device import Precision, loss_tensors, loss_to, resolve_device
 from .errors import ParameterMismatchError
-from .params import FlatParams, flatten, load_into
+from .params import FlatParams, copies_within, flatten, load_into
 from .spec import RunSpec
 
 __all__ = [
@@ -85,7 +85,7 @@ def keep_version(version: str, params: FlatParams) -> FlatParams:
     with _lock:
         _versions[version] = params
         _versions.move_to_end(version)
-        kept = max(2, min(_MAX_VERSIONS, _VERSIONS_BYTES // max(1, params.nbytes)))
+        kept = copies_within(_MAX_VERSIONS, _VERSIONS_BYTES, params.nbytes)
         while len(_versions) > kept:  # (a large model's older versions go: tasks rarely read them again)
             _version_runs.pop(_versions.popitem(last=False)[0], None)
     return params

@@ -21,7 +21,7 @@ import torch
 from ._dtypes import dtype_name, torch_dtype
 from .errors import ParameterMismatchError
 
-__all__ = ["Entry", "FlatParams", "Layout", "all_finite", "flatten", "load_into", "state_tensors"]
+__all__ = ["Entry", "FlatParams", "Layout", "all_finite", "copies_within", "flatten", "load_into", "state_tensors"]
 
 
 @dataclass(frozen=True)
@@ -375,3 +375,9 @@ def load_into(module: torch.nn.Module, params: FlatParams | Mapping[str, Any]) -
     with torch.no_grad():
         module.load_state_dict(flat.state_dict(), strict=True)
     return module
+
+
+def copies_within(most: int, budget: int, nbytes: int) -> int:
+    """How many copies of parameters of ``nbytes`` a cache keeps: at most ``most``, within ``budget`` bytes,
+    two at least (the one in use and the next)."""
+    return max(2, min(most, budget // max(1, nbytes)))

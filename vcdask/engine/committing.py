@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreAccessDeniedError, StoreConflict, StoreError, StoreNotFoundError, VersionNotFoundError
+from ..params import copies_within
 from ..updates import update_gone
 from .outage import retry_through
 from .side import SideThread
@@ -282,6 +283,6 @@ def trim_bases(bases: OrderedDict, nbytes: int) -> None:
     """Drop the oldest of ``bases`` (the versions compressed updates are based on, each ``nbytes``) past
     :data:`BASES_KEPT` and :data:`BASES_BYTES` (8 copies of a 264 MB model were kept on the scheduler: in a
     notebook's process, with the embedded cluster)."""
-    kept = max(2, min(BASES_KEPT, BASES_BYTES // max(1, nbytes)))
+    kept = copies_within(BASES_KEPT, BASES_BYTES, nbytes)
     while len(bases) > kept:
         bases.popitem(last=False)

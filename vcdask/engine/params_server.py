@@ -25,7 +25,7 @@ from typing import Any
 
 from ..compress import EncodedUpdate
 from ..merge import Arrival, MergeRule, RuleState
-from ..params import FlatParams
+from ..params import FlatParams, copies_within
 from ..store import Retention
 from ..updates import delete_update, read_update, update_gone
 from .committing import BASES_KEPT, Committing, Head, trim_bases
@@ -348,7 +348,7 @@ class ParamsServer(Committing):
             self._recent.clear()  # (a rule that chose not to need them any more)
             return
         self._recent[self.step] = self.params.clone()
-        kept = max(2, min(RECENT_KEPT, RECENT_BYTES // max(1, self.params.nbytes)))
+        kept = copies_within(RECENT_KEPT, RECENT_BYTES, self.params.nbytes)
         while len(self._recent) > kept:
             self._recent.popitem(last=False)
 
