@@ -188,7 +188,7 @@ def delete_update(files, path: str, *, strict: bool = False) -> bool:
 def delete_run_updates(files, run_id: str) -> None:
     """Delete every update of a run that is left (at its end); best effort."""
     try:
-        for path in list_updates(files, run_id):
+        for path in files.list(_folder(run_id), parts=True):  # with those a killed worker was writing
             files.delete(path)
     except OSError as e:  # the run's result does not depend on it
         logger.warning("run %s: could not remove its leftover update objects: %s", run_id, e)

@@ -5,9 +5,11 @@ They live under ``<store>/runs/<run_id>/``; Icechunk never reads or deletes them
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -50,6 +52,34 @@ def _modified(info: Mapping[str, Any]) -> float | None:
                 continue
             return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
     return None
+
+
+#: What a local write's temporary file is called while it is written: ``.<name>.<hex>.part`` beside the object.
+#: An object store's PUT replaces an object whole; a local file written in place is first truncated, so a
+#: reader of a run's record, a spec or an update (a resume, the panel, the merge thread) could read it empty.
+_PART = ".part"
+
+
+def _is_part(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.startswith(".") and name.endswith(_PART)
+
+
+def _write_local(full: str, parts: Sequence[bytes | memoryview]) -> int:
+    """Write ``parts`` to the local file ``full`` whole or not at all: into a temporary file beside it,
+    then renamed over it (``os.replace`` is atomic on one filesystem).  Return the size written."""
+    folder, name = os.path.split(full)
+    os.makedirs(folder, exist_ok=True)
+    part = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}{_PART}")
+    try:
+        with open(part, "wb") as f:
+            n = sum(f.write(piece) for piece in parts)
+        os.replace(part, full)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(part)
+        raise
+    return n
 
 
 def _fault(e: OSError, what: str) -> StoreError:
@@ -111,27 +141,24 @@ class SideFiles:
 
     def put(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path`` (relative to ``<store>/runs``), replacing any object there."""
-        if not self.writable:
-            raise ReadOnlyStoreError(f"cannot write {path!r} to {self.where}: it was opened with mode='r'")
-        try:
-            self.fs.pipe_file(self._path(path), data)
-        except OSError as e:
-            raise _fault(e, f"writing {path!r} to {self.where}") from None
+        self.put_parts(path, [data])
 
     def put_parts(self, path: str, parts: Sequence[bytes | memoryview]) -> int:
         """Write the concatenation of ``parts`` to ``path`` (as :meth:`put`); return its size.
 
-        A local file is written piece by piece; elsewhere the pieces are joined into one request.
+        A reader sees the old object or the new one, never a part of it. A local file is written piece by
+        piece into a temporary file beside it (hidden from :meth:`list`), then renamed over it; elsewhere
+        the pieces are joined into one request.
         """
+        if not self.writable:
+            raise ReadOnlyStoreError(f"cannot write {path!r} to {self.where}: it was opened with mode='r'")
         full = self._local(path)
-        if full is None or not self.writable:
-            data = b"".join(parts)
-            self.put(path, data)
-            return len(data)
         try:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            with open(full, "wb") as f:
-                return sum(f.write(part) for part in parts)
+            if full is not None:
+                return _write_local(full, parts)
+            data = b"".join(parts)
+            self.fs.pipe_file(self._path(path), data)
+            return len(data)
         except OSError as e:
             raise _fault(e, f"writing {path!r} to {self.where}") from None
 
@@ -180,10 +207,11 @@ class SideFiles:
         except OSError as e:
             raise _fault(e, f"deleting {path!r} from {self.where}") from None
 
-    def list(self, prefix: str, *, written_before: float | None = None) -> list[str]:
+    def list(self, prefix: str, *, written_before: float | None = None, parts: bool = False) -> list[str]:
         """Paths (relative to ``<store>/runs``) of the objects under ``prefix``; with ``written_before``
         (POSIX seconds), only those last modified before then (an object whose time the filesystem does
-        not give is left out)."""
+        not give is left out).  ``parts``: with the temporary files of local writes (:meth:`put_parts`),
+        for a caller that deletes what it lists, such as those a killed writer left."""
         base = self._path(prefix).rstrip("/")
         try:
             found = self.fs.find(base, detail=True)
@@ -194,7 +222,7 @@ class SideFiles:
         if written_before is not None:
             found = {p: info for p, info in found.items() if (_modified(info) or math.inf) < written_before}
         strip = len(self.root.strip("/")) + 1
-        return sorted(p.strip("/")[strip:] for p in found)
+        return sorted(p.strip("/")[strip:] for p in found if parts or not _is_part(p))
 
     def url(self, path: str) -> str:
         """The URL of ``path`` (relative to ``<store>/runs``), for messages and cache keys; no credentials in it."""

@@ -280,11 +280,12 @@ def sweep_states(files: Any, branch: str, keep: Any, *, written_before: float | 
     names; return how many.  ``written_before`` (POSIX seconds): only objects written before then.
 
     Without ``written_before`` only the branch's own writer may call this (between its commits): an
-    object written for a commit in progress would be taken too.
+    object written for a commit in progress would be taken too.  The temporary files of local writes
+    are taken as the objects are (those a writer killed while it wrote left).
     """
     kept = state_paths(keep)
     gone = 0
-    for path in files.list(state_folder(branch), written_before=written_before):
+    for path in files.list(state_folder(branch), written_before=written_before, parts=True):
         if path not in kept:
             files.delete(path)
             gone += 1
