@@ -85,3 +85,16 @@ def test_a_read_only_store_refuses_a_write_before_touching_the_disk(tmp_path):
         files.put_parts("run/x", [b"2"])
     assert files.get("run/x") == b"1"
     assert os.listdir(tmp_path / "s" / "runs" / "run") == ["x"]
+
+
+def test_a_record_cut_short_by_an_older_crash_is_left_out_with_a_warning(tmp_path, caplog):
+    from vcdask.engine.end import read_record, record_path, write_record
+
+    store = open_store(tmp_path / "s")
+    write_record(store, "r1", {"status": "running", "step": 3})
+    assert read_record(store, "r1") == {"status": "running", "step": 3}
+    with open(tmp_path / "s" / "runs" / record_path("r1"), "r+b") as f:
+        f.truncate(10)  # what a vcdask that wrote it in place left when killed
+    with caplog.at_level("WARNING", logger="vcdask"):
+        assert read_record(store, "r1") is None
+    assert "run r1: its record" in caplog.text and "does not read" in caplog.text

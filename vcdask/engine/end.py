@@ -175,11 +175,18 @@ def progress_at(rec: Mapping[str, Any], version: str | None) -> dict[str, Any] |
 
 
 def read_record(store: Any, run_id: str) -> dict[str, Any] | None:
-    """The run's record, or None when it has none (a run of an earlier vcdask, or one that never started)."""
+    """The run's record, or None when it has none (a run of an earlier vcdask, or one that never started)
+    or none that reads (cut short by a crash of a vcdask that wrote a local record in place: a warning
+    says so, and the caller goes by the run's versions)."""
     path = record_path(run_id)
     if not store.files.exists(path):
         return None
-    rec = json.loads(store.files.get(path))
+    data = store.files.get(path)
+    try:
+        rec = json.loads(data)
+    except ValueError as e:
+        logger.warning("run %s: its record %s (%d bytes) does not read, left out: %s", run_id, path, len(data), e)
+        return None
     return rec if isinstance(rec, dict) else None
 
 
