@@ -780,3 +780,28 @@ def test_a_job_stopped_before_its_run_or_whose_run_failed_says_so(job_dir, clust
     run_id = report["run_id"]
     assert outcome.message.startswith(f"RunFailedError: run {run_id} ended with status 'error'")
     assert run_id in vcdask.open_store(job_dir / "store", mode="r").branches()
+
+
+def test_a_report_is_written_whole_or_not_at_all(tmp_path):
+    """A monitor reading the report while the job writes it, or a job killed as it writes, never sees half
+    of one: the old report stays until the new one is complete."""
+    from vcdask.jobs._run import _write_whole
+
+    where = tmp_path / "reports" / "report.json"
+    _write_whole(where, '{"exit_code": 0}\n')
+    assert where.read_text() == '{"exit_code": 0}\n'
+    with pytest.raises(UnicodeEncodeError):
+        _write_whole(where, '{"error": "\ud800"}\n')  # a lone surrogate: the write fails half way
+    assert where.read_text() == '{"exit_code": 0}\n'
+    assert [p.name for p in where.parent.iterdir()] == ["report.json"]
+    # a report path that is a link is written through, the link kept (as open(path, "w") does)
+    target = tmp_path / "served" / "latest.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    (tmp_path / "link.json").symlink_to(target)
+    _write_whole(tmp_path / "link.json", "new")
+    assert (tmp_path / "link.json").is_symlink() and target.read_text() == "new"
+    with pytest.raises(IsADirectoryError):
+        _write_whole(tmp_path / "served", "x")
+    names = ["latest.json", "link.json", "report.json", "reports", "served"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == names  # (no temporary file left)

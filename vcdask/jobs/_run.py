@@ -7,6 +7,7 @@ error after it (training, scoring, tagging) is a failure of the job (exit 1), no
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -101,8 +102,7 @@ def _run_job(path: str | os.PathLike, interrupts: Interrupts) -> JobOutcome:
     where = job.report if job is not None else _report_path(Path(path).absolute())
     if where is not None:
         try:
-            where.parent.mkdir(parents=True, exist_ok=True)
-            where.write_text(json.dumps(report, indent=2, default=str) + "\n")
+            _write_whole(where, json.dumps(report, indent=2, default=str) + "\n")
         except OSError as e:  # (the pre-flight checked the place: it changed since)
             logger.error("could not write the report to %s: %s", where, e)
             if error is None:
@@ -110,6 +110,22 @@ def _run_job(path: str | os.PathLike, interrupts: Interrupts) -> JobOutcome:
                 done = f" (the job itself: {report['reason']})" if report.get("reason") else ""
                 report.update(exit_code=code, error=f"could not write the report to {where}: {e}{done}")
     return JobOutcome(code, report, error)
+
+
+def _write_whole(where: Path, text: str) -> None:
+    """Write ``text`` to ``where`` whole or not at all (a monitor reading the report as it is written, or a job
+    killed as it writes, never sees half of one): into a file beside it, renamed over it.  A link is
+    written through, as ``open(where, "w")`` does (renamed over, the link would become the report)."""
+    where.parent.mkdir(parents=True, exist_ok=True)
+    where = Path(os.path.realpath(where))
+    if where.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(where))
+    part = where.with_name(f".{where.name}.{os.getpid()}.part")
+    try:
+        part.write_text(text)
+        os.replace(part, where)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def _interrupted(report: dict[str, Any]) -> str:

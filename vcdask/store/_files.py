@@ -67,8 +67,9 @@ def _is_part(path: str) -> bool:
 
 def _write_local(full: str, parts: Sequence[bytes | memoryview]) -> int:
     """Write ``parts`` to the local file ``full`` whole or not at all: into a temporary file beside it,
-    then renamed over it (``os.replace`` is atomic on one filesystem).  Return the size written."""
-    folder, name = os.path.split(full)
+    then renamed over it (``os.replace`` is atomic on one filesystem).  Return the size written.  A link
+    is written through (renamed over, the link itself would be replaced)."""
+    folder, name = os.path.split(os.path.realpath(full))
     os.makedirs(folder, exist_ok=True)
     part = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}{_PART}")
     try:
