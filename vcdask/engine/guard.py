@@ -14,6 +14,9 @@ its task changed, from the version it trained from) before the rule sees it:
   delay, like the default, applies an update's effect over later merges, so a merge's effect cannot be
   laid at one update's door; measured, honest updates were then blamed.)
 
+``d``, its norm and its direction are those of the trainable parameters: a model's float buffers
+(BatchNorm's running statistics) are left out of them, and a clipped update keeps its buffers as sent.
+
 **The reference** is the server's own pseudo-gradient on the update's own shard (FLTrust, Cao et al. 2021,
 with the shard's rows as the trusted data): the run's optimizer for :data:`REFERENCE_STEPS` steps from the
 update's base on the first :data:`PROBE_ROWS` rows of its shard, computed here.  Its direction is what
@@ -40,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..merge._base import float_buffers, zero_buffers
 from .probing import PROBE_ROWS, ProbeModel
 
 if TYPE_CHECKING:
@@ -59,10 +63,18 @@ KEPT = 8
 
 
 def _deltas(base: FlatParams, params: FlatParams) -> dict[str, torch.Tensor]:
-    """``params - base`` per floating-point dtype, in at least float32: float64 stays float64 (a float32
-    copy moved a parameter of 1e8 + 1 by 1.0 once a clipped update was rebuilt from it), half precision
-    is taken up to float32."""
-    return {dtype: _wide(params.arrays[dtype]) - _wide(a) for dtype, a in base.arrays.items() if a.is_floating_point()}
+    """``params - base`` of the parameters per floating-point dtype, in at least float32: float64 stays
+    float64 (a float32 copy moved a parameter of 1e8 + 1 by 1.0 once a clipped update was rebuilt from it),
+    half precision is taken up to float32.
+
+    Zero at the float buffers (BatchNorm's running statistics, :func:`~vcdask.merge._base.float_buffers`):
+    they are no step, and the rules average them rather than step them.  Counted, a running variance of raw
+    features (1e4) moving by 100 made the update's norm and direction: an honest update was clipped to 0.5%
+    of its weights' move, and one with its weights scaled 50x passed ``max_norm_ratio=3``.
+    """
+    d = {dtype: _wide(params.arrays[dtype]) - _wide(a) for dtype, a in base.arrays.items() if a.is_floating_point()}
+    zero_buffers(d, float_buffers(base, params))
+    return d
 
 
 def _wide(a: torch.Tensor) -> torch.Tensor:
@@ -185,11 +197,15 @@ class Guard:
 def _clipped(base: FlatParams, client: FlatParams, d: dict[str, torch.Tensor], scale: float) -> FlatParams:
     """``client`` with each floating-point array replaced by ``base + d * scale`` (``d`` from
     :func:`_deltas`), rounded once to the array's own dtype: a coordinate the update left alone keeps
-    its base value exactly."""
+    its base value exactly.  The float buffers keep the client's values, as it sent them (``d`` is zero
+    there: the merge rule averages them, it takes no step on them)."""
     from ..params import FlatParams
 
+    spans = float_buffers(base, client)
     arrays = dict(client.arrays)
     for dtype, step in d.items():
         a = base.arrays[dtype]
-        arrays[dtype] = (_wide(a) + step * scale).to(a.dtype)
+        arrays[dtype] = clipped = (_wide(a) + step * scale).to(a.dtype)
+        for run in spans.get(dtype, ()):
+            clipped[run] = client.arrays[dtype][run]
     return FlatParams(client.layout, arrays)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from ..merge._base import float_buffers, parameter_runs
 from ..params import all_finite
 from .durations import median_of, total_of
 
@@ -255,8 +256,15 @@ def check_update(
         return "non-finite", f"non-finite values (NaN/inf) in {bad[:4]}{' ...' if len(bad) > 4 else ''}"
     if max_staleness is not None and staleness > max_staleness:
         return "stale", f"stale: based on a version {staleness} merges old (max_staleness={max_staleness})"
-    if max_norm is not None:
-        norm = math.sqrt(sum(float(torch.dist(c.float(), server.arrays[d].float())) ** 2 for d, c in floats.items()))
+    if max_norm is not None:  # over the parameters: the float buffers (BatchNorm's statistics) take no step
+        spans = float_buffers(server, client)
+        norm = math.hypot(
+            *(
+                float(torch.dist(c[run].float(), server.arrays[d][run].float()))
+                for d, c in floats.items()
+                for run in parameter_runs(c.numel(), spans.get(d, []))
+            )
+        )
         if norm > max_norm:
             return "norm", f"update norm ||W_c - W_s|| = {norm:.4g} > max_update_norm={max_norm:.4g}"
     return None

@@ -153,6 +153,19 @@ def float_buffers(server: FlatParams, client: FlatParams) -> dict[str, list[slic
     return spans
 
 
+def parameter_runs(size: int, runs: list[slice]) -> list[slice]:
+    """The slices of a float vector of ``size`` values that hold parameters: what lies between its float
+    buffers' ``runs`` (one dtype's :func:`float_buffers`); the whole vector when it holds no buffers."""
+    out, start = [], 0
+    for run in sorted(runs, key=lambda r: r.start):
+        if run.start > start:
+            out.append(slice(start, run.start))
+        start = max(start, run.stop)
+    if start < size:
+        out.append(slice(start, size))
+    return out
+
+
 def zero_buffers(vectors: dict[str, torch.Tensor], spans: dict[str, list[slice]]) -> None:
     """Zero the buffers' places (:func:`float_buffers`) of vectors laid out like the server's float ones:
     a pseudo-gradient or momentum that is zero there leaves the buffers where they are."""

@@ -21,6 +21,7 @@ from ._base import (
     copy_non_float,
     float_buffers,
     floats,
+    parameter_runs,
     scratch,
     zero_buffers,
     zeros_like,
@@ -253,15 +254,11 @@ class Nesterov(MergeRule):
 def _parameters_norm2(ws: dict[str, torch.Tensor], spans: dict[str, list[slice]]) -> float:
     """|W_s|^2 of the parameters: summed over what lies between the float buffers (``spans``), not the whole
     less the buffers' share (running variances of raw features, 1e8 and more, left nothing of it in float32)."""
-    parts: dict[str, torch.Tensor] = {}
-    for dtype, vector in ws.items():
-        start = 0
-        for run in sorted(spans.get(dtype, ()), key=lambda r: r.start):
-            if run.start > start:
-                parts[f"{dtype}:{start}"] = vector[start : run.start]
-            start = max(start, run.stop)
-        if start < vector.numel():
-            parts[f"{dtype}:{start}"] = vector[start:]
+    parts = {
+        f"{dtype}:{run.start}": vector[run]
+        for dtype, vector in ws.items()
+        for run in parameter_runs(vector.numel(), spans.get(dtype, []))
+    }
     return _dot(parts, parts)
 
 
