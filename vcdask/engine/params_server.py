@@ -226,8 +226,12 @@ class ParamsServer(Committing):
         if meta.get("run_id") == self.run_id:
             self.progress = Progress.read(meta, self.progress.n_shards)
         if meta.get("run_id") == self.run_id and saved == self.rule.name:  # this run's own version: resume
+            # Copies in fresh memory, not views of the state object's buffer (there a tensor is aligned
+            # only to its element size): torch.dot's float32 sum depends on its operands' alignment, and
+            # the default rule's bound (nesterov._dot), computed on a view, came out an ulp off the
+            # uninterrupted run's.  The buffer goes once the views do: one copy at most, for a moment.
             self.rule_state = RuleState(
-                arrays=self.store.read_state(checkpoint.version),
+                arrays={name: flat.clone() for name, flat in self.store.read_state(checkpoint.version).items()},
                 scalars={**fresh.scalars, **meta.get("rule_state", {})},
             )
             expected = self.rule.state_arrays(self.params, self.rule_state)
