@@ -16,12 +16,18 @@ live on a link-local address of the instance, and answer in milliseconds):
   acknowledges one (the instance may then go at once).
 
 The endpoints are configurable (``vcdask.cloud.preemption.endpoint``), so tests run a fake service on
-127.0.0.1.  Only the standard library is used: a worker needs nothing extra to watch.
+127.0.0.1.  Only the standard library is used: a worker needs nothing extra to watch.  Requests never go
+through a proxy (``http_proxy`` and the like are ignored, as botocore and google-auth ignore them for
+these services): a proxy would reach its own host's metadata service, or none.
+
+An answer the service cuts short or garbles is a :class:`ConnectionError`, one of an unexpected shape a
+:class:`ValueError`: the watcher logs either and asks again on its next poll.
 """
 
 from __future__ import annotations
 
 import email.utils
+import http.client
 import json
 import time
 import urllib.error
@@ -42,9 +48,17 @@ class Notice:
     action: str = "terminate"
     event_id: str | None = None  # Azure: the event to acknowledge (None: an event shared with other VMs)
     seen: float = field(default_factory=time.time)
+    #: Whether ``seconds_left`` counts from ``seen`` because the service said when the instance goes (AWS,
+    #: Azure); False: it counts from when the notice was posted, which the service does not say (GCP), so
+    #: the watcher counts it from its last poll that saw no notice.
+    dated: bool = True
 
     def describe(self) -> str:
         return f"{self.provider} {self.action} notice: {self.seconds_left:.0f} s left"
+
+
+#: The opener of every request: no proxies (the services are on the instance's link-local address).
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class MetadataService:
@@ -63,13 +77,22 @@ class MetadataService:
         return f"{type(self).__name__}(endpoint={self.endpoint!r})"
 
     def _request(self, method: str, path: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, bytes]:
-        """(status, body); an HTTP error status is an answer, not an exception."""
+        """(status, body); an HTTP error status is an answer, not an exception.
+
+        Raises
+        ------
+        OSError
+            The service could not be reached, or its answer was cut short or garbled (``http.client``'s
+            ``IncompleteRead``, ``BadStatusLine``: not OSErrors, so turned into a ConnectionError here).
+        """
         req = urllib.request.Request(self.endpoint + path, data=body, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with _OPENER.open(req, timeout=self.timeout) as resp:
                 return resp.status, resp.read()
         except urllib.error.HTTPError as e:
             return e.code, e.read()
+        except http.client.HTTPException as e:
+            raise ConnectionError(f"{self.name} metadata service at {self.endpoint}{path} answered badly: {e!r}") from e
 
     #: The notice's path and the headers the service insists on (GCP, Azure: one GET each poll).
     PATH: ClassVar[str] = ""
@@ -86,7 +109,7 @@ class MetadataService:
         """Whether this provider's metadata service answers at ``endpoint`` (for ``provider="auto"``)."""
         try:
             self._get()
-        except OSError:
+        except (OSError, ValueError):
             return False
         return True
 
@@ -108,11 +131,19 @@ def _unexpected(service: MetadataService, path: str, status: int) -> OSError:
     return ConnectionError(f"{service.name} metadata service at {service.endpoint}{path} answered HTTP {status}")
 
 
+def _shape(service: MetadataService, path: str, body: bytes, what: str) -> ValueError:
+    return ValueError(
+        f"{service.name} metadata service at {service.endpoint}{path} answered {body[:200]!r}, not {what}"
+    )
+
+
 class AWS(MetadataService):
     """EC2 spot instance-action through IMDSv2 (a session token first)."""
 
     name = "aws"
     token_ttl = 21600
+    #: AWS gives two minutes: a longer window only says the worker's clock is behind the service's.
+    max_window = 120.0
     TOKEN_PATH = "/latest/api/token"
     NOTICE_PATH = "/latest/meta-data/spot/instance-action"
 
@@ -133,7 +164,7 @@ class AWS(MetadataService):
     def probe(self) -> bool:
         try:
             self._fresh_token()
-        except OSError:
+        except (OSError, ValueError):
             return False
         return True
 
@@ -147,10 +178,12 @@ class AWS(MetadataService):
         if status != 200:
             raise _unexpected(self, self.NOTICE_PATH, status)
         doc = json.loads(body)
-        when = datetime.fromisoformat(str(doc["time"]).replace("Z", "+00:00"))
+        if not isinstance(doc, dict) or not isinstance(doc.get("time"), str):
+            raise _shape(self, self.NOTICE_PATH, body, 'an object with a "time"')
+        when = datetime.fromisoformat(doc["time"].replace("Z", "+00:00"))
         if when.tzinfo is None:
             when = when.replace(tzinfo=UTC)
-        left = max(0.0, when.timestamp() - time.time())
+        left = min(self.max_window, max(0.0, when.timestamp() - time.time()))  # (clamped: clock skew)
         return Notice(self.name, left, action=str(doc.get("action", "terminate")))
 
 
@@ -164,7 +197,9 @@ class GCP(MetadataService):
 
     def poll(self) -> Notice | None:
         body = self._get()
-        return Notice(self.name, self.default_window, action="preempt") if body.strip().upper() == b"TRUE" else None
+        if body.strip().upper() != b"TRUE":
+            return None
+        return Notice(self.name, self.default_window, action="preempt", dated=False)
 
 
 class Azure(MetadataService):
@@ -213,18 +248,25 @@ class Azure(MetadataService):
 
     def poll(self) -> Notice | None:
         vm = self._this_vm()
-        for event in json.loads(self._get()).get("Events", []):
+        body = self._get()
+        doc = json.loads(body)
+        events = doc.get("Events", []) if isinstance(doc, dict) else None
+        if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+            raise _shape(self, self.PATH, body, 'an object with a list of "Events"')
+        for event in events:
             resources = event.get("Resources")
             if event.get("EventType") != "Preempt" or not isinstance(resources, list) or vm not in resources:
                 continue
             not_before = event.get("NotBefore") or ""
+            if not isinstance(not_before, str):
+                raise _shape(self, self.PATH, body, "events with an RFC 1123 NotBefore")
             if not_before:
                 left = max(0.0, email.utils.parsedate_to_datetime(not_before).timestamp() - time.time())
             elif event.get("EventStatus") == "Started":  # the eviction is under way
                 left = 0.0
             else:
                 left = self.default_window
-            sole = set(resources) == {vm}  # acknowledging would let it proceed for every VM it names
+            sole = all(r == vm for r in resources)  # acknowledging would let it proceed for every VM it names
             return Notice(self.name, left, action="preempt", event_id=event.get("EventId") if sole else None)
         return None
 

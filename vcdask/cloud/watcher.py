@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -21,6 +22,10 @@ __all__ = ["PreemptionWatcher"]
 
 #: Seconds a worker waits for the scheduler's answer to its notice, and for an acknowledgement.
 ANSWER_TIMEOUT = 10.0
+#: Seconds ``provider="auto"`` keeps looking for a metadata service (every ``interval``) before it gives up:
+#: a service may be slow or down while the worker starts (Azure enables Scheduled Events on the first
+#: call, which can take up to about two minutes to answer).
+DETECT_FOR = 300.0
 
 
 def _check_provider(provider: Any) -> str:
@@ -43,6 +48,12 @@ def _check_interval(interval: Any) -> float:
     return float(interval)
 
 
+def _log_end(worker: Any, task: asyncio.Task) -> None:
+    """Log the exception that ended the watch, if one did (no task awaits it: it would go unsaid)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("%s: preemption watch ended: %r", worker.address, task.exception(), exc_info=task.exception())
+
+
 class PreemptionWatcher(WorkerPlugin):
     """Poll the instance's metadata service for a spot/preemption notice; on one, drain and retire.
 
@@ -56,7 +67,9 @@ class PreemptionWatcher(WorkerPlugin):
     ----------
     provider : {"aws", "gcp", "azure", "auto"}, optional
         Whose protocol to speak; ``"auto"`` probes the metadata service and uses the one that
-        answers (none: the watcher logs it and stops).  Default: dask config
+        answers.  A service slow or down at start is asked again every ``interval`` for
+        :data:`DETECT_FOR` seconds (5 minutes); if none answers by then, the watcher logs a warning
+        and stops.  Default: dask config
         ``vcdask.cloud.preemption.provider`` (``"auto"``).
     endpoint : str, optional
         ``http://host[:port]`` of the metadata service.  Default: dask config
@@ -64,7 +77,14 @@ class PreemptionWatcher(WorkerPlugin):
     interval : float, optional
         Seconds between polls.  Default: ``vcdask.cloud.preemption.interval`` (5, what AWS asks).
     timeout : float, default 2
-        Seconds one request to the metadata service may take.
+        Seconds one request to the metadata service may take (``"auto"`` probes with at most 1 s, then
+        polls the service it found with ``timeout``).
+
+    A poll that fails (the service unreachable, an error status, an answer cut short or of an unexpected
+    shape) is logged, once while it keeps failing, and the watcher polls again.  AWS and Azure say when
+    the instance goes (an AWS window is at most its two minutes, whatever the worker's clock says); GCP
+    does not, so its 30 s count from the last poll that saw no notice, the earliest it can have been
+    posted.
 
     Settings left to the config are read on each worker, so a fleet can set them per machine
     (``DASK_VCDASK__CLOUD__PREEMPTION__ENDPOINT=...``).
@@ -105,6 +125,7 @@ class PreemptionWatcher(WorkerPlugin):
         self.endpoint = _check_endpoint(config.get("cloud.preemption.endpoint", self.endpoint))
         self.interval = _check_interval(config.get("cloud.preemption.interval", self.interval))
         self._task = asyncio.ensure_future(self._watch(worker))
+        self._task.add_done_callback(lambda task: _log_end(worker, task))
 
     async def teardown(self, worker: Any) -> None:
         if self._task is not None and not self._task.done():
@@ -120,31 +141,64 @@ class PreemptionWatcher(WorkerPlugin):
 
     # -- watching ---------------------------------------------------------------------------------
     def _service(self) -> MetadataService | None:
-        if self.provider == "auto":
-            return detect(self.endpoint, min(self.timeout, 1.0))
+        if self.provider == "auto":  # (a short probe each: off the clouds nothing answers)
+            found = detect(self.endpoint, min(self.timeout, 1.0))
+            return None if found is None else provider_for(found.name, self.endpoint, self.timeout)
         return provider_for(str(self.provider), self.endpoint, self.timeout)
+
+    async def _find(self, worker: Any) -> MetadataService | None:
+        """The service to poll; in ``auto`` mode asked again every ``interval`` for :data:`DETECT_FOR` seconds
+        (a service slow or down at start: Azure's first Scheduled Events call can take minutes)."""
+        loop = asyncio.get_running_loop()
+        give_up = time.monotonic() + DETECT_FOR
+        while True:
+            try:
+                service = await loop.run_in_executor(None, self._service)
+            except Exception as e:  # noqa: BLE001 - a detection that failed oddly is one that found nothing
+                logger.debug("%s: preemption watch: detection failed: %r", worker.address, e)
+                service = None
+            if service is not None or time.monotonic() >= give_up:
+                return service
+            await asyncio.sleep(float(self.interval or 5))
 
     async def _watch(self, worker: Any) -> None:
         loop = asyncio.get_running_loop()
-        self.service = service = await loop.run_in_executor(None, self._service)
+        self.service = service = await self._find(worker)
         if service is None:
-            logger.info("%s: no cloud metadata service answered; not watching for preemption", worker.address)
+            logger.warning(
+                "%s: no cloud metadata service answered in %g s; not watching for preemption",
+                worker.address,
+                DETECT_FOR,
+            )
             return
         logger.info("%s: watching %r for a preemption notice every %g s", worker.address, service, self.interval)
         failing = False
+        clear_at: float | None = None  # (time.time()) the last answer that said no notice
         while True:
             try:
                 notice = await loop.run_in_executor(None, service.poll)
-            except (OSError, ValueError, KeyError) as e:  # unreachable, or an answer it could not read
-                if not failing:
-                    logger.warning("%s: preemption watch: %s (retrying every %g s)", worker.address, e, self.interval)
+            except Exception as e:  # unreachable, or an answer it could not read: ask again
+                if not failing:  # (once while it fails: a service down for an hour logs one line, not 720)
+                    odd = not isinstance(e, (OSError, ValueError))
+                    logger.warning(
+                        "%s: preemption watch: %s (retrying every %g s)", worker.address, e, self.interval, exc_info=odd
+                    )
                 failing = True
             else:
                 failing = False
                 if notice is not None:
-                    await self._on_notice(worker, notice)
+                    await self._on_notice(worker, self._dated(notice, clear_at))
                     return
+                clear_at = time.time()
             await asyncio.sleep(float(self.interval or 5))
+
+    def _dated(self, notice: Notice, clear_at: float | None) -> Notice:
+        """``notice`` with its window counted from the earliest it can have been posted, when the service does
+        not say (GCP: 30 s from posting): right after the last poll that saw none (else one interval ago)."""
+        if notice.dated:
+            return notice
+        since = notice.seen - clear_at if clear_at is not None else float(self.interval or 5)
+        return replace(notice, seconds_left=max(0.0, notice.seconds_left - since), dated=True)
 
     async def _on_notice(self, worker: Any, notice: Notice) -> None:
         self.notice = notice
