@@ -173,7 +173,7 @@ def test_azure_an_event_list_of_another_shape_is_a_clear_error_and_the_watch_goe
 @pytest.mark.parametrize("odd", ["truncated", "bad-status-line"])
 def test_gcp_a_cut_short_answer_is_a_connection_error_and_auto_finds_nothing_in_it(odd):
     answer, error, says = ODD[odd]
-    with Scripted(lambda method, path, headers: answer) as srv:
+    with Scripted(lambda *_: answer) as srv:
         with pytest.raises(error, match=says):
             GCP(srv.endpoint).poll()
         for name in ("gcp", "aws", "azure"):  # (auto's probes)
@@ -184,7 +184,7 @@ def test_metadata_requests_never_go_through_a_proxy(monkeypatch):
     def imds(method, path, headers):
         return (200, b"token") if method == "PUT" else (404, b"")
 
-    with Scripted(imds) as service, Scripted(lambda *a: (502, b"bad gateway")) as proxy:
+    with Scripted(imds) as service, Scripted(lambda *_: (502, b"bad gateway")) as proxy:
         monkeypatch.setenv("http_proxy", proxy.endpoint)
         monkeypatch.setenv("HTTP_PROXY", proxy.endpoint)
         monkeypatch.setenv("no_proxy", "")
@@ -215,14 +215,14 @@ def test_auto_keeps_looking_for_a_service_slow_to_answer_at_first():
 
 
 def test_auto_polls_with_the_timeout_it_was_given(monkeypatch):
-    with Scripted(lambda method, path, headers: (200, b"token") if method == "PUT" else (404, b"")) as srv:
+    with Scripted(lambda method, *_: (200, b"token") if method == "PUT" else (404, b"")) as srv:
         w, _ = _watch("auto", srv.endpoint, 0.5, timeout=5.0)
     assert isinstance(w.service, AWS) and w.service.timeout == 5.0  # (not the probe's 1 s)
 
 
 def test_auto_gives_up_with_a_warning_when_nothing_answers(monkeypatch, caplog):
     monkeypatch.setattr(watcher, "DETECT_FOR", 0.5)
-    with Scripted(lambda *a: (500, b"")) as srv, caplog.at_level(logging.INFO, "vcdask.cloud.watcher"):
+    with Scripted(lambda *_: (500, b"")) as srv, caplog.at_level(logging.INFO, "vcdask.cloud.watcher"):
         w, _ = _watch("auto", srv.endpoint, 3.0)
         assert w._task.done() and w.service is None
     assert len(srv.requests) >= 6  # (three providers probed, more than once)
