@@ -169,6 +169,8 @@ def encode(codec: str, w_c: FlatParams, base: FlatParams, base_version: str, run
             parts[f"{dtype}.buffers"] = a[raw].clone()
             work[raw] = 0
         encoded = _encode(codec, work, n, scratch)
+        if a.dtype in (torch.float16, torch.bfloat16):
+            _feed_back_rounding(codec, encoded, work, base.arrays[dtype])
         parts.update({f"{dtype}.{k}": v for k, v in encoded.items()})
         left.residual[dtype] = work  # now what this update left out
         if scratch is not None:
@@ -180,6 +182,18 @@ def encode(codec: str, w_c: FlatParams, base: FlatParams, base_version: str, run
             for old in list(_residuals)[:-_KEEP_RUNS]:  # a long-lived cluster: forget runs long gone
                 del _residuals[old]
     return EncodedUpdate(w_c.layout, codec, base_version, parts)
+
+
+def _feed_back_rounding(codec: str, encoded: dict[str, torch.Tensor], work: torch.Tensor, base: torch.Tensor) -> None:
+    """Add to ``work`` (what quantization left out) what decode's rounding to ``base``'s half-precision
+    dtype leaves out: the decoded ``W_c`` is ``base + delta`` rounded to that dtype (:meth:`EncodedUpdate.decode`),
+    computed here as it does it.  Without it, float16 and bfloat16 models' totals drifted from their workers'
+    like a random walk: by 2.8e-2 after 200 int4 updates (float32: 7e-7), as if there were no feedback."""
+    n = base.numel()
+    sent = _decode(codec, encoded, n).to(torch.float32)
+    b = base.to(torch.float32)
+    applied = (b + sent).to(base.dtype).to(torch.float32).sub_(b)
+    work[:n].add_(sent.sub_(applied))
 
 
 def _encode(codec: str, x: torch.Tensor, n: int, scratch: torch.Tensor | None) -> dict[str, torch.Tensor]:
