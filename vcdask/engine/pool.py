@@ -52,6 +52,7 @@ class WorkerRecord:
     market: str | None = None
     joined_at: float | None = None  # (the run's clock) since when it is connected; None while it is not
     alive_before: float = 0.0  # seconds connected before its last (re)join
+    left_at: float | None = None  # (the run's clock) when it last left; None while connected
     wasted_seconds: float = 0.0  # seconds of its work lost to a preemption or to its death
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
 
@@ -137,6 +138,7 @@ class WorkerPool:
     def joined(self, address: str, nthreads: int) -> None:
         self.connected[address] = nthreads
         rec = self.record(address)
+        rec.left_at = None
         if rec.joined_at is None:
             rec.joined_at = self.clock()
 
@@ -145,6 +147,7 @@ class WorkerPool:
         rec = self.records.get(address)
         if rec is not None:
             rec.stop_clock()
+            rec.left_at = self.clock()
 
     def stop_clocks(self) -> None:
         """The run ended: every worker's time connected stops counting (its cost with it), connected or not."""
@@ -160,6 +163,13 @@ class WorkerPool:
         """``seconds`` of work on ``address`` were lost (its copy re-issued on a notice, or it died)."""
         if address is not None and seconds > 0:
             self.record(address).wasted_seconds += seconds
+
+    def lost(self, address: str | None, ran: float) -> None:
+        """A copy that had run ``ran`` seconds on ``address`` runs again elsewhere (Dask moved it: the worker died
+        or left): its work there was lost, up to when the worker left (not the wait for a new one after it)."""
+        rec = self.records.get(address) if address is not None else None
+        since_left = 0.0 if rec is None or rec.left_at is None else max(0.0, self.clock() - rec.left_at)
+        self.wasted(address, ran - since_left)
 
     # -- records --------------------------------------------------------------------------------
     def record(self, address: str) -> WorkerRecord:

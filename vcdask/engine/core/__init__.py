@@ -45,6 +45,11 @@ def _(event: m.Started, state: RunState) -> None:
     # ``overlap="delta"`` the answer that brings a copy's base may come before the task says it started),
     # unless the hand-over recorded it: the task's own start, later, is when it began
     if task is not None and (task.started is None or task.worker != event.worker or (task.handed and not event.handed)):
+        began = task.started if task.began else None
+        if task.kind == "update" and began is not None and not task.overdue and task.worker not in (None, event.worker):
+            # Dask runs it again elsewhere: its worker died (or left) while running it.  (An overdue copy's
+            # work was counted when it was re-issued; a copy the deadline check restarted has no start.)
+            state.pool.lost(task.worker, state.clock() - began)
         started(state, event.key, event.worker)
         task.handed = event.handed
     state.pool.identify(event.worker, event.instance, event.market)

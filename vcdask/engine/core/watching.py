@@ -139,7 +139,9 @@ def deadlines(state: RunState) -> list[str]:
             patience=warm * (tps + 2),
             draining=task.worker in state.pool.draining,
         )
-        if verdict == "restart":  # its worker died: Dask is moving it, it starts afresh
+        if verdict == "restart":  # its worker died: Dask is moving it, it starts afresh (its work there lost)
+            # (an overdue copy is not here: its work was counted when it was re-issued)
+            state.pool.lost(task.worker, 0.0 if task.started is None else now - task.started)
             task.started, task.submitted, task.based = None, now, False
         elif verdict is not None:
             where = task.worker if verdict.blame and task.began else running_on
