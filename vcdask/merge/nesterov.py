@@ -73,8 +73,9 @@ class Nesterov(MergeRule):
     ``bias_correction="agreement"`` the correction is bounded twice:
 
     * it may not make a momentum step longer than half the server's parameter norm
-      (``lr * momentum * gain * |m| <= 0.5 * |W_s|``, ``|W_s|`` when the window closes; the gain
-      never below 1);
+      (``lr * momentum * gain * |m| <= 0.5 * |W_s|``, ``m`` after the step, ``|W_s|`` as the momentum
+      step starts: with ``delay=N > 1`` after the closing arrival's share ``lr * g / N``, with ``delay=1``,
+      where the arrival's step and the momentum step are one, before it; the gain never below 1);
     * from the second momentum step on, it is scaled by the cosine between the window's mean
       pseudo-gradient and the momentum before it, clipped at zero: momentum the new
       pseudo-gradients confirm is corrected as Adam would, momentum they contradict is not
@@ -116,8 +117,10 @@ class Nesterov(MergeRule):
     bias_correction : {"trust", True, "agreement", False}, default "trust"
         True: divide the momentum term by ``1 - momentum**t`` (``t``: momentum steps so far).
         ``"agreement"``: that correction, bounded, and as far as the pseudo-gradients agree with
-        the momentum (above).  ``"trust"``: True until a step would pass the bound, then
-        ``"agreement"``.  False: PyTorch's ``SGD(nesterov=True)`` step on the pseudo-gradient.
+        the momentum (above).  ``"trust"``: True within the same bound, with the cosine weighed by ``w``,
+        the largest share of a correction the bound has cut so far (above): Adam's correction until the
+        bound first cuts, ``"agreement"``'s only once a cut has taken a correction all the way down to 1.
+        False: PyTorch's ``SGD(nesterov=True)`` step on the pseudo-gradient.
     """
 
     lr: float = 0.7
