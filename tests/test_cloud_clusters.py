@@ -98,3 +98,17 @@ def test_bad_options_raise_clear_errors_before_any_cloud_call():
         spot_cluster_spec("aws", packages=["torch vcdask"])
     with pytest.raises(TypeError, match="watcher must be a vcdask.cloud.PreemptionWatcher, got str"):
         spot_cluster_spec("aws", watcher="aws")
+
+
+@pytest.mark.parametrize(
+    "provider, option, kind",
+    [("aws", "instance_type", "c6i.2xlarge"), ("gcp", "machine_type", "e2-standard-4")],
+)
+def test_the_workers_report_the_type_the_providers_own_option_gave_them(provider, option, kind):
+    spec = spot_cluster_spec(provider, **{option: kind})
+    env_key = "env_vars"  # (EC2Cluster's and GCPCluster's both)
+    assert spec.kwargs[option] == kind  # passed on as it is
+    assert spec.kwargs[env_key]["DASK_VCDASK__CLOUD__INSTANCE__TYPE"] == kind  # so the cost can price them
+    # worker_type= is the workers' own: it wins over the type shared with the scheduler
+    both = spot_cluster_spec(provider, worker_type="big-one", **{option: kind})
+    assert both.kwargs[env_key]["DASK_VCDASK__CLOUD__INSTANCE__TYPE"] == "big-one"

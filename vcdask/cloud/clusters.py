@@ -27,6 +27,10 @@ from typing import Any
 
 from .watcher import PreemptionWatcher
 
+#: provider -> the dask-cloudprovider option that sizes the scheduler and the workers alike (the workers' type,
+#: for the cost accounting, when ``worker_type=`` is not given)
+SHARED_TYPE_KEYS = {"aws": "instance_type", "gcp": "machine_type"}
+
 __all__ = ["PROVIDER_CLUSTERS", "SpotClusterSpec", "spot_cluster", "spot_cluster_spec"]
 
 #: provider -> (dask-cloudprovider class, its spot switch, its image option, its environment option,
@@ -135,7 +139,10 @@ def spot_cluster_spec(
     worker_type, scheduler_type : str, optional
         Instance / machine types, given to the provider's option for them.  Fargate sizes its tasks by
         ``worker_cpu=`` / ``worker_mem=`` (and the scheduler's), passed on in ``**cluster_kwargs``; these two
-        are refused there.
+        are refused there.  The workers report their type for the run's cost accounting
+        (``vcdask.cloud.instance.type``): ``worker_type``, else the type given for the scheduler and the
+        workers alike (EC2Cluster's ``instance_type=``, GCPCluster's ``machine_type=``).  Left to
+        dask-cloudprovider's default, it is not known, and the workers are unpriced.
     image : str, optional
         The container image (default: dask-cloudprovider's, with ``packages`` installed at start).
     packages : str or sequence of str, optional
@@ -192,12 +199,15 @@ def spot_cluster_spec(
             f"got {list(pkgs)!r}"
         )
 
+    # (EC2Cluster's instance_type= / GCPCluster's machine_type= size the workers too, unless worker_type= does)
+    shared = cluster_kwargs.get(SHARED_TYPE_KEYS.get(provider, ""))
+    priced_as = worker_type or (shared if isinstance(shared, str) and shared else None)
     environment = {
         "DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": WORKER_TTL,
         **({"DASK_VCDASK__CLOUD__PREEMPTION__PROVIDER": watch_as} if watch_as else {}),
         # what the workers report for the run's cost accounting (vcdask.cost)
         "DASK_VCDASK__CLOUD__INSTANCE__MARKET": "spot",
-        **({"DASK_VCDASK__CLOUD__INSTANCE__TYPE": worker_type} if worker_type else {}),
+        **({"DASK_VCDASK__CLOUD__INSTANCE__TYPE": priced_as} if priced_as else {}),
         **({"EXTRA_PIP_PACKAGES": " ".join(pkgs)} if pkgs else {}),
         **{str(k): str(v) for k, v in (env or {}).items()},
     }
