@@ -43,7 +43,8 @@ class Resilience:
         healthy workers produce, so that only a straggler's update is refused; ``None``: no limit
         (the paper's VC-ASGD merges every update, however old).
     max_update_norm : float, optional
-        Reject an update whose distance ``||W_c - W_s||_2`` from the server copy exceeds this.
+        Reject an update whose distance ``||W_c - W_s||_2`` from the server copy exceeds this, over the
+        parameters (buffers such as BatchNorm's running statistics left out: they are no step).
     clip_update_norm : float, optional
         Robust merging (see :mod:`vcdask.engine.guard`): scale a pseudo-gradient ``W_c - W_base``
         longer than this down to this length before it is merged.
