@@ -173,3 +173,23 @@ def test_a_resumed_runs_cost_per_merge_counts_the_merges_since_it_was_resumed():
     now[0] = 3600.0  # an hour of its worker since the resume
     cost = views.result_dict(run)["cost"]
     assert cost["total"] == pytest.approx(0.3) and cost["per_merge"] == pytest.approx(0.3 / 4)
+
+
+def test_unpriced_workers_are_said_not_priced_at_zero():
+    from vcdask.panel import _cost_html
+
+    # a spot worker that joined and left before its first shard never said its instance: not $0.00
+    rows = [{"worker": "a", "instance": None, "market": None, "alive_seconds": 600.0, "wasted_seconds": 0.0}]
+    cost = summarize(rows, PRICES, merges=4)
+    assert cost["total"] == 0.0 and cost["unpriced"] == ["a"]
+    assert math.isnan(cost["per_merge"]) and math.isnan(cost["saving"])  # not known, rather than $0 a merge
+    live = {"total": cost["total"], "on_demand": cost["on_demand"], "saving": cost["saving"]}  # (the status's)
+    (html,) = _cost_html(live, rows)
+    assert "$0.00" not in html and html == "cost unknown (1 worker unpriced)"
+    priced = {"worker": "b", "instance": "m.test", "market": "spot", "alive_seconds": 3600.0, "wasted_seconds": 0.0}
+    cost = summarize([*rows, priced], PRICES, merges=4)
+    assert cost["per_merge"] == pytest.approx(0.3 / 4)
+    (html,) = _cost_html({"total": cost["total"], "saving": cost["saving"]}, [*rows, priced])
+    assert html == "cost $0.30 (70% below on-demand) (1 worker unpriced)"
+    (html,) = _cost_html({"total": 0.3, "saving": 0.7}, [priced])
+    assert html == "cost $0.30 (70% below on-demand)"

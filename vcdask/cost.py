@@ -69,14 +69,15 @@ def summarize(rows: list[dict[str, Any]], prices: Mapping[str, Mapping[str, floa
     """The run's cost from its worker rows (``alive_seconds``, ``instance``, ``market``).
 
     Returns ``total`` and ``on_demand`` ($; the same worker time at on-demand prices), ``saving`` (the
-    share of ``on_demand`` saved), ``per_merge``, ``wasted_seconds`` and ``unpriced`` (workers whose
-    instance type has no price, left out of the totals).  Each row gets its ``cost``.
+    share of ``on_demand`` saved), ``per_merge`` (NaN when no worker is priced), ``wasted_seconds`` and
+    ``unpriced`` (workers whose instance type has no price, or was never reported, left out of the totals).
+    Each row gets its ``cost``.
 
     ``merges`` are those the rows' worker time made: a resumed run's since it was resumed (its workers'
     clocks start afresh then), not every merge on its branch.
     """
     total = on_demand = wasted = 0.0
-    unpriced = []
+    unpriced: list[str] = []
     for row in rows:
         entry = prices.get(row.get("instance") or "")
         hours = row.get("alive_seconds", 0.0) / 3600.0
@@ -94,7 +95,8 @@ def summarize(rows: list[dict[str, Any]], prices: Mapping[str, Mapping[str, floa
         "total": total,
         "on_demand": on_demand,
         "saving": 1.0 - total / on_demand if on_demand > 0 else math.nan,
-        "per_merge": total / merges if merges else math.nan,
+        # (nothing priced: not known, rather than $0 a merge)
+        "per_merge": total / merges if merges and len(unpriced) < len(rows) else math.nan,
         "wasted_seconds": wasted,
         "unpriced": unpriced,
     }

@@ -253,7 +253,7 @@ def _header_html(st: PanelState) -> str:
         ),
         f"staleness {_fmt(s.get('staleness'), 'd')}",
         f"{html.escape(st.metric)} {_fmt(metric)}",
-        *_cost_html(s.get("cost")),
+        *_cost_html(s.get("cost"), list(st.workers.values())),
         f"store <code>{html.escape(str(s.get('store', '')))}</code>",
     ]
     out = " &nbsp;|&nbsp; ".join(parts)
@@ -262,13 +262,20 @@ def _header_html(st: PanelState) -> str:
     return f"<div style='font-family:sans-serif;font-size:95%'>{out}</div>"
 
 
-def _cost_html(cost: dict | None) -> list[str]:
-    """Cost so far (with a price table, ``vcdask.cloud.prices``), and what on-demand would have cost."""
+def _cost_html(cost: dict | None, workers: list[dict] | None = None) -> list[str]:
+    """Cost so far (with a price table, ``vcdask.cloud.prices``), and what on-demand would have cost; the
+    workers left out of it said, not hidden in a total (none priced: no "$0.00")."""
     if not cost:
         return []
+    workers = workers or []
+    # (a row says its instance once the worker reported it, and its cost, NaN without a price, at the end)
+    unpriced = sum(1 for w in workers if not w.get("instance") or w.get("cost", 0.0) != w.get("cost", 0.0))
+    note = f" ({unpriced} worker{'s' if unpriced != 1 else ''} unpriced)" if unpriced else ""
+    if unpriced and unpriced == len(workers):
+        return [f"cost unknown{note}"]
     saving = cost.get("saving")
     tail = f" ({_fmt(100 * saving, '.0f')}% below on-demand)" if saving is not None and saving == saving else ""
-    return [f"cost ${_fmt(cost.get('total'), '.2f')}{tail}"]
+    return [f"cost ${_fmt(cost.get('total'), '.2f')}{tail}{note}"]
 
 
 def _grid_html(st: PanelState) -> str:
