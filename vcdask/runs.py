@@ -40,6 +40,7 @@ from .spec import RunSpec, load_spec, save_spec, spec_path
 from .staging import in_memory, stage
 from .steps import eval_modules
 from .store import ParamStore, open_store
+from .store._runs import check_staged
 from .variables import recorded_features
 
 logger = logging.getLogger(__name__)
@@ -318,6 +319,9 @@ def resume(
         its run's store, it says to pass ``store=``).
     ValueError
         ``max_epochs`` is not more than the epochs the run has done (both named).
+    FileNotFoundError
+        The copy of the run's data staged in the store was removed, ``Retention.keep_staged_for`` after the run
+        ended: the message says when and how to train its model on (its versions stay).
     RunLiveElsewhereError
         The run still goes on at another scheduler (the one its record names, asked for a few seconds: one gone
         is not in the way); the message names it and how to follow the run there (:func:`vcdask.attach`).
@@ -341,6 +345,7 @@ def resume(
     if max_epochs is not None:
         max_epochs = positive_int("max_epochs", max_epochs)
     param_store = _run_store(run, run_id, store)
+    check_staged(param_store.files, run_id)  # (its data staged in the store, removed by its retention)
     if max_epochs is not None:
         check_extend(param_store, run_id, max_epochs)  # (and a schedule over the run that starts again, said)
     t0 = time.perf_counter()

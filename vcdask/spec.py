@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .store._runs import record_path
+
 __all__ = [
     "MOVED_MODULES",
     "RunSpec",
@@ -35,13 +37,6 @@ __all__ = [
 def spec_path(run_id: str) -> str:
     """Where a run's spec lives, relative to ``<store>/runs``."""
     return f"{run_id}/spec.pkl"
-
-
-def record_path(run_id: str) -> str:
-    """Where a run's record lives (small JSON: status, why it stopped, epochs, final metrics; written by
-    the engine when the run starts and when it ends), relative to ``<store>/runs``; read it with
-    :func:`vcdask.engine.end.read_record`, never unpickling anything."""
-    return f"{run_id}/status.json"
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,17 @@ def _train(args: argparse.Namespace) -> int:
     return outcome.exit_code
 
 
+def _days(text: str) -> float:
+    """An argparse ``type``: a finite number of days >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of days >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of days >= 0, got {text}")
+    return value
+
+
 def _at_least(minimum: int):
     """An argparse ``type``: an integer >= ``minimum``, else argparse's usage error (exit 2) naming the value."""
 
@@ -168,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         parents=store_cmd,
         help="remove the versions a retention policy does not keep (tagged versions, each epoch's last "
-        "version and the newest --keep-last stay)",
+        "version and the newest --keep-last stay), and the data runs staged in the store a week after they ended",
     )
     collect.add_argument("store")
     collect.add_argument(
@@ -178,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--every", type=_at_least(1), default=None, help="also keep the first version of every N merges"
     )
     collect.add_argument("--no-epochs", action="store_true", help="do not keep each epoch's last version")
+    staged = collect.add_mutually_exclusive_group()
+    staged.add_argument(
+        "--keep-staged-days",
+        type=_days,
+        default=7.0,
+        help="remove the data a run staged in the store this many days after it ended (default: 7)",
+    )
+    staged.add_argument("--keep-staged", action="store_true", help="keep every run's staged data")
     collect.add_argument("--branch", action="append", help="only this branch (repeatable; default: every branch)")
     collect.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     collect.set_defaults(func=gc)

@@ -234,7 +234,10 @@ def tags(args: argparse.Namespace) -> int:
 def gc(args: argparse.Namespace) -> int:
     from .. import Retention
 
-    policy = Retention(keep_last=args.keep_last, keep_epochs=not args.no_epochs, every=args.every)
+    staged = None if args.keep_staged else args.keep_staged_days * 86400.0
+    policy = Retention(
+        keep_last=args.keep_last, keep_epochs=not args.no_epochs, every=args.every, keep_staged_for=staged
+    )
     store = open_store_for(args, mode="r" if args.dry_run else "r+")
     before = store.store_nbytes()
     report = _collect(store, policy, args.branch or None, args.dry_run)
@@ -243,6 +246,8 @@ def gc(args: argparse.Namespace) -> int:
         removed, deferred = report.removed.get(branch, []), report.deferred.get(branch, [])
         later = f", {len(deferred)} later (still needed by another branch or a reader)" if deferred else ""
         print(f"{branch}: keeps {len(report.kept[branch])} versions, {verb} {len(removed)}{later}")
+    for run_id, nbytes in sorted(report.staged_removed.items()):
+        print(f"{run_id}: {verb} its staged data ({human(nbytes)}), ended more than {args.keep_staged_days:g} days ago")
     for why in report.held_back:
         print(f"note: {why}")
     if args.dry_run:

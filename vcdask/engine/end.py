@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..spec import record_path
+from ..store._runs import staged_paths, sweep_staged
 
 if TYPE_CHECKING:
     from .core import RunState
@@ -34,6 +35,7 @@ __all__ = [
     "resumes_as_running",
     "running_record",
     "save_record",
+    "sweep_staged_data",
     "stop_kind",
     "write_record",
 ]
@@ -98,6 +100,9 @@ def record(run: RunState, res: dict[str, Any]) -> dict[str, Any]:
         "ended": run.ended,
         "epochs": list(res.get("epochs") or ()),
         "resumed_at": run.ledger.resumed_at,
+        # (what a collection needs to remove the run's staged data once it has ended: vcdask.store._runs)
+        "staged": staged_paths((run.spec.train, run.spec.validation)),
+        "keep_staged_for": getattr(run.spec.retention, "keep_staged_for", None),
     }
 
 
@@ -172,6 +177,15 @@ def progress_at(rec: Mapping[str, Any], version: str | None) -> dict[str, Any] |
     if isinstance(progress, dict) and version is not None and rec.get("progress_on") == version:
         return dict(progress)
     return None
+
+
+def sweep_staged_data(store: Any, run_id: str) -> None:
+    """At the end of run ``run_id``: remove the staged data of the store's ended runs whose time is up, each by
+    its own ``Retention.keep_staged_for`` (:func:`vcdask.store._runs.sweep_staged`); a failure is logged."""
+    try:
+        sweep_staged(store.files)
+    except Exception:  # (the run's result does not depend on it; the next run's end, or a gc, tries again)
+        logger.warning("run %s: could not remove the staged data of ended runs", run_id, exc_info=True)
 
 
 def read_record(store: Any, run_id: str) -> dict[str, Any] | None:

@@ -338,6 +338,7 @@ class Run:
         state.pool.stop_clocks()  # (its workers' time, and cost, stop with the run: its status says so later)
         state.final = final = views.result_dict(state, self.server.stalled())
         await self.lane.write_record(self.store, self.id, lambda: end.record(state, final))  # (lists versions)
+        await self.lane.call(end.sweep_staged_data, self.store, self.id)  # (other runs': their time may be up)
         self.lane.shutdown()
         self.server.release()
         # (the data too: a map-style Dataset is the whole dataset, and the embedded scheduler is the notebook's

@@ -43,6 +43,7 @@ from ._history import HOLD_PREFIX, HistoryStore, is_reserved, parse_pin, pin_nam
 from ._layout import is_version
 from ._names import NamedStore, check_listed, ref_entries, remove_empty_refs
 from ._retention import GCReport, Retention, select
+from ._runs import sweep_staged
 from ._state import STATE_KEY, sweep_states
 from ._version import version_id
 
@@ -144,9 +145,13 @@ def gc(
     if not isinstance(policy, Retention):
         raise TypeError(f"retention must be a vcdask.Retention (or None: the default policy), got {retention!r}")
     try:
-        return collect(store, policy, branches=chosen, in_use=dict(in_use or {}), dry_run=dry_run)
+        report = collect(store, policy, branches=chosen, in_use=dict(in_use or {}), dry_run=dry_run)
     except icechunk.IcechunkError as e:
         raise translate(e, f"collecting old versions in {store.describe()}") from None
+    if in_use:  # a run's own collection, of its own branch: the runs' staged data goes at their ends
+        return report
+    staged = sweep_staged(store.files, chosen, keep_for=policy.keep_staged_for, dry_run=dry_run)
+    return replace(report, staged_removed=staged)
 
 
 def collect(

@@ -193,6 +193,53 @@ class SideFiles:
         except OSError as e:
             raise _fault(e, f"reading {path!r} from {self.where}") from None
 
+    def get_many(self, paths: Sequence[str]) -> dict[str, bytes]:
+        """Read the objects at ``paths`` at once (concurrent requests on an object store); those not there are
+        left out."""
+        if not paths:
+            return {}
+        strip = self.fs._strip_protocol
+        try:
+            found = self.fs.cat([self._path(p) for p in paths], on_error="omit")
+        except OSError as e:
+            raise _fault(e, f"reading {len(paths)} objects from {self.where}") from None
+        found = {strip(k): v for k, v in found.items()}
+        return {p: found[strip(self._path(p))] for p in paths if strip(self._path(p)) in found}
+
+    def folders(self) -> list[str]:
+        """The names of the folders right under ``<store>/runs`` (one per run, and the store's own)."""
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise _fault(e, f"listing the runs of {self.where}") from None
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+
+    def nbytes(self, path: str) -> int | None:
+        """Bytes of every object under ``path`` (a folder, or one object); None when there is nothing there."""
+        try:
+            found = self.fs.find(self._path(path), detail=True)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise _fault(e, f"sizing {path!r} in {self.where}") from None
+        return sum(int(info.get("size") or 0) for info in found.values()) if found else None
+
+    def delete_tree(self, path: str) -> None:
+        """Remove ``path`` and everything under it, if there is anything."""
+        if not self.writable:
+            raise ReadOnlyStoreError(f"cannot delete {path!r} from {self.where}: it was opened with mode='r'")
+        try:
+            self.fs.rm(self._path(path), recursive=True)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _fault(e, f"deleting {path!r} from {self.where}") from None
+        with self._lock:  # (a Zarr store of the group opened here would list what is gone)
+            for key in [k for k in self._zarr_stores if k[0] == path]:
+                del self._zarr_stores[key]
+
     def exists(self, path: str) -> bool:
         try:
             return self.fs.exists(self._path(path))

@@ -65,6 +65,13 @@ class Retention:
         vcdask commit there holds the store's lock, which collection also takes), else
         ``vcdask.store.gc-grace`` (600 s: object stores have no lock, and their clocks may differ
         from this machine's).
+    keep_staged_for : float, optional, default 604800
+        Seconds (a week) that the copy of a run's in-memory or dask data staged in the store stays after the
+        run ended (None: for good).  Only a resume reads it then: a run whose staged data went cannot be
+        resumed or extended (its versions stay, and its model loads).  The run's end, and every :meth:`gc
+        <vcdask.ParamStore.gc>`, removes the staged data of the runs whose time is up, each by its own
+        policy (``gc`` by the one it is given); a nightly job's store holds a week of its data, not every
+        night's.  Data read where it lives (a Zarr path or URL) is never staged, nor removed.
     backlog_bytes : int, optional, default 67108864
         64 MiB.  During a run: also collect as soon as the versions committed since the last
         collection hold this many bytes of parameters, before ``interval`` is up (``None``: by
@@ -85,8 +92,8 @@ class Retention:
 
     Examples
     --------
-    >>> Retention()
-    Retention(keep_last=5, keep_epochs=True, every=None, interval=10.0, grace=None, backlog_bytes=67108864)
+    >>> Retention()  # doctest: +ELLIPSIS
+    Retention(keep_last=5, keep_epochs=True, every=None, interval=10.0, grace=None, backlog_bytes=67108864, ...)
     >>> Retention(keep_last=2, every=100)  # doctest: +ELLIPSIS
     Retention(keep_last=2, keep_epochs=True, every=100, ...)
     """
@@ -97,6 +104,7 @@ class Retention:
     interval: float = 10.0
     grace: float | None = None
     backlog_bytes: int | None = 64 * 2**20
+    keep_staged_for: float | None = 7 * 86400.0
 
     def __post_init__(self) -> None:
         _count("keep_last", self.keep_last)
@@ -106,6 +114,7 @@ class Retention:
         _seconds("interval", self.interval)
         _seconds("grace", self.grace, optional=True)
         _count("backlog_bytes", self.backlog_bytes, optional=True)
+        _seconds("keep_staged_for", self.keep_staged_for, optional=True)
 
 
 def check_retention(retention: Any) -> Retention | None:
@@ -218,6 +227,8 @@ class GCReport:
         Bytes of chunks, manifests and snapshots Icechunk deleted (0 in a dry run).
     objects_deleted : int
         Objects Icechunk deleted (chunks, manifests, snapshots, transaction logs).
+    staged_removed : dict of str to int
+        Run id -> bytes of its staged data removed (or that would be), its ``keep_staged_for`` up.
     dry_run : bool
     """
 
@@ -227,6 +238,7 @@ class GCReport:
     held_back: list[str] = field(default_factory=list)
     bytes_deleted: int = 0
     objects_deleted: int = 0
+    staged_removed: dict[str, int] = field(default_factory=dict)
     dry_run: bool = False
 
     @property

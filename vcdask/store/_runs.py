@@ -1,0 +1,151 @@
+"""What a store keeps of each run beside its repository, under ``runs/<run_id>/``, and when a run's staged
+data goes.
+
+A run of in-memory or dask data stages a copy of it in the store (``train.zarr``, ``validation.zarr``): a
+worker anywhere reads it there, and a resume needs it.  Once the run has ended, nothing but a resume reads
+it; a run's :class:`~._retention.Retention` says how long it stays after that (``keep_staged_for``), and
+the run's record (``status.json``) carries that time, the run's end and the paths it staged.  Each run's
+end, and every :meth:`ParamStore.gc <vcdask.ParamStore.gc>` (``vcdask gc``), removes the staged data of the
+runs whose time is up: a store used by a nightly job holds its last week's data, not every night's.
+
+A run whose data went cannot be resumed: a marker (``staged-removed.json``) is written before anything is
+deleted, and :func:`check_staged` refuses such a resume with what to do instead.  The marker is written,
+then the run's record read again: a resume that started meanwhile (its record says ``running``) keeps its
+data, and the marker goes.  The versions, tags and spec stay: the run's model loads as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+__all__ = ["ENDED", "check_staged", "record_path", "staged_paths", "sweep_staged"]
+
+logger = logging.getLogger(__name__)
+
+#: The statuses of a run that has ended, as its record says them (not ``running``, nor ``incomplete``: a run
+#: whose scheduler went away, which :func:`vcdask.resume` is there to continue).
+ENDED = frozenset({"finished", "stopped", "cancelled", "failed"})
+#: The marker of a run whose staged data a collection removed (beside its record).
+GONE = "staged-removed.json"
+
+
+def record_path(run_id: str) -> str:
+    """Where a run's record lives (small JSON: status, why it stopped, epochs, final metrics; written by
+    the engine when the run starts, as epochs close and when it ends), relative to ``<store>/runs``; read it
+    with :func:`vcdask.engine.end.read_record`, never unpickling anything."""
+    return f"{run_id}/status.json"
+
+
+def staged_paths(sources: Iterable[Any]) -> list[str]:
+    """The paths (relative to ``<store>/runs``) of the staged groups among a run's data ``sources``
+    (:class:`~vcdask.data.DataSource`; data read where it lives has none)."""
+    return [s.path for s in sources if getattr(s, "store", None) is not None and getattr(s, "path", None)]
+
+
+def _read(files: Any, path: str) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(files.get(path))
+    except FileNotFoundError:
+        return None
+    except ValueError:  # (cut short by an older vcdask's crash: as none)
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def check_staged(files: Any, run_id: str) -> None:
+    """Refuse to resume ``run_id`` when a collection removed its staged data.
+
+    Raises
+    ------
+    FileNotFoundError
+        The staged data is gone: when, after what time, and how to train the run's model on again.
+    """
+    gone = _read(files, f"{run_id}/{GONE}")
+    if gone is None:
+        return
+    when = datetime.fromtimestamp(float(gone.get("removed_at", 0)), UTC).strftime("%Y-%m-%d %H:%M UTC")
+    kept = gone.get("keep_staged_for")
+    raise FileNotFoundError(
+        f"run {run_id!r} cannot be resumed: the copy of its data staged in the store was removed on {when}, "
+        f"{_days(kept)} after the run ended (its Retention(keep_staged_for={kept!r})). Its versions are there: "
+        f"train its model on from where it stopped with vcdask.fit(vcdask.load(store, branch={run_id!r}), data, "
+        "...), or keep staged data longer with fit(retention=vcdask.Retention(keep_staged_for=None))"
+    )
+
+
+def _days(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "some time"
+    return f"{seconds / 86400:g} days" if seconds >= 86400 else f"{seconds:g} s"
+
+
+def sweep_staged(
+    files: Any,
+    runs: Iterable[str] | None = None,
+    *,
+    keep_for: float | None | Literal["recorded"] = "recorded",
+    dry_run: bool = False,
+    now: float | None = None,
+) -> dict[str, int]:
+    """Remove the staged data of the ended runs whose time is up; return run id -> bytes removed (or that
+    would be, with ``dry_run``).
+
+    Parameters
+    ----------
+    files : SideFiles
+        The store's side files.
+    runs : iterable of str, optional
+        The runs to look at (default: every run folder of the store).
+    keep_for : float or None or "recorded", default "recorded"
+        Seconds after its end that a run's staged data stays (None: for good), for every run; ``"recorded"``:
+        each run by its own record's ``keep_staged_for`` (a run of ``retention=False``, or of a vcdask before
+        it, keeps its data).
+    dry_run : bool, default False
+    now : float, optional
+        POSIX seconds (default: now).
+    """
+    now = time.time() if now is None else now
+    names = files.folders() if runs is None else list(runs)
+    records = files.get_many([record_path(r) for r in names])
+    removed: dict[str, int] = {}
+    for run_id in names:
+        rec = _loads(records.get(record_path(run_id)))
+        if rec is None or rec.get("status") not in ENDED or not rec.get("staged"):
+            continue
+        policy = rec.get("keep_staged_for") if keep_for == "recorded" else keep_for
+        ended = rec.get("ended")
+        if not isinstance(policy, (int, float)) or not isinstance(ended, (int, float)) or ended + policy > now:
+            continue
+        staged = [p for p in rec["staged"] if isinstance(p, str) and p.startswith(f"{run_id}/")]
+        there = {p: files.nbytes(p) for p in staged}
+        if not any(n is not None for n in there.values()):
+            continue  # removed before (its marker says when)
+        removed[run_id] = sum(n or 0 for n in there.values())
+        if dry_run:
+            continue
+        marker = f"{run_id}/{GONE}"
+        files.put(marker, json.dumps({"removed_at": now, "ended": ended, "keep_staged_for": policy}).encode())
+        again = _read(files, record_path(run_id)) or {}
+        if again.get("status") not in ENDED or again.get("ended") != ended:  # resumed meanwhile: it needs them
+            files.delete(marker)
+            del removed[run_id]
+            continue
+        for path in staged:
+            files.delete_tree(path)
+        logger.info("run %s: removed its staged data (%d bytes), %g s after it ended", run_id, removed[run_id], policy)
+    return removed
+
+
+def _loads(data: bytes | None) -> dict[str, Any] | None:
+    if data is None:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
