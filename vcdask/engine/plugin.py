@@ -21,7 +21,7 @@ from distributed import SchedulerPlugin
 from .. import config
 from ..errors import RunNotFoundError
 from ..spec import load_spec
-from . import policy
+from . import policy, scaling
 from .events import drop_topics
 from .run import Run
 
@@ -85,6 +85,8 @@ class VcdaskPlugin(SchedulerPlugin):
                 "vcdask_hold": self.handle_hold,
             }
         )
+        # (cluster.adapt sizes the cluster by the tasks the scheduler holds, and a run queues none there)
+        scaling.install(scheduler, lambda: [run.state for run in self._live()])
 
     async def close(self) -> None:
         """The scheduler closes: each run's driver is cancelled and given :data:`CLOSE_GRACE` seconds to write its
