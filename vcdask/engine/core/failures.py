@@ -88,7 +88,9 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
                 worker_row=state.pool.record(address).as_row(),
                 why=f"{type(exc).__name__}",
             )
-        state.ledger.record_copy(task, "lost", f"lost: {type(exc).__name__}: {exc}")
+        # (the history's worker: where the copy started, else the one Dask names, as the workers' counts do)
+        where = task.worker if task.began else next(iter(_suspects(exc)), task.worker)
+        state.ledger.record_copy(task, "lost", f"lost: {type(exc).__name__}: {exc}", worker=where)
         if not state.ledger.is_merged(task.epoch, task.shard):
             # A task that never started was only queued on the dead worker: not its fault.
             retry_or_give_up(state, task.epoch, task.shard, _lost_why(exc), count=task.began)
