@@ -65,10 +65,11 @@ def test_a_notice_drains_the_worker_then_retires_it(provider, window, kept, digi
             victim, other = sorted(worker_info(client))
             client.run(_watch, at_victim.endpoint, provider, workers=[victim])
             client.run(_watch, at_other.endpoint, "auto", workers=[other])  # auto-detects the provider
-            # the victim is a slow machine (shards of ~0.5 s), and slower still once the flag is up (~4 s),
-            # so that the shard running there at the notice is still running when the notice arrives
+            # the victim is a slow machine (shards of ~0.5 s), and slower still once the flag is up (~8 s),
+            # so that the shard running there at the notice is still running when the notice arrives (at 0.2 s
+            # a batch the kept shard ended 0.9-3.2 s after the notice, measured under load: a narrow miss)
             flag = tmp_path / "slow-now"
-            step = SlowerOnceFlagged(victim, 0.025, str(flag), after=0.2)
+            step = SlowerOnceFlagged(victim, 0.025, str(flag), after=0.4)
             thread, out = fit_in_thread(
                 model=digits_cnn(7), data=(X, y), client=client, store=tmp_path / "s", train_step=step, **fit
             )

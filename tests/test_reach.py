@@ -13,6 +13,7 @@ from distributed import Client, LocalCluster
 import vcdask
 from vcdask.engine.end import read_record
 from vcdask.errors import RunLiveElsewhereError, RunNotFoundError
+from vcdask.handle import ensure_plugin
 from vcdask.reach import ASK_TIMEOUT, check_not_live_elsewhere
 
 
@@ -88,6 +89,9 @@ def test_a_resume_elsewhere_is_refused_while_the_run_goes_on_and_not_once_its_sc
             assert time.monotonic() < deadline
             time.sleep(0.05)
         said = rf"still running on the scheduler at {other.scheduler_address}.*vcdask\.attach\('{handle.run_id}'"
+        # (the refusal comes before vcdask's plugin is registered on `client`, which answers vcdask_missing below:
+        # registered here, the test does not depend on an earlier test's run on the shared cluster)
+        ensure_plugin(client)
         with pytest.raises(RunLiveElsewhereError, match=said):
             vcdask.resume(handle.run_id, store=store, client=client, wait=False)
         assert client.sync(client.scheduler.vcdask_missing, run_id=handle.run_id) is not None  # nothing started
