@@ -1010,8 +1010,9 @@ def test_a_copy_only_the_hand_over_counted_started_is_a_queued_copy_everywhere_i
 
     s = Script(n_shards=6, deadline=5.0)
     key = _handed_copy(s)
+    shard = s.state.tasks.records[key].shard
     s.clock.advance(60.0)
-    assert [e["why"] for e in emitted(s(m.Tick()), "reissue") if e["shard"] == s.state.tasks.records[key].shard]
+    assert [e["why"] for e in emitted(s(m.Tick()), "reissue") if e["shard"] == shard]
     assert s.state.stuck_workers() == set()  # (busy with other work: not frozen)
 
     s = Script(n_shards=6, deadline=5.0)

@@ -232,6 +232,16 @@ class InFlight(TaskTable):
             await self.client.close()
             _let_go_of_loop(self.client)
 
+    def workers_seen(self) -> dict[str, tuple[str, int]]:
+        """What Dask says of each connected worker (for :class:`~.core.messages.Tick`): its status (``running``,
+        ``paused`` by its memory manager, ``closing_gracefully``, ...) and its threads running no task, as its
+        last heartbeat said (any client's tasks; a task that seceded holds no thread)."""
+        seen = {}
+        for address, ws in self.scheduler.workers.items():
+            busy = sum(ts in ws.processing and ts not in ws.long_running for ts in ws.executing)
+            seen[address] = (getattr(ws.status, "name", str(ws.status)), max(0, ws.nthreads - busy))
+        return seen
+
     def results_waiting(self) -> bool:
         """Whether results wait to be read: handed over, or finished futures that are not only Dask's late
         reports of handed-over ones (a ready future may still be one, costing the reader a turn)."""

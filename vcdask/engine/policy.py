@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COLD_START_SECONDS",
     "LOWER_IS_BETTER",
+    "NEVER_STARTED",
     "Overdue",
     "after_failure",
     "base_wait",
@@ -123,6 +124,11 @@ class Overdue:
     blame: bool = True
 
 
+#: A copy that waited past its patience without starting: sent again, the one it replaces cancelled (at most
+#: one such copy of a shard or a validation waits at a time).
+NEVER_STARTED = Overdue("never started")
+
+
 def overdue(
     *,
     now: float,
@@ -134,6 +140,7 @@ def overdue(
     stale_after: int | None,
     limit: float,
     patience: float,
+    room: bool = True,
     draining: bool = False,
 ) -> Overdue | Literal["restart"] | None:
     """Whether a shard copy in flight must be re-issued.
@@ -155,6 +162,10 @@ def overdue(
         The copy's deadline once started.
     patience : float
         How long a copy may wait to start.
+    room : bool
+        Whether a usable worker has a thread running no task.  A copy that never started is sent again only
+        then: while every thread is busy (another client's tasks) a second copy would wait as well, and a
+        copy every so often piled up without bound.
     draining : bool
         Whether ``worker`` is draining under a preemption notice.  A copy running there was let finish
         inside the notice's window (:mod:`vcdask.engine.core.watching` re-issues it, without blame, when only
@@ -175,8 +186,8 @@ def overdue(
         if draining:
             return None
         return Overdue(f"ran past its {limit:.1f} s deadline")
-    if started is None and now - submitted > patience:
-        return Overdue("never started")
+    if started is None and now - submitted > patience and room:
+        return NEVER_STARTED
     return None
 
 

@@ -1,7 +1,8 @@
 """The workers a run may use: who is connected, what each has done, who is excluded or draining.
 
 The scheduler plugin tells the pool when workers join and leave (its ``add_worker`` /
-``remove_worker`` hooks); nothing here reads scheduler state.
+``remove_worker`` hooks), and the run's shell what Dask says of each connected worker at every tick (its
+status, its threads free: :meth:`WorkerPool.seen`); nothing here reads scheduler state.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ Fault = Literal["failed", "timed_out", "rejected"]
 RECENT = 8
 #: Weight of the newest result in a worker's moving average of seconds per training step.
 SPEED_WEIGHT = 0.3
+#: What a worker's Dask status other than ``running`` means for the run (said while it waits for workers).
+DASK_STATUS = {"paused": "paused by Dask's memory manager (distributed.worker.memory.pause)"}
 
 
 @dataclass
@@ -131,6 +134,10 @@ class WorkerPool:
         self.connected: dict[str, int] = {}
         self.records: dict[str, WorkerRecord] = {}
         self.draining: set[str] = set()  # preempted: no new shards
+        # what Dask said at the last tick (WorkerPool.seen): connected workers whose status is not "running",
+        # and each one's threads running no task (anyone's); unknown until the shell has looked
+        self.dask_status: dict[str, str] = {}
+        self.free: dict[str, int] = {}
         for address, nthreads in connected.items():
             self.joined(address, nthreads)
 
@@ -144,10 +151,20 @@ class WorkerPool:
 
     def left(self, address: str) -> None:
         self.connected.pop(address, None)
+        self.dask_status.pop(address, None)
+        self.free.pop(address, None)
         rec = self.records.get(address)
         if rec is not None:
             rec.stop_clock()
             rec.left_at = self.clock()
+
+    def seen(self, workers: Mapping[str, tuple[str, int]]) -> None:
+        """What Dask says of its workers (address -> (status, threads running no task)), read by the run's
+        shell at each tick: no plugin hook reports a status change.  A worker whose status is not
+        ``running`` gets no shards: Dask starts nothing on a worker its memory manager paused, nor on one
+        closing, and a copy sent there would only wait (the run waits too, and says why)."""
+        self.dask_status = {a: s for a, (s, _) in workers.items() if a in self.connected and s != "running"}
+        self.free = {a: free for a, (_, free) in workers.items() if a in self.connected}
 
     def stop_clocks(self) -> None:
         """The run ended: every worker's time connected stops counting (its cost with it), connected or not."""
@@ -267,9 +284,20 @@ class WorkerPool:
 
     # -- views ----------------------------------------------------------------------------------
     def usable(self) -> list[str]:
-        """Workers that may get shards: connected, not excluded, not draining; most reliable and fastest first."""
-        ok = [a for a in self.connected if a not in self.draining and not self.record(a).excluded]
+        """Workers that may get shards: connected, running as Dask says (not paused), not excluded, not draining;
+        most reliable and fastest first."""
+        ok = [
+            a
+            for a in self.connected
+            if a not in self.draining and a not in self.dask_status and not self.record(a).excluded
+        ]
         return sorted(ok, key=lambda a: self.record(a).rank())
+
+    def room(self) -> bool:
+        """Whether a usable worker has a thread that runs no task (as Dask last said; one not looked at yet
+        counts as free).  A copy that never started while every thread is busy (another client's tasks,
+        the run's own) would gain nothing from a second copy: it would wait as well."""
+        return any(self.free.get(a, 1) > 0 for a in self.usable())
 
     def share(self, address: str) -> int:
         """Shard copies one worker holds at most: ``tasks_per_slot`` per thread (1 thread if unknown)."""
@@ -283,12 +311,27 @@ class WorkerPool:
         """Connected workers that get no shards, and why (an excluded one's last fault with it: a setting
         that rejects every update shows there, not only as a count)."""
         states = {}
+        usable = self.usable()
         for a in self.connected:
-            if a not in self.usable():
+            if a not in usable:
                 rec = self.record(a)
                 last = f"; last: {rec.last_fault}" if rec.excluded and rec.last_fault else ""
-                states[a] = f"{rec.excluded}{last}" if rec.excluded else "draining"
+                states[a] = f"{rec.excluded}{last}" if rec.excluded else self._status_why(a) or "draining"
         return states
+
+    def _status_why(self, address: str) -> str | None:
+        status = self.dask_status.get(address)
+        return None if status is None else DASK_STATUS.get(status, f"{status} (its Dask status)")
+
+    def cause(self) -> str:
+        """Why no worker is usable, in a few words (said as the run pauses, in its status and its error): e.g.
+        "every worker is paused by Dask's memory manager (...)"."""
+        if not self.connected:
+            return "no worker connected"
+        whys = ["excluded" if self.record(a).excluded else self._status_why(a) or "draining" for a in self.unusable()]
+        if len(set(whys)) == 1:
+            return f"{'every worker is' if len(whys) > 1 else 'the only worker is'} {whys[0]}"
+        return ", ".join(f"{whys.count(w)} {w}" for w in dict.fromkeys(whys))
 
     def rows(self) -> list[dict[str, Any]]:
         return [w.as_row() for w in self.records.values()]

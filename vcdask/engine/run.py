@@ -265,7 +265,7 @@ class Run:
     async def _deadlines(self) -> None:
         while True:
             await asyncio.sleep(INTERVAL)
-            await self.step(m.Tick())
+            await self.step(m.Tick(self.tasks.workers_seen()))  # (paused workers, free threads: no hook says)
 
     async def _settle_folded(self) -> None:
         if self.lane.head.folded and not self.tasks.results_waiting():  # the queue ran dry: commit the folded merges

@@ -110,7 +110,9 @@ def _(event: m.Committed, state: RunState) -> None:
 
 
 @_on.register
-def _(_event: m.Tick, state: RunState) -> None:
+def _(event: m.Tick, state: RunState) -> None:
+    if event.workers is not None:
+        state.pool.seen(event.workers)
     redundant = deadlines(state)
     if redundant and state.failure is None:  # (after the copies sent instead: a stop meanwhile cancels them)
         state.out.append(m.Cancel(tuple(redundant)))

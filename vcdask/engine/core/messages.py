@@ -9,6 +9,7 @@ result read back) comes back to it as another event.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -175,7 +176,12 @@ class Committed:
 
 @dataclass(frozen=True)
 class Tick:
-    """Time passed: deadlines, copies fallen behind, late validations."""
+    """Time passed: deadlines, copies fallen behind, late validations.  ``workers``: what Dask says of each
+    connected worker now (address -> (its status, its threads running no task)), read by the shell from the
+    scheduler (None: not looked at): a worker Dask paused gets no shards, and a copy that never started is
+    sent again only where a thread is free."""
+
+    workers: Mapping[str, tuple[str, int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import statistics
 from .. import policy
 from .dispatching import submit_shard, submit_validation, validation_deadline
 from .failures import fail, move_queued_off, overdue
+from .messages import Cancel
 from .state import RunState
 
 __all__ = ["check_workers", "deadlines", "nothing_left", "preempt", "settle", "started"]
@@ -51,23 +52,28 @@ def check_workers(state: RunState) -> None:
         state.idle_since, state.no_workers = None, None
         return
     states = state.pool.unusable()
+    cause = state.pool.cause()  # (e.g. "every worker is paused by Dask's memory manager (...)")
     timeout = state.res.no_worker_timeout
     if state.idle_since is None:
         state.idle_since = now
         logger.warning(
-            "run %s: no usable worker (connected: %s); waiting up to %.0f s", state.id, states or "none", timeout
+            "run %s: no usable worker: %s (connected: %s); waiting up to %.0f s",
+            state.id,
+            cause,
+            states or "none",
+            timeout,
         )
-        state.emit("paused", cause="workers", why=f"no usable worker (connected: {len(states)})")
+        state.emit("paused", cause="workers", why=f"no usable worker: {cause} (connected: {len(states)})")
     elif now - state.idle_since > timeout:
         fail(
             state,
             "no_workers",
             f"run {state.id} had no usable worker for {timeout:.0f} s "
-            f"(no_worker_timeout; connected workers: {states or 'none'})",
+            f"(no_worker_timeout; connected workers: {states or 'none'})" + (f": {cause}" if states else ""),
         )
         return
     state.no_workers = (
-        f"no usable worker for {now - state.idle_since:.0f} s (connected: {len(states)}; "
+        f"no usable worker for {now - state.idle_since:.0f} s: {cause} (connected: {len(states)}; "
         f"no_worker_timeout={timeout:g} s)"
     )
 
@@ -113,6 +119,7 @@ def deadlines(state: RunState) -> list[str]:
         return redundant  # nowhere to re-issue to: copies wait at the scheduler for workers to join
     stale_after = state.staleness_limit()
     now = state.clock()
+    room = state.pool.room()
     for key, task in tasks.updates():
         if task.overdue or ledger.is_merged(task.epoch, task.shard) or key not in tasks.records:
             continue
@@ -137,6 +144,7 @@ def deadlines(state: RunState) -> list[str]:
             stale_after=stale_after,
             limit=limit,
             patience=warm * (tps + 2),
+            room=room,
             draining=task.worker in state.pool.draining,
         )
         if verdict == "restart":  # its worker died: Dask is moving it, it starts afresh (its work there lost)
@@ -148,17 +156,32 @@ def deadlines(state: RunState) -> list[str]:
             overdue(state, task, verdict, where)
             if state.failure is not None:
                 return redundant
+            if verdict is policy.NEVER_STARTED:
+                replaced(state, key)
     stuck = state.stuck_workers()
     move_queued_off(state, stuck)  # queued behind a late copy
-    late_validations(state, now, stuck, patience=warm * (tps + 2))
+    late_validations(state, now, stuck, patience=warm * (tps + 2), room=room)
     return redundant
 
 
-def late_validations(state: RunState, now: float, stuck: set[str], patience: float) -> None:
+def replaced(state: RunState, key: str) -> None:
+    """The copy ``key`` never started, and was sent again: it is cancelled (not left queued beside its
+    replacement), so at most one copy of a shard or a validation waits to start.  Left queued, one more
+    copy every patience piled up at the scheduler while another client's tasks held every thread."""
+    task = state.tasks.pop(key)
+    if task is None:
+        return
+    if task.kind == "update":
+        state.ledger.record_copy(task, "cancelled", "cancelled: it never started; sent again")
+    state.out.append(Cancel((key,)))
+
+
+def late_validations(state: RunState, now: float, stuck: set[str], patience: float, room: bool = True) -> None:
     """Run every late validation again elsewhere: one past its deadline, one that never started within
-    ``patience`` (the shard copies'), and one waiting to start on a ``stuck`` worker.  The late one is
-    left alone (not cancelled): while it is processing on a frozen worker, the scheduler counts that
-    worker's slot as taken and sends it nothing else.
+    ``patience`` (the shard copies') while a usable worker has a free thread (``room``; that copy is
+    cancelled: :func:`replaced`), and one waiting to start on a ``stuck`` worker.  The late one is left
+    alone (not cancelled): while it is processing on a frozen worker, the scheduler counts that worker's
+    slot as taken and sends it nothing else.
 
     An epoch closes only once its end version is validated, so a validation that never comes back
     would hold the whole run (a frozen worker stays connected until Dask's ``worker-ttl``, minutes).
@@ -183,6 +206,7 @@ def late_validations(state: RunState, now: float, stuck: set[str], patience: flo
                 stale_after=None,
                 limit=validation_deadline(state, task.worker),
                 patience=patience,
+                room=room,
             )
         if verdict == "restart":  # its worker died: Dask is moving it, it starts afresh
             task.started, task.submitted = None, now
@@ -195,6 +219,8 @@ def late_validations(state: RunState, now: float, stuck: set[str], patience: flo
             "run %s: the validation of version %d %s; validating it again elsewhere", state.id, task.step, verdict.why
         )
         submit_validation(state, task.version, task.step, retry=task.attempt + 1, avoid={where} if where else set())
+        if verdict is policy.NEVER_STARTED:
+            replaced(state, key)
 
 
 def expected_seconds(state: RunState, address: str) -> float | None:
