@@ -805,3 +805,7 @@ def test_a_report_is_written_whole_or_not_at_all(tmp_path):
         _write_whole(tmp_path / "served", "x")
     names = ["latest.json", "link.json", "report.json", "reports", "served"]
     assert sorted(p.name for p in tmp_path.rglob("*")) == names  # (no temporary file left)
+    # a report made private stays private when written again
+    target.chmod(0o600)
+    _write_whole(tmp_path / "link.json", "newer")
+    assert target.stat().st_mode & 0o777 == 0o600 and target.read_text() == "newer"

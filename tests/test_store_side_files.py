@@ -98,3 +98,22 @@ def test_a_record_cut_short_by_an_older_crash_is_left_out_with_a_warning(tmp_pat
     with caplog.at_level("WARNING", logger="vcdask"):
         assert read_record(store, "r1") is None
     assert "run r1: its record" in caplog.text and "does not read" in caplog.text
+
+
+def test_a_side_file_behind_a_link_is_written_through_and_keeps_its_permissions(tmp_path):
+    """As a file written in place: a link stays a link (its target gets the bytes, on another filesystem too:
+    the temporary file goes beside the target), and a file made private stays private."""
+    files = open_store(tmp_path / "s").files
+    files.put("run/spec", b"old")
+    elsewhere = tmp_path / "elsewhere" / "spec"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"old")
+    link = tmp_path / "s" / "runs" / "run" / "linked"
+    link.symlink_to(elsewhere)
+    files.put("run/linked", b"new")
+    assert link.is_symlink() and elsewhere.read_bytes() == b"new" and files.get("run/linked") == b"new"
+    assert os.listdir(elsewhere.parent) == ["spec"]
+    private = tmp_path / "s" / "runs" / "run" / "spec"
+    private.chmod(0o600)
+    files.put("run/spec", b"new")
+    assert private.stat().st_mode & 0o777 == 0o600 and files.get("run/spec") == b"new"

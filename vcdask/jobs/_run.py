@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ParameterMismatchError, TagExistsError
+from ..store._files import keep_mode
 from ._file import Job, JobFileError, job_text, load_job
 from ._preflight import Prepared, fit_kwargs, preflight
 from ._release import last_release, score
@@ -123,6 +124,7 @@ def _write_whole(where: Path, text: str) -> None:
     part = where.with_name(f".{where.name}.{os.getpid()}.part")
     try:
         part.write_text(text)
+        keep_mode(where, part)
         os.replace(part, where)
     finally:
         part.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -69,18 +70,30 @@ def _write_local(full: str, parts: Sequence[bytes | memoryview]) -> int:
     """Write ``parts`` to the local file ``full`` whole or not at all: into a temporary file beside it,
     then renamed over it (``os.replace`` is atomic on one filesystem).  Return the size written.  A link
     is written through (renamed over, the link itself would be replaced)."""
-    folder, name = os.path.split(os.path.realpath(full))
+    target = os.path.realpath(full)
+    folder, name = os.path.split(target)
     os.makedirs(folder, exist_ok=True)
     part = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}{_PART}")
     try:
         with open(part, "wb") as f:
             n = sum(f.write(piece) for piece in parts)
-        os.replace(part, full)
+        keep_mode(target, part)
+        os.replace(part, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(part)
         raise
     return n
+
+
+def keep_mode(old: str | os.PathLike, new: str | os.PathLike) -> None:
+    """Give the file ``new``, about to be renamed over ``old``, ``old``'s permissions (a file written in place kept
+    its own: one a user made private, 0600, stays private); nothing when there is no ``old``."""
+    try:
+        mode = os.stat(old).st_mode
+    except FileNotFoundError:
+        return
+    os.chmod(new, stat.S_IMODE(mode))
 
 
 def _fault(e: OSError, what: str) -> StoreError:
