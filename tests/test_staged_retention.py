@@ -49,20 +49,43 @@ def test_a_runs_staged_data_goes_by_its_retention_and_its_model_still_loads(clie
     assert torch.equal(loaded(X), gone.model(X))
     with pytest.raises(FileNotFoundError, match=rf"run '{gone.run_id}' cannot be resumed: the copy of its data"):
         vcdask.resume(gone.run_id, store=path, client=client, max_epochs=2)
-    with pytest.raises(FileNotFoundError, match=r"keep_staged_for=0\).*vcdask\.fit\(vcdask\.load\(store, branch="):
+    with pytest.raises(FileNotFoundError, match=r"\(its own Retention, keep_staged_for=0\).*vcdask\.fit\(vcdask\.load\("):
         vcdask.resume(gone, client=client, max_epochs=2)
 
-    # a collection with its own policy: a dry run says what would go, and removes nothing
-    report = store.gc(vcdask.Retention(keep_staged_for=0), dry_run=True)
-    assert set(report.staged_removed) == {kept.run_id} and report.staged_removed[kept.run_id] > 1000
+    # a collection goes by each run's own policy: the kept run's week is not up
+    assert store.gc(vcdask.Retention(keep_staged_for=0), dry_run=True).staged_removed == {}
+    # vcdask gc --keep-staged-days: every run's, whatever its own; a dry run says what would go, removing nothing
+    assert main(["gc", str(path), "--keep-staged-days", "0", "--dry-run"]) == 0
+    assert f"{kept.run_id}: would remove its staged data (" in capsys.readouterr().out
     assert _staged(store, kept.run_id) == ["train.zarr", "validation.zarr"]
     assert main(["gc", str(path), "--keep-staged-days", "0"]) == 0
     out = capsys.readouterr().out
     assert f"{kept.run_id}: removed its staged data (" in out and f"{gone.run_id}: removed its staged" not in out
     assert _staged(store, kept.run_id) == []
-    with pytest.raises(FileNotFoundError, match="cannot be resumed"):
+    with pytest.raises(FileNotFoundError, match=r"cannot be resumed.*\(a collection, keep_staged_for=0\.0\)"):
         vcdask.resume(kept.run_id, store=path, client=client, max_epochs=2)
     assert store.gc(vcdask.Retention(keep_staged_for=0)).staged_removed == {}  # (nothing left to remove)
+
+
+def test_a_resume_whose_data_went_after_it_looked_fails_with_the_refusal(client, tmp_path):
+    """resume() looks for the marker first; a collection that removes the data after that look (another run's end)
+    is seen by the resumed run itself, once it has written its record: it fails with the same message, rather
+    than its workers failing to read a group that is gone."""
+    from vcdask.errors import RunFailedError
+    from vcdask.runs import _start  # (what resume() calls once its own look found nothing)
+
+    path = tmp_path / "store"
+    first = _fit(client, path)
+    store = vcdask.open_store(path)
+    staged = _bytes(store, first)
+    assert staged > 1000 and sweep_staged(store.files, override=0.0) == {first.run_id: staged}
+    handle = _start(client, store, first.run_id, resume=True, max_epochs=2)
+    with pytest.raises(RunFailedError, match=rf"run '{first.run_id}' cannot be resumed: the copy of its data"):
+        handle.result()
+
+
+def _bytes(store, result) -> int:
+    return sum(store.files.nbytes(f"{result.run_id}/{p}") or 0 for p in ("train.zarr", "validation.zarr"))
 
 
 def _ended(store, run_id, *, status="finished", ended=None, keep=0.0, staged=("train.zarr",)):
@@ -87,8 +110,8 @@ def test_only_ended_runs_whose_time_is_up_lose_their_staged_data(where, tmp_path
     _ended(store, "run-incomplete", status="incomplete")  # (its scheduler went: resume is there to continue it)
     _ended(store, "run-recent", keep=3600.0)
     _ended(store, "run-kept", keep=None)  # retention=False
-    store.files.put("run-old/train.zarr/zarr.json", b"{}")
-    write_record(store, "run-old", {"status": "finished", "ended": 1.0})  # a vcdask before staged data went
+    store.files.put("run-old/train.zarr/zarr.json", b"{}")  # a run of a vcdask before this: no paths, no time
+    write_record(store, "run-old", {"status": "finished", "ended": 1.0})
     store.files.put("run-unread/status.json", b'{"status": "fini')  # cut short
     store.files.put("run-unread/train.zarr/zarr.json", b"{}")
 
@@ -97,15 +120,19 @@ def test_only_ended_runs_whose_time_is_up_lose_their_staged_data(where, tmp_path
     assert sweep_staged(store.files) == {"run-done": 102, "run-stopped": 204}
     for run in ("run-done", "run-stopped"):
         assert store.files.nbytes(f"{run}/train.zarr") is None and store.files.exists(f"{run}/status.json")
-        with pytest.raises(FileNotFoundError, match=rf"run '{run}' cannot be resumed"):
+        with pytest.raises(FileNotFoundError, match=rf"run '{run}' cannot be resumed.*its own Retention"):
             check_staged(store.files, run)
     for run in ("run-running", "run-incomplete", "run-recent", "run-kept", "run-old", "run-unread"):
         assert store.files.nbytes(f"{run}/train.zarr"), run
         check_staged(store.files, run)
     assert sweep_staged(store.files) == {}  # removed once
-    # a policy given for every run (a collection's) overrides each run's own; only ended runs still
-    assert sweep_staged(store.files, keep_for=0.0) == {"run-recent": 102, "run-kept": 102}
-    assert sweep_staged(store.files, ["run-running", "run-incomplete"], keep_for=0.0) == {}
+    # a run that recorded no time of its own goes by the collection's (a run recorded None keeps its data)
+    assert sweep_staged(store.files, default=0.0) == {"run-old": 2}
+    # an override, for every run, whatever it recorded (vcdask gc --keep-staged-days); only ended runs still
+    assert sweep_staged(store.files, override=0.0) == {"run-recent": 102, "run-kept": 102}
+    assert sweep_staged(store.files, ["run-running", "run-incomplete"], override=0.0) == {}
+    with pytest.raises(FileNotFoundError, match=r"run 'run-kept' cannot be resumed.*\(a collection, keep_staged_for"):
+        check_staged(store.files, "run-kept")
 
 
 def test_a_run_resumed_while_its_data_is_collected_keeps_it(tmp_path):

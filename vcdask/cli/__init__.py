@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         parents=store_cmd,
         help="remove the versions a retention policy does not keep (tagged versions, each epoch's last "
-        "version and the newest --keep-last stay), and the data runs staged in the store a week after they ended",
+        "version and the newest --keep-last stay), and the data ended runs staged in the store once their time is up",
     )
     collect.add_argument("store")
     collect.add_argument(
@@ -189,14 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--every", type=_at_least(1), default=None, help="also keep the first version of every N merges"
     )
     collect.add_argument("--no-epochs", action="store_true", help="do not keep each epoch's last version")
-    staged = collect.add_mutually_exclusive_group()
-    staged.add_argument(
+    collect.add_argument(
         "--keep-staged-days",
         type=_days,
-        default=7.0,
-        help="remove the data a run staged in the store this many days after it ended (default: 7)",
+        default=None,
+        help="remove the data every run staged in the store this many days after it ended (default: each run "
+        "by its own Retention(keep_staged_for=), a week for runs of an earlier vcdask)",
     )
-    staged.add_argument("--keep-staged", action="store_true", help="keep every run's staged data")
     collect.add_argument("--branch", action="append", help="only this branch (repeatable; default: every branch)")
     collect.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     collect.set_defaults(func=gc)

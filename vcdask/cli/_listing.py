@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -233,21 +234,23 @@ def tags(args: argparse.Namespace) -> int:
 # -- gc ---------------------------------------------------------------------------------------------------
 def gc(args: argparse.Namespace) -> int:
     from .. import Retention
+    from ..store._runs import sweep_staged
 
-    staged = None if args.keep_staged else args.keep_staged_days * 86400.0
-    policy = Retention(
-        keep_last=args.keep_last, keep_epochs=not args.no_epochs, every=args.every, keep_staged_for=staged
-    )
+    policy = Retention(keep_last=args.keep_last, keep_epochs=not args.no_epochs, every=args.every)
     store = open_store_for(args, mode="r" if args.dry_run else "r+")
     before = store.store_nbytes()
     report = _collect(store, policy, args.branch or None, args.dry_run)
+    if args.keep_staged_days is not None:  # every run's, whatever its own policy says
+        days = args.keep_staged_days * 86400.0
+        more = sweep_staged(store.files, args.branch or None, override=days, dry_run=args.dry_run)
+        report = dataclasses.replace(report, staged_removed={**report.staged_removed, **more})
     verb = "would remove" if args.dry_run else "removed"
     for branch in sorted(report.kept):
         removed, deferred = report.removed.get(branch, []), report.deferred.get(branch, [])
         later = f", {len(deferred)} later (still needed by another branch or a reader)" if deferred else ""
         print(f"{branch}: keeps {len(report.kept[branch])} versions, {verb} {len(removed)}{later}")
     for run_id, nbytes in sorted(report.staged_removed.items()):
-        print(f"{run_id}: {verb} its staged data ({human(nbytes)}), ended more than {args.keep_staged_days:g} days ago")
+        print(f"{run_id}: {verb} its staged data ({human(nbytes)}): the run ended, and its time is up")
     for why in report.held_back:
         print(f"note: {why}")
     if args.dry_run:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..spec import RunSpec
+from ..store._runs import check_staged
 from ..updates import delete_run_updates, delete_update, update_gone
 from ..worker import train_shard, validate_version
 from . import end, results, views
@@ -207,6 +208,8 @@ class Run:
             state.phase = Phase.RUNNING
             rec = end.running_record(self._fresh(), self.scheduler.address)
             await self.lane.write_record(self.store, self.id, lambda: rec, strict=True)
+            if self.resume:  # a collection removed its staged data since resume() looked: its marker, written first
+                await self.lane.call(check_staged, self.store.files, self.id)
             self.events.emit("started", version=self.lane.head.version, step=self.lane.head.step)
             watchdog = asyncio.ensure_future(self._deadlines())
             nxt = handed = None

@@ -150,7 +150,7 @@ def gc(
         raise translate(e, f"collecting old versions in {store.describe()}") from None
     if in_use:  # a run's own collection, of its own branch: the runs' staged data goes at their ends
         return report
-    staged = sweep_staged(store.files, chosen, keep_for=policy.keep_staged_for, dry_run=dry_run)
+    staged = sweep_staged(store.files, chosen, default=policy.keep_staged_for, dry_run=dry_run)
     return replace(report, staged_removed=staged)
 
 

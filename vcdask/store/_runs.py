@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 #: The statuses of a run that has ended, as its record says them (not ``running``, nor ``incomplete``: a run
 #: whose scheduler went away, which :func:`vcdask.resume` is there to continue).
 ENDED = frozenset({"finished", "stopped", "cancelled", "failed"})
+#: Where ``vcdask.fit`` stages a run's data, beside its record.
+STAGED_NAMES = ("train.zarr", "validation.zarr")
 #: The marker of a run whose staged data a collection removed (beside its record).
 GONE = "staged-removed.json"
 
@@ -69,10 +71,10 @@ def check_staged(files: Any, run_id: str) -> None:
     if gone is None:
         return
     when = datetime.fromtimestamp(float(gone.get("removed_at", 0)), UTC).strftime("%Y-%m-%d %H:%M UTC")
-    kept = gone.get("keep_staged_for")
+    kept, by = gone.get("keep_staged_for"), gone.get("by", "a collection")
     raise FileNotFoundError(
         f"run {run_id!r} cannot be resumed: the copy of its data staged in the store was removed on {when}, "
-        f"{_days(kept)} after the run ended (its Retention(keep_staged_for={kept!r})). Its versions are there: "
+        f"{_days(kept)} after the run ended ({by}, keep_staged_for={kept!r}). Its versions are there: "
         f"train its model on from where it stopped with vcdask.fit(vcdask.load(store, branch={run_id!r}), data, "
         "...), or keep staged data longer with fit(retention=vcdask.Retention(keep_staged_for=None))"
     )
@@ -88,7 +90,8 @@ def sweep_staged(
     files: Any,
     runs: Iterable[str] | None = None,
     *,
-    keep_for: float | None | Literal["recorded"] = "recorded",
+    default: float | None = None,
+    override: float | None | Literal["no"] = "no",
     dry_run: bool = False,
     now: float | None = None,
 ) -> dict[str, int]:
@@ -101,35 +104,46 @@ def sweep_staged(
         The store's side files.
     runs : iterable of str, optional
         The runs to look at (default: every run folder of the store).
-    keep_for : float or None or "recorded", default "recorded"
-        Seconds after its end that a run's staged data stays (None: for good), for every run; ``"recorded"``:
-        each run by its own record's ``keep_staged_for`` (a run of ``retention=False``, or of a vcdask before
-        it, keeps its data).
+    default : float or None, optional
+        Seconds after its end that the staged data of a run that recorded no time of its own stays (a run of a
+        vcdask before this, which staged its data as :data:`STAGED_NAMES`); None: for good.
+    override : float or None, optional
+        Seconds for every run, whatever it recorded (``vcdask gc --keep-staged-days``); None: for good.
+        Default: each run by its own record's ``keep_staged_for`` (its ``Retention``; ``retention=False``:
+        for good).
     dry_run : bool, default False
     now : float, optional
         POSIX seconds (default: now).
     """
     now = time.time() if now is None else now
     names = files.folders() if runs is None else list(runs)
-    records = files.get_many([record_path(r) for r in names])
+    # the records, and the markers of runs whose data went before: one round of reads (concurrent on an object
+    # store), not a listing of each run's staged folders at every run's end
+    found = files.get_many([p for r in names for p in (record_path(r), f"{r}/{GONE}")])
     removed: dict[str, int] = {}
     for run_id in names:
-        rec = _loads(records.get(record_path(run_id)))
-        if rec is None or rec.get("status") not in ENDED or not rec.get("staged"):
+        rec = _loads(found.get(record_path(run_id)))
+        if rec is None or f"{run_id}/{GONE}" in found or rec.get("status") not in ENDED:
             continue
-        policy = rec.get("keep_staged_for") if keep_for == "recorded" else keep_for
+        # (a run of a vcdask before this recorded no paths: it staged its data there, if it staged any)
+        listed = rec.get("staged", [f"{run_id}/{name}" for name in STAGED_NAMES])
+        if not isinstance(listed, list) or not listed:
+            continue
+        own = "keep_staged_for" in rec
+        policy = override if override != "no" else rec["keep_staged_for"] if own else default
         ended = rec.get("ended")
         if not isinstance(policy, (int, float)) or not isinstance(ended, (int, float)) or ended + policy > now:
             continue
-        staged = [p for p in rec["staged"] if isinstance(p, str) and p.startswith(f"{run_id}/")]
+        staged = [p for p in listed if isinstance(p, str) and p.startswith(f"{run_id}/")]
         there = {p: files.nbytes(p) for p in staged}
-        if not any(n is not None for n in there.values()):
-            continue  # removed before (its marker says when)
+        if all(n is None for n in there.values()):
+            continue  # (removed by hand)
         removed[run_id] = sum(n or 0 for n in there.values())
         if dry_run:
             continue
+        by = "its own Retention" if override == "no" and own else "a collection"
         marker = f"{run_id}/{GONE}"
-        files.put(marker, json.dumps({"removed_at": now, "ended": ended, "keep_staged_for": policy}).encode())
+        files.put(marker, json.dumps({"removed_at": now, "ended": ended, "keep_staged_for": policy, "by": by}).encode())
         again = _read(files, record_path(run_id)) or {}
         if again.get("status") not in ENDED or again.get("ended") != ended:  # resumed meanwhile: it needs them
             files.delete(marker)
