@@ -49,7 +49,8 @@ def test_a_runs_staged_data_goes_by_its_retention_and_its_model_still_loads(clie
     assert torch.equal(loaded(X), gone.model(X))
     with pytest.raises(FileNotFoundError, match=rf"run '{gone.run_id}' cannot be resumed: the copy of its data"):
         vcdask.resume(gone.run_id, store=path, client=client, max_epochs=2)
-    with pytest.raises(FileNotFoundError, match=r"\(its own Retention, keep_staged_for=0\).*vcdask\.fit\(vcdask\.load\("):
+    said = r"\(its own Retention, keep_staged_for=0\).*vcdask\.fit\(vcdask\.load\("
+    with pytest.raises(FileNotFoundError, match=said):
         vcdask.resume(gone, client=client, max_epochs=2)
 
     # a collection goes by each run's own policy: the kept run's week is not up
