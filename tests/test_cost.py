@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import dask.config
 import pytest
-from chaos_helpers import SlowerOnceFlagged, copies_started_on, fit_in_thread, running_run, worker_info
+from chaos_helpers import SlowerOnceFlagged, SlowOn, copies_started_on, fit_in_thread, running_run, worker_info
 from distributed import Client
 
 import vcdask
@@ -125,6 +125,36 @@ def test_fit_reports_what_its_spot_workers_cost_and_what_a_preemption_wasted(dig
     )
     assert cost["wasted_seconds"] == pytest.approx(workers.wasted_seconds.sum())
     assert (workers.wasted_seconds.drop(victim) == 0).all()
+
+
+@pytest.mark.cluster
+def test_a_worker_that_joins_says_its_instance_before_any_shard(digits_data, tmp_path):
+    """A spot worker reclaimed before its first shard was unpriced (its billed time left out): a worker that
+    joins while a run counts its cost is asked its instance at once."""
+    (X, y), _ = digits_data
+    here = {"vcdask.cloud.instance": {"type": "m.test", "market": "spot"}, "vcdask.cloud.prices": PRICES}
+    with dask.config.set(here):  # (the workers start with it, the one added later too)
+        with embedded_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+            (first,) = worker_info(client)
+            handle = vcdask.fit(
+                digits_cnn(0),
+                (X, y),
+                client=client,
+                store=tmp_path / "s",
+                max_epochs=1,
+                n_shards=1,
+                train_step=SlowOn(first, 0.1),
+                progress=False,
+                wait=False,
+            )  # fmt: skip  (its one shard runs on the first worker for ~5 s: none is left for the second)
+            running_run(client)
+            cluster.scale(2)
+            result = handle.result()
+    workers = result.workers.set_index("worker")
+    (joined,) = set(workers.index) - {first}
+    assert workers.loc[joined, "done"] == 0 and workers.loc[joined, "instance"] == "m.test"
+    assert workers.loc[joined, "market"] == "spot" and workers.loc[joined, "cost"] > 0
+    assert not result.cost["unpriced"]
 
 
 def test_a_resumed_runs_cost_per_merge_counts_the_merges_since_it_was_resumed():

@@ -23,6 +23,7 @@ from ..errors import RunNotFoundError
 from ..spec import load_spec
 from . import policy, scaling
 from .events import drop_topics
+from .identify import identify
 from .run import Run
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class VcdaskPlugin(SchedulerPlugin):
         #: a result no future holds (a run started without a holder, by an older client, is held till collected)
         self._holders: dict[str, set[str]] = {}
         self._dropped = 0
+        self._asking: set[asyncio.Future] = set()  # joining workers asked their instance (engine.identify)
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -106,8 +108,13 @@ class VcdaskPlugin(SchedulerPlugin):
     # -- scheduler hooks: the runs' worker pools follow the cluster ------------------------------
     def add_worker(self, scheduler=None, worker: str = "") -> None:
         ws = self.scheduler.workers.get(worker)
-        for run in self._live():
+        live = self._live()
+        for run in live:
             run.joined(worker, ws.nthreads if ws is not None else 1)
+        if any(run.spec.prices for run in live):  # (what it costs from now: its instance, asked at once)
+            asking = asyncio.ensure_future(identify(self.scheduler, worker, self._live))
+            self._asking.add(asking)
+            asking.add_done_callback(self._asking.discard)
 
     def remove_worker(self, scheduler=None, worker: str = "", **kwargs) -> None:
         for run in self._live():

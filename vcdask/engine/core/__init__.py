@@ -131,6 +131,11 @@ def _(event: m.Joined, state: RunState) -> None:
 
 
 @_on.register
+def _(event: m.Identified, state: RunState) -> None:
+    state.pool.identify(event.worker, event.instance, event.market)
+
+
+@_on.register
 def _(event: m.Left, state: RunState) -> None:
     state.pool.left(event.worker)
 

@@ -33,6 +33,7 @@ __all__ = [
     "Finish",
     "HandOver",
     "Idle",
+    "Identified",
     "Joined",
     "Left",
     "Lost",
@@ -208,6 +209,15 @@ class Joined:
 
 
 @dataclass(frozen=True)
+class Identified:
+    """A worker that joined said what instance it runs on (asked at once: not only from its first shard)."""
+
+    worker: str
+    instance: str | None
+    market: str | None
+
+
+@dataclass(frozen=True)
 class Left:
     worker: str
 
@@ -300,6 +310,7 @@ Event = (
     | CloseEpochs
     | Idle
     | Joined
+    | Identified
     | Left
     | Preempt
     | Settle
