@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from types import SimpleNamespace
 
@@ -47,3 +48,36 @@ def two_shard_spec(tmp_path, **resilience):
         merge=Probe(),
     )
     return spec, x, y
+
+
+def core_spec(run_id: str = "run-core", **fields):
+    """The spec of a run driven by its core alone (no store, data or training: ``RunState`` of it), with a
+    4-shard, 2-epoch plan; ``fields`` replace any of its fields (e.g. ``prices=``)."""
+    from vcdask.data import Shards
+    from vcdask.spec import RunSpec
+
+    spec = RunSpec(
+        run_id=run_id,
+        store=SimpleNamespace(location=f"memory://{run_id}"),
+        branch=run_id,
+        model=torch.nn.Linear(1, 1),
+        loss=None,
+        optimizer=None,
+        local_epochs=1,
+        batch_size=8,
+        seed=0,
+        train=None,
+        shards=Shards(40, 4),
+        validation=None,
+        metrics={},
+        classification=True,
+        x_dtype=torch.float32,
+        max_epochs=2,
+        merge=None,
+        target=None,
+        commit_every=1,
+        validate_every="auto",
+        keep_updates=False,
+        resilience=vcdask.Resilience(),
+    )
+    return dataclasses.replace(spec, **fields)

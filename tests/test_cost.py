@@ -10,6 +10,7 @@ import dask.config
 import pytest
 from chaos_helpers import SlowerOnceFlagged, SlowOn, copies_started_on, fit_in_thread, running_run, worker_info
 from distributed import Client
+from spec_helpers import core_spec
 
 import vcdask
 from vcdask.cluster import embedded_cluster
@@ -160,39 +161,12 @@ def test_a_worker_that_joins_says_its_instance_before_any_shard(digits_data, tmp
 def test_a_resumed_runs_cost_per_merge_counts_the_merges_since_it_was_resumed():
     """A resumed run's workers are counted from the resume on, so its cost per merge divides by the merges
     made since then (its history's accepted rows), not by every merge on its branch (its head's step)."""
-    import torch
 
-    from vcdask.data import Shards
     from vcdask.engine import views
     from vcdask.engine.committing import Head
     from vcdask.engine.core import RunState
-    from vcdask.spec import RunSpec
 
-    spec = RunSpec(
-        run_id="run-resumed",
-        store=SimpleNamespace(location="memory://resumed"),
-        branch="run-resumed",
-        model=torch.nn.Linear(1, 1),
-        loss=None,
-        optimizer=None,
-        local_epochs=1,
-        batch_size=8,
-        seed=0,
-        train=None,
-        shards=Shards(40, 4),
-        validation=None,
-        metrics={},
-        classification=True,
-        x_dtype=torch.float32,
-        max_epochs=2,
-        merge=None,
-        target=None,
-        commit_every=1,
-        validate_every="auto",
-        keep_updates=False,
-        resilience=vcdask.Resilience(),
-        prices=PRICES,
-    )
+    spec = core_spec("run-resumed", prices=PRICES)
     now = [0.0]
     run = RunState(spec, {"a": 1}, SimpleNamespace(tasks={}), wall=lambda: now[0])
     run.pool.identify("a", "m.test", "spot")

@@ -12,6 +12,7 @@ import dask.config
 import pytest
 from chaos_helpers import SlowerOnceFlagged, copies_started_on, fit_in_thread, running_run, worker_info, worker_pid
 from distributed import Client
+from spec_helpers import core_spec
 
 import vcdask
 from vcdask.cluster import embedded_cluster
@@ -24,37 +25,9 @@ PRICES = {"m.test": {"on-demand": 1.0, "spot": 0.3}}
 
 
 def _run(now):
-    import torch
-
-    from vcdask.data import Shards
     from vcdask.engine.core import RunState
-    from vcdask.spec import RunSpec
 
-    spec = RunSpec(
-        run_id="run-lost",
-        store=SimpleNamespace(location="memory://lost"),
-        branch="run-lost",
-        model=torch.nn.Linear(1, 1),
-        loss=None,
-        optimizer=None,
-        local_epochs=1,
-        batch_size=8,
-        seed=0,
-        train=None,
-        shards=Shards(40, 4),
-        validation=None,
-        metrics={},
-        classification=True,
-        x_dtype=torch.float32,
-        max_epochs=2,
-        merge=None,
-        target=None,
-        commit_every=1,
-        validate_every="auto",
-        keep_updates=False,
-        resilience=vcdask.Resilience(),
-        prices=PRICES,
-    )
+    spec = core_spec("run-lost", prices=PRICES)
     run = RunState(spec, {"a": 1, "b": 1}, SimpleNamespace(tasks={}), wall=lambda: now[0])
     run.clock = lambda: now[0]
     run.pool.clock = lambda: now[0]

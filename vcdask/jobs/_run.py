@@ -7,7 +7,6 @@ error after it (training, scoring, tagging) is a failure of the job (exit 1), no
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ParameterMismatchError, TagExistsError
-from ..store._files import keep_mode
+from ..store._files import write_whole
 from ._file import Job, JobFileError, job_text, load_job
 from ._preflight import Prepared, fit_kwargs, preflight
 from ._release import last_release, score
@@ -114,20 +113,10 @@ def _run_job(path: str | os.PathLike, interrupts: Interrupts) -> JobOutcome:
 
 
 def _write_whole(where: Path, text: str) -> None:
-    """Write ``text`` to ``where`` whole or not at all (a monitor reading the report as it is written, or a job
-    killed as it writes, never sees half of one): into a file beside it, renamed over it.  A link is
-    written through, as ``open(where, "w")`` does (renamed over, the link would become the report)."""
+    """Write the report ``text`` to ``where`` whole or not at all (a monitor reading it as it is written, or a
+    job killed as it writes, never sees half of one): :func:`vcdask.store._files.write_whole`."""
     where.parent.mkdir(parents=True, exist_ok=True)
-    where = Path(os.path.realpath(where))
-    if where.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(where))
-    part = where.with_name(f".{where.name}.{os.getpid()}.part")
-    try:
-        part.write_text(text)
-        keep_mode(where, part)
-        os.replace(part, where)
-    finally:
-        part.unlink(missing_ok=True)
+    write_whole(where, [text.encode()])
 
 
 def _interrupted(report: dict[str, Any]) -> str:

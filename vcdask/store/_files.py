@@ -66,7 +66,7 @@ def _is_part(path: str) -> bool:
     return name.startswith(".") and name.endswith(_PART)
 
 
-def _write_local(full: str, parts: Sequence[bytes | memoryview]) -> int:
+def write_whole(full: str | os.PathLike, parts: Sequence[bytes | memoryview]) -> int:
     """Write ``parts`` to the local file ``full`` whole or not at all: into a temporary file beside it,
     then renamed over it (``os.replace`` is atomic on one filesystem).  Return the size written.  A link
     is written through (renamed over, the link itself would be replaced)."""
@@ -77,7 +77,7 @@ def _write_local(full: str, parts: Sequence[bytes | memoryview]) -> int:
     try:
         with open(part, "wb") as f:
             n = sum(f.write(piece) for piece in parts)
-        keep_mode(target, part)
+        _keep_mode(target, part)
         os.replace(part, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -86,7 +86,7 @@ def _write_local(full: str, parts: Sequence[bytes | memoryview]) -> int:
     return n
 
 
-def keep_mode(old: str | os.PathLike, new: str | os.PathLike) -> None:
+def _keep_mode(old: str | os.PathLike, new: str | os.PathLike) -> None:
     """Give the file ``new``, about to be renamed over ``old``, ``old``'s permissions (a file written in place kept
     its own: one a user made private, 0600, stays private); nothing when there is no ``old``."""
     try:
@@ -169,7 +169,7 @@ class SideFiles:
         full = self._local(path)
         try:
             if full is not None:
-                return _write_local(full, parts)
+                return write_whole(full, parts)
             data = b"".join(parts)
             self.fs.pipe_file(self._path(path), data)
             return len(data)

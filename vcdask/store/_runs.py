@@ -51,12 +51,9 @@ def staged_paths(sources: Iterable[Any]) -> list[str]:
 
 def _read(files: Any, path: str) -> dict[str, Any] | None:
     try:
-        doc = json.loads(files.get(path))
+        return _loads(files.get(path))
     except FileNotFoundError:
         return None
-    except ValueError:  # (cut short by an older vcdask's crash: as none)
-        return None
-    return doc if isinstance(doc, dict) else None
 
 
 def check_staged(files: Any, run_id: str) -> None:
@@ -156,6 +153,7 @@ def sweep_staged(
 
 
 def _loads(data: bytes | None) -> dict[str, Any] | None:
+    """A JSON object, or None for nothing, or what does not read as one (cut short by an older vcdask's crash)."""
     if data is None:
         return None
     try:
