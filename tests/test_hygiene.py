@@ -13,8 +13,8 @@ import torch
 from distributed import Client, LocalCluster
 
 import vcdask
+from vcdask.engine.end import LetGo
 from vcdask.engine.plugin import PLUGIN_NAME
-from vcdask.engine.run import LetGo
 
 pytestmark = pytest.mark.cluster
 

@@ -1,6 +1,8 @@
 """Reaching a run where it lives: :func:`attach`, the run id a caller names (a result or handle taken for
 its id), and, for :func:`vcdask.resume`, whether the run still goes on at another scheduler.
 
+Also the store a resume continues a run in (:func:`run_store`).
+
 A run lives on the scheduler that drives it; its record in the store (``runs/<id>/status.json``) names that
 scheduler's address while it runs.  A resume on another scheduler asks that one first: two drivers on one
 branch would reuse each other's attempt numbers and update paths, delete each other's uploads and lose commits.
@@ -9,14 +11,18 @@ branch would reuse each other's attempt numbers and update paths, delete each ot
 from __future__ import annotations
 
 import asyncio
+import pickle
 import secrets
 from typing import Any
 
-from .errors import RunLiveElsewhereError, RunNotFoundError
+from .errors import RunLiveElsewhereError, RunNotFoundError, StoreNotFoundError, VersionNotFoundError
 from .handle import RunHandle, _has_plugin
+from .options import DEFAULT_STORE
 from .result import FitResult
+from .spec import spec_path
+from .store import ParamStore, open_store
 
-__all__ = ["ASK_TIMEOUT", "attach", "check_not_live_elsewhere", "run_id_of"]
+__all__ = ["ASK_TIMEOUT", "attach", "check_not_live_elsewhere", "run_id_of", "run_store"]
 
 #: What an asynchronous client used from its event loop is told to do instead.
 ATTACH_REMEDY = (
@@ -170,3 +176,43 @@ async def _status_at(address: str, run_id: str, connection_args: dict[str, Any])
     except Exception:  # noqa: BLE001 - gone, no vcdask, no such run: nothing drives the run there
         return None
     return status.get("status") if isinstance(status, dict) else None
+
+
+def run_store(run: Any, run_id: str, store: Any) -> ParamStore:
+    """The store that :func:`resume` continues ``run_id`` in (``run``: as given to it): ``store`` when given,
+    over a result's own; else the run's own (:func:`_own_store`); else ``./vcdask-runs``.
+
+    Raises
+    ------
+    VersionNotFoundError
+        The store has no run ``run_id`` (the runs it has listed); a handle that does not hold its store is
+        told to pass ``store=``, also where ``./vcdask-runs`` does not exist.
+    """
+    own = _own_store(run) if store is None else None
+    unknown = store is None and own is None and isinstance(run, RunHandle)
+    hint = (
+        f"; this handle of run {run_id} does not hold its run's store (it does once it has collected the run's "
+        "result, handle.result(), or cancelled it): pass store=, the store fit was given"
+        if unknown
+        else ""
+    )
+    try:
+        param_store = open_store(store if store is not None else own if own is not None else DEFAULT_STORE, mode="r+")
+    except StoreNotFoundError as e:
+        if not unknown:
+            raise
+        raise VersionNotFoundError(f"{e}{hint}") from None
+    if run_id not in param_store.branches() or not param_store.files.exists(spec_path(run_id)):
+        runs = sorted(b for b in param_store.branches() if param_store.files.exists(spec_path(b)))
+        raise VersionNotFoundError(f"no run {run_id!r} in {param_store.location!r}; runs: {runs}{hint}")
+    return param_store
+
+
+def _own_store(run: Any) -> ParamStore | None:
+    """The store a result or a handle of a run names: a :class:`FitResult`'s own; a :class:`RunHandle`'s once
+    it holds the run's result (collected, or the run cancelled through it: the store comes pickled in it, as
+    ``handle.result()`` reads it); None otherwise (a run id, a handle that knows only the id)."""
+    if isinstance(run, FitResult):
+        return run.store
+    res = run._res if isinstance(run, RunHandle) else None  # (RunHandle keeps no store of its own before that)
+    return None if res is None else pickle.loads(res["store"])

@@ -26,7 +26,6 @@ from .cluster import check_client, in_task, owns_client, resolve_client
 from .data import Shards
 from .device import cpu_copy
 from .engine.end import read_record
-from .errors import StoreNotFoundError, VersionNotFoundError
 from .extend import check_extend, epochs_done, keep_max_epochs
 from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
@@ -34,12 +33,12 @@ from .inner import memory_steps, resolve_optimizer_state
 from .launching import check_cluster, discard_run, let_go_of_rows, run_client, wait_for
 from .merge import DEFAULT_RULE, for_run
 from .metrics import label_shape
-from .options import DEFAULT_STORE, RunPlan
-from .reach import check_not_live_elsewhere, run_id_of
-from .spec import RunSpec, load_spec, save_spec, spec_path
+from .options import RunPlan
+from .reach import check_not_live_elsewhere, run_id_of, run_store
+from .spec import RunSpec, load_spec, save_spec
 from .staging import in_memory, stage
 from .steps import eval_modules
-from .store import ParamStore, open_store
+from .store import ParamStore
 from .store._runs import check_staged
 from .variables import recorded_features
 
@@ -344,7 +343,7 @@ def resume(
     check_client(client)
     if max_epochs is not None:
         max_epochs = positive_int("max_epochs", max_epochs)
-    param_store = _run_store(run, run_id, store)
+    param_store = run_store(run, run_id, store)
     check_staged(param_store.files, run_id)  # (its data staged in the store, removed by its retention)
     if max_epochs is not None:
         check_extend(param_store, run_id, max_epochs)  # (and a schedule over the run that starts again, said)
@@ -360,43 +359,3 @@ def resume(
             return handle
         wait_for(handle, progress)
         return handle.result(wall_time=time.perf_counter() - t0)
-
-
-def _run_store(run: Any, run_id: str, store: Any) -> ParamStore:
-    """The store that :func:`resume` continues ``run_id`` in (``run``: as given to it): ``store`` when given,
-    over a result's own; else the run's own (:func:`_own_store`); else ``./vcdask-runs``.
-
-    Raises
-    ------
-    VersionNotFoundError
-        The store has no run ``run_id`` (the runs it has listed); a handle that does not hold its store is
-        told to pass ``store=``, also where ``./vcdask-runs`` does not exist.
-    """
-    own = _own_store(run) if store is None else None
-    unknown = store is None and own is None and isinstance(run, RunHandle)
-    hint = (
-        f"; this handle of run {run_id} does not hold its run's store (it does once it has collected the run's "
-        "result, handle.result(), or cancelled it): pass store=, the store fit was given"
-        if unknown
-        else ""
-    )
-    try:
-        param_store = open_store(store if store is not None else own if own is not None else DEFAULT_STORE, mode="r+")
-    except StoreNotFoundError as e:
-        if not unknown:
-            raise
-        raise VersionNotFoundError(f"{e}{hint}") from None
-    if run_id not in param_store.branches() or not param_store.files.exists(spec_path(run_id)):
-        runs = sorted(b for b in param_store.branches() if param_store.files.exists(spec_path(b)))
-        raise VersionNotFoundError(f"no run {run_id!r} in {param_store.location!r}; runs: {runs}{hint}")
-    return param_store
-
-
-def _own_store(run: Any) -> ParamStore | None:
-    """The store a result or a handle of a run names: a :class:`FitResult`'s own; a :class:`RunHandle`'s once
-    it holds the run's result (collected, or the run cancelled through it: the store comes pickled in it, as
-    ``handle.result()`` reads it); None otherwise (a run id, a handle that knows only the id)."""
-    if isinstance(run, FitResult):
-        return run.store
-    res = run._res if isinstance(run, RunHandle) else None  # (RunHandle keeps no store of its own before that)
-    return None if res is None else pickle.loads(res["store"])

@@ -9,6 +9,7 @@ without unpickling the run's spec.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -18,15 +19,18 @@ from ..spec import record_path
 from ..store._runs import staged_paths, sweep_staged
 
 if TYPE_CHECKING:
+    from ..spec import RunSpec
     from .core import RunState
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "RELEASE_TIMEOUT",
+    "LetGo",
     "SCHEDULER_CLOSED",
     "best_version",
     "cut_off",
+    "let_go_of_inputs",
     "progress_at",
     "progress_of",
     "read_record",
@@ -235,3 +239,24 @@ async def release_on_workers(scheduler: Any, run_id: str, workers: Iterable[str]
         await asyncio.wait_for(scheduler.broadcast(msg=msg, workers=targets, on_error="ignore"), RELEASE_TIMEOUT)
     except Exception:  # (best effort: the workers' caches are bounded anyway)
         logger.debug("run %s: the workers did not all let go of its caches", run_id, exc_info=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LetGo:
+    """What an ended run keeps of a data source: its size (whether it had one is what its views read)."""
+
+    n: int
+
+
+def let_go_of_inputs(spec: RunSpec) -> RunSpec:
+    """``spec`` without its model and data, which an ended run no longer needs.
+
+    A map-style Dataset is the whole dataset, and the embedded scheduler is the notebook's process, which
+    keeps every ended run, up to ``ended-runs-kept`` of them: each would keep its data.
+    """
+
+    def kept(source: Any) -> LetGo | None:
+        return None if source is None else LetGo(int(getattr(source, "n", 0)))
+
+    released: dict[str, Any] = {"model": None, "train": kept(spec.train), "validation": kept(spec.validation)}
+    return dataclasses.replace(spec, **released)

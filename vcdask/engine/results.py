@@ -20,14 +20,17 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StoreError
 from ..updates import read_update_meta, update_path
 from ..worker import validate_version
+from .core import messages as m
+from .core.dispatching import validation_deadline, validation_placement
 from .events import final_validate_key
 from .inflight import TaskRecord
 
 if TYPE_CHECKING:
+    from .core import RunState
     from .inflight import InFlight
     from .lane import MergeLane
 
-__all__ = ["PATIENCE", "fetch", "read", "validate_final"]
+__all__ = ["PATIENCE", "fetch", "read", "validate_final", "validate_head"]
 
 logger = logging.getLogger(__name__)
 
@@ -214,3 +217,42 @@ async def _validation(
             raise _Late
 
     return await _run_then_fetch(tasks, future, look)
+
+
+async def validate_head(
+    state: RunState, tasks: InFlight, step: Callable[[m.Event], Awaitable[Any]], version: str | None, at: int
+) -> None:
+    """Validate a run's final version (:func:`validate_final`) and hand its numbers to the run's core with
+    ``step`` (the shell's :meth:`~vcdask.engine.run.Run.step`); ``at``: the version's step."""
+    spec = state.spec
+
+    async def store_fault(task: TaskRecord, exc: BaseException) -> float:
+        await step(m.StoreFault(task, exc))
+        state.dispatch.parked_validations.clear()
+        return state.outage.wait_seconds()
+
+    def give_up() -> str | None:  # a run asked to stop does not wait for a worker to join
+        if state.asked_to_stop and not state.pool.usable():
+            return "it was asked to stop, and no usable worker is connected to validate it"
+        return None
+
+    async def watch() -> None:
+        await step(m.Poll(fill=False))
+
+    rec = await validate_final(
+        tasks,
+        spec.store,
+        spec.run_id,
+        version,
+        at,
+        placement=lambda avoid: validation_placement(state, avoid),
+        deadline=lambda: validation_deadline(state),
+        watch=watch,
+        store_fault=store_fault,
+        give_up=give_up,
+    )
+    await step(m.StoreBack())
+    if isinstance(rec, str):
+        logger.warning("run %s: ends without validating its final version %s: %s", spec.run_id, version, rec)
+        return
+    await step(m.Validated(rec["step"], rec["metrics"]))

@@ -11,7 +11,6 @@ the core as events.  It answers the tasks that ask for their base (:class:`~.han
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import traceback
@@ -25,11 +24,10 @@ from ..worker import train_shard, validate_version
 from . import end, results, views
 from .core import Phase, RunFailed, RunState, handle
 from .core import messages as m
-from .core.dispatching import validation_deadline, validation_placement
 from .core.watching import still_running
 from .events import EventLog
 from .handshake import Bases, Handshake
-from .inflight import InFlight, TaskRecord
+from .inflight import InFlight
 from .lane import MergeLane, server_for
 from .recovery import recover
 
@@ -290,44 +288,13 @@ class Run:
         await self.lane.commit()
         head = self.lane.head
         if self.spec.validation is not None and head.step not in self.state.ledger.validations:
-            await self._final_validation(head.version, head.step)
+            await results.validate_head(self.state, self.tasks, self.step, head.version, head.step)
         await self.lane.drain()  # (the merged updates' deletes: before the rest is dropped)
         if update_gone("run ended", self.spec.keep_updates):
             await self.lane.call(delete_run_updates, self.store.files, self.id)
         await self.lane.collect(final=True, in_use_step=self._fresh().in_use_step())  # the retention, once more
         self.state.phase = Phase.CANCELLED if self.state.cancelled else Phase.FINISHED
         self.events.emit("finished", version=head.version, step=head.step, reason=self.state.stopping or "max_epochs")
-
-    async def _final_validation(self, version: str | None, step: int) -> None:
-        """Validate the final version (:func:`.results.validate_final`) and record its numbers."""
-
-        async def store_fault(task: TaskRecord, exc: BaseException) -> float:
-            await self.step(m.StoreFault(task, exc))
-            self.state.dispatch.parked_validations.clear()
-            return self.state.outage.wait_seconds()
-
-        def give_up() -> str | None:  # a run asked to stop does not wait for a worker to join
-            if self.state.asked_to_stop and not self.state.pool.usable():
-                return "it was asked to stop, and no usable worker is connected to validate it"
-            return None
-
-        rec = await results.validate_final(
-            self.tasks,
-            self.store,
-            self.id,
-            version,
-            step,
-            placement=lambda avoid: validation_placement(self.state, avoid),
-            deadline=lambda: validation_deadline(self.state),
-            watch=self._watch_pool,
-            store_fault=store_fault,
-            give_up=give_up,
-        )
-        await self.step(m.StoreBack())
-        if isinstance(rec, str):
-            logger.warning("run %s: ends without validating its final version %s: %s", self.id, version, rec)
-            return
-        await self.step(m.Validated(rec["step"], rec["metrics"]))
 
     async def _release(self) -> None:
         """After the run ended: close its client, write its record, keep its small result dict and drop
@@ -344,11 +311,7 @@ class Run:
         await self.lane.call(end.sweep_staged_data, self.store, self.id)  # (other runs': their time may be up)
         self.lane.shutdown()
         self.server.release()
-        # (the data too: a map-style Dataset is the whole dataset, and the embedded scheduler is the notebook's
-        # process, which kept every ended run's data, up to ``ended-runs-kept`` of them)
-        released: dict[str, Any] = {"model": None, "train": _let_go(self.spec.train)}
-        released["validation"] = _let_go(self.spec.validation)
-        self.spec = state.spec = dataclasses.replace(self.spec, **released)
+        self.spec = state.spec = end.let_go_of_inputs(self.spec)
         await end.release_on_workers(self.scheduler, self.id, list(state.pool.records))  # (on their GPUs)
 
     # -- what the plugin's handlers and hooks call -------------------------------------------------
@@ -415,14 +378,3 @@ class Run:
                 break
             await asyncio.sleep(SETTLE_POLL)
         return self.step_now(m.Settle(worker, tuple(left))) if left else []
-
-
-@dataclasses.dataclass(frozen=True)
-class LetGo:
-    """What an ended run keeps of a data source: its size (whether it had one is what its views read)."""
-
-    n: int
-
-
-def _let_go(source: Any) -> LetGo | None:
-    return None if source is None else LetGo(int(getattr(source, "n", 0)))
