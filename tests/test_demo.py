@@ -11,6 +11,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from vcdask.cli import demo_verdict
+
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
@@ -64,6 +66,9 @@ def test_demo_into_a_file_url_store_writes_its_files_beside_the_run(tmp_path):
     )
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 1: one epoch is under the demo's bar
     assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+    accuracy = float(re.search(r"final test accuracy: ([0-9.]+)\n", proc.stdout).group(1))
+    code, why = demo_verdict(accuracy, 1)  # exit 1 under the bar, with its line on stderr
+    assert proc.returncode == code and (why is None or why in proc.stderr), (accuracy, proc.returncode, proc.stderr)
     folder = Path(re.search(r"history, epochs and plot: (.+)/\n", proc.stdout).group(1))
     assert folder.parent == tmp_path / "my runs" / "runs", proc.stdout
     assert len(pd.read_csv(folder / "history.csv")) == 10 and len(pd.read_csv(folder / "epochs.csv")) == 1

@@ -13,7 +13,7 @@ import torch
 import vcdask
 from vcdask._main_guard import _guarded
 from vcdask.cli._listing import run_info
-from vcdask.cluster import check_main_guard, close_embedded, embedded_client
+from vcdask.cluster import check_main_guard, close_embedded, embedded_client, running_embedded_client
 from vcdask.engine.end import read_record
 from vcdask.errors import RunNotFoundError
 
@@ -110,18 +110,21 @@ def _assert_no_run_left(location):
     assert store.files.list("") == [] and not list(location.glob("**/run-*"))
 
 
-def test_a_run_whose_cluster_fails_to_start_leaves_nothing_in_the_store(tmp_path, monkeypatch):
+@pytest.mark.cluster
+def test_a_run_whose_cluster_fails_to_start_leaves_nothing_in_the_store(tmp_path):
     """In-memory data staged while the embedded cluster starts (a branch, the data, the initial version) is
-    deleted again when the cluster fails to start."""
-    import vcdask.launching
+    deleted again when the cluster fails to start: here its workers do, on a worker preload of the user's
+    Dask config that raises."""
+    import dask.config
 
-    def no_cluster(client, *, keep=False):
-        raise RuntimeError("the embedded cluster failed to start")
-
-    monkeypatch.setattr(vcdask.launching, "resolve_client", no_cluster)
+    broken = tmp_path / "broken_preload.py"
+    broken.write_text("raise RuntimeError('this preload is broken')\n")
+    close_embedded()  # (an embedded cluster started by an earlier test would be reused)
     X, y = _data()
-    with pytest.raises(RuntimeError, match="failed to start"):
-        vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=1, store=tmp_path / "store", progress=False)
+    with dask.config.set({"distributed.worker.preload": [str(broken)]}):
+        with pytest.raises(Exception, match="this preload is broken|failed to start"):
+            vcdask.fit(torch.nn.Linear(4, 2), (X, y), max_epochs=1, store=tmp_path / "store", progress=False)
+    assert running_embedded_client() is None  # nothing of the failed start left running
     _assert_no_run_left(tmp_path / "store")
 
 

@@ -412,22 +412,6 @@ def test_the_report_location_is_checked_at_the_preflight(job_dir, monkeypatch):
     preflight(load_job(_edit(job_dir, "report: reports/report.json", "report: out/nightly/r.json")))
     assert list((job_dir / "out").rglob("*")) == [job_dir / "out" / "nightly"]  # the folder, and nothing in it
 
-    # the place changed while the job trained: the line says that the report was not written, and what was done
-    def trained(prepared, report):
-        report.update(released=True, reason="released nightly-2 = version V: accuracy 0.9 beats nightly-1 0.8")
-        (job_dir / "reports").rename(job_dir / "moved")
-        (job_dir / "reports").write_text("")
-        return 0
-
-    monkeypatch.setattr("vcdask.jobs._run._train_and_release", trained)
-    outcome = run_job(_write(job_dir, JOB))
-    assert outcome.exit_code == EXIT_FAILED and outcome.message.startswith(
-        f"could not write the report to {job_dir / 'reports' / 'report.json'}: "
-    )
-    assert outcome.message.endswith(
-        "(the job itself: released nightly-2 = version V: accuracy 0.9 beats nightly-1 0.8)"
-    )
-
 
 def test_a_job_refused_at_the_preflight_creates_no_store(job_dir):
     """The store is created only once every check has passed: a job whose options fit refuses, or whose
@@ -780,6 +764,46 @@ def test_a_job_stopped_before_its_run_or_whose_run_failed_says_so(job_dir, clust
     run_id = report["run_id"]
     assert outcome.message.startswith(f"RunFailedError: run {run_id} ended with status 'error'")
     assert run_id in vcdask.open_store(job_dir / "store", mode="r").branches()
+
+
+MOVES_THE_REPORT_FOLDER = """
+import os
+import torch
+
+class MovesTheReportFolder(torch.nn.Linear):
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled() and os.path.isdir({reports!r}):  # a shard, not the pre-flight
+            try:
+                os.rename({reports!r}, {moved!r})
+                with open({reports!r}, "w"):
+                    pass
+            except OSError:  # (the other worker did it first)
+                pass
+        return super().forward(x)
+
+def make(**kwargs):
+    return torch.nn.Sequential(MovesTheReportFolder(4, 2))
+"""
+
+
+def test_a_report_whose_place_changed_while_the_job_trained_is_named_with_what_the_job_did(job_dir, cluster):
+    """The report's folder checked at the pre-flight was replaced by a file while the run trained (by the model's
+    own shards, here): the job's line says that the report was not written, and what the job did."""
+    reports = job_dir / "reports"
+    reports.mkdir()
+    (job_dir / "moving.py").write_text(
+        MOVES_THE_REPORT_FOLDER.format(reports=str(reports), moved=str(job_dir / "moved"))
+    )
+    text = JOB.replace("mymodels:make", "moving:make").replace("model_args: {hidden: 16}\n", "")
+    outcome = run_job(_write(job_dir, text + f"scheduler: {cluster[0].scheduler_address}\n"))
+    assert reports.is_file() and (job_dir / "moved").is_dir(), "the model's shards did not move the folder"
+    assert outcome.exit_code == EXIT_FAILED and outcome.message.startswith(
+        f"could not write the report to {reports / 'report.json'}: "
+    ), outcome.message
+    tags = vcdask.open_store(job_dir / "store", mode="r").tags()
+    assert list(tags) == ["nightly-1"]  # (a first release)
+    assert outcome.message.endswith(f"(the job itself: {outcome.report['reason']})"), outcome.message
+    assert outcome.report["reason"].startswith(f"released nightly-1 = version {tags['nightly-1']}")
 
 
 def test_a_report_is_written_whole_or_not_at_all(tmp_path):
