@@ -60,3 +60,22 @@ def test_float32_models_keep_the_quantization_error_alone():
     sent = compress._decode("int8", {k.split(".", 1)[1]: v for k, v in update.parts.items()}, 1000)
     left_out = (w_c.arrays["float32"] - base.arrays["float32"]) - sent
     assert torch.allclose(kept.residual["float32"][:1000], left_out, rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp16"])
+def test_the_rounding_fed_back_slice_by_slice_is_what_the_whole_decode_leaves_out(codec):
+    """The feedback decodes a slice at a time (its memory: three float32 slices, not three float32 copies of
+    the parameters): across slices, and a last one that is not whole blocks, each value gets what decoding all
+    of them at once and rounding to bfloat16 leaves out."""
+    torch.manual_seed(0)
+    n = 2 * compress.FEEDBACK_SLICE + 3 * compress.BLOCK + 7
+    base = flatten({"w": torch.randn(n).to(torch.bfloat16)})
+    w_c = flatten({"w": (base["w"].float() + 0.01 * torch.randn(n)).to(torch.bfloat16)})
+    update = encode(codec, w_c, base, "v", run_id="sliced")
+    (kept,) = compress._residuals["sliced"]
+    b = base.arrays["bfloat16"].float()
+    sent = compress._decode(codec, {k.split(".", 1)[1]: v for k, v in update.parts.items()}, n).float()
+    applied = (b + sent).to(torch.bfloat16).float() - b
+    assert torch.equal(applied, update.decode(base).arrays["bfloat16"].float() - b)  # (what the server merges)
+    left_out = (w_c.arrays["bfloat16"].float() - b) - applied
+    assert torch.allclose(kept.residual["bfloat16"][:n], left_out, rtol=0, atol=1e-7)

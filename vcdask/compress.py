@@ -184,16 +184,34 @@ def encode(codec: str, w_c: FlatParams, base: FlatParams, base_version: str, run
     return EncodedUpdate(w_c.layout, codec, base_version, parts)
 
 
+#: Values the rounding feedback (:func:`_feed_back_rounding`) works on at once, whole blocks: its memory is
+#: three float32 slices of this size, not three copies of the parameters (+27% peak for a 50M bfloat16 model).
+FEEDBACK_SLICE = BLOCK * 4096
+
+
 def _feed_back_rounding(codec: str, encoded: dict[str, torch.Tensor], work: torch.Tensor, base: torch.Tensor) -> None:
     """Add to ``work`` (what quantization left out) what decode's rounding to ``base``'s half-precision
     dtype leaves out: the decoded ``W_c`` is ``base + delta`` rounded to that dtype (:meth:`EncodedUpdate.decode`),
-    computed here as it does it.  Without it, float16 and bfloat16 models' totals drifted from their workers'
-    like a random walk: by 2.8e-2 after 200 int4 updates (float32: 7e-7), as if there were no feedback."""
+    computed here as it does it, :data:`FEEDBACK_SLICE` values at a time.  Without it, float16 and bfloat16
+    models' totals drifted from their workers' like a random walk: by 2.8e-2 after 200 int4 updates (float32:
+    7e-7), as if there were no feedback."""
     n = base.numel()
-    sent = _decode(codec, encoded, n).to(torch.float32)
-    b = base.to(torch.float32)
-    applied = (b + sent).to(base.dtype).to(torch.float32).sub_(b)
-    work[:n].add_(sent.sub_(applied))
+    for i in range(0, n, FEEDBACK_SLICE):
+        j = min(i + FEEDBACK_SLICE, n)
+        sent = _decode(codec, _slice_of(codec, encoded, i, j), j - i).to(torch.float32)
+        b = base[i:j].to(torch.float32)
+        applied = (b + sent).to(base.dtype).to(torch.float32).sub_(b)
+        work[i:j].add_(sent.sub_(applied))
+
+
+def _slice_of(codec: str, parts: dict[str, torch.Tensor], i: int, j: int) -> dict[str, torch.Tensor]:
+    """The parts that encode values ``i`` to ``j`` (``i`` at a block's start): :func:`_decode` of them is
+    those values."""
+    if codec in ("fp16", "bf16"):
+        return {"delta": parts["delta"][i:j]}
+    first, end = i // BLOCK, -(-j // BLOCK)
+    per_byte = 2 if codec == "int4" else 1
+    return {"q": parts["q"][first * BLOCK // per_byte : end * BLOCK // per_byte], "scale": parts["scale"][first:end]}
 
 
 def _encode(codec: str, x: torch.Tensor, n: int, scratch: torch.Tensor | None) -> dict[str, torch.Tensor]:
