@@ -24,6 +24,7 @@ from ._ints import is_real
 from .device import cpu_copy
 from .dtype_kinds import check_input_dtypes, string_labels_error
 from .errors import DataError
+from .metrics import unwrapped
 from .trainable import check_trainable
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # the built-in losses that compare outputs and labels element by element (and so broadcast mismatched shapes)
 _ELEMENTWISE = {"mse": torch.nn.functional.mse_loss, "l1": torch.nn.functional.l1_loss}
+# torch's other elementwise loss functions, and the modules of them all (broadcast unless reduction="none")
+_ELEMENTWISE_FNS = (*_ELEMENTWISE.values(), torch.nn.functional.huber_loss, torch.nn.functional.smooth_l1_loss)
+_ELEMENTWISE_MODULES = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.HuberLoss, torch.nn.SmoothL1Loss)
 # (the built-in losses that take class ids, _CLASS_LOSSES, are check_model's: in vcdask._forward_check)
 
 
@@ -70,8 +74,9 @@ def check_run(model: torch.nn.Module, prepared: PreparedData, *, loss: Any, trai
         (:func:`vcdask.trainable.check_trainable`).
     DataError
         String labels; float labels on a classifier with the default loss, or with ``loss="cross_entropy"``
-        / ``"nll"``; outputs and labels whose shapes ``loss="mse"`` / ``"l1"`` would broadcast.  (Outputs that
-        are not one tensor, a tuple or a dict, are refused by :func:`check_model`, which follows.)
+        / ``"nll"``; outputs and labels whose shapes an elementwise loss (``"mse"`` / ``"l1"``, torch's
+        ``MSELoss()``, ``L1Loss()``, ``HuberLoss()``, ``SmoothL1Loss()`` or their functions) would broadcast.
+        (Outputs that are not one tensor, a tuple or a dict, are refused by :func:`check_model`, which follows.)
 
     Warns
     -----
@@ -112,29 +117,45 @@ def check_run(model: torch.nn.Module, prepared: PreparedData, *, loss: Any, trai
             f"(y.astype('int64') when they are whole numbers), or, for a regression, leave loss= unset or pass "
             "loss='mse'"
         )
-    fn = _ELEMENTWISE.get(loss) if isinstance(loss, str) else loss
-    if fn in _ELEMENTWISE.values() and out_shape != y_shape:
+    shown = _elementwise_name(loss)
+    if shown is not None and out_shape != y_shape:
         try:  # the shapes with a symbolic sample count (it broadcasts against the other axes too)
             broadcast = tuple(torch.broadcast_shapes((_N, *out_shape[1:]), (_N, *y_shape[1:])))
         except RuntimeError:
             return  # no broadcast: the loss fails, and check_model reports the shapes
-        name = next(k for k, v in _ELEMENTWISE.items() if v is fn)
         shapes = (out_shape[1:], y_shape[1:])
         if shapes == ((1,), ()):  # the common case: one output per sample, 1-D labels
             fix = (
                 "Give the labels the outputs' shape (y.reshape(-1, 1)), or use a model whose outputs have the "
-                "labels' shape (end it with torch.nn.Flatten(0)), or leave loss= unset (the default MSE "
-                "reshapes (n, 1) outputs to (n,) labels)"
+                "labels' shape (end it with torch.nn.Flatten(0))"
             )
+            if "mse" in shown.lower():
+                fix += ", or leave loss= unset (the default MSE reshapes (n, 1) outputs to (n,) labels)"
         elif shapes == ((), (1,)):
             fix = "Give the labels the outputs' shape (y.reshape(-1)), or a model with (n, 1) outputs"
         else:
             fix = f"Give labels of the outputs' shape {_shape(out_shape)}, or a model whose outputs match the labels"
         raise DataError(
-            f"loss={name!r} would compare model outputs of shape {_shape(out_shape)} with labels of shape "
+            f"loss={shown} would compare model outputs of shape {_shape(out_shape)} with labels of shape "
             f"{_shape(y_shape)} by broadcasting them to {_shape(broadcast)}: every output against every label, "
             f"a loss that trains but learns the wrong thing. {fix}"
         )
+
+
+def _elementwise_name(loss: Any) -> str | None:
+    """How ``fit``'s ``loss=`` reads in a message when it compares outputs and labels element by element, and so
+    broadcasts shapes that differ (``"'mse'"``, ``"torch.nn.MSELoss()"``, ``"torch.nn.functional.l1_loss"``, also
+    in a :func:`functools.partial`); None for another loss, or a module with ``reduction="none"`` (refused by
+    :func:`check_model`: not one number for the batch)."""
+    if isinstance(loss, str):
+        return repr(loss) if loss in _ELEMENTWISE else None
+    fn = unwrapped(loss)
+    if isinstance(fn, _ELEMENTWISE_MODULES) and getattr(fn, "reduction", "mean") != "none":
+        reduction = "" if fn.reduction == "mean" else f"reduction={fn.reduction!r}"
+        return f"torch.nn.{type(fn).__name__}({reduction})"
+    if any(fn is f for f in _ELEMENTWISE_FNS):
+        return f"torch.nn.functional.{fn.__name__}"
+    return None
 
 
 def check_model_precision(model: torch.nn.Module) -> None:
