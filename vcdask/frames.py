@@ -2,10 +2,11 @@
 
 Feature columns must be numeric or bool; they become one float32 array ``X`` (n, n_features), in the
 order of ``features`` (default: every column but the label).  Integer and bool labels become int64 class
-ids (classification), float labels float32 (regression), as for ``(X, y)`` arrays.  Categorical, string,
-object and datetime feature columns are refused with the columns named and the remedy; so are missing
-values, and dask DataFrames (with what to pass instead: their columns as dask arrays).  The arrays are fresh
-and writable (a pandas column can hand out a read-only view, which torch warns about).
+ids (classification), float labels float32 (regression), as for ``(X, y)`` arrays.  ``(df, df["target"])``,
+the labels' column still among the features, is refused (the model would train on its own labels).
+Categorical, string, object and datetime feature columns are refused with the columns named and the remedy;
+so are missing values, and dask DataFrames (with what to pass instead: their columns as dask arrays).  The
+arrays are fresh and writable (a pandas column can hand out a read-only view, which torch warns about).
 """
 
 from __future__ import annotations
@@ -97,21 +98,57 @@ def from_pandas(data: Any, features: Any, label: Any, what: str) -> tuple[tuple[
         return (X, _labels(data[label], f"{what}: the labels in column {label!r}")), names
     if isinstance(data, (tuple, list)) and len(data) == 2 and any(is_frame(a) or is_series(a) for a in data):
         X, y = data
+        if is_frame(y) and y.shape[1] != 1:
+            raise DataError(f"{what}: y as a DataFrame must have one column, got {list(y.columns)}")
         names = ()
         if is_frame(X):
-            X, names = frame_features(X, list(X.columns) if features is None else _names(features), what)
+            chosen = list(X.columns) if features is None else _names(features)
+            _check_label_not_a_feature(X, chosen, y, features, what)
+            X, names = frame_features(X, chosen, what)
         elif is_series(X):
             named = X.name is not None  # an unnamed Series names no column
+            _check_label_not_a_feature(X.to_frame(), [X.name] if named else [], y, features, what)
             X, names = frame_features(X.to_frame(), [X.name if named else 0], what)
             names = names if named else ()
         if is_frame(y):
-            if y.shape[1] != 1:
-                raise DataError(f"{what}: y as a DataFrame must have one column, got {list(y.columns)}")
             y = y.iloc[:, 0]
         if is_series(y):
             y = _labels(y, f"{what}: the labels (y)")
         return (X, y), tuple(names)
     return None
+
+
+def _check_label_not_a_feature(X: Any, chosen: list, y: Any, features: Any, what: str) -> None:
+    """Refuse ``(df, df["target"])``: the labels' column among the feature columns ``chosen`` of ``X`` would
+    train the model on its own labels (and ``predict`` would need them).
+
+    The labels' column is a Series' name or a one-column DataFrame's column; an unnamed Series names none, nor
+    does ``pd.DataFrame(y)``'s default column ``0``.  Columns of ``X`` that are positions, not names
+    (``pd.DataFrame(X)``'s default ``0, 1, ...``), are the labels' only when their values are the labels' too.
+
+    Raises
+    ------
+    DataError
+        The labels' column is a feature column, naming it and the remedies.
+    """
+    import pandas as pd
+
+    if is_frame(y):
+        name = None if isinstance(y.columns, pd.RangeIndex) else y.columns[0]
+        y = y.iloc[:, 0]
+    else:
+        name = y.name if is_series(y) else None
+    if name is None or name not in X.columns or not any(c == name for c in chosen):
+        return  # (a feature column that X lacks is refused by frame_features)
+    if isinstance(X.columns, pd.RangeIndex) and not np.array_equal(X[name].to_numpy(), y.to_numpy()):
+        return  # (column 0 of pd.DataFrame(X) beside pd.Series(y, name=0): positions that differ, no leak)
+    choose = " or choose the feature columns with features=[...]," if features is None else ""
+    raise DataError(
+        f"{what}: the labels (y, column {name!r}) are also a feature column of X: the model would train with its "
+        f"own labels as an input (a validation score that means nothing, and predict would need the labels). "
+        f"Leave the column out of X, (df.drop(columns={name!r}), df[{name!r}]),{choose} or pass the whole "
+        f"DataFrame with label={name!r}"
+    )
 
 
 def frame_features(df: Any, names: Sequence, what: str) -> tuple[np.ndarray, tuple]:

@@ -1,0 +1,75 @@
+"""A first hour's data, refused or taken as a newcomer means it, before any cluster work: the labels' column left
+among a DataFrame's features, class ids as a column ``(n, 1)``, ``label=`` / ``features=`` given to data that
+would ignore them, and a ``DataLoader`` as data.  Through ``fit``'s own pre-flight (``vcdask.options.plan``, or
+``fit`` with a client that fails the test if touched): no worker starts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from refusal_helpers import refused
+
+from vcdask.data import DataError
+from vcdask.options import plan
+
+
+@pytest.fixture
+def xy():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(200, 8)).astype("float32")
+    return X, (X[:, 0] + X[:, 1] > 0).astype("int64")
+
+
+@pytest.fixture
+def df(xy):
+    X, y = xy
+    return pd.DataFrame(X, columns=list("abcdefgh")).assign(target=y)
+
+
+def _linear(n_in=8, n_out=2):
+    torch.manual_seed(0)
+    return torch.nn.Linear(n_in, n_out)
+
+
+def _plan(model, data, tmp_path, **kwargs):
+    return plan(model, data, store=tmp_path / "store", **kwargs)
+
+
+# -- the labels' column among the features -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("labels", ["series", "one_column_frame"])
+def test_the_labels_column_left_among_the_features_is_refused(labels, df, tmp_path):
+    """``(df, df["target"])`` trained with the labels as a feature (validation accuracy 0.9975) and predict
+    failed later; a whole DataFrame with ``label=`` already refused this."""
+    y = df["target"] if labels == "series" else df[["target"]]
+    refused(
+        _linear(9),
+        (df, y),
+        tmp_path,
+        DataError,
+        "column 'target'",
+        "df.drop(columns='target')",
+        "label='target'",
+        "features=[...]",
+    )
+
+
+def test_labels_apart_from_the_features_are_taken(df, xy, tmp_path):
+    """The remedies train, and so do labels that name no column of X: an unnamed Series, ``pd.DataFrame(y)``
+    (its default column 0 beside ``pd.DataFrame(X)``'s positions 0..7), or the labels' column left out by
+    ``features=``."""
+    X, y = xy
+    for data, kwargs in [
+        ((df.drop(columns="target"), df["target"]), {}),
+        ((df, df["target"]), {"features": list("abcdefgh")}),
+        ((df.drop(columns="target"), pd.Series(y)), {}),
+        ((pd.DataFrame(X), pd.DataFrame(y)), {}),
+        ((pd.DataFrame(X), pd.Series(y, name=0)), {}),  # column 0 of X holds other values
+    ]:
+        planned = _plan(_linear(), data, tmp_path, **kwargs)
+        assert planned.train.x_shape == (8,)
+    with pytest.raises(DataError, match="column 0"):  # positions, but X's column 0 is the labels themselves
+        _plan(_linear(), (pd.DataFrame(np.c_[y, X]), pd.Series(y, name=0)), tmp_path)
