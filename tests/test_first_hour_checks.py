@@ -47,3 +47,78 @@ def test_elementwise_loss_modules_that_would_broadcast_are_refused(X, tmp_path, 
         "y.reshape(-1, 1)",
         loss=loss,
     )
+
+
+def test_integer_regression_targets_on_one_output_say_to_pass_float_labels(X, tmp_path):
+    y = np.random.default_rng(1).integers(-85, 81, size=N)  # int64 regression targets
+    refused(
+        _linear(1),
+        (X, y),
+        tmp_path,
+        DataError,
+        "are integers (int64)",
+        "which vcdask takes as class ids",
+        "the model has one output per sample",
+        "for a regression, or one logit per label",
+        "y.astype('float32'), shaped like the outputs: y.reshape(-1, 1)",
+    )
+
+
+def test_integer_01_labels_of_a_one_output_model_say_two_outputs_or_float_labels(X, tmp_path):
+    y = np.random.default_rng(1).integers(0, 2, size=N)
+    refused(
+        _linear(1),
+        (X, y),
+        tmp_path,
+        DataError,
+        "give the model 2 outputs (one per class 0..1) and leave loss= unset",
+        "y.astype('float32'), shaped like the outputs: y.reshape(-1, 1)",
+    )
+
+
+def test_a_pandas_bool_label_column_on_a_one_output_model_says_what_to_do(X, tmp_path):
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame(X, columns=[f"f{i}" for i in range(8)]).assign(t=X[:, 0] > 0)
+    refused(
+        _linear(1),
+        frame,
+        tmp_path,
+        DataError,
+        "give the model 2 outputs (one per class 0..1)",
+        "y.astype('float32')",
+        label="t",
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "n_out", "fragment"),
+    [
+        ((N,), 1, "y.astype('float32'), shaped like the outputs: y.reshape(-1, 1)"),  # the usual binary setup
+        ((N, 3), 3, "pass float labels, y.astype('float32'); for a classifier"),  # multi-label
+    ],
+)
+def test_integer_labels_with_bce_say_the_loss_takes_float_labels(X, tmp_path, shape, n_out, fragment):
+    y = np.random.default_rng(1).integers(0, 2, size=shape)
+    message = refused(
+        _linear(n_out),
+        (X, y),
+        tmp_path,
+        DataError,
+        "loss=torch.nn.BCEWithLogitsLoss() takes float labels",
+        fragment,
+        loss=torch.nn.BCEWithLogitsLoss(),
+    )
+    assert "can't be cast" not in message
+
+
+def test_float_01_labels_with_bce_and_n_1_outputs_say_how_to_shape_them(X, tmp_path):
+    y = (X[:, 0] > 0).astype("float32")  # (n,) against (n, 1) outputs
+    refused(
+        _linear(1),
+        (X, y),
+        tmp_path,
+        DataError,
+        "Target size",
+        "give them that shape: y.reshape(-1, 1)",
+        loss=torch.nn.BCEWithLogitsLoss(),
+    )

@@ -29,6 +29,12 @@ __all__ = ["check_model", "describe_output"]
 
 # the built-in losses that take class ids (float targets only as class probabilities shaped like the outputs)
 _CLASS_LOSSES = {"cross_entropy": torch.nn.functional.cross_entropy, "nll": torch.nn.functional.nll_loss}
+# torch's losses that take float labels shaped like the outputs (a regression's values, one logit per label)
+_F = torch.nn.functional
+_FLOAT_LOSSES: tuple[Any, ...] = (_F.mse_loss, _F.l1_loss, _F.huber_loss, _F.smooth_l1_loss)
+_FLOAT_LOSSES += (_F.binary_cross_entropy, _F.binary_cross_entropy_with_logits)
+_FLOAT_LOSS_MODULES: tuple[type, ...] = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.HuberLoss, torch.nn.SmoothL1Loss)
+_FLOAT_LOSS_MODULES += (torch.nn.BCELoss, torch.nn.BCEWithLogitsLoss)
 
 
 def check_model(
@@ -95,6 +101,8 @@ def check_model(
         )
     y = torch.as_tensor(np.ascontiguousarray(prepared.sample_y))
     y = y.long() if classification else y.to(x_dtype)
+    if classification and _float_loss(loss) is not None:  # (torch's raw "Float can't be cast to ... Long")
+        raise DataError(_integer_labels(prepared, what, out, y, f"loss={_float_loss(loss)} takes float labels"))
     if classification:
         axis = class_axis(out.shape, y.shape)  # (scores per class along axis 1 of (n, C, T): cross_entropy's)
         n_classes = out.shape[axis] if axis is not None else out.shape[-1] if out.dim() > 1 else 1
@@ -108,6 +116,9 @@ def check_model(
                 if prepared.bool_labels
                 else ""
             )
+            if n_classes == 1:  # one output: meant for a regression, or one logit per label (what to do instead)
+                said = _integer_labels(prepared, what, out, y, "the model has one output per sample")
+                hint = f"{hint}. {said[0].upper()}{said[1:]}"
             if out.dim() > 2 and axis == 1:  # a class per position: say which axis holds the classes
                 shapes = f"outputs {_shape(tuple(out.shape))} against labels {_shape(tuple(y.shape))}"
                 hint += f" (the classes lie along axis 1 of {shapes}, as cross_entropy reads them)"
@@ -129,9 +140,18 @@ def check_model(
     try:
         value = loss(out, y)
     except Exception as e:
+        hint = ""
+        if out.shape != y.shape and out.numel() == y.numel() and out.dim() > 1:  # (n, 1) outputs, (n,) labels
+            shape = ", ".join(str(d) for d in (-1, *out.shape[1:]))
+            hint = f"; if the loss takes labels shaped like the outputs, give them that shape: y.reshape({shape})"
+        if classification and not class_loss:
+            hint += (
+                f"; the labels are integers ({_name(y.dtype)}), which vcdask takes as class ids: for a regression "
+                "or one logit per label, pass float labels, y.astype('float32')"
+            )
         raise DataError(
             f"the loss cannot compare model outputs of shape {tuple(out.shape)} with labels of "
-            f"shape {tuple(y.shape)}: {type(e).__name__}: {e}"
+            f"shape {tuple(y.shape)}: {type(e).__name__}: {e}{hint}"
         ) from e
     if not isinstance(value, torch.Tensor) or value.numel() != 1:  # (backward needs one number for the batch)
         got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
@@ -156,6 +176,43 @@ def check_model(
                 continue
             raise DataError(message) from e
     return cast
+
+
+def _float_loss(loss: Any) -> str | None:
+    """How ``loss`` reads in a message when it is one of torch's losses of float labels (:data:`_FLOAT_LOSSES`,
+    :data:`_FLOAT_LOSS_MODULES`, also in a :func:`functools.partial`); else None."""
+    fn = unwrapped(loss)
+    if isinstance(fn, _FLOAT_LOSS_MODULES):
+        return f"torch.nn.{type(fn).__name__}()"
+    return f"torch.nn.functional.{fn.__name__}" if any(fn is f for f in _FLOAT_LOSSES) else None
+
+
+def _integer_labels(prepared: PreparedData, what: str, out: torch.Tensor, y: torch.Tensor, why: str) -> str:
+    """The message for integer labels (class ids to vcdask) given to a model or a loss of float labels (``why``):
+    the remedies, float labels shaped like the outputs, or a classifier of one output per class."""
+    lo, hi = prepared.label_range or (int(y.min()), int(y.max()))
+    kind = "bool (False 0, True 1)" if prepared.bool_labels else f"integers ({_name(y.dtype)})"
+    floats = "float labels, y.astype('float32')"
+    if out.shape != y.shape and out.numel() == y.numel():
+        floats += f", shaped like the outputs: y.reshape({', '.join(map(str, (-1, *out.shape[1:])))})"
+    if lo < 0:
+        classifier = "a classifier takes class ids 0..C-1"
+    else:
+        each = " per label" if y.dim() > 1 else ""
+        classifier = (
+            f"for a classifier, give the model {hi + 1} outputs{each} (one per class 0..{hi}) and leave loss= unset "
+            "(cross-entropy)"
+        )
+    shapes = f"outputs {_shape(tuple(out.shape))} against labels {_shape(tuple(y.shape))}"
+    if why.startswith("loss="):  # (the loss says the labels are floats: that remedy first)
+        remedy = f"For a regression or one logit per label, pass {floats}; {classifier}"
+    else:
+        logit = "one logit per label (loss=torch.nn.BCEWithLogitsLoss())"
+        remedy = f"{classifier[0].upper()}{classifier[1:]}; for a regression, or {logit}, pass {floats}"
+    return (
+        f"the {what} labels are {kind}, over [{lo}, {hi}], which vcdask takes as class ids (a classifier: one output "
+        f"per class, cross-entropy), but {why} ({shapes}). {remedy}"
+    )
 
 
 def describe_output(out: Any) -> str:
