@@ -73,3 +73,41 @@ def test_labels_apart_from_the_features_are_taken(df, xy, tmp_path):
         assert planned.train.x_shape == (8,)
     with pytest.raises(DataError, match="column 0"):  # positions, but X's column 0 is the labels themselves
         _plan(_linear(), (pd.DataFrame(np.c_[y, X]), pd.Series(y, name=0)), tmp_path)
+
+
+# -- class ids as a column (n, 1) -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["numpy", "torch", "dask", "pandas", "bool"])
+def test_class_ids_as_a_column_are_taken_as_labels(form, xy, tmp_path):
+    """``y`` of shape (n, 1) with class ids trained from pandas but was refused from numpy and torch with torch's
+    own words ("0D or 1D target tensor expected, multi-target not supported"): now all take it as (n,)."""
+    import dask.array as da
+
+    X, y = xy
+    column = y[:, None]
+    labels = {
+        "numpy": column,
+        "torch": torch.from_numpy(column),
+        "dask": da.from_array(column, chunks=50),
+        "pandas": pd.DataFrame({"t": y}),
+        "bool": column.astype(bool),
+    }[form]
+    planned = _plan(_linear(), (X, labels), tmp_path, validation=(X[:40], column[:40]))
+    assert planned.train.classification
+    assert planned.train.sample_y.shape == (4,)
+    assert planned.train.y.shape == (200,)
+    assert planned.validation.y.shape == (40,)
+
+
+@pytest.mark.parametrize("form", ["numpy", "pandas"])
+def test_float_labels_as_a_column_keep_it(form, xy, tmp_path):
+    """A regression target (n, 1) against (n, 1) outputs is right as it is, from numpy and from a one-column
+    DataFrame alike (which gave (n,) labels, and loss='mse' then refused them as a broadcast)."""
+    X, _ = xy
+    target = X[:, :1] * 2.0
+    labels = target if form == "numpy" else pd.DataFrame({"t": target[:, 0]})
+    planned = _plan(_linear(n_out=1), (X, labels), tmp_path, loss="mse")
+    assert not planned.train.classification
+    assert planned.train.y.shape == (200, 1)
+    assert planned.train.y.dtype == np.float32
