@@ -111,3 +111,44 @@ def test_float_labels_as_a_column_keep_it(form, xy, tmp_path):
     assert not planned.train.classification
     assert planned.train.y.shape == (200, 1)
     assert planned.train.y.dtype == np.float32
+
+
+# -- label= and features= given to data that names no columns -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("form", "kind", "fix"),
+    [
+        ("arrays", "(X, y) arrays", "X[:, [0, 2, 5]]"),
+        ("tensors", "(X, y) arrays", "DataFrame with label= and features="),
+        ("dataset", "a torch Dataset", "__getitem__"),
+        ("dict", "a dict of arrays", "train_step"),
+    ],
+)
+@pytest.mark.parametrize("options", [{"label": "target"}, {"features": ["a", "c"]}, {"features": "a", "label": "t"}])
+def test_names_given_to_data_that_names_no_columns_are_refused(form, kind, fix, options, xy, tmp_path):
+    """They were dropped silently: who thought they chose two columns trained on all eight."""
+    X, y = xy
+    data = {
+        "arrays": (X, y),
+        "tensors": (torch.from_numpy(X), torch.from_numpy(y)),
+        "dataset": torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(y)),
+        "dict": {"X": X, "y": y},
+    }[form]
+    step = {"train_step": lambda model, batch: model(batch["X"]).sum()} if form == "dict" else {}
+    message = refused(_linear(), data, tmp_path, TypeError, kind, "xarray.Dataset", "Zarr", fix, **options, **step)
+    for name, value in options.items():
+        assert f"{name}={value!r}" in message
+
+
+def test_label_given_beside_y_is_refused_and_features_picks_the_columns(df, tmp_path):
+    refused(_linear(), (df, df["target"]), tmp_path, TypeError, "label='target'", "y holds the labels", label="target")
+    planned = _plan(_linear(2), (df, df["target"]), tmp_path, features=["a", "c"])  # X's columns: used
+    assert planned.train.feature_names == ("a", "c")
+
+
+def test_validation_arrays_beside_a_dataframe_are_read_with_the_trainings_names(df, xy, tmp_path):
+    """Validation data is read with the training's label= and features=, which its arrays do not need."""
+    X, y = xy
+    planned = _plan(_linear(), df, tmp_path, label="target", validation=(X[:40], y[:40]))
+    assert planned.validation.n == 40
