@@ -152,3 +152,32 @@ def test_validation_arrays_beside_a_dataframe_are_read_with_the_trainings_names(
     X, y = xy
     planned = _plan(_linear(), df, tmp_path, label="target", validation=(X[:40], y[:40]))
     assert planned.validation.n == 40
+
+
+# -- a DataLoader, and data of no supported kind ------------------------------------------------------------------
+
+
+def _dataset(xy):
+    X, y = xy
+    return torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(y))
+
+
+def test_a_dataloader_is_refused_with_its_dataset_as_the_remedy(xy, tmp_path):
+    """It was 'unsupported data type DataLoader', with a list of inputs that left out torch Datasets."""
+    loader = torch.utils.data.DataLoader(_dataset(xy), batch_size=64, shuffle=True)
+    refused(_linear(), loader, tmp_path, TypeError, "DataLoader", "fit(model, loader.dataset, ...)", "batch_size=64")
+    own = torch.utils.data.DataLoader(_dataset(xy), batch_size=16, collate_fn=lambda items: items)
+    refused(
+        _linear(), own, tmp_path, TypeError, "fit(model, loader.dataset, batch_size=16, collate_fn=loader.collate_fn)"
+    )
+    refused(_linear(), _dataset(xy), tmp_path, TypeError, "validation=loader.dataset", validation=loader)
+    planned = _plan(_linear(), loader.dataset, tmp_path)  # the remedy
+    assert planned.train.form == "dataset"
+
+
+def test_data_of_no_supported_kind_lists_every_kind(xy, tmp_path):
+    X, _ = xy
+    message = refused(_linear(), iter(X), tmp_path, TypeError, "unsupported data type iterator")
+    for kind in ("(X, y) arrays", "(DataFrame, Series)", "xarray.Dataset", "Zarr path", "Icechunk", "dict of"):
+        assert kind in message
+    assert "torch.utils.data.Dataset" in message

@@ -225,8 +225,10 @@ def prepare_data(
 
     from .dtype_kinds import check_input_dtypes
     from .frames import from_pandas
-    from .torch_data import is_dataset, prepare_dataset
+    from .torch_data import is_dataset, loader_error, prepare_dataset
 
+    if (loader := loader_error(data, what)) is not None:
+        raise loader
     if what == "data":  # (validation data is read with the training's options, which arrays do not need)
         _check_names_apply(data, features, label)
     if is_dataset(data):
@@ -278,8 +280,9 @@ def prepare_data(
             lo, hi = int(vals.min()), int(vals.max())
         return PreparedData(src, None, None, n, sx.shape[1:], sx.dtype, sy.dtype, sx, sy, lo, hi)
     raise TypeError(
-        f"unsupported {what} type {type(data).__name__}; expected (X, y) arrays (numpy, torch or dask), "
-        "a pandas DataFrame (with label=), an xarray.Dataset, a Zarr URL/path, or an Icechunk session"
+        f"unsupported {what} type {type(data).__name__}; expected (X, y) arrays (numpy, torch or dask), a pandas "
+        "DataFrame (with label=) or (DataFrame, Series), an xarray.Dataset, a Zarr path or URL, an Icechunk session "
+        "or its store, a dict of equal-length arrays (with train_step=), or a map-style torch.utils.data.Dataset"
     )
 
 

@@ -16,12 +16,45 @@ import torch
 
 from .errors import DataError
 
-__all__ = ["DatasetSource", "cpu_numpy", "is_dataset", "prepare_dataset"]
+__all__ = ["DatasetSource", "cpu_numpy", "is_dataset", "loader_error", "prepare_dataset"]
 
 
 def is_dataset(data: Any) -> bool:
     """Whether ``data`` is a torch dataset (map-style or iterable)."""
     return isinstance(data, torch.utils.data.Dataset)
+
+
+def loader_error(data: Any, what: str = "data") -> TypeError | None:
+    """What to pass instead of a ``torch.utils.data.DataLoader``: its dataset (vcdask shards it and makes the
+    batches itself); None for anything else.
+
+    Parameters
+    ----------
+    data : object
+        The data given to ``fit``.
+    what : str
+        ``"data"`` or ``"validation"``, for the message.
+
+    Returns
+    -------
+    TypeError or None
+        The refusal of a DataLoader, naming its batch size and (one of its own) its ``collate_fn`` as ``fit``'s
+        options.
+    """
+    if not isinstance(data, torch.utils.data.DataLoader):
+        return None
+    options = [] if data.batch_size is None else [f"batch_size={data.batch_size}"]
+    if data.collate_fn not in (torch.utils.data.default_collate, torch.utils.data.default_convert):
+        options.append("collate_fn=loader.collate_fn")
+    given = "fit(model, loader.dataset, ...)" if what == "data" else "validation=loader.dataset"
+    keep = (
+        f" To keep the loader's: fit(model, loader.dataset, {', '.join(options)})" if options and what == "data" else ""
+    )
+    return TypeError(
+        f"{what} is a torch DataLoader ({type(data.dataset).__name__} in batches): pass its dataset, {given}. "
+        "vcdask shards the dataset over the cluster and makes each shard's batches itself, on the workers: the "
+        f"batch size is fit's batch_size= (default 32), the collate function fit's collate_fn=.{keep}"
+    )
 
 
 @dataclass(frozen=True)
