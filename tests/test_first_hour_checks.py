@@ -4,12 +4,14 @@ that names the cause and the remedy (through the real ``fit`` path: :func:`refus
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 import pytest
 import torch
 from refusal_helpers import refused
 
+from vcdask.device import cpu_copy
 from vcdask.errors import DataError
 
 N = 64
@@ -122,3 +124,43 @@ def test_float_01_labels_with_bce_and_n_1_outputs_say_how_to_shape_them(X, tmp_p
         "give them that shape: y.reshape(-1, 1)",
         loss=torch.nn.BCEWithLogitsLoss(),
     )
+
+
+def _locked_loss():
+    lock = threading.Lock()
+
+    def loss(output, target):
+        with lock:
+            return torch.nn.functional.mse_loss(output.reshape(target.shape), target)
+
+    return loss
+
+
+@pytest.mark.parametrize("option", ["loss", "metrics", "collate_fn"])
+def test_an_option_that_cannot_be_pickled_is_refused_before_the_store_is_made(X, tmp_path, option):
+    y = np.random.default_rng(1).normal(size=N).astype("float32")
+    fn = _locked_loss()
+    value = {"metrics": {"locked": fn}}.get(option, fn)
+    fragments = [f"{option}= cannot be pickled", "closure variable 'lock', a _thread.lock", "inside the function"]
+    if option == "metrics":
+        fragments.append("item 'locked', a function")
+    refused(_linear(1), (X, y), tmp_path, TypeError, *fragments, **{option: value})
+
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 1)
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.linear(x).squeeze(-1)
+
+
+def test_a_model_attribute_that_cannot_be_pickled_is_named_with_its_module(X, tmp_path):
+    y = np.random.default_rng(1).normal(size=N).astype("float32")
+    model = torch.nn.Sequential(torch.nn.Identity(), _Head())
+    fragments = ["its module '1' (_Head) holds attribute 'lock', a _thread.lock", "__getstate__", "lazily"]
+    refused(model, (X, y), tmp_path, TypeError, *fragments)
+    with pytest.raises(TypeError, match="its module '1' \\(_Head\\) holds attribute 'lock'"):
+        cpu_copy(model)  # (the copy vcdask's checks make names it too)

@@ -9,8 +9,26 @@ from typing import Any
 import numpy as np
 
 from .data import DataError, PreparedData
+from .groups import Merging, Stopping, Training
+from .resilience import Resilience
 
-__all__ = ["check_label_kind", "check_same_form", "check_step_options"]
+__all__ = ["check_groups", "check_label_kind", "check_same_form", "check_step_options"]
+
+
+def check_groups(**groups: Any) -> None:
+    """Each option group given to :func:`vcdask.options.plan` (``merging=``, ``training=``, ``stopping=``,
+    ``resilience=``, by keyword) is an instance of its class (:class:`vcdask.Merging`, ...).
+
+    Raises
+    ------
+    TypeError
+        Naming the keyword, its class and the type given.
+    """
+    classes = {"merging": Merging, "training": Training, "stopping": Stopping, "resilience": Resilience}
+    for name, group in groups.items():
+        cls = classes[name]
+        if not isinstance(group, cls):
+            raise TypeError(f"{name} must be a vcdask.{cls.__name__}, got {type(group).__name__}")
 
 
 def check_step_options(train_step: Any, eval_step: Any, loss: Any, metrics: Any) -> None:

@@ -160,6 +160,12 @@ def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
     Parameters stay :class:`torch.nn.Parameter` with their ``requires_grad``, without gradients; tied
     parameters stay tied.  The client runs its checks and stages the run's model this way: the data it probes
     with is on the CPU, and what travels to the workers is a CPU model whatever device the caller's is on.
+
+    Raises
+    ------
+    TypeError
+        A module attribute that cannot be copied (a ``threading.Lock``, an open file): the message names the
+        module and the attribute, and the remedy (:func:`vcdask._pickle_check.unpicklable_attribute`).
     """
     memo: dict[int, Any] = {}  # (deepcopy takes what it finds here instead of copying it)
     for t in itertools.chain(model.parameters(), model.buffers()):
@@ -168,7 +174,15 @@ def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
         moved = t.detach().cpu()
         # (a Parameter as Module.cpu() makes one)
         memo[id(t)] = torch.nn.Parameter(moved, t.requires_grad) if isinstance(t, torch.nn.Parameter) else moved
-    return copy.deepcopy(model, memo).cpu()
+    try:
+        return copy.deepcopy(model, memo).cpu()
+    except Exception as e:  # an attribute deepcopy cannot copy (a lock, an open file): named, when it is one
+        from ._pickle_check import unpicklable_attribute
+
+        found = unpicklable_attribute(model)
+        if found is None:
+            raise
+        raise TypeError(found) from e
 
 
 def loss_tensors(loss: Any) -> list[torch.Tensor]:

@@ -22,7 +22,8 @@ import torch
 from . import config
 from ._computing import DataComputing
 from ._ints import check_bool, is_real, positive_int
-from ._plan_checks import check_label_kind, check_same_form, check_step_options
+from ._pickle_check import check_picklable
+from ._plan_checks import check_groups, check_label_kind, check_same_form, check_step_options
 from .cluster import check_client
 from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
@@ -258,16 +259,13 @@ def plan(
     training = Training() if training is None else training
     stopping = Stopping() if stopping is None else stopping
     resilience = Resilience() if resilience is None else resilience
-    for name, group, cls in (
-        ("merging", merging, Merging),
-        ("training", training, Training),
-        ("stopping", stopping, Stopping),
-        ("resilience", resilience, Resilience),
-    ):
-        if not isinstance(group, cls):
-            raise TypeError(f"{name} must be a vcdask.{cls.__name__}, got {type(group).__name__}")
+    check_groups(merging=merging, training=training, stopping=stopping, resilience=resilience)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    given = {"loss": loss, "metrics": metrics, "train_step": train_step, "eval_step": eval_step}
+    given.update(collate_fn=collate_fn, optimizer=training.optimizer, lr_schedule=training.lr_schedule)
+    given.update(merge=merging.rule, alpha=merging.alpha, resilience=resilience, retention=retention)
+    check_picklable(model, given)  # (the run's spec carries them, pickled once the cluster is up)
     check_client(client)
     overlap = check_overlap(config.get("worker.overlap"))
     if overlap == "delta" and resilience.rejects_updates:
