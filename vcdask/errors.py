@@ -31,6 +31,7 @@ __all__ = [
     "RunFailedError",
     "RunLiveElsewhereError",
     "RunNotFoundError",
+    "SchedulerEnvironmentError",
     "StoreAccessDeniedError",
     "StoreConflict",
     "StoreCredentialsError",
@@ -38,6 +39,7 @@ __all__ = [
     "StoreExistsError",
     "StoreIntegrityError",
     "StoreNotFoundError",
+    "StoreNotSharedError",
     "StoreOutageError",
     "StoreUnreachableError",
     "TagExistsError",
@@ -46,6 +48,7 @@ __all__ = [
     "UnknownScheduleError",
     "VcdaskError",
     "VersionNotFoundError",
+    "WorkerEnvironmentError",
 ]
 
 
@@ -225,3 +228,59 @@ class DeviceUnavailableError(VcdaskError, RuntimeError):
 
 class NoWorkersError(VcdaskError, RuntimeError):
     """The run had no usable worker for longer than ``no_worker_timeout``."""
+
+
+class _NamesProcess:
+    """An error about one process of the cluster (``process``: its address), which pickles with it (an error
+    raised in a Dask task travels to the scheduler and the client by pickle, which keeps ``args`` only)."""
+
+    process: str | None
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (str(self.args[0]) if self.args else "", self.process))
+
+
+class WorkerEnvironmentError(_NamesProcess, VcdaskError, ImportError):
+    """A worker cannot import what the run's spec needs (the module of the user's model class, of its dataset or
+    loss): it could not read the run at all.  A run gives such a worker no more shards and goes on with the others;
+    the message names the worker and the remedies.
+
+    Attributes
+    ----------
+    process : str or None
+        The worker's address.
+    """
+
+    def __init__(self, message: str, process: str | None = None):
+        super().__init__(message)
+        self.process = process
+
+
+class SchedulerEnvironmentError(_NamesProcess, VcdaskError, ImportError):
+    """The scheduler cannot import what the run's spec needs (the module of the user's model class): the run
+    cannot start.  The message names the scheduler and the remedies.
+
+    Attributes
+    ----------
+    process : str or None
+        The scheduler's address.
+    """
+
+    def __init__(self, message: str, process: str | None = None):
+        super().__init__(message)
+        self.process = process
+
+
+class StoreNotSharedError(_NamesProcess, VcdaskError, FileNotFoundError):
+    """A worker does not see the run's store (no store at its location there, or one without the run: another
+    machine's directory at the same path).  A run gives such a worker no more shards and goes on with the others.
+
+    Attributes
+    ----------
+    process : str or None
+        The worker's address.
+    """
+
+    def __init__(self, message: str, process: str | None = None):
+        super().__init__(message)
+        self.process = process

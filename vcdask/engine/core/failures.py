@@ -9,7 +9,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ...errors import DeviceUnavailableError, StoreAccessDeniedError, StoreError, StoreNotFoundError, StoreOutageError
+from ...errors import (
+    DeviceUnavailableError,
+    StoreAccessDeniedError,
+    StoreError,
+    StoreNotFoundError,
+    StoreNotSharedError,
+    StoreOutageError,
+    WorkerEnvironmentError,
+)
 from .. import policy
 from ..inflight import TaskRecord
 from .dispatching import submit_shard, submit_validation
@@ -36,6 +44,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
+#: What a task raises when its worker cannot run the run at all (no device of the run's, no module of its model, no
+#: view of its store): the worker is unfit (:func:`unfit`), not the shard.
+UNFIT_ERRORS = (DeviceUnavailableError, WorkerEnvironmentError, StoreNotSharedError)
 
 #: Copies of one shard lost to workers without the run's device (at least ``max_attempts``) that give it up while
 #: no worker has trained a shard of the run: workers without it joining one after another.
@@ -64,16 +76,19 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
     the run, unless a shard task raised it and ``on_shard_failure="skip"``: then it is one of its attempts)."""
     from distributed.scheduler import KilledWorker
 
+    unfit_worker = task.worker or getattr(exc, "process", None)  # (the task may fail before it said it started)
+    if isinstance(exc, UNFIT_ERRORS) and unfit_worker is not None:
+        unfit(state, task, unfit_worker, exc)
+        return
     if isinstance(exc, StoreError) and not isinstance(exc, (StoreNotFoundError, StoreAccessDeniedError)):
         store_fault(state, task, exc)
-        return
-    if isinstance(exc, DeviceUnavailableError) and task.worker is not None:
-        unfit(state, task, task.worker, exc)
         return
     if task.kind == "update" and isinstance(exc, StoreAccessDeniedError) and task.worker is not None:
         denied(state, task, task.worker, exc)
         return
     was_lost = isinstance(exc, (KilledWorker, OSError))
+    # an OSError of the worker's environment (a path it cannot read, a disk it cannot write): its copy goes elsewhere
+    avoid = task.worker if was_lost and task.began and not isinstance(exc, KilledWorker) else None
     if task.kind == "update" and was_lost:
         # Dask already retried it on other workers (allowed-failures); each loss is a worker failure,
         # but only a task that was running counts against its worker: queued ones were collateral
@@ -93,12 +108,12 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
         state.ledger.record_copy(task, "lost", f"lost: {type(exc).__name__}: {exc}", worker=where)
         if not state.ledger.is_merged(task.epoch, task.shard):
             # A task that never started was only queued on the dead worker: not its fault.
-            retry_or_give_up(state, task.epoch, task.shard, _lost_why(exc), count=task.began)
+            retry_or_give_up(state, task.epoch, task.shard, _lost_why(exc), avoid=avoid, count=task.began)
         return
     # an epoch may be waiting for these numbers; a validation dies mostly as collateral of a shard
     # that killed its worker, so it gets more attempts than a shard does
     if task.kind == "validation" and was_lost and task.attempt + 1 < max(10, state.res.max_attempts):
-        submit_validation(state, task.version, task.step, retry=task.attempt + 1)
+        submit_validation(state, task.version, task.step, retry=task.attempt + 1, avoid={avoid} if avoid else None)
         return
     if task.kind == "update" and state.res.on_shard_failure == "skip":
         # the step, the loss or the Dataset raised on this shard (a corrupt sample, a worker's out-of-memory):
@@ -112,7 +127,9 @@ def task_failed(state: RunState, task: TaskRecord, exc: BaseException) -> None:
 
 
 def unfit(state: RunState, task: TaskRecord, worker: str, exc: BaseException) -> None:
-    """``worker`` has no device of the run's (``device="cuda"`` on a CPU machine of a mixed fleet): it gets no
+    """``worker`` has no device of the run's (``device="cuda"`` on a CPU machine of a mixed fleet), cannot import
+    the module of the run's model (:class:`~vcdask.errors.WorkerEnvironmentError`) or does not see its store
+    (:class:`~vcdask.errors.StoreNotSharedError`, another machine's directory at the same path): it gets no
     more shards (excluded at once: every task there would fail alike), and the task goes elsewhere, its attempt
     not counted against the shard's ``max_attempts`` (a fleet of such workers leaves none usable: the run waits
     for a worker that has the device, ``no_worker_timeout``, then fails naming why each was excluded; while no
@@ -131,8 +148,9 @@ def unfit(state: RunState, task: TaskRecord, worker: str, exc: BaseException) ->
         # losses have a bound of their own: workers without it joining one after another kept it going round
         losses = state.dispatch.unfit[key] = state.dispatch.unfit.get(key, 0) + 1
         if losses >= max(UNFIT_LOSSES, state.res.max_attempts) and not any(r.done for r in state.pool.records.values()):
-            give_up(state, *key, f"shard {task.shard} of epoch {task.epoch} went to {losses} workers without the "
-                    f"run's device, and no worker has trained a shard of the run (last: {why})")  # fmt: skip
+            lacking = "without the run's device" if isinstance(exc, DeviceUnavailableError) else "that cannot run it"
+            give_up(state, *key, f"shard {task.shard} of epoch {task.epoch} went to {losses} workers {lacking}, "
+                    f"and no worker has trained a shard of the run (last: {why})")  # fmt: skip
             return
         retry_or_give_up(state, *key, why, avoid=worker, count=False)
 

@@ -1,0 +1,97 @@
+"""The run's core (vcdask.engine.core) on workers whose environment cannot run the run: no module of the user's
+model (``WorkerEnvironmentError``), no view of the store (``StoreNotSharedError``), a plain ``OSError`` of the
+worker's environment.  Scripted events, no cluster (tests/test_worker_environment.py plays them on real workers)."""
+
+from __future__ import annotations
+
+import errno
+import pickle
+
+import pytest
+from test_engine_core import Script, emitted, keys
+
+from vcdask.engine.core import messages as m
+from vcdask.errors import StoreNotSharedError, WorkerEnvironmentError
+
+MODULE = WorkerEnvironmentError(
+    "worker a cannot load run r's model: ModuleNotFoundError: No module named 'mymodels'; install module "
+    "'mymodels' on every worker, send it with client.upload_file(...), or define the class in the script's __main__",
+    process="a",
+)
+STORE = StoreNotSharedError(
+    "worker a does not see the store at /tmp/x/store (no vcdask store at local directory '/tmp/x/store' here): a "
+    "local store must be on a filesystem every worker shares; use an object store for a fleet",
+    process="a",
+)
+
+
+@pytest.mark.parametrize("error", [MODULE, STORE], ids=["module", "store"])
+def test_a_worker_that_cannot_run_the_run_gets_no_more_shards_and_its_copy_goes_elsewhere(error):
+    """Such a task's error failed the run (a module: a task error) or used up the shard's attempts on the worker
+    that fails at once (a store: ``OSError``, lost); the worker is now unfit, named, and the copy goes elsewhere,
+    not counted against the shard."""
+    error = pickle.loads(pickle.dumps(error))  # (as it comes from the worker)
+    s = Script(n_shards=2, max_attempts=1)
+    first, key = keys(s(m.Poll()))
+    s.start(first, "b")
+    s.merge(s.finish_task(first, "b"))
+    s.start(key, "a")
+    task = s.state.tasks.records[key]
+    s(m.Completed(key))
+    effects = s(m.TaskFailed(task, error))
+    assert not [fx for fx in effects if isinstance(fx, m.Fail)]
+    [again] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    assert s.state.dispatch.failures[(1, task.shard)] == 0 and s.state.tasks.records[again.key].placed == "b"
+    record = s.state.pool.record("a")
+    assert record.excluded == str(error) and "a" not in s.state.pool.usable()
+    assert emitted(effects, "excluded")[0]["reason"].startswith("worker a ")
+
+
+def test_a_task_that_failed_before_it_said_it_started_names_its_worker_itself():
+    """A task that fails while it loads the spec may fail before the run heard that it started: the worker its
+    error names is the unfit one."""
+    s = Script(n_shards=2, max_attempts=1)
+    first, key = keys(s(m.Poll()))
+    s.start(first, "b")
+    s.merge(s.finish_task(first, "b"))
+    task = s.state.tasks.records[key]
+    assert task.worker is None
+    s(m.Completed(key))
+    effects = s(m.TaskFailed(task, MODULE))
+    assert not [fx for fx in effects if isinstance(fx, m.Fail)]
+    assert s.state.pool.record("a").excluded == str(MODULE)
+
+
+def test_no_worker_that_can_run_it_gives_the_shard_up_naming_why():
+    from vcdask.engine.core.failures import UNFIT_LOSSES
+
+    s = Script(n_shards=1, workers=("w0",), max_attempts=1)
+    [key] = keys(s(m.Poll()))
+    for n in range(UNFIT_LOSSES):
+        worker = f"w{n}"
+        if n:
+            [key] = keys(s(m.Joined(worker, 1)) + s(m.Poll()))
+        s.start(key, worker)
+        task = s.state.tasks.records[key]
+        s(m.Completed(key))
+        effects = s(m.TaskFailed(task, WorkerEnvironmentError(f"worker {worker} cannot load run r's model")))
+        s(m.Left(worker))
+    [fail] = [fx for fx in effects if isinstance(fx, m.Fail)]
+    assert f"went to {UNFIT_LOSSES} workers that cannot run it, and no worker has trained" in fail.failure.message
+    assert "cannot load run r's model" in fail.failure.message
+
+
+def test_a_plain_os_error_on_a_worker_sends_the_retry_elsewhere():
+    """An ``OSError`` of the worker's environment (not the run's store) is a lost copy, as before; its retry
+    now avoids that worker (it went back to the worker that had failed it at once, idle first)."""
+    s = Script(n_shards=2, max_attempts=3)
+    first, key = keys(s(m.Poll()))
+    s.start(first, "b")
+    s.merge(s.finish_task(first, "b"))
+    s.start(key, "a")
+    task = s.state.tasks.records[key]
+    s(m.Completed(key))
+    effects = s(m.TaskFailed(task, OSError(errno.EIO, "Input/output error")))
+    [again] = [fx for fx in effects if isinstance(fx, m.Submit)]
+    assert s.state.tasks.records[again.key].placed == "b"
+    assert s.state.dispatch.failures[(1, task.shard)] == 1

@@ -1,0 +1,167 @@
+"""Workers (and a scheduler) whose environment cannot run a run: real `dask worker` processes started beside a
+healthy one with another ``PYTHONPATH`` (no module of the user's model), or in a mount namespace of their own
+(``unshare``) where the store's directory is another one, hidden, or read-only.  Each such worker is named, gets
+no more shards, and the run goes on with the healthy one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import vcdask
+from vcdask import Resilience
+
+pytestmark = pytest.mark.cluster
+
+MODEL = """
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.layer(x)
+"""
+
+
+def _can_unshare() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+needs_unshare = pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -rm` (mount namespaces) on this machine")
+
+
+@pytest.fixture
+def model_module(tmp_path, monkeypatch):
+    """A module of the user's own (``mymodels_<hex>``) in a folder of its own, importable here (the client and
+    the in-process scheduler) but not on a worker without that folder on its ``PYTHONPATH``: (name, folder)."""
+    name = f"mymodels_{uuid.uuid4().hex[:8]}"
+    folder = tmp_path / "modules"
+    folder.mkdir()
+    (folder / f"{name}.py").write_text(MODEL)
+    monkeypatch.syspath_prepend(str(folder))
+    return name, folder
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 4)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int64")
+
+
+def _worker(scheduler: str, name: str, env: dict[str, str], mounts: str = "") -> subprocess.Popen:
+    """A `dask worker` process (1 thread), with ``env``; ``mounts``: shell commands run first in a mount
+    namespace of its own (its view of the filesystem, no other process's)."""
+    cmd = [sys.executable, "-m", "distributed.cli.dask_worker", scheduler, "--nthreads", "1", "--no-nanny"]
+    cmd += ["--name", name, "--no-dashboard"]
+    if mounts:
+        cmd = ["unshare", "-rm", "sh", "-c", f'{mounts} && exec "$@"', "sh", *cmd]
+    return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _address(client, name: str, timeout: float = 90) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for address, info in client.scheduler_info()["workers"].items():
+            if info.get("name") == name:
+                return address
+        time.sleep(0.2)
+    raise TimeoutError(f"worker {name} never joined")
+
+
+@pytest.fixture
+def scheduler():
+    """A scheduler (in this process) with no workers of its own, its client, and the worker processes a test
+    starts (stopped at the end)."""
+    from distributed import Client, LocalCluster
+
+    procs: list[subprocess.Popen] = []
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        yield client, procs
+        for p in procs:
+            p.kill()
+            p.wait(30)
+
+
+def _fit(client, model, store, **kwargs):
+    x, y = _data()
+    options = {"max_epochs": 2, "n_shards": 4, "batch_size": 32, "lr": 0.05, "progress": False}
+    return vcdask.fit(model, (x, y), client=client, store=str(store), **{**options, **kwargs})
+
+
+def _excluded(result, address: str) -> str:
+    return str(result.workers.set_index("worker").loc[address, "excluded"])
+
+
+def test_a_worker_without_the_models_module_gets_no_shards_and_the_run_goes_on(scheduler, model_module, tmp_path):
+    """A worker lacking the module of the user's model class made the run fail at once (``ModuleNotFoundError``,
+    naming neither the worker nor the fix); it is now unfit for the run, named with the remedies."""
+    client, procs = scheduler
+    name, folder = model_module
+    procs.append(_worker(client.scheduler.address, "good", {"PYTHONPATH": str(folder)}))
+    procs.append(_worker(client.scheduler.address, "bare", {}))
+    bare = _address(client, "bare")
+    _address(client, "good")
+    model = __import__(name).Net()
+    result = _fit(client, model, tmp_path / "store", max_epochs=3)
+    reason = _excluded(result, bare)
+    assert f"worker {bare} cannot load run" in reason and f"No module named '{name}'" in reason, reason
+    assert "client.upload_file" in reason and "__main__" in reason
+    assert (
+        result.history["worker"].ne(bare).all() or (result.history.query("worker == @bare")["outcome"] == "lost").all()
+    )
+    assert len(result.epochs) == 3
+
+
+@needs_unshare
+def test_a_worker_that_sees_another_store_at_the_same_path_gets_no_shards(scheduler, tmp_path):
+    """A worker whose directory at the store's path is a stale copy (another machine's) failed every attempt of
+    a shard in under a second (``FileNotFoundError: no object '.../spec.pkl'``), the healthy worker idle; it is
+    now unfit for the run, named, and its copies go to the other worker without counting as attempts."""
+    client, procs = scheduler
+    store = tmp_path / "store"
+    vcdask.open_store(str(store), mode="a")
+    stale = tmp_path / "stale"
+    shutil.copytree(store, stale)  # (the store as it was before the run: no run in it)
+    procs.append(_worker(client.scheduler.address, "good", {}))
+    procs.append(_worker(client.scheduler.address, "other", {}, mounts=f"mount --bind {stale} {store}"))
+    other = _address(client, "other")
+    _address(client, "good")
+    result = _fit(client, __import__("torch").nn.Linear(4, 2), store, resilience=Resilience(max_attempts=1))
+    reason = _excluded(result, other)
+    assert f"worker {other} does not see the store at" in reason, reason
+    assert "a local store must be on a filesystem every worker shares; use an object store" in reason
+
+
+@needs_unshare
+def test_a_worker_joining_without_the_store_gets_no_shards(scheduler, tmp_path):
+    """A worker that joins mid-run with the store's directory hidden (an empty one at its path) ended the run with
+    ``StoreNotFoundError ... use mode='a' to create one``; it is now unfit, named, and the run goes on."""
+    client, procs = scheduler
+    store = tmp_path / "store"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    procs.append(_worker(client.scheduler.address, "good", {}))
+    _address(client, "good")
+    handle = _fit(client, __import__("torch").nn.Linear(4, 2), store, max_epochs=30, wait=False)
+    procs.append(_worker(client.scheduler.address, "hidden", {}, mounts=f"mount --bind {empty} {store}"))
+    hidden = _address(client, "hidden")
+    result = handle.result()
+    reason = _excluded(result, hidden)
+    assert f"worker {hidden} does not see the store at" in reason and "no vcdask store at" in reason, reason
+    assert "mode='a'" not in reason
