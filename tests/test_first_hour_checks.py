@@ -164,3 +164,18 @@ def test_a_model_attribute_that_cannot_be_pickled_is_named_with_its_module(X, tm
     refused(model, (X, y), tmp_path, TypeError, *fragments)
     with pytest.raises(TypeError, match="its module '1' \\(_Head\\) holds attribute 'lock'"):
         cpu_copy(model)  # (the copy vcdask's checks make names it too)
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"), [("epochs", "max_epochs="), ("learning_rate", "lr="), ("bach_size", "batch_size=")]
+)
+def test_a_keyword_typo_says_which_option_was_meant(X, tmp_path, typo, meant):
+    y = np.random.default_rng(1).normal(size=N).astype("float32")
+    refused(
+        _linear(1),
+        (X, y),
+        tmp_path,
+        TypeError,
+        f"unexpected keyword argument {typo!r}; did you mean {meant}?",
+        **{typo: 5},
+    )

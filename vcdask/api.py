@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ._ints import check_bool
+from ._keywords import suggests_keywords
 from .groups import Merging, Stopping, Training, fold
 from .handle import FitResult, RunHandle
 from .lr_schedules import RunSchedule
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["fit", "resume"]
 
 
+@suggests_keywords
 def fit(
     model: torch.nn.Module,
     data: Any,
