@@ -11,7 +11,7 @@ import pytest
 from test_engine_core import Script, emitted, keys
 
 from vcdask.engine.core import messages as m
-from vcdask.errors import StoreNotSharedError, WorkerEnvironmentError
+from vcdask.errors import StoreAccessDeniedError, StoreNotSharedError, WorkerEnvironmentError
 
 MODULE = WorkerEnvironmentError(
     "worker a cannot load run r's model: ModuleNotFoundError: No module named 'mymodels'; install module "
@@ -95,3 +95,14 @@ def test_a_plain_os_error_on_a_worker_sends_the_retry_elsewhere():
     [again] = [fx for fx in effects if isinstance(fx, m.Submit)]
     assert s.state.tasks.records[again.key].placed == "b"
     assert s.state.dispatch.failures[(1, task.shard)] == 1
+
+
+def test_a_read_only_mount_is_refused_by_the_side_files_not_an_outage(tmp_path):
+    """``EROFS`` (a worker's read-only mount) and ``EACCES`` writing a side file were store faults (the run paused
+    as for an outage, the worker never excluded); they are access denied, as for the store's own files."""
+    from vcdask.store._files import _fault
+
+    for code in (errno.EROFS, errno.EACCES):
+        err = _fault(OSError(code, "Read-only file system"), "writing 'u.safetensors'")
+        assert isinstance(err, StoreAccessDeniedError), code
+    assert not isinstance(_fault(OSError(errno.EIO, "I/O"), "writing"), StoreAccessDeniedError)

@@ -165,3 +165,23 @@ def test_a_worker_joining_without_the_store_gets_no_shards(scheduler, tmp_path):
     reason = _excluded(result, hidden)
     assert f"worker {hidden} does not see the store at" in reason and "no vcdask store at" in reason, reason
     assert "mode='a'" not in reason
+
+
+@needs_unshare
+def test_a_worker_on_a_read_only_mount_is_excluded_not_an_outage(scheduler, tmp_path):
+    """Every update a worker wrote to a read-only mount failed with ``EROFS``, which the run took for a store
+    outage (paused each time, the worker never excluded; alone, it failed after ``store_outage_timeout`` blaming
+    the store).  It is now refused by the store (access denied): the worker is blamed and excluded."""
+    client, procs = scheduler
+    store = tmp_path / "store"
+    vcdask.open_store(str(store), mode="a")
+    procs.append(_worker(client.scheduler.address, "good", {}))
+    procs.append(_worker(client.scheduler.address, "readonly", {}, mounts=f"mount --bind -o ro {store} {store}"))
+    readonly = _address(client, "readonly")
+    _address(client, "good")
+    resilience = Resilience(max_worker_failures=1, store_outage_timeout=30)
+    result = _fit(client, __import__("torch").nn.Linear(4, 2), store, resilience=resilience)
+    assert _excluded(result, readonly).startswith("1 failed"), _excluded(result, readonly)
+    there = result.history[result.history["worker"] == readonly]
+    assert len(there) and there["reason"].str.contains("StoreAccessDeniedError.*Read-only file system").all()
+    assert not result.history["outcome"].eq("store fault").any()

@@ -6,6 +6,7 @@ They live under ``<store>/runs/<run_id>/``; Icechunk never reads or deletes them
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import stat
@@ -103,7 +104,8 @@ def _fault(e: OSError, what: str) -> StoreError:
     traceback, whose cause would show it unredacted."""
     if isinstance(e, StoreError):
         return e
-    if isinstance(e, PermissionError):
+    if isinstance(e, PermissionError) or e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        # (refused: a read-only filesystem, or permissions; as :func:`~._local._fault` says for the store itself)
         return StoreAccessDeniedError(redact(f"{what}: {e}"))
     return StoreError(redact(f"{what}: {e}"))
 
