@@ -17,6 +17,7 @@ import pytest
 
 import vcdask
 from vcdask import Resilience
+from vcdask.cli._listing import run_ids
 
 pytestmark = pytest.mark.cluster
 
@@ -185,3 +186,39 @@ def test_a_worker_on_a_read_only_mount_is_excluded_not_an_outage(scheduler, tmp_
     there = result.history[result.history["worker"] == readonly]
     assert len(there) and there["reason"].str.contains("StoreAccessDeniedError.*Read-only file system").all()
     assert not result.history["outcome"].eq("store fault").any()
+
+
+def test_a_scheduler_without_the_models_module_says_so_and_leaves_no_run(model_module, tmp_path):
+    """A scheduler that cannot import the module of the model's class raised a bare ``ModuleNotFoundError`` and
+    left the run's branch and folder behind (``incomplete 0/2`` in ``vcdask runs``)."""
+    from distributed import Client
+
+    from vcdask.errors import SchedulerEnvironmentError
+
+    name, folder = model_module
+    port = 20000 + os.getpid() % 20000
+    address = f"tcp://127.0.0.1:{port}"
+    sched = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port)]
+        + ["--dashboard-address", ":0"],
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    worker = _worker(address, "good", {"PYTHONPATH": str(folder)})
+    try:
+        with Client(address, timeout=60, set_as_default=False) as client:
+            client.wait_for_workers(1, timeout=90)
+            store = tmp_path / "store"
+            with pytest.raises(SchedulerEnvironmentError) as raised:
+                _fit(client, __import__(name).Net(), store)
+            message = str(raised.value)
+            assert f"the scheduler {address} cannot" in message and f"No module named '{name}'" in message, message
+            assert "client.upload_file" in message and "__main__" in message
+            assert isinstance(raised.value, ImportError)
+            opened = vcdask.open_store(str(store), mode="r")
+            assert run_ids(opened) == [] and [b for b in opened.branches() if b != "main"] == []
+    finally:
+        for p in (worker, sched):
+            p.kill()
+            p.wait(30)

@@ -26,6 +26,7 @@ from .cluster import check_client, in_task, owns_client, resolve_client
 from .data import Shards
 from .device import cpu_copy
 from .engine.end import read_record
+from .errors import SchedulerEnvironmentError
 from .extend import check_extend, epochs_done, keep_max_epochs
 from .handle import FitResult, RunHandle, ensure_plugin
 from .holdout import check_early_stopping
@@ -95,9 +96,13 @@ def launch(
             save_spec(dataclasses.replace(spec, start=start))
             saved = True
             let_go_of_rows(plan)
-            handle = _start(
-                c, plan.store, run_id, model=model, setup_seconds=time.perf_counter() - t0, owns=owns_client(client)
-            )
+            try:
+                handle = _start(
+                    c, plan.store, run_id, model=model, setup_seconds=time.perf_counter() - t0, owns=owns_client(client)
+                )
+            except SchedulerEnvironmentError:  # the scheduler could not read the spec: the run never started
+                saved = False  # (nothing of it is left: `vcdask runs` would list it, incomplete)
+                raise
             if not wait:
                 return handle
             wait_for(handle, progress)

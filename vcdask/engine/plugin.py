@@ -19,7 +19,7 @@ import time
 from distributed import SchedulerPlugin
 
 from .. import config
-from ..errors import RunNotFoundError
+from ..errors import RunNotFoundError, SchedulerEnvironmentError
 from ..spec import load_spec
 from . import policy, scaling
 from .events import drop_topics
@@ -192,7 +192,7 @@ class VcdaskPlugin(SchedulerPlugin):
         starting = self._starting[run_id] = loop.create_future()
         try:
             store_obj = pickle.loads(store)
-            spec = await loop.run_in_executor(None, load_spec, store_obj, run_id)
+            spec = await loop.run_in_executor(None, self._load_spec, store_obj, run_id)
             if max_epochs is not None:
                 spec = dataclasses.replace(spec, max_epochs=max_epochs)
             try:  # (a metadata read; an outage is the run's to ride out, not the start's)
@@ -211,6 +211,23 @@ class VcdaskPlugin(SchedulerPlugin):
             del self._starting[run_id]
             starting.set_result(None)
         return run_id
+
+    def _load_spec(self, store, run_id: str):
+        """The run's spec; one that needs a module the scheduler cannot import (the module of the user's model
+        class) is a :class:`~vcdask.errors.SchedulerEnvironmentError` naming the scheduler and the remedies."""
+        try:
+            return load_spec(store, run_id)
+        except (ImportError, AttributeError) as e:  # (unpickling: a module, or a name in it, not here)
+            address = self.scheduler.address
+            module = getattr(e, "name", None)
+            what = f"module {module!r}" if module else "the module of the run's model class (or of its data, its loss)"
+            raise SchedulerEnvironmentError(
+                f"the scheduler {address} cannot load run {run_id}'s model: {type(e).__name__}: {e}; the scheduler "
+                f"reads the run's spec too: install {what} where the scheduler runs (the same version as the "
+                "client's), send it with client.upload_file(...) (it reaches the scheduler as well as the workers), "
+                "or define the class in the script's __main__ (pickled by value)",
+                process=address,
+            ) from e
 
     def _forget_task(self, task: asyncio.Task) -> None:
         """A run's driver returned: drop its task (the Run keeps only its small result, see engine.end), and
