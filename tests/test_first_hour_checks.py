@@ -179,3 +179,21 @@ def test_a_keyword_typo_says_which_option_was_meant(X, tmp_path, typo, meant):
         f"unexpected keyword argument {typo!r}; did you mean {meant}?",
         **{typo: 5},
     )
+
+
+def test_an_optimizer_name_says_to_pass_its_class(X, tmp_path):
+    y = np.random.default_rng(1).normal(size=N).astype("float32")
+    fragments = ["got str 'adamw' (a name)", "optimizer=torch.optim.AdamW", "functools.partial(torch.optim.AdamW"]
+    refused(_linear(1), (X, y), tmp_path, TypeError, *fragments, optimizer="adamw")
+
+
+def test_an_optimizer_instance_says_to_pass_its_class_or_a_partial(X, tmp_path):
+    y = np.random.default_rng(1).normal(size=N).astype("float32")
+    model = _linear(1)
+    built = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fragments = [
+        "an optimizer built already",
+        "optimizer=torch.optim.SGD",
+        "functools.partial(torch.optim.SGD, momentum",
+    ]
+    refused(model, (X, y), tmp_path, TypeError, *fragments, optimizer=built)

@@ -41,10 +41,28 @@ def check_optimizer(optimizer: Any) -> None:
     """
     if optimizer is None or callable(optimizer):  # (a class is callable)
         return
-    raise TypeError(
-        f"optimizer must be a torch.optim.Optimizer class or a callable params -> optimizer, "
-        f"got {type(optimizer).__name__}"
-    )
+    how = "optimizer must be a torch.optim.Optimizer class or a callable params -> optimizer"
+    if isinstance(optimizer, torch.optim.Optimizer):  # built on the caller's model: each worker builds its own
+        cls = f"torch.optim.{type(optimizer).__name__}" if _in_torch(type(optimizer)) else type(optimizer).__name__
+        raise TypeError(
+            f"{how}, got an optimizer built already ({cls} of the model given here): each worker builds its own on "
+            f"its copy of the model, so pass the class, optimizer={cls} (lr= sets its learning rate), or "
+            f"functools.partial({cls}, momentum=0.9) for its other settings"
+        )
+    if isinstance(optimizer, str):
+        named = {n.lower(): n for n in dir(torch.optim) if _in_torch(getattr(torch.optim, n))}
+        found = named.get(optimizer.lower().replace("_", ""))
+        cls, which = (f"torch.optim.{found}", "the class") if found else ("torch.optim.Adam", "a class, e.g.")
+        raise TypeError(
+            f"{how}, got str {optimizer!r} (a name): pass {which} optimizer={cls} (lr= sets its learning rate), or "
+            f"functools.partial({cls}, weight_decay=0.01) for its other settings"
+        )
+    raise TypeError(f"{how}, got {type(optimizer).__name__}")
+
+
+def _in_torch(cls: Any) -> bool:
+    """Whether ``cls`` is one of torch's optimizer classes (``torch.optim.SGD``)."""
+    return isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("torch.optim")
 
 
 def _every(name: str, value: Any) -> int | str:
