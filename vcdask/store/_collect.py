@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .. import config
 from ..errors import VersionNotFoundError
 from ._errors import translate
-from ._history import HOLD_PREFIX, HistoryStore, is_reserved, parse_pin, pin_name, reachable
+from ._history import HOLD_PREFIX, HistoryStore, is_reserved, parse_pin, pin_index, pin_name, reachable, read_branch
 from ._layout import is_version
 from ._names import NamedStore, check_listed, ref_entries, remove_empty_refs
 from ._retention import GCReport, Retention, select
@@ -135,9 +135,9 @@ def gc(
     import icechunk
 
     chosen = [branches] if isinstance(branches, str) else None if branches is None else list(branches)
-    names = store._repo.list_branches()
-    for b in chosen or ():
-        if b not in names or is_reserved(b):
+    for b in chosen or ():  # (each looked up: a run's own collection lists the branches once, in collect)
+        if is_reserved(b) or not _has_branch(store._repo, b):
+            names = store._repo.list_branches()
             raise VersionNotFoundError(
                 f"no branch {b!r} in {store.describe()}; branches: {sorted(n for n in names if not is_reserved(n))}"
             )
@@ -164,6 +164,8 @@ def collect(
 ) -> GCReport:
     """One collection over ``store`` (see the module docstring); ``branches=None``: every branch.  Refused while
     the storage holds a tag or branch that Icechunk does not list (:func:`._names.check_listed`)."""
+    import icechunk
+
     repo = store._repo
     grace = timedelta(seconds=retention.grace if retention.grace is not None else _default_grace(store))
     listed_at = datetime.now(UTC)  # anything committed after this is newer than the cutoff
@@ -171,19 +173,28 @@ def collect(
     fresh = repo.reopen()  # another process may have expired history since this one last looked
     listed, tags = fresh.list_branches(), fresh.list_tags()
     empty = check_listed(store, entries, listed, tags, "collecting old versions")  # (deleted branches' folders)
-    heads = _heads(fresh, listed)
-    names = set(heads)
+    names = set(listed)
     tagged = {fresh.lookup_tag(t) for t in tags}
     held = _live_holds(store, tidy=not dry_run)
     managed = sorted(b for b in names if not is_reserved(b)) if branches is None else list(branches)
+    # what each ref keeps: a pin's or a hold's version is in its name (vcdask makes them there, and never moves
+    # them: no look-up of each); a managed branch's head is the first of the history read below; any other
+    # branch is looked up once (a branch deleted since the listing is left out)
+    heads = {n: v for n in names if (v := _named_version(n)) is not None}
+    heads.update(_heads(fresh, names - set(managed) - set(heads)))
+    by_branch = pin_index(names)
     report = GCReport(dry_run=dry_run)
     want_pins: dict[str, str] = {}  # pin name -> version: every kept version (its head too: it may move meanwhile)
     drops = {}
     for b in managed:
-        versions = store.versions(b)
+        try:
+            head, versions = read_branch(store, fresh, b, by_branch.get(b, {}))
+        except icechunk.IcechunkError as e:
+            raise store._ref_error(e, branch=b) from None
+        heads[b] = head.id
         if not versions:
             continue
-        floor = in_use[b] if b in in_use else _marker(fresh, b, listed_at, active_only=True)
+        floor = in_use[b] if b in in_use else _marker(head, listed_at, active_only=True)
         sel = select(versions, retention, tagged=tagged, in_use_step=floor)
         report.kept[b], drops[b] = [v.id for v in sel.keep], sel.drop
         want_pins.update((pin_name(v.id, b), v.id) for v in sel.keep)
@@ -194,8 +205,8 @@ def collect(
     refs = {v for n, v in heads.items() if n not in stale_pins | unheld} | tagged | held | set(want_pins.values())
     bounds = [listed_at - grace]  # (the clocks of other writers may lag this one's)
     for b in sorted(names - set(managed)):
-        if not is_reserved(b):
-            bounds.extend(_bound(store, fresh, b, refs, listed_at, report))
+        if not is_reserved(b) and b in heads:
+            bounds.extend(_bound(store, fresh, b, heads[b], refs, listed_at, report))
     cutoff = min(bounds)
     for b, dropped in drops.items():
         report.removed[b] = [v.id for v in dropped if v.written_at < cutoff and v.id not in refs]
@@ -239,8 +250,7 @@ def collect(
 
 def _heads(repo: Any, listed: set[str]) -> dict[str, str]:
     """Branch -> its head snapshot, of the branches ``listed``; a branch deleted between the listing and its
-    look-up (a pin another run's collection removed meanwhile: two runs collecting in one store) is left out,
-    not an error."""
+    look-up (another process deleted it meanwhile) is left out, not an error."""
     import icechunk
 
     heads = {}
@@ -315,9 +325,27 @@ def _unpin(repo: Any, name: str) -> None:
             raise
 
 
-def _marker(repo: Any, branch: str, now: datetime, *, active_only: bool) -> int | None:
-    """The ``keep_from_step`` marker of ``branch``'s newest version (None without one, or when stale)."""
-    head = repo.lookup_snapshot(repo.lookup_branch(branch))
+def _named_version(name: str) -> str | None:
+    """The version a pin or a hold keeps, from its name (None for any other branch)."""
+    if name.startswith(HOLD_PREFIX):
+        return name[len(HOLD_PREFIX) :]
+    p = parse_pin(name)
+    return None if p is None else p[0]
+
+
+def _has_branch(repo: Any, branch: str) -> bool:
+    import icechunk
+
+    try:
+        repo.lookup_branch(branch)
+    except icechunk.IcechunkError:
+        return branch in repo.list_branches()  # (a fault of the storage, not "no such branch": raised by the listing)
+    return True
+
+
+def _marker(head: Any, now: datetime, *, active_only: bool) -> int | None:
+    """The ``keep_from_step`` marker of a branch's newest version, ``head`` (a snapshot: None without one, or
+    when stale)."""
     step = (head.metadata or {}).get(KEEP_FROM_KEY)
     if not isinstance(step, int):
         return None
@@ -327,17 +355,17 @@ def _marker(repo: Any, branch: str, now: datetime, *, active_only: bool) -> int 
 
 
 def _bound(
-    store: CollectedStore, repo: Any, branch: str, refs: set[str], now: datetime, report: GCReport
+    store: CollectedStore, repo: Any, branch: str, head: str, refs: set[str], now: datetime, report: GCReport
 ) -> list[datetime]:
-    """The oldest time a branch this collection does not manage still needs (empty: it needs nothing).
+    """The oldest time a branch this collection does not manage, whose newest snapshot is ``head``, still needs
+    (empty: it needs nothing).
 
     With a writer's marker: its versions from that step on that nothing else keeps (what its writer
     committed since it last collected, and what its tasks read).  Without one: its whole history, read
     once per head and process (not again at every collection), and again once the oldest version it
     holds back is gone (someone applied a policy to it).
     """
-    step = _marker(repo, branch, now, active_only=False)
-    head = repo.lookup_branch(branch)
+    step = _marker(repo.lookup_snapshot(head), now, active_only=False)
     cached = store._histories.get((branch, head)) if step is None else None
     oldest = _oldest(cached or [], refs)
     if cached is None or (oldest is not None and not _exists(repo, oldest[0])):  # (first time, or expired since)

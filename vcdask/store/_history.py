@@ -10,6 +10,7 @@ through a fresh :meth:`icechunk.Repository.reopen` (no I/O; an empty cache).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import VersionNotFoundError
@@ -30,10 +31,12 @@ __all__ = [
     "history",
     "is_reserved",
     "parse_pin",
+    "pin_index",
     "pin_name",
     "pins",
     "point_to_runs",
     "reachable",
+    "read_branch",
     "store_nbytes",
     "version_nbytes",
 ]
@@ -89,23 +92,49 @@ def parse_pin(name: str) -> tuple[str, str] | None:
     return version, branch
 
 
-def pins(names: set[str], branch: str) -> dict[str, str]:
+def pins(names: Iterable[str], branch: str) -> dict[str, str]:
     """Version id -> pin name, of the pins among ``names`` that keep versions of ``branch``."""
     return {p[0]: name for name in names if (p := parse_pin(name)) is not None and p[1] == branch}
 
 
-def history(store: HistoryStore, branch: str) -> list[VersionInfo]:
-    """The versions of ``branch``, newest first: its history, and the older versions pinned for it."""
-    repo = store._repo.reopen()
-    snaps = [s for s in repo.ancestry(branch=branch) if is_version(s)]
+def pin_index(names: Iterable[str]) -> dict[str, dict[str, str]]:
+    """Branch -> (version id -> pin name), of every pin among ``names``: one pass over one listing, for
+    a collection (or a listing of runs) that reads several branches (not a parse of every name per branch)."""
+    index: dict[str, dict[str, str]] = {}
+    for name in names:
+        if (p := parse_pin(name)) is not None:
+            index.setdefault(p[1], {})[p[0]] = name
+    return index
+
+
+def history(
+    store: HistoryStore,
+    branch: str,
+    *,
+    repo: icechunk.Repository | None = None,
+    pinned: dict[str, str] | None = None,
+) -> list[VersionInfo]:
+    """The versions of ``branch``, newest first: its history, and the older versions pinned for it.
+
+    ``repo``: a repository reopened for this read (default: a fresh one); ``pinned``: the pins of ``branch``
+    (version id -> pin name), from a listing made for several branches at once (default: listed now)."""
+    return read_branch(store, store._repo.reopen() if repo is None else repo, branch, pinned)[1]
+
+
+def read_branch(
+    store: HistoryStore, repo: icechunk.Repository, branch: str, pinned: dict[str, str] | None = None
+) -> tuple[icechunk.SnapshotInfo, list[VersionInfo]]:
+    """(``branch``'s head snapshot, its versions as :func:`history` gives them), read from ``repo``."""
+    ancestry = list(repo.ancestry(branch=branch))
+    snaps = [s for s in ancestry if is_version(s)]
     out = [version_info(s, snaps[i + 1].id if i + 1 < len(snaps) else None) for i, s in enumerate(snaps)]
     seen = {v.id for v in out}
-    for version in pins(repo.list_branches(), branch).keys() - seen:
+    for version in (pins(repo.list_branches(), branch) if pinned is None else pinned).keys() - seen:
         info = store._pinned.get(version)
         if info is None:  # a pinned version never changes: read once per process
             info = store._pinned[version] = version_info(repo.lookup_snapshot(version), None)
         out.append(info)
-    return sorted(out, key=lambda v: v.written_at, reverse=True)
+    return ancestry[0], sorted(out, key=lambda v: v.written_at, reverse=True)
 
 
 def reachable(store: HistoryStore, version: str) -> bool:

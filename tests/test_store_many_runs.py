@@ -1,0 +1,114 @@
+"""A store that many runs wrote into: what one collection, one branch's versions and ``vcdask runs`` ask of
+Icechunk does not grow with the number of runs.
+
+Each run leaves its branch and a hidden pin (``vcdask.keep.<version>.<run>``) per version its retention keeps: a
+store of 300 runs held 1800 Icechunk branches, and every ``versions(run)`` listed them all (about 0.1 ms per
+branch on a local disk) and parsed every name; a collection of every branch called it for each branch (300 runs:
+303 listings, 30 of its 36 s), ``vcdask runs`` too, and a run's own collection looked up every pin.  These tests
+count the calls that a real store makes of Icechunk's own ``Repository`` (a spy that calls through) in a store
+of a few runs, and again once more runs are there; and check that what a collection keeps and removes is what
+it was.  Timings are in ``benchmarks/many_runs.py``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import icechunk
+import pytest
+import torch
+
+import vcdask
+from vcdask import Retention
+
+#: Icechunk's calls whose number a store with more runs must not grow.
+COUNTED = ("list_branches", "list_tags", "lookup_branch", "lookup_snapshot")
+POLICY = Retention(keep_last=2, keep_epochs=False, grace=0)
+
+
+@pytest.fixture
+def calls(monkeypatch) -> Counter:
+    """Icechunk's :data:`COUNTED` calls, by name (and ``lookup_branch:<branch>``), on every repository."""
+    seen: Counter = Counter()
+    for name in COUNTED:
+        real = getattr(icechunk.Repository, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            seen[_name] += 1
+            if _name == "lookup_branch":
+                seen[f"lookup_branch:{args[0] if args else kwargs.get('branch')}"] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(icechunk.Repository, name, spy)
+    return seen
+
+
+def _counted(calls: Counter, fn) -> tuple[Counter, object]:
+    """The calls ``fn()`` makes, and what it returns."""
+    calls.clear()
+    out = fn()
+    counted = Counter(calls)
+    calls.clear()
+    return counted, out
+
+
+def _commit(store, branch: str, steps, keep_from=None) -> dict[int, str]:
+    out = {}
+    for step in steps:
+        meta = {"run_id": branch, "step": step, "epoch": step // 3}
+        mark = step if keep_from is None else keep_from
+        out[step] = store.commit({"w": torch.full((4,), float(step))}, meta, branch=branch, keep_from=mark)
+    return out
+
+
+def _ended_run(store, run: str) -> dict[int, str]:
+    """A run as the engine leaves it: five versions, its writer's marker, its own final collection (which pins
+    what it keeps), a spec and an ended run's record."""
+    store.create_branch(run)
+    versions = _commit(store, run, range(5))
+    store.gc(Retention(), branches=[run], in_use={run: 4})
+    store.files.put(f"{run}/spec.pkl", b"")
+    store.files.put(f"{run}/status.json", b'{"status": "finished", "stop_kind": "max_epochs", "epochs_done": 2}')
+    return versions
+
+
+def _more_runs(store, count: int, start: int) -> None:
+    for i in range(start, start + count):
+        _ended_run(store, f"run-20260101-0000{i:02d}-filler")
+
+
+def _ids(versions: dict[int, str], steps) -> set[str]:
+    return {versions[s] for s in steps}
+
+
+def test_a_collection_of_every_branch_lists_the_branches_once_and_looks_up_no_pin(tmp_path, calls):
+    """Several runs, a branch made from another's version, a tag, a reader's hold: the same versions kept and
+    removed as ever, with one listing of the branches (before: one per branch) and no look-up of any pin."""
+    store = vcdask.open_store(tmp_path / "s")
+    _more_runs(store, 2, 0)
+    store.create_branch("run-a")
+    a = _commit(store, "run-a", range(8))
+    store.create_branch("run-b", a[2])  # (a resumed run: run-a's first versions are in its history)
+    b = _commit(store, "run-b", range(10, 13))
+    store.tag("best", a[1])
+    with store.hold(a[3]):
+        counted, report = _counted(calls, lambda: store.gc(POLICY))
+    assert set(report.kept["run-a"]) == _ids(a, (1, 6, 7))  # the newest two, and the tagged one
+    assert set(report.removed["run-a"]) == _ids(a, (0, 2, 4, 5)) and report.deferred["run-a"] == [a[3]]  # held
+    assert set(report.kept["run-b"]) == _ids(b, (11, 12)) | {a[1]}
+    assert set(report.removed["run-b"]) == _ids(b, (10,)) | _ids(a, (0, 2)) and report.deferred["run-b"] == []
+    assert report.held_back == []
+    assert [v.id for v in store.versions("run-a")] == [a[7], a[6], a[1]]  # (a[3]: out of its history, still held)
+    assert [v.id for v in store.versions("run-b")] == [b[12], b[11], a[1]]
+    assert store.read(a[3]).metadata["step"] == 3 and store.read(tag="best").metadata["step"] == 1
+    assert counted["list_branches"] <= 2, counted  # (2: it removed versions, and read the holds again first)
+    assert not [k for k in counted if k.startswith("lookup_branch:vcdask.")], counted
+    # nothing to remove (once the released hold's pin is gone): one listing, and no more look-ups with more runs
+    store.gc(POLICY)
+    few, _ = _counted(calls, lambda: store.gc(POLICY))
+    _more_runs(store, 6, 2)
+    store.gc(POLICY)  # (the new runs' versions this policy does not keep)
+    many, again = _counted(calls, lambda: store.gc(POLICY))
+    assert few["list_branches"] == many["list_branches"] == 1, (few, many)
+    assert few["lookup_branch"] == many["lookup_branch"] and few["list_tags"] == many["list_tags"], (few, many)
+    assert again.n_removed == 0 and set(again.kept["run-a"]) == _ids(a, (1, 6, 7))
