@@ -222,3 +222,17 @@ def test_a_scheduler_without_the_models_module_says_so_and_leaves_no_run(model_m
         for p in (worker, sched):
             p.kill()
             p.wait(30)
+
+
+def test_a_version_mismatch_warning_points_at_the_users_call(scheduler, tmp_path):
+    """The launch's warning that a worker's vcdask differs pointed at vcdask/launching.py, not at ``fit``."""
+    client, procs = scheduler
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text("import vcdask\nvcdask.__version__ = '0.0.1'\n")
+    procs.append(_worker(client.scheduler.address, "older", {"PYTHONPATH": str(folder)}))
+    _address(client, "older")
+    with pytest.warns(RuntimeWarning, match="vcdask on the cluster differs") as caught:
+        _fit(client, __import__("torch").nn.Linear(4, 2), tmp_path / "store", max_epochs=1)
+    [warning] = [w for w in caught if "vcdask on the cluster differs" in str(w.message)]
+    assert warning.filename == __file__, warning.filename
