@@ -12,6 +12,9 @@ it was.  Timings are in ``benchmarks/many_runs.py``.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 from collections import Counter
 
 import icechunk
@@ -20,6 +23,8 @@ import torch
 
 import vcdask
 from vcdask import Retention
+from vcdask.cli import main as cli
+from vcdask.store._history import pin_name
 
 #: Icechunk's calls whose number a store with more runs must not grow.
 COUNTED = ("list_branches", "list_tags", "lookup_branch", "lookup_snapshot")
@@ -112,3 +117,45 @@ def test_a_collection_of_every_branch_lists_the_branches_once_and_looks_up_no_pi
     assert few["list_branches"] == many["list_branches"] == 1, (few, many)
     assert few["lookup_branch"] == many["lookup_branch"] and few["list_tags"] == many["list_tags"], (few, many)
     assert again.n_removed == 0 and set(again.kept["run-a"]) == _ids(a, (1, 6, 7))
+
+
+def test_one_branchs_versions_do_not_list_every_other_runs_branches(tmp_path, calls):
+    """A branch's versions, its pinned ones too, with no listing of the branches on a local disk (the folders
+    under ``refs/`` name its pins, each looked up); the folder a deleted pin leaves is no version of it."""
+    store = vcdask.open_store(tmp_path / "s")
+    run = "run-20260101-000000-mine"
+    v = _ended_run(store, run)
+    store.commit({"w": torch.zeros(4)}, {"step": 5, "epoch": 2}, branch=run, keep_from=5)
+    store.gc(POLICY, branches=[run], in_use={run: 5})  # v[4] and the new head kept; v[0..3] unpinned, gone
+    expected = [x.id for x in store.versions(run)]
+    assert len(expected) == 2 and expected[1] == v[4]
+    gone = os.path.join(store.location, "refs", f"branch.{pin_name(v[0], run)}")
+    os.makedirs(gone, exist_ok=True)  # (a pin deleted by a collection that stopped before removing its folder)
+    few, listed = _counted(calls, lambda: store.versions(run))
+    assert [x.id for x in listed] == expected
+    _more_runs(store, 6, 1)
+    os.makedirs(gone, exist_ok=True)  # (their collections removed it)
+    many, listed = _counted(calls, lambda: store.versions(run))
+    assert [x.id for x in listed] == expected
+    assert few["list_branches"] == many["list_branches"] == 0, (few, many)
+    assert few == many, (few, many)  # (its own two pins and the empty folder looked up: nothing of the others)
+
+
+def test_vcdask_runs_lists_the_branches_once_whatever_the_number_of_runs(tmp_path, calls):
+    location = str(tmp_path / "s")
+    store = vcdask.open_store(location)
+    _more_runs(store, 2, 0)
+
+    def listing() -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli(["runs", location]) == 0
+        return out.getvalue()
+
+    few, shown = _counted(calls, listing)
+    assert "2 runs in" in shown and shown.count("finished") == 2
+    _more_runs(store, 6, 2)
+    many, shown = _counted(calls, listing)
+    assert "8 runs in" in shown and shown.count("finished") == 8 and " 2/" in shown
+    assert few["list_branches"] == many["list_branches"] == 1, (few, many)
+    assert few["lookup_branch"] == many["lookup_branch"] <= 1, (few, many)  # (opening the store: "main")

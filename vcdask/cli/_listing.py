@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,12 +36,16 @@ def open_store_for(args: argparse.Namespace, mode: str = "r") -> Any:
         raise missing_store(args.store, e) from None
 
 
-def run_ids(store: Any) -> list[str]:
-    """The runs in ``store``, oldest first: branches with a run spec (run ids start with their start time)."""
+def run_ids(store: Any, names: Iterable[str] | None = None) -> list[str]:
+    """The runs in ``store``, oldest first: branches with a run spec (run ids start with their start time).
+    ``names``: its branches, listed already (:func:`~vcdask.store._history.branch_names`; default: listed now;
+    no branch's head is looked up)."""
     from ..spec import spec_path
+    from ..store._history import branch_names
 
-    names = [b for b in store.branches() if not b.startswith(HIDDEN_BRANCHES) and b != "main"]
-    return sorted(b for b in names if store.files.exists(spec_path(b)))
+    listed = branch_names(store) if names is None else names
+    runs = [b for b in listed if not b.startswith(HIDDEN_BRANCHES) and b != "main"]
+    return sorted(b for b in runs if store.files.exists(spec_path(b)))
 
 
 def _when(t: datetime | None) -> str:
@@ -76,12 +81,13 @@ def versions(args: argparse.Namespace) -> int:
 
 
 # -- runs -------------------------------------------------------------------------------------------------
-def run_info(store: Any, run_id: str) -> dict[str, Any]:
+def run_info(store: Any, run_id: str, versions: list[Any] | None = None) -> dict[str, Any]:
     """What a run's record (``runs/<run_id>/status.json``, written by the engine), its versions' metadata
-    and, for ``vcdask train`` runs, its job record say about it; never unpickles the run's spec."""
+    and, for ``vcdask train`` runs, its job record say about it; never unpickles the run's spec.  ``versions``:
+    the run's versions, read already (default: ``store.versions(run_id)``)."""
     from ..engine.end import read_record
 
-    listed = store.versions(run_id)
+    listed = store.versions(run_id) if versions is None else versions
     head = listed[0] if listed else None
     meta = head.metadata if head else {}
     done = meta.get("progress", {}).get("done", [])
@@ -177,8 +183,13 @@ def _start_name(start: Any) -> str | None:
 
 
 def runs(args: argparse.Namespace) -> int:
+    from ..store._history import branch_names, versions_of
+
     store = open_store_for(args)
-    infos = [run_info(store, r) for r in reversed(run_ids(store))]
+    names = branch_names(store)  # (one listing for every run's versions: not one per run)
+    ids = run_ids(store, names)
+    listed = versions_of(store, ids, names)
+    infos = [run_info(store, r, listed.get(r)) for r in reversed(ids)]
     if args.json:
         print(json.dumps(infos, default=str, indent=2))
         return 0
@@ -197,12 +208,14 @@ def runs(args: argparse.Namespace) -> int:
 
 # -- tags -------------------------------------------------------------------------------------------------
 def tags(args: argparse.Namespace) -> int:
+    from ..store._history import branch_names, versions_of
+
     store = open_store_for(args)
     named = store.tags()
     infos = {}
-    for branch in store.branches():
-        if not branch.startswith(HIDDEN_BRANCHES):
-            infos.update({v.id: v for v in store.versions(branch) if v.id in named.values()})
+    names = branch_names(store)  # (one listing for every branch's versions: not one per branch)
+    for listed in versions_of(store, sorted(b for b in names if not b.startswith(HIDDEN_BRANCHES)), names).values():
+        infos.update({v.id: v for v in listed if v.id in named.values()})
     rows = []
     for name, version in named.items():
         info = infos.get(version) or store.read(version).info
