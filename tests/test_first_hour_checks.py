@@ -197,3 +197,20 @@ def test_an_optimizer_instance_says_to_pass_its_class_or_a_partial(X, tmp_path):
         "functools.partial(torch.optim.SGD, momentum",
     ]
     refused(model, (X, y), tmp_path, TypeError, *fragments, optimizer=built)
+
+
+def test_an_accuracy_target_given_as_a_percentage_is_refused(X, tmp_path):
+    y = (X[:, 0] > 0).astype("int64")
+    fragments = ["target {'accuracy': 95} can never be reached", "[0, 1]", "{'accuracy': 0.95}"]
+    refused(_linear(2), (X, y), tmp_path, ValueError, *fragments, target={"accuracy": 95})
+
+
+def test_a_target_of_a_metric_of_ones_own_is_not_bounded(X, tmp_path):
+    """A metric of the user's named like vcdask's may report percentages: its target is not refused."""
+
+    def accuracy(output, target):
+        return 100 * float((output.argmax(1) == target).float().mean())
+
+    y = (X[:, 0] > 0).astype("int64")
+    with pytest.raises(AssertionError, match="fit touched the cluster"):  # (accepted: on to the cluster)
+        refused(_linear(2), (X, y), tmp_path, ValueError, metrics=[accuracy], target={"accuracy": 95})

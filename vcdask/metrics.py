@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
+    "BOUNDS",
     "DERIVED_SUFFIXES",
     "EPOCH_COLUMNS",
     "LOGIT_LOSSES",
@@ -34,6 +35,7 @@ __all__ = [
     "class_axis",
     "class_ids",
     "label_shape",
+    "metric_bounds",
     "metric_name",
     "one_logit",
     "unwrapped",
@@ -106,6 +108,27 @@ def class_ids(output: torch.Tensor, target_shape: Sequence[int]) -> torch.Tensor
         ids = (output.squeeze(axis) > 0).long()
     target_shape = tuple(target_shape)  # (labels (n, 1) beside (n, C) outputs: ids (n,), shaped as them)
     return ids.reshape(target_shape) if ids.shape != target_shape and ids.numel() == math.prod(target_shape) else ids
+
+
+#: The ranges of vcdask's metrics that have one (by their name in :data:`vcdask.options.METRICS`): a target out of
+#: it can never be reached (:func:`metric_bounds`).
+BOUNDS = {"accuracy": (0.0, 1.0), "mae": (0.0, math.inf), "mse": (0.0, math.inf)}
+
+
+def metric_bounds(metrics: Mapping[str, Callable]) -> dict[str, tuple[float, float]]:
+    """The range of each metric of ``metrics`` (reported name -> fn) that is one of vcdask's own (a function of
+    :data:`vcdask.options.METRICS`, also in a :func:`functools.partial`) with a range in :data:`BOUNDS`.
+
+    Examples
+    --------
+    >>> from vcdask.options import accuracy, mae
+    >>> metric_bounds({"acc": accuracy, "mae": mae, "mine": print})
+    {'acc': (0.0, 1.0), 'mae': (0.0, inf)}
+    """
+    ours = {name: fn for name, fn in metrics.items() if getattr(unwrapped(fn), "__module__", None) == "vcdask.options"}
+    return {
+        name: BOUNDS[fn.__name__] for name, fn in ((n, unwrapped(f)) for n, f in ours.items()) if fn.__name__ in BOUNDS
+    }
 
 
 def unwrapped(fn: Any) -> Any:

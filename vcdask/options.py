@@ -316,7 +316,7 @@ def plan(
         else:
             loss_fn, metric_fns, cast_x = resolve_loss(loss, prepared.classification), {}, False
             metric_names = tuple(check_steps(model, probe_batch(prepared, x_dtype), train_step, eval_step))
-        target = check_target(stopping.target, [m for m in metric_names if m != "loss"])
+        target = check_target(stopping.target, [m for m in metric_names if m != "loss"], metric_fns)
         screens = [n for n in NEEDS_VALIDATION if getattr(resilience, n) is not None]
         if screens and validation is None:
             raise ValueError(

@@ -24,7 +24,7 @@ from ._ints import is_real
 from .device import cpu_copy
 from .dtype_kinds import check_input_dtypes, string_labels_error
 from .errors import DataError
-from .metrics import unwrapped
+from .metrics import metric_bounds, unwrapped
 from .trainable import check_trainable
 
 if TYPE_CHECKING:
@@ -280,27 +280,38 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return max(elements, key=lambda dtype: elements[dtype])  # (max keeps the first of equals: dicts keep order)
 
 
-def check_target(target: Any, metric_names: Sequence[str] | None = None) -> dict[str, float] | None:
+def check_target(
+    target: Any, metric_names: Sequence[str] | None = None, metrics: Mapping[str, Callable] | None = None
+) -> dict[str, float] | None:
     """``target`` as ``{metric: float}``; its names checked against ``metric_names`` (None: not known yet,
-    the form alone is checked: :class:`vcdask.Stopping`).
+    the form alone is checked: :class:`vcdask.Stopping`), its goals against the ranges of vcdask's own metrics
+    among ``metrics`` (the run's, name -> fn: :func:`vcdask.metrics.metric_bounds`).
 
     Raises
     ------
     TypeError
         Not a non-empty mapping.
     ValueError
-        A metric the run does not compute (the valid ones named), or a goal that is not a number.
+        A metric the run does not compute (the valid ones named), a goal that is not a number, or one out of its
+        metric's range, which the run could never reach (``{"accuracy": 95}``: a fraction, 0.95).
     """
     if target is None:
         return None
     if not isinstance(target, Mapping) or not target:
         raise TypeError(f"target must be a mapping like {{'accuracy': 0.95}}, got {target!r}")
     valid = None if metric_names is None else ["loss", *metric_names]
+    bounds = metric_bounds(metrics or {})
     for name, goal in target.items():
         if valid is not None and name not in valid:
             raise ValueError(f"target metric {name!r} is not computed; available: {valid}")
         if not is_real(goal) or math.isnan(goal):
             raise ValueError(f"target value for {name!r} must be a number, got {goal!r}")
+        low, high = bounds.get(name, (-math.inf, math.inf))
+        if not low <= goal <= high:
+            percent = f" ({goal:g} looks like a percentage: {{{name!r}: {goal / 100:g}}})" if 1 < goal <= 100 else ""
+            raise ValueError(
+                f"target {{{name!r}: {goal:g}}} can never be reached: {name} lies in [{low:g}, {high:g}]{percent}"
+            )
     return {k: float(v) for k, v in target.items()}
 
 
