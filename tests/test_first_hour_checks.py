@@ -214,3 +214,10 @@ def test_a_target_of_a_metric_of_ones_own_is_not_bounded(X, tmp_path):
     y = (X[:, 0] > 0).astype("int64")
     with pytest.raises(AssertionError, match="fit touched the cluster"):  # (accepted: on to the cluster)
         refused(_linear(2), (X, y), tmp_path, ValueError, metrics=[accuracy], target={"accuracy": 95})
+
+
+def test_a_lazy_module_not_run_yet_says_to_run_one_forward_pass(X, tmp_path):
+    y = np.random.default_rng(1).normal(size=N).astype("float32")
+    model = torch.nn.Sequential(torch.nn.LazyLinear(1), torch.nn.Flatten(0))
+    fragments = ["lazy parameters that are not made yet, in module '0' (LazyLinear)", "Run one forward pass"]
+    refused(model, (X, y), tmp_path, ValueError, *fragments)

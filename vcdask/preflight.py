@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HALF_DTYPES",
+    "check_materialized",
     "check_model",
     "check_model_precision",
     "check_nonpersistent_buffers",
@@ -271,6 +272,7 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     float64 inputs, nor does an empty float64 parameter.  Recorded as the run's ``RunSpec.x_dtype``: the workers
     cast their batches to it.
     """
+    check_materialized(model)
     elements: dict[torch.dtype, int] = {}
     for p in model.parameters():
         if p.is_floating_point():
@@ -278,6 +280,29 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     if not elements:
         return torch.get_default_dtype()
     return max(elements, key=lambda dtype: elements[dtype])  # (max keeps the first of equals: dicts keep order)
+
+
+def check_materialized(model: torch.nn.Module) -> None:
+    """Refuse a model with lazy parameters not made yet (``torch.nn.LazyLinear`` before its first forward pass),
+    saying to run that pass first: vcdask reads the parameters' shapes and dtypes before any data goes through.
+
+    Raises
+    ------
+    ValueError
+        Naming the lazy modules and the remedy.
+    """
+    lazy = [
+        f"{f'module {path!r}' if path else 'the model'} ({type(module).__name__})"
+        for path, module in model.named_modules()
+        if any(torch.nn.parameter.is_lazy(t) for t in (*module._parameters.values(), *module._buffers.values()))
+    ]
+    if lazy:
+        shown = ", ".join(lazy[:3]) + (f" and {len(lazy) - 3} more" if len(lazy) > 3 else "")
+        raise ValueError(
+            f"the model has lazy parameters that are not made yet, in {shown}: torch gives them their shapes at the "
+            "first forward pass, and vcdask reads the parameters before any data goes through. Run one forward "
+            "pass on a few rows first, model(torch.as_tensor(X[:2])), then call fit"
+        )
 
 
 def check_target(
