@@ -23,13 +23,14 @@ import torch
 
 from . import _held, config, overlap
 from . import batches as _batches
+from ._worker_spec import run_spec
 from .compress import EncodedUpdate, encode
 from .cost import instance_here
 from .device import describe, resolve_device
-from .errors import ParameterMismatchError, StoreNotFoundError, StoreNotSharedError, WorkerEnvironmentError
+from .errors import ParameterMismatchError
 from .inner import InnerOptimizer
 from .params import FlatParams, all_finite, flatten, state_tensors
-from .spec import RunSpec, cached_spec, load_spec
+from .spec import RunSpec, cached_spec
 from .steps import SupervisedStep, evaluate, train_mode
 from .updates import update_path, write_update
 
@@ -139,40 +140,6 @@ def _handed_base() -> tuple[dict[str, Any], float] | None:
         return _next_bases.pop(str(key), None)
 
 
-def _run_spec(store, run_id: str) -> RunSpec:
-    """The run's spec; what keeps this worker from reading it at all is raised as this worker's fault, naming it
-    and the remedy (the run gives it no more shards): :class:`~vcdask.errors.StoreNotSharedError` (no store, or one
-    without the run, at the store's location here), :class:`~vcdask.errors.WorkerEnvironmentError` (a module of the
-    spec's, the model class's, that it cannot import).  A task's own error (its step's, its data's) is raised as is."""
-    try:
-        return load_spec(store, run_id)
-    except FileNotFoundError as e:  # (StoreNotFoundError too: no store here)
-        here = _worker_address()
-        if isinstance(e, StoreNotFoundError) and e.location is not None:
-            what = f"no vcdask store at {e.location} here"
-        else:
-            what = f"no run {run_id} in it here ({e})"
-        local = "://" not in store.location or store.location.startswith("file:")
-        remedy = (
-            "a local store must be on a filesystem every worker shares; use an object store for a fleet"
-            if local
-            else "give every worker the same store location and credentials"
-        )
-        raise StoreNotSharedError(
-            f"worker {here} does not see the store at {store.location} ({what}): {remedy}", process=here
-        ) from e
-    except (ImportError, AttributeError) as e:  # (unpickling: a module or a name this worker lacks)
-        here = _worker_address()
-        module = getattr(e, "name", None)
-        mod = f"module {module!r}" if module else "the module of the run's model class (or of its data, its loss)"
-        raise WorkerEnvironmentError(
-            f"worker {here} cannot load run {run_id}'s model: {type(e).__name__}: {e}; install {mod} on every "
-            "worker (the same version as the client's), send it with client.upload_file(...), or define the "
-            "class in the script's __main__ (pickled by value)",
-            process=here,
-        ) from e
-
-
 def _worker_address() -> str:
     worker = _dask_worker()
     return "local" if worker is None else worker.address
@@ -217,7 +184,7 @@ def train_shard(
         _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here; what it costs
     elif handed is not None:  # the hand-over counted it started; it may have waited here behind other
         _tell_run_later("vcdask_started", run_id, **instance_here())  # work: it begins now (no answer awaited)
-    spec = _run_spec(store, run_id)
+    spec = run_spec(store, run_id, _worker_address)
     device, precision = _held.setup(spec)
     start, stop = spec.shards.bounds(shard)
     rows = warm if warm is not None else _batches.rows(spec, spec.train, start, stop, pin=device.type == "cuda")
@@ -405,7 +372,7 @@ def validate_version(store, run_id: str, version: str, step: int) -> dict[str, A
     with _lock:  # the base a hand-over gave for the next shard here is older by this validation: ask again
         _next_bases.clear()
     _tell_run("vcdask_started", run_id, **instance_here())  # its deadline counts from here
-    spec = _run_spec(store, run_id)
+    spec = run_spec(store, run_id, _worker_address)
     device, precision = _held.setup(spec)
     model = _held.loaded_model(spec, store, version, device)
     rows = _batches.rows(spec, spec.validation, 0, spec.validation.n, pin=device.type == "cuda")
