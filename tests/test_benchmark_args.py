@@ -76,6 +76,7 @@ REFUSALS = [
     ("merge_bound.py", ["--epochs", "1"], ["--epochs", ">= 2"]),
     ("warm_memory.py", ["--gib", "-1"], ["--gib", "-1"]),
     ("store_io.py", ["--params", "0"], ["--params", ">= 1"]),
+    ("many_runs.py", ["--runs", "10,0"], ["--runs", "'0'", ">= 1"]),
     ("merge_path.py", ["--stores", "bogus"], ["'bogus'", "'s3'"]),
     ("checksums.py", ["--stores", "bogus"], ["'bogus'", "'local'"]),
     ("heterogeneous.py", ["--peers", "torch,dpp"], ["'dpp'", "'ddp'"]),

@@ -119,6 +119,37 @@ def test_a_collection_of_every_branch_lists_the_branches_once_and_looks_up_no_pi
     assert again.n_removed == 0 and set(again.kept["run-a"]) == _ids(a, (1, 6, 7))
 
 
+def test_a_runs_own_collection_looks_up_each_other_branch_once_and_no_pin(tmp_path, calls):
+    """A run's own collection (``in_use``: as the engine collects) still keeps what a running run elsewhere
+    needs (its marker's versions: the cutoff stops there), with one listing and one look-up of each other
+    run's branch: not of its pins, not twice, and no snapshot read again while that branch stays as it was."""
+    store = vcdask.open_store(tmp_path / "s")
+    _more_runs(store, 2, 0)
+    store.create_branch("run-c")
+    early = _commit(store, "run-c", range(4))
+    store.create_branch("run-d")  # running elsewhere: its writer needs its versions from step 2 on
+    d = _commit(store, "run-d", range(5), keep_from=2)
+    late = _commit(store, "run-c", range(4, 8))
+    own = {"run-c": 7}
+    counted, report = _counted(calls, lambda: store.gc(POLICY, branches=["run-c"], in_use=own))
+    assert set(report.kept["run-c"]) == _ids(late, (6, 7))
+    assert set(report.removed["run-c"]) == _ids(early, range(4))  # written before run-d's step 2: gone
+    assert set(report.deferred["run-c"]) == _ids(late, (4, 5))  # after it: the cutoff is there
+    assert [v.id for v in store.versions("run-d")] == [d[4], d[3], d[2]]  # (the older ones it no longer needs)
+    assert not [k for k in counted if k.startswith("lookup_branch:vcdask.")], counted
+    assert counted["list_branches"] <= 2, counted
+    others = {"main", "run-d", "run-20260101-000000-filler", "run-20260101-000001-filler"}
+    assert all(counted[f"lookup_branch:{b}"] <= 1 for b in others), counted
+    # again, with nothing to remove: once more runs are there, one more look-up for each, nothing else more
+    few, _ = _counted(calls, lambda: store.gc(POLICY, branches=["run-c"], in_use=own))
+    _more_runs(store, 5, 2)
+    store.gc(POLICY, branches=["run-c"], in_use=own)  # (the new runs' heads: read once)
+    many, again = _counted(calls, lambda: store.gc(POLICY, branches=["run-c"], in_use=own))
+    assert few["list_branches"] == many["list_branches"] == 1, (few, many)
+    assert many["lookup_branch"] - few["lookup_branch"] == 5 and many["lookup_snapshot"] == few["lookup_snapshot"]
+    assert set(again.kept["run-c"]) == _ids(late, (6, 7)) and set(again.deferred["run-c"]) == _ids(late, (4, 5))
+
+
 def test_one_branchs_versions_do_not_list_every_other_runs_branches(tmp_path, calls):
     """A branch's versions, its pinned ones too, with no listing of the branches on a local disk (the folders
     under ``refs/`` name its pins, each looked up); the folder a deleted pin leaves is no version of it."""

@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -68,13 +68,13 @@ class CollectedStore(HistoryStore, NamedStore, Protocol):
     Attributes
     ----------
     _histories : dict
-        (branch, head) -> that branch's (version, written at) history, newest first, for branches
-        without a policy (read once per head).
+        Branch -> what a collection read of it, at its head then (see :func:`_bound`), for the branches a
+        collection does not manage.
     _state_writer : StateWriter
         The store's writer of rule state objects (told of the objects a sweep deletes).
     """
 
-    _histories: dict[tuple[str, str], list]
+    _histories: dict[str, Any]
     _state_writer: StateWriter
 
     @property
@@ -171,7 +171,7 @@ def collect(
     listed_at = datetime.now(UTC)  # anything committed after this is newer than the cutoff
     entries = ref_entries(store)  # (read before Icechunk lists them)
     fresh = repo.reopen()  # another process may have expired history since this one last looked
-    listed, tags = fresh.list_branches(), fresh.list_tags()
+    listed, tags = fresh.list_branches(), fresh.list_tags()  # (the only listing, unless something is removed)
     empty = check_listed(store, entries, listed, tags, "collecting old versions")  # (deleted branches' folders)
     names = set(listed)
     tagged = {fresh.lookup_tag(t) for t in tags}
@@ -354,6 +354,17 @@ def _marker(head: Any, now: datetime, *, active_only: bool) -> int | None:
     return step
 
 
+@dataclass
+class _Needs:
+    """What a collection read of a branch it does not manage, at one head (a head's snapshot never changes;
+    expiry only ever takes versions out of the history behind it)."""
+
+    head: str
+    step: int | None  # the head's keep_from marker
+    written_at: datetime  # the head's
+    history: list[tuple[str, datetime]] | None = None  # (version, written at) from the marker on, newest first
+
+
 def _bound(
     store: CollectedStore, repo: Any, branch: str, head: str, refs: set[str], now: datetime, report: GCReport
 ) -> list[datetime]:
@@ -361,28 +372,34 @@ def _bound(
     (empty: it needs nothing).
 
     With a writer's marker: its versions from that step on that nothing else keeps (what its writer
-    committed since it last collected, and what its tasks read).  Without one: its whole history, read
-    once per head and process (not again at every collection), and again once the oldest version it
-    holds back is gone (someone applied a policy to it).
+    committed since it last collected, and what its tasks read).  Without one: its whole history.  Its head is
+    read once per head and process (a run's own collection looks at every other run's branch: one look-up of
+    its ref each, and no more while it does not move); the history behind it is read then, and again when a
+    version it lists is not kept by a ref (a marker's versions: each such time, since expiry may have taken
+    some out; a whole history, which holds back expiry in the whole store: once the oldest version it holds
+    back is gone, i.e. someone applied a policy to it).  What a branch whose versions refs keep needs is read
+    no more: expiry only takes versions out of a history, so none that it lists later is missing here.
     """
-    step = _marker(repo.lookup_snapshot(head), now, active_only=False)
-    cached = store._histories.get((branch, head)) if step is None else None
-    oldest = _oldest(cached or [], refs)
-    if cached is None or (oldest is not None and not _exists(repo, oldest[0])):  # (first time, or expired since)
+    seen = store._histories.get(branch)
+    if not isinstance(seen, _Needs) or seen.head != head:
+        snap = repo.lookup_snapshot(head)
+        seen = store._histories[branch] = _Needs(head, _marker(snap, now, active_only=False), snap.written_at)
+    step = seen.step
+    oldest = _oldest(seen.history or [], refs)
+    if seen.history is None or (oldest is not None and (step is not None or not _exists(repo, oldest[0]))):
         history = []
         for snap in repo.ancestry(branch=branch):
             if not is_version(snap) or (step is not None and (snap.metadata or {}).get("step", step) < step):
                 break
             history.append((snap.id, snap.written_at))
-        if step is None:
-            store._histories[(branch, head)] = history
+        seen.history = history
         oldest = _oldest(history, refs)
     if oldest is None:
         return []
     when = oldest[1]
     if step is None:
         why = "it keeps its whole history (no retention policy)"
-    elif _idle(now, repo.lookup_snapshot(head).written_at):
+    elif _idle(now, seen.written_at):
         why = "its run stopped before it could apply its retention policy"
     else:
         return [when]  # a running run: it collects itself soon
