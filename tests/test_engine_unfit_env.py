@@ -106,3 +106,20 @@ def test_a_read_only_mount_is_refused_by_the_side_files_not_an_outage(tmp_path):
         err = _fault(OSError(code, "Read-only file system"), "writing 'u.safetensors'")
         assert isinstance(err, StoreAccessDeniedError), code
     assert not isinstance(_fault(OSError(errno.EIO, "I/O"), "writing"), StoreAccessDeniedError)
+
+
+def test_a_worker_that_says_it_has_another_vcdask_gets_no_shards():
+    """A worker that joins with another vcdask than the scheduler's (asked at once, engine.identify) is unfit for
+    the run: named, excluded, its instance still recorded; one that says only its instance is left as it is."""
+    s = Script(n_shards=4, workers=("a",))
+    s(m.Joined("b", 1))
+    s(m.Identified("b", "m5.large", "spot"))
+    assert "b" in s.state.pool.usable() and s.state.pool.record("b").instance == "m5.large"
+    why = "worker c joined with vcdask 0.0.1, not the scheduler's 0.1.0: ..."
+    s(m.Joined("c", 1))
+    effects = s(m.Identified("c", None, None, why))
+    assert s.state.pool.record("c").excluded == why and "c" not in s.state.pool.usable()
+    assert emitted(effects, "excluded")[0]["reason"] == why
+    s(m.Poll())
+    placed = {t.placed for t in s.state.tasks.records.values()}
+    assert placed and "c" not in placed, placed

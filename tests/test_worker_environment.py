@@ -236,3 +236,30 @@ def test_a_version_mismatch_warning_points_at_the_users_call(scheduler, tmp_path
         _fit(client, __import__("torch").nn.Linear(4, 2), tmp_path / "store", max_epochs=1)
     [warning] = [w for w in caught if "vcdask on the cluster differs" in str(w.message)]
     assert warning.filename == __file__, warning.filename
+
+
+def test_a_worker_joining_with_another_vcdask_gets_no_shards(scheduler, tmp_path):
+    """The launch checks the workers there then; one that joined later with another vcdask trained shards without
+    a word (and where its tasks and the plugin no longer spoke alike, lost them).  It is asked at once, named, and
+    gets no shards; the run goes on with the others."""
+    client, procs = scheduler
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text("import vcdask\nvcdask.__version__ = '0.0.1'\n")
+    procs.append(_worker(client.scheduler.address, "good", {}))
+    _address(client, "good")
+    handle = _fit(client, __import__("torch").nn.Linear(4, 2), tmp_path / "store", max_epochs=10_000, wait=False)
+    procs.append(_worker(client.scheduler.address, "older", {"PYTHONPATH": str(folder)}))
+    older = _address(client, "older")
+    deadline = time.monotonic() + 60
+    workers: list[dict] = []
+    while not any(w["worker"] == older and w["excluded"] for w in workers):  # (what the run's panel shows)
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.2)
+        workers = client.sync(client.scheduler.vcdask_panel, run_id=handle.run_id)["workers"]
+    handle.stop()
+    result = handle.result()
+    reason = _excluded(result, older)
+    assert f"worker {older} joined with vcdask 0.0.1, not the scheduler's {vcdask.__version__}" in reason, reason
+    assert f"install vcdask {vcdask.__version__} there" in reason
+    assert (result.history.query("worker == @older")["outcome"] != "merged").all() and result.history["accepted"].any()

@@ -64,7 +64,7 @@ class VcdaskPlugin(SchedulerPlugin):
         #: a result no future holds (a run started without a holder, by an older client, is held till collected)
         self._holders: dict[str, set[str]] = {}
         self._dropped = 0
-        self._asking: set[asyncio.Future] = set()  # joining workers asked their instance (engine.identify)
+        self._asking: set[asyncio.Future] = set()  # joining workers asked what they are (engine.identify)
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -111,7 +111,7 @@ class VcdaskPlugin(SchedulerPlugin):
         live = self._live()
         for run in live:
             run.joined(worker, ws.nthreads if ws is not None else 1)
-        if any(run.spec.prices for run in live):  # (what it costs from now: its instance, asked at once)
+        if live:  # (what it costs from now, its instance, and whether its vcdask is ours: asked at once)
             asking = asyncio.ensure_future(identify(self.scheduler, worker, self._live))
             self._asking.add(asking)
             asking.add_done_callback(self._asking.discard)

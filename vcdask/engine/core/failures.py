@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "blame",
+    "exclude_unfit",
     "fail",
     "give_up",
     "lost",
@@ -135,9 +136,7 @@ def unfit(state: RunState, task: TaskRecord, worker: str, exc: BaseException) ->
     for a worker that has the device, ``no_worker_timeout``, then fails naming why each was excluded; while no
     worker has trained a shard of the run, :data:`UNFIT_LOSSES` such losses of one shard give it up)."""
     why = f"{exc}"
-    if state.pool.unfit(worker, why):
-        logger.warning("run %s: worker %s gets no shards: %s", state.id, worker, why)
-        state.emit("excluded", worker=worker, reason=why, worker_row=state.pool.record(worker).as_row())
+    exclude_unfit(state, worker, why)
     if task.kind != "update":
         submit_validation(state, task.version, task.step, retry=task.attempt + 1, avoid={worker})
         return
@@ -153,6 +152,14 @@ def unfit(state: RunState, task: TaskRecord, worker: str, exc: BaseException) ->
                     f"and no worker has trained a shard of the run (last: {why})")  # fmt: skip
             return
         retry_or_give_up(state, *key, why, avoid=worker, count=False)
+
+
+def exclude_unfit(state: RunState, worker: str, why: str) -> None:
+    """``worker`` cannot run the run's tasks (``why``): it gets no more shards, named in a warning and an
+    ``excluded`` event the first time."""
+    if state.pool.unfit(worker, why):
+        logger.warning("run %s: worker %s gets no shards: %s", state.id, worker, why)
+        state.emit("excluded", worker=worker, reason=why, worker_row=state.pool.record(worker).as_row())
 
 
 def denied(state: RunState, task: TaskRecord, worker: str, exc: BaseException) -> None:
