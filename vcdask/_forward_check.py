@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ._stack import user_level
 from .device import cpu_copy
 from .dtype_kinds import string_labels_error
 from .errors import DataError
@@ -135,7 +136,7 @@ def check_model(
             f"the classes of {shapes} may lie along axis 1 or along the last axis; accuracy, predict and "
             "predict_proba read axis 1, as cross_entropy does: if your loss reads the last axis, have the model "
             "return its outputs as (n, classes, positions) (out.transpose(1, 2)), or pass metrics of your own",
-            stacklevel=3,
+            stacklevel=user_level(),
         )
     try:
         value = loss(out, y)
@@ -171,7 +172,8 @@ def check_model(
             if name not in strict:
                 # a function of the user's may need more than these few rows (both classes, say): said, not refused
                 warnings.warn(
-                    f"{message}; on these {len(y)} rows only: the run's validation fails if it does", stacklevel=3
+                    f"{message}; on these {len(y)} rows only: the run's validation fails if it does",
+                    stacklevel=user_level(),
                 )
                 continue
             raise DataError(message) from e

@@ -19,15 +19,14 @@ asked again the next time.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
-import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._stack import user_level
 from .errors import ClusterPackageError
 
 __all__ = [
@@ -240,26 +239,15 @@ def check_answers(answers: Mapping[str, Any], here: Mapping[str, str]) -> None:
             f"could not ask {len(unknown)} of the cluster's workers which vcdask and torch they have: "
             f"{'; '.join(unknown)}. The run goes on; a worker that cannot import vcdask leaves on its first task",
             RuntimeWarning,
-            stacklevel=_callers_level(),
+            stacklevel=user_level(),
         )
     for name, rows in differ.items():
         warnings.warn(
             f"{name} on the cluster differs from this process's {name} {here[name]}: {'; '.join(rows)}. A run may "
             f"fail to unpickle its model or spec there; if it does, install {name} {here[name]} on those machines",
             RuntimeWarning,
-            stacklevel=_callers_level(),
+            stacklevel=user_level(),
         )
-
-
-def _callers_level() -> int:
-    """The ``stacklevel`` of a warning raised by this function's caller that points at the first frame outside
-    vcdask: the user's call (``fit``, ``resume``), however deep in vcdask the check runs."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _said(found: Mapping[str, Any], name: str) -> str | None:

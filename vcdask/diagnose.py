@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ._stack import user_level
+
 __all__ = ["DIVERGED_FACTOR", "NOT_VALIDATED", "SKIPS_LISTED", "annotate", "divergence", "given_up"]
 
 #: A last epoch's mean training loss this many times the loss at the initial weights is divergence.
@@ -135,19 +137,4 @@ def annotate(result: Any) -> None:
     diverged = divergence(result.history, result.epochs)
     if diverged is not None:
         result.notes.append(f"diverged: {diverged}")
-        warnings.warn(f"run {result.run_id}: {diverged}", RuntimeWarning, stacklevel=_callers_level())
-
-
-def _callers_level() -> int:
-    """The ``stacklevel`` of the first frame outside vcdask, for a warning from :func:`annotate`'s caller: the
-    user's line (``fit``, ``resume``, ``handle.result()``: each reaches here through a different path)."""
-    import os
-    import sys
-    import types
-
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame: types.FrameType | None = sys._getframe(2)
-    level = 2  # (annotate's caller: what stacklevel=2 names)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
+        warnings.warn(f"run {result.run_id}: {diverged}", RuntimeWarning, stacklevel=user_level())

@@ -10,6 +10,7 @@ import logging
 import warnings
 from typing import Any
 
+from ._stack import user_level
 from .engine.end import progress_of
 from .lr_schedules import RunSchedule, run_steps
 from .spec import loads, save_spec, spec_path
@@ -47,7 +48,7 @@ def check_extend(store: ParamStore, run_id: str, max_epochs: int) -> None:
     logger.info("run %s: %d epochs done, training up to %d", run_id, done, max_epochs)
     note = schedule_restart(loads(store.files.get(spec_path(run_id)), store), done, max_epochs)
     if note is not None:
-        warnings.warn(f"run {run_id}: {note}", UserWarning, stacklevel=3)
+        warnings.warn(f"run {run_id}: {note}", UserWarning, stacklevel=user_level())
 
 
 def schedule_restart(spec: Any, done: int, max_epochs: int) -> str | None:

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import torch
 
+from ._stack import user_level
 from .device import cpu_copy
 from .groups import Training, check_optimizer
 
@@ -257,7 +258,7 @@ def _check_groups(optimizer: torch.optim.Optimizer, copy_: torch.nn.Module, mode
             "freeze them before fit (requires_grad_(False)) to skip their backward, or put them in a group. "
             f"{layout}",
             UserWarning,
-            stacklevel=5,  # (fit's caller: through fit, plan and check_inner_optimizer)
+            stacklevel=user_level(),  # (fit's caller)
         )
 
 

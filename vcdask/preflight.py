@@ -21,6 +21,7 @@ import torch
 
 from ._forward_check import _CLASS_LOSSES, _N, _shape, check_model, describe_output
 from ._ints import is_real
+from ._stack import user_level
 from .device import cpu_copy
 from .dtype_kinds import check_input_dtypes, string_labels_error
 from .errors import DataError
@@ -237,7 +238,7 @@ def check_nonpersistent_buffers(model: torch.nn.Module, prepared: PreparedData, 
                 "merged nor returned (result.model keeps the values given to fit). To keep them, register them "
                 "persistent: self.register_buffer(name, tensor) (persistent=True, the default)",
                 UserWarning,
-                stacklevel=5,  # (fit's caller: through fit, plan and check_run)
+                stacklevel=user_level(),  # (fit's caller)
             )
         return
 
@@ -383,7 +384,7 @@ def check_probe_cost(rule: Any, model: torch.nn.Module, batch: Any, step: Any) -
             f"scheduler's CPU: about {estimate:.0f} s a merge for this model (measured here), while the tasks "
             "behind it wait; use fewer rows (vcdask.merge.Probe(rows=...)) or the default merge rule",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_level(),
         )
     return estimate
 

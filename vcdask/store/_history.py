@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
+from .._stack import user_level
 from ..errors import VersionNotFoundError
 from ._layout import is_version, version_info
 from ._version import VersionInfo, version_id
@@ -319,5 +320,5 @@ def point_to_runs(store: HistoryStore) -> None:
             f"branch 'main' of {store.location!r} has no versions: every run writes its own branch "
             f"(its run id), newest {runs[-1]!r}: store.versions({runs[-1]!r})",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_level(),
         )
