@@ -190,3 +190,42 @@ def test_vcdask_runs_lists_the_branches_once_whatever_the_number_of_runs(tmp_pat
     assert "8 runs in" in shown and shown.count("finished") == 8 and " 2/" in shown
     assert few["list_branches"] == many["list_branches"] == 1, (few, many)
     assert few["lookup_branch"] == many["lookup_branch"] <= 1, (few, many)  # (opening the store: "main")
+
+
+def test_a_pin_removed_after_a_collection_listed_it_is_left_out_not_a_missing_branch(tmp_path):
+    """A scheduled ``gc`` lists the refs; meanwhile the run's own collection unpins two versions and deletes
+    them.  Reading the branch with the pins listed before left the versions' look-up failing, said as "no branch
+    'run-c'" of a branch that exists; the versions gone are left out."""
+    from vcdask.store._collect import pin_index
+    from vcdask.store._history import read_branch
+
+    store = vcdask.open_store(str(tmp_path / "s"))
+    store.create_branch("run-c")
+    _commit(store, "run-c", range(6))
+    policy = Retention(keep_last=2, keep_epochs=False)
+    store.gc(policy, branches=["run-c"], in_use={"run-c": 3})  # (pins what step 3 on needs)
+    _commit(store, "run-c", [6])
+    cron = vcdask.open_store(str(tmp_path / "s"))  # (a scheduled gc's process)
+    listed = pin_index(cron._repo.reopen().list_branches()).get("run-c", {})  # its listing
+    assert len(listed) == 3
+    removed = store.gc(policy, branches=["run-c"], in_use={"run-c": 6}).removed["run-c"]  # the run's, meanwhile
+    assert set(removed) <= set(listed) and removed
+    _, versions = read_branch(cron, cron._repo.reopen(), "run-c", listed)
+    assert {v.id for v in versions} == {v.id for v in store.versions("run-c")} and not set(removed) & {
+        v.id for v in versions
+    }
+
+
+def test_a_commit_to_a_pin_or_a_hold_is_refused(tmp_path):
+    """A collection takes a pin's version from its name (it never looks the pin up): a commit that moved a pin
+    (``store.commit(..., branch="vcdask.keep.<v>.<b>")``, accepted before) would have let its version go."""
+    store = vcdask.open_store(str(tmp_path / "s"))
+    store.create_branch("run-c")
+    _commit(store, "run-c", range(4))
+    store.gc(Retention(keep_last=1, keep_epochs=False), branches=["run-c"], in_use={"run-c": 1})
+    [pin] = [b for b in store._repo.list_branches() if b.startswith("vcdask.keep.")][:1]
+    before = store._repo.lookup_branch(pin)
+    for name in (pin, "vcdask.hold.X"):
+        with pytest.raises(ValueError, match=r"'vcdask.keep.' or 'vcdask.hold.' belong to vcdask"):
+            store.commit({"w": torch.zeros(4)}, {"step": 9}, branch=name)
+    assert store._repo.lookup_branch(pin) == before

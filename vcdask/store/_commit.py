@@ -25,6 +25,7 @@ from ._base import check_metadata
 from ._checksum import CHECKSUM_KEY, STATE_CHECKSUM_KEY
 from ._collect import KEEP_FROM_KEY
 from ._errors import translate
+from ._history import is_reserved
 from ._layout import FORMAT, FORMAT_KEY, plain_chunk, write_flat, write_state
 from ._names import NamedStore
 from ._state import STATE_KEY, delete_state
@@ -92,6 +93,8 @@ def commit_version(
     """Commit ``flat`` on ``branch``; see :meth:`IcechunkParamStore.commit` for the arguments."""
     import icechunk
 
+    if is_reserved(branch):  # (a pin moved by a commit would keep another version than its name says)
+        raise ValueError(f"branch names starting with 'vcdask.keep.' or 'vcdask.hold.' belong to vcdask: {branch!r}")
     meta = {**check_metadata(metadata), FORMAT_KEY: FORMAT}
     if keep_from is not None:
         meta[KEEP_FROM_KEY] = int(keep_from)

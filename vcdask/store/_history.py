@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from .._stack import user_level
-from ..errors import VersionNotFoundError
+from ..errors import StoreNotFoundError, VersionNotFoundError
 from ._layout import is_version, version_info
 from ._version import VersionInfo, version_id
 
@@ -195,7 +195,12 @@ def versions_of(store: HistoryStore, branches: Iterable[str], names: Iterable[st
 def read_branch(
     store: HistoryStore, repo: icechunk.Repository, branch: str, pinned: dict[str, str] | None = None
 ) -> tuple[icechunk.SnapshotInfo, list[VersionInfo]]:
-    """(``branch``'s head snapshot, its versions as :func:`history` gives them), read from ``repo``."""
+    """(``branch``'s head snapshot, its versions as :func:`history` gives them), read from ``repo``; a pinned
+    version gone since ``pinned`` was listed is left out."""
+    import icechunk
+
+    from ._errors import translate
+
     ancestry = list(repo.ancestry(branch=branch))
     snaps = [s for s in ancestry if is_version(s)]
     out = [version_info(s, snaps[i + 1].id if i + 1 < len(snaps) else None) for i, s in enumerate(snaps)]
@@ -203,7 +208,12 @@ def read_branch(
     for version in (branch_pins(store, repo, branch) if pinned is None else pinned).keys() - seen:
         info = store._pinned.get(version)
         if info is None:  # a pinned version never changes: read once per process
-            info = store._pinned[version] = version_info(repo.lookup_snapshot(version), None)
+            try:
+                info = store._pinned[version] = version_info(repo.lookup_snapshot(version), None)
+            except icechunk.IcechunkError as e:
+                if not isinstance(translate(e, version), (VersionNotFoundError, StoreNotFoundError)):
+                    raise
+                continue  # unpinned and deleted since the pins were listed (a run's own collection, meanwhile)
         out.append(info)
     return ancestry[0], sorted(out, key=lambda v: v.written_at, reverse=True)
 
