@@ -100,17 +100,44 @@ def test_class_ids_as_a_column_are_taken_as_labels(form, xy, tmp_path):
     assert planned.validation.y.shape == (40,)
 
 
-@pytest.mark.parametrize("form", ["numpy", "pandas"])
-def test_float_labels_as_a_column_keep_it(form, xy, tmp_path):
-    """A regression target (n, 1) against (n, 1) outputs is right as it is, from numpy and from a one-column
-    DataFrame alike (which gave (n,) labels, and loss='mse' then refused them as a broadcast)."""
+class _Squeezed(torch.nn.Module):
+    """``Linear(n_in, 1)`` then ``.squeeze(-1)``: outputs (n,), for labels (n,)."""
+
+    def __init__(self, n_in=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(n_in, 1)
+
+    def forward(self, x):
+        return self.linear(x).squeeze(-1)
+
+
+def test_float_labels_as_a_column_keep_it_from_arrays(xy, tmp_path):
+    """A regression target (n, 1) from arrays against (n, 1) outputs is right as it is."""
     X, _ = xy
     target = X[:, :1] * 2.0
-    labels = target if form == "numpy" else pd.DataFrame({"t": target[:, 0]})
-    planned = _plan(_linear(n_out=1), (X, labels), tmp_path, loss="mse")
+    planned = _plan(_linear(n_out=1), (X, target), tmp_path, loss="mse")
     assert not planned.train.classification
     assert planned.train.y.shape == (200, 1)
     assert planned.train.y.dtype == np.float32
+
+
+def test_a_one_column_dataframe_of_floats_gives_labels_n(xy, tmp_path):
+    """``(df, y_df)`` and ``validation=va[["y"]]`` gave float labels (n,) and trained a model of outputs (n,)
+    right; taken as (n, 1) for a day, a loss of one's own broadcast them against the (n,) outputs to (n, n) and
+    the model learnt the labels' mean (MSE 5.26 for 2e-12), and ``loss="mse"`` refused the model."""
+    X, _ = xy
+    frame = pd.DataFrame(X[:, :3], columns=list("abc")).assign(y=X[:, 0] - 2 * X[:, 1] + 0.5 * X[:, 2])
+    train, va = frame.iloc[:160], frame.iloc[160:]
+    data = (train[list("abc")], train[["y"]])
+    validation = (va[list("abc")], va[["y"]])
+    for loss in (lambda o, t: ((o - t) ** 2).mean(), "mse"):
+        planned = _plan(_Squeezed(3), data, tmp_path, loss=loss, validation=validation)
+        assert not planned.train.classification
+        assert planned.train.y.shape == (160,)
+        assert planned.train.y.dtype == np.float32
+        assert planned.train.sample_y.shape == (4,)
+        assert planned.validation.y.shape == (40,)
 
 
 # -- label= and features= given to data that names no columns -----------------------------------------------------

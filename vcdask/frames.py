@@ -2,10 +2,9 @@
 
 Feature columns must be numeric or bool; they become one float32 array ``X`` (n, n_features), in the
 order of ``features`` (default: every column but the label).  Integer and bool labels become int64 class
-ids (classification), float labels float32 (regression), as for ``(X, y)`` arrays; so does a one-column
-DataFrame as ``y``, class ids as labels (n,) and floats keeping their column (n, 1), as arrays do (see
-:mod:`vcdask._arrays`).  ``(df, df["target"])``, the labels' column still among the features, is refused
-(the model would train on its own labels).
+ids (classification), float labels float32 (regression), as for ``(X, y)`` arrays; a one-column DataFrame
+as ``y`` gives its column's labels (n,), as the Series would.  ``(df, df["target"])``, the labels' column
+still among the features, is refused (the model would train on its own labels).
 Categorical, string, object and datetime feature columns are refused with the columns named and the remedy;
 so are missing values, and dask DataFrames (with what to pass instead: their columns as dask arrays).  The
 arrays are fresh and writable (a pandas column can hand out a read-only view, which torch warns about).
@@ -112,10 +111,9 @@ def from_pandas(data: Any, features: Any, label: Any, what: str) -> tuple[tuple[
             _check_label_not_a_feature(X.to_frame(), [X.name] if named else [], y, features, what)
             X, names = frame_features(X.to_frame(), [X.name if named else 0], what)
             names = names if named else ()
-        if is_frame(y):  # one column: class ids as the labels (n,); floats keep the column, (n, 1), as arrays do
-            y = _labels(y.iloc[:, 0], f"{what}: the labels (y)")
-            y = y if y.dtype == np.int64 else y.reshape(-1, 1)
-        elif is_series(y):
+        if is_frame(y):  # one column: its labels (n,), class ids and floats alike, as a Series gives them
+            y = y.iloc[:, 0]
+        if is_series(y):
             y = _labels(y, f"{what}: the labels (y)")
         return (X, y), tuple(names)
     return None
