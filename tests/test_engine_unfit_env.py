@@ -108,18 +108,20 @@ def test_a_read_only_mount_is_refused_by_the_side_files_not_an_outage(tmp_path):
     assert not isinstance(_fault(OSError(errno.EIO, "I/O"), "writing"), StoreAccessDeniedError)
 
 
-def test_a_worker_that_says_it_has_another_vcdask_gets_no_shards():
-    """A worker that joins with another vcdask than the scheduler's (asked at once, engine.identify) is unfit for
-    the run: named, excluded, its instance still recorded; one that says only its instance is left as it is."""
-    s = Script(n_shards=4, workers=("a",))
-    s(m.Joined("b", 1))
-    s(m.Identified("b", "m5.large", "spot"))
-    assert "b" in s.state.pool.usable() and s.state.pool.record("b").instance == "m5.large"
-    why = "worker c joined with vcdask 0.0.1, not the scheduler's 0.1.0: ..."
-    s(m.Joined("c", 1))
-    effects = s(m.Identified("c", None, None, why))
-    assert s.state.pool.record("c").excluded == why and "c" not in s.state.pool.usable()
-    assert emitted(effects, "excluded")[0]["reason"] == why
-    s(m.Poll())
-    placed = {t.placed for t in s.state.tasks.records.values()}
-    assert placed and "c" not in placed, placed
+def test_a_worker_unfit_for_the_run_that_is_replaced_at_its_address_gets_shards_again():
+    """A worker without the model's module is excluded; the user restarts it, fixed, at the same address: the new
+    process got no shard for the rest of the run.  It comes back without that exclusion (its faults stay)."""
+    s = Script(n_shards=2, max_attempts=1)
+    first, key = keys(s(m.Poll()))
+    s.start(first, "b")
+    s.merge(s.finish_task(first, "b"))
+    s.start(key, "a")
+    task = s.state.tasks.records[key]
+    s(m.Completed(key))
+    s(m.TaskFailed(task, MODULE))
+    assert "a" not in s.state.pool.usable()
+    s(m.Joined("a", 1))  # (a heartbeat's re-join of the same process: still unfit)
+    assert "a" not in s.state.pool.usable()
+    s(m.Left("a"))
+    s(m.Joined("a", 1))
+    assert "a" in s.state.pool.usable() and s.state.pool.record("a").excluded is None

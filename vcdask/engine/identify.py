@@ -6,11 +6,12 @@ starts.  A spot worker that joined and was reclaimed before its first shard neve
 time was left out of the run's cost, the worker listed ``unpriced``.  So the plugin asks each worker that
 joins while a run goes, as ``client.run`` would ask it.
 
-It asks its vcdask and torch versions too.  The launch checks the workers there then (:mod:`vcdask._packages`);
-one that joined later with another vcdask trained shards without a word, and where its tasks and the
-scheduler's plugin no longer spoke alike its shards were lost and trained again.  A worker whose vcdask is not
-the scheduler's (the whole version, as the launch compares it) is unfit for the live runs: named, it gets no
-shards.  Another torch release is only logged, as the launch only warns of it.
+It asks its vcdask and torch versions too.  The launch checks the workers there then (:mod:`vcdask._packages`)
+and warns of another vcdask (the whole version) or torch (major.minor); one that joined later trained shards
+without a word, and where its tasks and the scheduler's plugin no longer spoke alike its shards were lost and
+trained again.  It is now said as it joins, in the scheduler's log, naming the worker and what to install.  It
+is not excluded: the launch lets such workers train once it has warned, and a fleet that scales up from no
+worker would otherwise lose every worker of a build the launch accepted.
 """
 
 from __future__ import annotations
@@ -31,18 +32,33 @@ ASK_TIMEOUT = 10.0
 
 
 def worker_facts() -> dict[str, Any]:
-    """What the asked worker says: its instance and market (:func:`vcdask.cost.instance_here`), its vcdask's and
-    torch's versions.  Sent by value: a worker with another vcdask (one without this module) answers too."""
-    import importlib
+    """What the asked worker says: its instance and market (its Dask config ``vcdask.cloud.instance``, as
+    :func:`vcdask.cost.instance_here` reads it), its vcdask's and torch's versions.  Sent by value (a worker with
+    another vcdask, one without this module, answers too), and run on the worker's event loop: it imports nothing
+    (a fresh worker's first ``import torch`` takes seconds); a package not imported there yet says its installed
+    version."""
+    import sys
+    from importlib import metadata
 
-    import torch
+    import dask.config
 
-    try:
-        facts: dict[str, Any] = dict(importlib.import_module("vcdask.cost").instance_here())
-    except Exception:  # noqa: BLE001 - another vcdask: its versions still say what matters
-        facts = {}
-    version = getattr(importlib.import_module("vcdask"), "__version__", "unknown")
-    return {**facts, "vcdask": str(version), "torch": str(torch.__version__)}
+    def version(name: str) -> str:
+        module = sys.modules.get(name)
+        if module is not None:
+            return str(getattr(module, "__version__", "unknown"))
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "missing"
+
+    kind = dask.config.get("vcdask.cloud.instance.type", None)
+    market = dask.config.get("vcdask.cloud.instance.market", None) or "on-demand"
+    return {
+        "instance": None if kind is None else str(kind),
+        "market": str(market),
+        "vcdask": version("vcdask"),
+        "torch": version("torch"),
+    }
 
 
 async def identify(scheduler: Any, worker: str, runs: Callable[[], Iterable[Any]]) -> None:
@@ -67,15 +83,14 @@ async def identify(scheduler: Any, worker: str, runs: Callable[[], Iterable[Any]
     if not isinstance(said, dict):
         logger.debug("worker %s did not say what it is: %r", worker, answer)
         return
-    unfit = _mismatch(worker, said)
+    _say_mismatch(worker, said)
     for run in runs():
-        if not run.done.is_set() and (run.spec.prices or unfit is not None):
-            run.step_now(m.Identified(worker, said.get("instance"), said.get("market"), unfit))
+        if run.spec.prices and not run.done.is_set():
+            run.step_now(m.Identified(worker, said.get("instance"), said.get("market")))
 
 
-def _mismatch(worker: str, said: dict[str, Any]) -> str | None:
-    """Why ``worker`` cannot run this scheduler's runs (its vcdask is another), or None; another torch release
-    is logged."""
+def _say_mismatch(worker: str, said: dict[str, Any]) -> None:
+    """Log that ``worker`` has another vcdask or torch than the scheduler, as the launch's check compares them."""
     import sys
 
     import torch
@@ -83,20 +98,19 @@ def _mismatch(worker: str, said: dict[str, Any]) -> str | None:
     from .._packages import _release
 
     ours = {"vcdask": str(sys.modules["vcdask"].__version__), "torch": str(torch.__version__)}  # (imported: a cycle)
-    theirs = {name: str(said.get(name)) for name in ours}
-    if _release("torch", theirs["torch"]) != _release("torch", ours["torch"]):
-        logger.warning(
-            "worker %s joined with torch %s, the scheduler has %s: a run may fail to unpickle its model there",
-            worker,
-            theirs["torch"],
-            ours["torch"],
-        )
-    if theirs["vcdask"] == ours["vcdask"]:
-        return None
-    return (
-        f"worker {worker} joined with vcdask {theirs['vcdask']}, not the scheduler's {ours['vcdask']}: its tasks and "
-        f"the run would not speak alike; install vcdask {ours['vcdask']} there (and on every machine of the cluster)"
-    )
+    for name, mine in ours.items():
+        theirs = str(said.get(name))
+        if _release(name, theirs) != _release(name, mine):
+            logger.warning(
+                "worker %s joined with %s %s, the scheduler has %s: the run's tasks may fail there (to unpickle its "
+                "model or spec, or to speak with the scheduler: lost and trained again); install %s %s on it",
+                worker,
+                name,
+                theirs,
+                mine,
+                name,
+                mine,
+            )
 
 
 def _by_value(fn: Callable[..., Any]) -> Callable[..., Any]:

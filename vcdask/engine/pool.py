@@ -45,7 +45,7 @@ class WorkerRecord:
     timed: int = 0
     preempted: bool = False
     excluded: str | None = None
-    unfit: str | None = None  # why it cannot train this run at all (no device of the run's): excluded for good
+    unfit: str | None = None  # why it cannot train this run (no device of the run's...): excluded until it leaves
     last_fault: str | None = None  # why its last fault was one (e.g. a rejection's reason): said beside ``excluded``
     recent: list[float] = field(default_factory=list)
     device: str | None = None  # where it trains, as its last result said (e.g. "cuda:0 (NVIDIA H100 ...)")
@@ -143,8 +143,13 @@ class WorkerPool:
 
     # -- membership (from the scheduler plugin's hooks) ----------------------------------------
     def joined(self, address: str, nthreads: int) -> None:
+        """``address`` joined, or joined again: a worker unfit for the run that left (:meth:`unfit`) comes back
+        without that exclusion (a new process there, started after its environment was fixed); faults stay."""
         self.connected[address] = nthreads
         rec = self.record(address)
+        if rec.left_at is not None and rec.unfit is not None:
+            rec.excluded = None if rec.excluded == rec.unfit else rec.excluded
+            rec.unfit = None
         rec.left_at = None
         if rec.joined_at is None:
             rec.joined_at = self.clock()

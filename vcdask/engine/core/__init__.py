@@ -16,7 +16,7 @@ from functools import singledispatch
 from . import messages as m
 from .arrivals import arrived, completed, hand_over, merged, taken
 from .dispatching import fill, submit_shard, submit_validation
-from .failures import close_epochs, exclude_unfit, lost, store_back, store_fault, task_failed
+from .failures import close_epochs, lost, store_back, store_fault, task_failed
 from .messages import Failure, RunFailed
 from .state import Phase, RunState
 from .watching import check_workers, deadlines, nothing_left, preempt, settle, started
@@ -133,8 +133,6 @@ def _(event: m.Joined, state: RunState) -> None:
 @_on.register
 def _(event: m.Identified, state: RunState) -> None:
     state.pool.identify(event.worker, event.instance, event.market)
-    if event.unfit is not None:
-        exclude_unfit(state, event.worker, event.unfit)
 
 
 @_on.register

@@ -186,13 +186,11 @@ class Joined:
 
 @dataclass(frozen=True)
 class Identified:
-    """A worker that joined said what instance it runs on (asked at once: not only from its first shard), and
-    ``unfit``, why it cannot run the run's tasks (its vcdask is not the scheduler's), if it cannot."""
+    """A worker that joined said what instance it runs on (asked at once: not only from its first shard)."""
 
     worker: str
     instance: str | None
     market: str | None
-    unfit: str | None = None
 
 
 @dataclass(frozen=True)
