@@ -166,6 +166,97 @@ def test_a_model_attribute_that_cannot_be_pickled_is_named_with_its_module(X, tm
         cpu_copy(model)  # (the copy vcdask's checks make names it too)
 
 
+class _LockLeftOut(torch.nn.Module):
+    """A module holding a lock it leaves out of its pickled state (and makes again): it pickles."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 1)
+        self.lock = threading.Lock()
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        with self.lock:
+            return self.linear(x).squeeze(-1)
+
+
+def _compiled():
+    torch.manual_seed(0)
+    return torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0)), backend="eager")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_compiled, lambda: torch.nn.Sequential(torch.nn.Identity(), _LockLeftOut())],
+    ids=["torch.compile", "lock left out by __getstate__"],
+)
+def test_a_model_that_pickles_its_own_way_passes_the_pickling_check(make):
+    """The check pickles the model as the run does (its modules' own __getstate__ / __reduce__: a torch.compile'd
+    model's, a module's that leaves its lock out), not each module's attributes apart."""
+    from vcdask._pickle_check import check_picklable
+
+    model = make()
+    check_picklable(model, {"loss": None})
+    cpu_copy(model)  # (the copy vcdask's checks make)
+
+
+class _SecondLock(_LockLeftOut):
+    def __init__(self):
+        super().__init__()
+        self.other = threading.Lock()  # (kept by its __getstate__: it does not pickle)
+
+
+def test_an_attribute_a_modules_own_getstate_keeps_is_named_with_that_remedy(X, tmp_path):
+    y = np.random.default_rng(1).normal(size=N).astype("float32")
+    model = torch.nn.Sequential(torch.nn.Identity(), _SecondLock())
+    fragments = ["its module '1' (_SecondLock) holds attribute 'other', a _thread.lock", "its class's __getstate__"]
+    message = refused(model, (X, y), tmp_path, TypeError, *fragments)
+    assert "'lock'" not in message
+
+
+def test_the_pickling_check_pickles_no_weights(monkeypatch):
+    """A big model's weights are not pickled by the pre-flight check (only what the run pickles besides them)."""
+    import pickle
+
+    from vcdask._pickle_check import check_picklable
+
+    reduced = []
+    monkeypatch.setattr(torch.Tensor, "__reduce_ex__", lambda self, _proto: reduced.append(self) or (torch.zeros, ()))
+    check_picklable(torch.nn.Sequential(torch.nn.Linear(8, 4), _LockLeftOut()), {})
+    assert reduced == []
+    pickle.dumps(torch.nn.Linear(2, 2))  # (the patch sees a tensor pickled the usual way)
+    assert reduced
+
+
+@pytest.fixture
+def threaded_client():
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster, set_as_default=False) as c,
+    ):
+        yield c
+
+
+def test_a_torch_compiled_model_trains(X, tmp_path, threaded_client):
+    import vcdask
+
+    y = np.random.default_rng(1).normal(size=N).astype("float32")
+    result = vcdask.fit(
+        _compiled(), (X, y), client=threaded_client, store=tmp_path / "store", max_epochs=1, progress=False
+    )
+    assert result is not None
+
+
 @pytest.mark.parametrize(
     ("typo", "meant"), [("epochs", "max_epochs="), ("learning_rate", "lr="), ("bach_size", "batch_size=")]
 )
@@ -221,3 +312,21 @@ def test_a_lazy_module_not_run_yet_says_to_run_one_forward_pass(X, tmp_path):
     model = torch.nn.Sequential(torch.nn.LazyLinear(1), torch.nn.Flatten(0))
     fragments = ["lazy parameters that are not made yet, in module '0' (LazyLinear)", "Run one forward pass"]
     refused(model, (X, y), tmp_path, ValueError, *fragments)
+
+
+@pytest.mark.parametrize("form", ["numpy", "torch"])
+def test_class_ids_as_a_column_with_cross_entropy_say_to_pass_them_as_n(X, tmp_path, form):
+    """Integer labels (n, 1) against outputs (n, C) with the default cross-entropy were refused in torch's words
+    only ("0D or 1D target tensor expected, multi-target not supported"): the message says what to pass. (They
+    keep their shape: a ``train_step`` of one's own may be written for (n, 1).)"""
+    y = (X[:, :1] > 0).astype("int64")
+    refused(
+        _linear(2),
+        (X, y if form == "numpy" else torch.from_numpy(y)),
+        tmp_path,
+        DataError,
+        "labels of shape (4, 1)",
+        "integer labels of shape (n, 1) are class ids as a column",
+        "y.ravel()",
+        "y[:, 0]",
+    )

@@ -78,11 +78,13 @@ def test_labels_apart_from_the_features_are_taken(df, xy, tmp_path):
 # -- class ids as a column (n, 1) -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("form", ["numpy", "torch", "dask", "pandas", "bool"])
-def test_class_ids_as_a_column_are_taken_as_labels(form, xy, tmp_path):
-    """``y`` of shape (n, 1) with class ids trained from pandas but was refused from numpy and torch with torch's
-    own words ("0D or 1D target tensor expected, multi-target not supported"): now all take it as (n,)."""
+@pytest.mark.parametrize("form", ["numpy", "torch", "dask", "bool"])
+def test_class_ids_as_a_column_from_arrays_keep_their_shape(form, xy, tmp_path):
+    """``y`` of shape (n, 1) from arrays is given to a ``train_step`` as it is: one written for (n, 1), a logit per
+    label, trained before f91df26 and was refused after it ("Target size (torch.Size([4])) must be the same as
+    input size (torch.Size([4, 1]))"), its labels squeezed to (n,)."""
     import dask.array as da
+    import torch.nn.functional as F
 
     X, y = xy
     column = y[:, None]
@@ -90,10 +92,23 @@ def test_class_ids_as_a_column_are_taken_as_labels(form, xy, tmp_path):
         "numpy": column,
         "torch": torch.from_numpy(column),
         "dask": da.from_array(column, chunks=50),
-        "pandas": pd.DataFrame({"t": y}),
         "bool": column.astype(bool),
     }[form]
-    planned = _plan(_linear(), (X, labels), tmp_path, validation=(X[:40], column[:40]))
+
+    def train_step(model, batch):
+        x, t = batch
+        return F.binary_cross_entropy_with_logits(model(x), t.float())
+
+    planned = _plan(_linear(n_out=1), (X, labels), tmp_path, train_step=train_step, validation=(X[:40], column[:40]))
+    assert planned.train.sample_y.shape == (4, 1)
+    assert planned.train.y.shape == (200, 1)
+    assert planned.validation.y.shape == (40, 1)
+
+
+def test_class_ids_in_a_one_column_dataframe_are_taken_as_labels(xy, tmp_path):
+    """A one-column DataFrame's ``y`` gives its column, (n,), as it always did."""
+    X, y = xy
+    planned = _plan(_linear(), (X, pd.DataFrame({"t": y})), tmp_path, validation=(X[:40], pd.DataFrame({"t": y[:40]})))
     assert planned.train.classification
     assert planned.train.sample_y.shape == (4,)
     assert planned.train.y.shape == (200,)

@@ -1,9 +1,8 @@
 """Arrays as data: ``(X, y)`` arrays and dicts of arrays, numpy, torch or dask, checked and described as
 :class:`~vcdask.prepared.PreparedData`, for :func:`vcdask.data.prepare_data`.
 
-Class ids given as a column, ``y`` of shape (n, 1) with integer or bool labels, are taken as the labels (n,)
-(as scikit-learn and a one-column DataFrame's ``y`` take them): cross-entropy wants them so.  Float labels keep
-their shape: an (n, 1) regression target against (n, 1) outputs is right as it is.
+The labels keep the shape they are given, class ids as a column ``y`` (n, 1) too (a ``train_step`` of one's
+own may be written for it; the default cross-entropy's refusal of them says to pass ``y.ravel()``).
 
 Each is refused with what to do when it is empty, has no sample axis, lengths that differ or dask chunks of
 unknown size; only the first rows (and the range of integer labels) are read, dask's computed where the caller's
@@ -39,8 +38,6 @@ def _prepare_xy(data: Any, what: str, scheduler: Any = None) -> PreparedData:
         X, y = _as_numpy(X, f"{what} X"), _as_numpy(y, f"{what} y")
     if X.ndim == 0 or y.ndim == 0:
         raise DataError(f"{what}: X and y need a sample axis; got shapes {X.shape} and {y.shape}")
-    if y.ndim == 2 and y.shape[1] == 1 and y.dtype.kind in "biu":  # class ids as a column: the labels (n,)
-        y = y[:, 0]
     if X.shape[0] != y.shape[0]:
         raise DataError(f"{what}: X has {X.shape[0]} samples but y has {y.shape[0]}; they must match")
     if X.shape[0] == 0:

@@ -145,7 +145,13 @@ def check_model(
         if out.shape != y.shape and out.numel() == y.numel() and out.dim() > 1:  # (n, 1) outputs, (n,) labels
             shape = ", ".join(str(d) for d in (-1, *out.shape[1:]))
             hint = f"; if the loss takes labels shaped like the outputs, give them that shape: y.reshape({shape})"
-        if classification and not class_loss:
+        column = classification and y.dim() == 2 and y.shape[1] == 1 and out.dim() == 2
+        if column and (class_loss or "multi-target" in str(e)):  # (torch's "0D or 1D target tensor expected")
+            hint += (
+                "; integer labels of shape (n, 1) are class ids as a column: pass them as (n,), y.ravel() "
+                "(or y[:, 0]), as the loss takes them"
+            )
+        elif classification and not class_loss:
             hint += (
                 f"; the labels are integers ({_name(y.dtype)}), which vcdask takes as class ids: for a regression "
                 "or one logit per label, pass float labels, y.astype('float32')"
