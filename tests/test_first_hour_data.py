@@ -223,3 +223,23 @@ def test_data_of_no_supported_kind_lists_every_kind(xy, tmp_path):
     for kind in ("(X, y) arrays", "(DataFrame, Series)", "xarray.Dataset", "Zarr path", "Icechunk", "dict of"):
         assert kind in message
     assert "torch.utils.data.Dataset" in message
+
+
+# -- a feature named as the labels, with other values ---------------------------------------------------------------
+
+
+def test_a_lagged_feature_named_as_the_labels_is_taken(tmp_path):
+    """Yesterday's ``sales`` as a feature beside today's ``sales`` as the labels trained, and was refused by the
+    check for the labels' column among the features, which matched by name only; a column whose values are the
+    labels' (in another dtype too) is still refused."""
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame({"sales": rng.normal(size=120).cumsum(), "price": rng.normal(size=120)})
+    lagged = (df.shift(1).iloc[1:], df["sales"].iloc[1:])
+    for data in (lagged, (lagged[0], lagged[1].to_frame())):
+        planned = _plan(_Squeezed(2), data, tmp_path, loss="mse")
+        assert planned.train.feature_names == ("sales", "price")
+        assert planned.train.y.shape == (119,)
+    refused(_Squeezed(2), (df, df["sales"]), tmp_path / "same", DataError, "column 'sales'")
+    refused(_Squeezed(2), (df.astype("float32"), df[["sales"]]), tmp_path / "float32", DataError, "column 'sales'")
+    counts = df.assign(sales=np.arange(120))  # int64 labels, their column's float copy among the features
+    refused(_Squeezed(2), (counts.astype("float64"), counts["sales"]), tmp_path / "int", DataError, "column 'sales'")

@@ -4,7 +4,7 @@ Feature columns must be numeric or bool; they become one float32 array ``X`` (n,
 order of ``features`` (default: every column but the label).  Integer and bool labels become int64 class
 ids (classification), float labels float32 (regression), as for ``(X, y)`` arrays; a one-column DataFrame
 as ``y`` gives its column's labels (n,), as the Series would.  ``(df, df["target"])``, the labels' column
-still among the features, is refused (the model would train on its own labels).
+still among the features with the labels' values, is refused (the model would train on its own labels).
 Categorical, string, object and datetime feature columns are refused with the columns named and the remedy;
 so are missing values, and dask DataFrames (with what to pass instead: their columns as dask arrays).  The
 arrays are fresh and writable (a pandas column can hand out a read-only view, which torch warns about).
@@ -124,8 +124,10 @@ def _check_label_not_a_feature(X: Any, chosen: list, y: Any, features: Any, what
     train the model on its own labels (and ``predict`` would need them).
 
     The labels' column is a Series' name or a one-column DataFrame's column; an unnamed Series names none, nor
-    does ``pd.DataFrame(y)``'s default column ``0``.  Columns of ``X`` that are positions, not names
-    (``pd.DataFrame(X)``'s default ``0, 1, ...``), are the labels' only when their values are the labels' too.
+    does ``pd.DataFrame(y)``'s default column ``0``.  A column of ``X`` of that name is the labels' only when its
+    values are the labels' too: yesterday's ``sales`` as a feature beside today's as the labels,
+    ``(df.shift(1).iloc[1:], df["sales"].iloc[1:])``, is taken, as is column ``0`` of ``pd.DataFrame(X)`` beside
+    ``pd.Series(y, name=0)`` when it holds other values.
 
     Raises
     ------
@@ -141,8 +143,8 @@ def _check_label_not_a_feature(X: Any, chosen: list, y: Any, features: Any, what
         name = y.name if is_series(y) else None
     if name is None or name not in X.columns or not any(c == name for c in chosen):
         return  # (a feature column that X lacks is refused by frame_features)
-    if isinstance(X.columns, pd.RangeIndex) and not np.array_equal(X[name].to_numpy(), y.to_numpy()):
-        return  # (column 0 of pd.DataFrame(X) beside pd.Series(y, name=0): positions that differ, no leak)
+    if not _same_values(X[name], y):
+        return  # (a lagged copy, df.shift(1)'s 'sales' beside 'sales'; or column 0 of pd.DataFrame(X): no leak)
     choose = " or choose the feature columns with features=[...]," if features is None else ""
     raise DataError(
         f"{what}: the labels (y, column {name!r}) are also a feature column of X: the model would train with its "
@@ -150,6 +152,23 @@ def _check_label_not_a_feature(X: Any, chosen: list, y: Any, features: Any, what
         f"Leave the column out of X, (df.drop(columns={name!r}), df[{name!r}]),{choose} or pass the whole "
         f"DataFrame with label={name!r}"
     )
+
+
+def _same_values(column: Any, y: Any) -> bool:
+    """Whether the feature ``column`` holds the labels ``y`` (both pandas Series), row by row, as the model would
+    get them: compared as float32 (the features' dtype; an int64 label column beside its float copy is the same),
+    NaN equal to NaN, the index ignored (rows are taken by position).  Columns that are not numbers are compared
+    as they are."""
+    import pandas as pd
+
+    if column.shape != y.shape:
+        return False  # (lengths that differ are refused later, naming both)
+    try:
+        a = column.to_numpy(dtype="float32", na_value=np.nan)
+        b = y.to_numpy(dtype="float32", na_value=np.nan)
+    except (TypeError, ValueError):
+        return bool(pd.Series(column.to_numpy()).equals(pd.Series(y.to_numpy())))
+    return bool(np.array_equal(a, b, equal_nan=True))
 
 
 def frame_features(df: Any, names: Sequence, what: str) -> tuple[np.ndarray, tuple]:
