@@ -263,3 +263,46 @@ def test_a_worker_joining_with_another_vcdask_is_named_in_the_schedulers_log(sch
     result = handle.result()
     assert f"install vcdask {vcdask.__version__} on it" in caplog.text
     assert caplog.text.count(said) == 1 and str(result.workers.set_index("worker").loc[older, "excluded"]) == "None"
+
+
+def _attribute_error(module: str = "json") -> AttributeError:
+    """The real AttributeError of a name a module lacks (``module 'json' has no attribute 'gelu_new'``)."""
+    try:
+        getattr(__import__(module), "gelu_new")  # noqa: B009 - the attribute is looked up as unpickling does
+    except AttributeError as e:
+        return e
+    raise AssertionError("json.gelu_new exists")
+
+
+@pytest.mark.parametrize(
+    ("error", "named"),
+    [
+        (_attribute_error(), "module 'json'"),  # (not 'gelu_new', the attribute: e.name)
+        (ModuleNotFoundError("No module named 'helpers'", name="helpers"), "module 'helpers'"),
+        (AttributeError("Can't get attribute 'gelu_new' on <module>"), "the module of the run's model class"),
+    ],
+    ids=["attribute of a module", "module not found", "attribute of no module named"],
+)
+def test_the_module_to_install_is_the_module_not_the_missing_attribute(monkeypatch, error, named):
+    """A spec that needs a name a module here lacks: the remedy names that module to install, for a worker and for
+    the scheduler (it named the attribute: ``install module 'gelu_new' on every worker``).  No processes."""
+    from types import SimpleNamespace
+
+    from vcdask import _worker_spec
+    from vcdask.engine import plugin
+    from vcdask.errors import SchedulerEnvironmentError, WorkerEnvironmentError
+
+    def load_spec(store, run_id):
+        raise error
+
+    monkeypatch.setattr(_worker_spec, "load_spec", load_spec)
+    monkeypatch.setattr(plugin, "load_spec", load_spec)
+    with pytest.raises(WorkerEnvironmentError) as raised:
+        _worker_spec.run_spec(SimpleNamespace(location="/s"), "r1", lambda: "tcp://127.0.0.1:1")
+    assert f"install {named}" in str(raised.value), raised.value
+    scheduler = SimpleNamespace(scheduler=SimpleNamespace(address="tcp://127.0.0.1:2"))
+    with pytest.raises(SchedulerEnvironmentError) as raised_there:
+        plugin.VcdaskPlugin._load_spec(scheduler, SimpleNamespace(location="/s"), "r1")
+    message = str(raised_there.value)
+    assert f"install {named}" in message and "where the scheduler runs" in message, message
+    assert "gelu_new'" not in named

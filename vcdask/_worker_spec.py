@@ -4,13 +4,14 @@ run or spending the shard's attempts on it."""
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
 from .errors import StoreNotFoundError, StoreNotSharedError, WorkerEnvironmentError
 from .spec import RunSpec, load_spec
 
-__all__ = ["run_spec"]
+__all__ = ["missing_module", "run_spec"]
 
 
 def run_spec(store: Any, run_id: str, here: Callable[[], str]) -> RunSpec:
@@ -40,7 +41,7 @@ def run_spec(store: Any, run_id: str, here: Callable[[], str]) -> RunSpec:
         ) from e
     except (ImportError, AttributeError) as e:  # (unpickling: a module or a name this worker lacks)
         where = here()
-        module = getattr(e, "name", None)
+        module = missing_module(e)
         mod = f"module {module!r}" if module else "the module of the run's model class (or of its data, its loss)"
         raise WorkerEnvironmentError(
             f"worker {where} cannot load run {run_id}'s model: {type(e).__name__}: {e}; install {mod} on every "
@@ -48,3 +49,13 @@ def run_spec(store: Any, run_id: str, here: Callable[[], str]) -> RunSpec:
             "class in the script's __main__ (pickled by value)",
             process=where,
         ) from e
+
+
+def missing_module(e: BaseException) -> str | None:
+    """The module to install for what unpickling a spec raised: an :class:`ImportError`'s module (``e.name``), an
+    :class:`AttributeError`'s (a name a module here lacks: ``e.obj``'s name when it is a module, ``e.name`` being
+    the attribute); None when not known."""
+    if isinstance(e, ImportError):
+        return e.name
+    owner = getattr(e, "obj", None) if isinstance(e, AttributeError) else None
+    return owner.__name__ if isinstance(owner, types.ModuleType) else None

@@ -218,8 +218,10 @@ class VcdaskPlugin(SchedulerPlugin):
         try:
             return load_spec(store, run_id)
         except (ImportError, AttributeError) as e:  # (unpickling: a module, or a name in it, not here)
+            from .._worker_spec import missing_module
+
             address = self.scheduler.address
-            module = getattr(e, "name", None)
+            module = missing_module(e)
             what = f"module {module!r}" if module else "the module of the run's model class (or of its data, its loss)"
             raise SchedulerEnvironmentError(
                 f"the scheduler {address} cannot load run {run_id}'s model: {type(e).__name__}: {e}; the scheduler "
