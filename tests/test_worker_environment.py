@@ -265,44 +265,56 @@ def test_a_worker_joining_with_another_vcdask_is_named_in_the_schedulers_log(sch
     assert caplog.text.count(said) == 1 and str(result.workers.set_index("worker").loc[older, "excluded"]) == "None"
 
 
-def _attribute_error(module: str = "json") -> AttributeError:
-    """The real AttributeError of a name a module lacks (``module 'json' has no attribute 'gelu_new'``)."""
-    try:
-        getattr(__import__(module), "gelu_new")  # noqa: B009 - the attribute is looked up as unpickling does
-    except AttributeError as e:
-        return e
-    raise AssertionError("json.gelu_new exists")
+class _Module:
+    """Unpickles as ``importlib.import_module(name)``."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        import importlib
+
+        return importlib.import_module, (self.name,)
+
+
+class _Lookup:
+    """Unpickles as ``getattr(module, attribute)``: the look-up a spec's unpickling makes of a class's name."""
+
+    def __init__(self, module: str, attribute: str):
+        self.module, self.attribute = module, attribute
+
+    def __reduce__(self):
+        return getattr, (_Module(self.module), self.attribute)
 
 
 @pytest.mark.parametrize(
-    ("error", "named"),
+    ("spec", "named"),
     [
-        (_attribute_error(), "module 'json'"),  # (not 'gelu_new', the attribute: e.name)
-        (ModuleNotFoundError("No module named 'helpers'", name="helpers"), "module 'helpers'"),
-        (AttributeError("Can't get attribute 'gelu_new' on <module>"), "the module of the run's model class"),
+        (_Lookup("json", "gelu_new"), "module 'json'"),  # (not 'gelu_new', the attribute: e.name)
+        (_Module("helpers_not_here"), "module 'helpers_not_here'"),
     ],
-    ids=["attribute of a module", "module not found", "attribute of no module named"],
+    ids=["attribute of a module", "module not found"],
 )
-def test_the_module_to_install_is_the_module_not_the_missing_attribute(monkeypatch, error, named):
-    """A spec that needs a name a module here lacks: the remedy names that module to install, for a worker and for
-    the scheduler (it named the attribute: ``install module 'gelu_new' on every worker``).  No processes."""
+def test_the_module_to_install_is_the_module_not_the_missing_attribute(tmp_path, spec, named):
+    """A run's spec that needs a name a module here lacks: the remedy names that module to install, for a worker
+    and for the scheduler (it named the attribute: ``install module 'gelu_new' on every worker``).  A real store
+    whose spec file unpickles so; no processes."""
+    import pickle
     from types import SimpleNamespace
 
     from vcdask import _worker_spec
     from vcdask.engine import plugin
     from vcdask.errors import SchedulerEnvironmentError, WorkerEnvironmentError
+    from vcdask.spec import spec_path
 
-    def load_spec(store, run_id):
-        raise error
-
-    monkeypatch.setattr(_worker_spec, "load_spec", load_spec)
-    monkeypatch.setattr(plugin, "load_spec", load_spec)
+    store = vcdask.open_store(str(tmp_path / "s"))
+    run_id = f"run-{uuid.uuid4().hex[:6]}"
+    store.files.put(spec_path(run_id), pickle.dumps(spec))
     with pytest.raises(WorkerEnvironmentError) as raised:
-        _worker_spec.run_spec(SimpleNamespace(location="/s"), "r1", lambda: "tcp://127.0.0.1:1")
+        _worker_spec.run_spec(store, run_id, lambda: "tcp://127.0.0.1:1")
     assert f"install {named}" in str(raised.value), raised.value
     scheduler = SimpleNamespace(scheduler=SimpleNamespace(address="tcp://127.0.0.1:2"))
     with pytest.raises(SchedulerEnvironmentError) as raised_there:
-        plugin.VcdaskPlugin._load_spec(scheduler, SimpleNamespace(location="/s"), "r1")
+        plugin.VcdaskPlugin._load_spec(scheduler, store, run_id)
     message = str(raised_there.value)
     assert f"install {named}" in message and "where the scheduler runs" in message, message
-    assert "gelu_new'" not in named
