@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,8 +40,8 @@ from .. import config
 from ..errors import VersionNotFoundError
 from ._errors import translate
 from ._history import HOLD_PREFIX, HistoryStore, is_reserved, parse_pin, pin_index, pin_name, reachable, read_branch
-from ._layout import is_version
 from ._names import NamedStore, check_listed, ref_entries, remove_empty_refs
+from ._needs import KEEP_FROM_KEY, bound, idle, marker
 from ._retention import GCReport, Retention, select
 from ._runs import sweep_staged
 from ._state import STATE_KEY, sweep_states
@@ -56,8 +56,6 @@ __all__ = ["KEEP_FROM_KEY", "CollectedStore", "collect", "gc", "hold"]
 
 logger = logging.getLogger(__name__)
 
-#: Version metadata: versions of this branch at or after this step may still be needed by its writer.
-KEEP_FROM_KEY = "vcdask:keep_from_step"
 HOLDS = "_holds"
 
 
@@ -68,7 +66,7 @@ class CollectedStore(HistoryStore, NamedStore, Protocol):
     Attributes
     ----------
     _histories : dict
-        Branch -> what a collection read of it, at its head then (see :func:`_bound`), for the branches a
+        Branch -> what a collection read of it, at its head then (see :func:`._needs.bound`), for the branches a
         collection does not manage.
     _state_writer : StateWriter
         The store's writer of rule state objects (told of the objects a sweep deletes).
@@ -194,7 +192,7 @@ def collect(
         heads[b] = head.id
         if not versions:
             continue
-        floor = in_use[b] if b in in_use else _marker(head, listed_at, active_only=True)
+        floor = in_use[b] if b in in_use else marker(head, listed_at, active_only=True)
         sel = select(versions, retention, tagged=tagged, in_use_step=floor)
         report.kept[b], drops[b] = [v.id for v in sel.keep], sel.drop
         want_pins.update((pin_name(v.id, b), v.id) for v in sel.keep)
@@ -206,7 +204,7 @@ def collect(
     bounds = [listed_at - grace]  # (the clocks of other writers may lag this one's)
     for b in sorted(names - set(managed)):
         if not is_reserved(b) and b in heads:
-            bounds.extend(_bound(store, fresh, b, heads[b], refs, listed_at, report))
+            bounds.extend(bound(store, fresh, b, heads[b], refs, listed_at, report))
     cutoff = min(bounds)
     for b, dropped in drops.items():
         report.removed[b] = [v.id for v in dropped if v.written_at < cutoff and v.id not in refs]
@@ -270,7 +268,7 @@ def _still_idle(store: CollectedStore, repo: Any, branch: str, head: str, now: d
     import icechunk
 
     try:
-        return _idle(now, repo.lookup_snapshot(head).written_at)
+        return idle(now, repo.lookup_snapshot(head).written_at)
     except icechunk.IcechunkError:
         if store._repo.reopen().lookup_branch(branch) != head:
             return False
@@ -341,94 +339,6 @@ def _has_branch(repo: Any, branch: str) -> bool:
     except icechunk.IcechunkError:
         return branch in repo.list_branches()  # (a fault of the storage, not "no such branch": raised by the listing)
     return True
-
-
-def _marker(head: Any, now: datetime, *, active_only: bool) -> int | None:
-    """The ``keep_from_step`` marker of a branch's newest version, ``head`` (a snapshot: None without one, or
-    when stale)."""
-    step = (head.metadata or {}).get(KEEP_FROM_KEY)
-    if not isinstance(step, int):
-        return None
-    if active_only and _idle(now, head.written_at):
-        return None
-    return step
-
-
-@dataclass
-class _Needs:
-    """What a collection read of a branch it does not manage, at one head (a head's snapshot never changes;
-    expiry only ever takes versions out of the history behind it)."""
-
-    head: str
-    step: int | None  # the head's keep_from marker
-    written_at: datetime  # the head's
-    history: list[tuple[str, datetime]] | None = None  # (version, written at) from the marker on, newest first
-
-
-def _bound(
-    store: CollectedStore, repo: Any, branch: str, head: str, refs: set[str], now: datetime, report: GCReport
-) -> list[datetime]:
-    """The oldest time a branch this collection does not manage, whose newest snapshot is ``head``, still needs
-    (empty: it needs nothing).
-
-    With a writer's marker: its versions from that step on that nothing else keeps (what its writer
-    committed since it last collected, and what its tasks read).  Without one: its whole history.  Its head is
-    read once per head and process (a run's own collection looks at every other run's branch: one look-up of
-    its ref each, and no more while it does not move); the history behind it is read then, and again when a
-    version it lists is not kept by a ref (a marker's versions: each such time, since expiry may have taken
-    some out; a whole history, which holds back expiry in the whole store: once the oldest version it holds
-    back is gone, i.e. someone applied a policy to it).  What a branch whose versions refs keep needs is read
-    no more: expiry only takes versions out of a history, so none that it lists later is missing here.
-    """
-    seen = store._histories.get(branch)
-    if not isinstance(seen, _Needs) or seen.head != head:
-        snap = repo.lookup_snapshot(head)
-        seen = store._histories[branch] = _Needs(head, _marker(snap, now, active_only=False), snap.written_at)
-    step = seen.step
-    oldest = _oldest(seen.history or [], refs)
-    if seen.history is None or (oldest is not None and (step is not None or not _exists(repo, oldest[0]))):
-        history = []
-        for snap in repo.ancestry(branch=branch):
-            if not is_version(snap) or (step is not None and (snap.metadata or {}).get("step", step) < step):
-                break
-            history.append((snap.id, snap.written_at))
-        seen.history = history
-        oldest = _oldest(history, refs)
-    if oldest is None:
-        return []
-    when = oldest[1]
-    if step is None:
-        why = "it keeps its whole history (no retention policy)"
-    elif _idle(now, seen.written_at):
-        why = "its run stopped before it could apply its retention policy"
-    else:
-        return [when]  # a running run: it collects itself soon
-    report.held_back.append(
-        f"branch {branch!r} holds back expiry of everything written after {when:%Y-%m-%d %H:%M:%S} UTC: {why}; "
-        "apply a policy to it with ParamStore.gc(branches=...) or `vcdask gc STORE --branch ...`"
-    )
-    return [when]
-
-
-def _oldest(history: list[tuple[str, datetime]], refs: set[str]) -> tuple[str, datetime] | None:
-    """The oldest (version, time) of ``history`` (newest first) that no ref keeps."""
-    return next((entry for entry in reversed(history) if entry[0] not in refs), None)
-
-
-def _exists(repo: Any, version: str) -> bool:
-    import icechunk
-
-    try:
-        repo.lookup_snapshot(version)
-    except icechunk.IcechunkError:
-        return False
-    return True
-
-
-def _idle(now: datetime, written_at: datetime) -> bool:
-    """A branch whose newest version was written at ``written_at`` is idle (``vcdask.store.idle-after``):
-    its writer's marker no longer counts, and any collection may sweep its rule state."""
-    return (now - written_at).total_seconds() > float(config.get("store.idle-after"))
 
 
 def _default_grace(store: CollectedStore) -> float:

@@ -23,11 +23,11 @@ from ..params import FlatParams
 from . import _checksum
 from ._base import check_metadata
 from ._checksum import CHECKSUM_KEY, STATE_CHECKSUM_KEY
-from ._collect import KEEP_FROM_KEY
 from ._errors import translate
 from ._history import is_reserved
 from ._layout import FORMAT, FORMAT_KEY, plain_chunk, write_flat, write_state
 from ._names import NamedStore
+from ._needs import KEEP_FROM_KEY
 from ._state import STATE_KEY, delete_state
 
 if TYPE_CHECKING:

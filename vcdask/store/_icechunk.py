@@ -81,7 +81,7 @@ class IcechunkParamStore(ParamStore):
         quiet_logs()  # the SDKs' Rust warnings stay out of the terminal; failures become errors naming the cause
         self._repo = open_repository(backend, mode, self.max_tries)
         self._pinned: dict[str, VersionInfo] = {}  # versions kept by a pin (immutable): read once
-        self._histories: dict[str, Any] = {}  # branch -> what a collection read of it (see _collect._bound)
+        self._histories: dict[str, Any] = {}  # branch -> what a collection read of it (_needs.bound)
         #: branch -> what this object committed there last (the fast path of ._commit)
         self._last_commit: dict[str, LastCommit] = {}
         self._state_writer = StateWriter()  # rewrites only the rule state arrays that changed
