@@ -41,6 +41,7 @@ from .staging import split
 from .steps import SupervisedStep, check_steps, probe_batch
 from .store import ParamStore, Retention, open_store
 from .store._retention import check_retention
+from .trainable import check_trainable
 from .variables import stored_order, training_features
 
 logger = logging.getLogger(__name__)
@@ -265,6 +266,7 @@ def plan(
     given = {"loss": loss, "metrics": metrics, "train_step": train_step, "eval_step": eval_step}
     given.update(collate_fn=collate_fn, optimizer=training.optimizer, lr_schedule=training.lr_schedule)
     given.update(merge=merging.rule, alpha=merging.alpha, resilience=resilience, retention=retention)
+    check_trainable(model)  # (its own refusals first: a parametrized module does not pickle, with its remedy)
     check_picklable(model, given)  # (the run's spec carries them, pickled once the cluster is up)
     check_client(client)
     overlap = check_overlap(config.get("worker.overlap"))
