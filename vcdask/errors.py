@@ -236,6 +236,10 @@ class _NamesProcess:
 
     process: str | None
 
+    def __init__(self, message: str, process: str | None = None):
+        super().__init__(message)  # type: ignore[call-arg]  # (the builtin error after it in the MRO)
+        self.process = process
+
     def __reduce__(self):  # type: ignore[override]
         return (type(self), (str(self.args[0]) if self.args else "", self.process))
 
@@ -251,10 +255,6 @@ class WorkerEnvironmentError(_NamesProcess, VcdaskError, ImportError):
         The worker's address.
     """
 
-    def __init__(self, message: str, process: str | None = None):
-        super().__init__(message)
-        self.process = process
-
 
 class SchedulerEnvironmentError(_NamesProcess, VcdaskError, ImportError):
     """The scheduler cannot import what the run's spec needs (the module of the user's model class): the run
@@ -266,10 +266,6 @@ class SchedulerEnvironmentError(_NamesProcess, VcdaskError, ImportError):
         The scheduler's address.
     """
 
-    def __init__(self, message: str, process: str | None = None):
-        super().__init__(message)
-        self.process = process
-
 
 class StoreNotSharedError(_NamesProcess, VcdaskError, FileNotFoundError):
     """A worker does not see the run's store (no store at its location there, or one without the run: another
@@ -280,7 +276,3 @@ class StoreNotSharedError(_NamesProcess, VcdaskError, FileNotFoundError):
     process : str or None
         The worker's address.
     """
-
-    def __init__(self, message: str, process: str | None = None):
-        super().__init__(message)
-        self.process = process
