@@ -118,6 +118,18 @@ def _busy(client) -> dict:
 
 
 @pytest.fixture
+def threaded_client():
+    """A client of a cluster of one worker thread in this process: a real fit without worker processes."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster, set_as_default=False) as c,
+    ):
+        yield c
+
+
+@pytest.fixture
 def client(cluster):
     """The shared cluster's client, its workers idle: a test that counts on both workers must not find
     one still busy with an earlier test's task (restarted after a short wait)."""

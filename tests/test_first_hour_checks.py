@@ -236,17 +236,6 @@ def test_the_pickling_check_pickles_no_weights(monkeypatch):
     assert reduced
 
 
-@pytest.fixture
-def threaded_client():
-    from distributed import Client, LocalCluster
-
-    with (
-        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
-        Client(cluster, set_as_default=False) as c,
-    ):
-        yield c
-
-
 def test_a_torch_compiled_model_trains(X, tmp_path, threaded_client):
     import vcdask
 

@@ -11,17 +11,6 @@ import torch
 import vcdask
 
 
-@pytest.fixture
-def client():
-    from distributed import Client, LocalCluster
-
-    with (
-        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
-        Client(cluster, set_as_default=False) as c,
-    ):
-        yield c
-
-
 def _data() -> tuple[np.ndarray, np.ndarray]:
     X = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     return X, (X[:, 0] > 0).astype("int64")
@@ -36,16 +25,22 @@ def _said(record, text: str):
     return warning
 
 
-def test_a_head_only_optimizer_is_said_at_the_fit_call(client, tmp_path):
+def test_a_head_only_optimizer_is_said_at_the_fit_call(threaded_client, tmp_path):
     head_only = lambda params: torch.optim.SGD(params[-2:], lr=0.1)  # noqa: E731
     with pytest.warns(UserWarning) as record:
         vcdask.fit(
-            _net(), _data(), optimizer=head_only, client=client, store=tmp_path / "s", max_epochs=1, progress=False
+            _net(),
+            _data(),
+            optimizer=head_only,
+            client=threaded_client,
+            store=tmp_path / "s",
+            max_epochs=1,
+            progress=False,
         )
     assert _said(record, "get gradients but no step").filename == __file__
 
 
-def test_a_metric_that_fails_on_the_checks_few_rows_is_said_at_the_fit_call(client, tmp_path):
+def test_a_metric_that_fails_on_the_checks_few_rows_is_said_at_the_fit_call(threaded_client, tmp_path):
     def picky(outputs, labels):
         if len(labels) < 10:
             raise ValueError("needs 10 rows")
@@ -58,7 +53,7 @@ def test_a_metric_that_fails_on_the_checks_few_rows_is_said_at_the_fit_call(clie
             validation=0.25,
             metrics={"picky": picky},
             batch_size=32,
-            client=client,
+            client=threaded_client,
             store=tmp_path / "s",
             max_epochs=1,
             progress=False,
