@@ -25,20 +25,27 @@ STORE = StoreNotSharedError(
 )
 
 
+def _one_merged_one_failing(error, on: str | None = "a"):
+    """Two shards: the first merged from worker b, the second started on ``on`` (None: before it said it started)
+    and failed with ``error``; (script, the failed task, the effects of its failure)."""
+    s = Script(n_shards=2, max_attempts=1)
+    first, key = keys(s(m.Poll()))
+    s.start(first, "b")
+    s.merge(s.finish_task(first, "b"))
+    if on is not None:
+        s.start(key, on)
+    task = s.state.tasks.records[key]
+    s(m.Completed(key))
+    return s, task, s(m.TaskFailed(task, error))
+
+
 @pytest.mark.parametrize("error", [MODULE, STORE], ids=["module", "store"])
 def test_a_worker_that_cannot_run_the_run_gets_no_more_shards_and_its_copy_goes_elsewhere(error):
     """Such a task's error failed the run (a module: a task error) or used up the shard's attempts on the worker
     that fails at once (a store: ``OSError``, lost); the worker is now unfit, named, and the copy goes elsewhere,
     not counted against the shard."""
     error = pickle.loads(pickle.dumps(error))  # (as it comes from the worker)
-    s = Script(n_shards=2, max_attempts=1)
-    first, key = keys(s(m.Poll()))
-    s.start(first, "b")
-    s.merge(s.finish_task(first, "b"))
-    s.start(key, "a")
-    task = s.state.tasks.records[key]
-    s(m.Completed(key))
-    effects = s(m.TaskFailed(task, error))
+    s, task, effects = _one_merged_one_failing(error)
     assert not [fx for fx in effects if isinstance(fx, m.Fail)]
     [again] = [fx for fx in effects if isinstance(fx, m.Submit)]
     assert s.state.dispatch.failures[(1, task.shard)] == 0 and s.state.tasks.records[again.key].placed == "b"
@@ -50,14 +57,8 @@ def test_a_worker_that_cannot_run_the_run_gets_no_more_shards_and_its_copy_goes_
 def test_a_task_that_failed_before_it_said_it_started_names_its_worker_itself():
     """A task that fails while it loads the spec may fail before the run heard that it started: the worker its
     error names is the unfit one."""
-    s = Script(n_shards=2, max_attempts=1)
-    first, key = keys(s(m.Poll()))
-    s.start(first, "b")
-    s.merge(s.finish_task(first, "b"))
-    task = s.state.tasks.records[key]
+    s, task, effects = _one_merged_one_failing(MODULE, on=None)
     assert task.worker is None
-    s(m.Completed(key))
-    effects = s(m.TaskFailed(task, MODULE))
     assert not [fx for fx in effects if isinstance(fx, m.Fail)]
     assert s.state.pool.record("a").excluded == str(MODULE)
 
@@ -111,14 +112,7 @@ def test_a_read_only_mount_is_refused_by_the_side_files_not_an_outage(tmp_path):
 def test_a_worker_unfit_for_the_run_that_is_replaced_at_its_address_gets_shards_again():
     """A worker without the model's module is excluded; the user restarts it, fixed, at the same address: the new
     process got no shard for the rest of the run.  It comes back without that exclusion (its faults stay)."""
-    s = Script(n_shards=2, max_attempts=1)
-    first, key = keys(s(m.Poll()))
-    s.start(first, "b")
-    s.merge(s.finish_task(first, "b"))
-    s.start(key, "a")
-    task = s.state.tasks.records[key]
-    s(m.Completed(key))
-    s(m.TaskFailed(task, MODULE))
+    s, _, _ = _one_merged_one_failing(MODULE)
     assert "a" not in s.state.pool.usable()
     s(m.Joined("a", 1))  # (a heartbeat's re-join of the same process: still unfit)
     assert "a" not in s.state.pool.usable()
