@@ -1,7 +1,7 @@
 """A first hour's data, refused or taken as a newcomer means it, before any cluster work: the labels' column left
-among a DataFrame's features, class ids as a column ``(n, 1)``, ``label=`` / ``features=`` given to data that
-would ignore them, and a ``DataLoader`` as data.  Through ``fit``'s own pre-flight (``vcdask.options.plan``, or
-``fit`` with a client that fails the test if touched): no worker starts."""
+among a DataFrame's features, class ids as a column ``(n, 1)``, ``label=`` / ``features=`` / ``sample_dim=`` /
+``storage_options=`` given to data that would ignore them, and a ``DataLoader`` as data.  Through ``fit``'s own
+pre-flight (``vcdask.options.plan``, or ``fit`` with a client that fails the test if touched): no worker starts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import xarray as xr
 from refusal_helpers import refused
 
 from vcdask.data import DataError
@@ -194,6 +195,60 @@ def test_validation_arrays_beside_a_dataframe_are_read_with_the_trainings_names(
     X, y = xy
     planned = _plan(_linear(), df, tmp_path, label="target", validation=(X[:40], y[:40]))
     assert planned.validation.n == 40
+
+
+# -- sample_dim= and storage_options= given to data that would ignore them ---------------------------------------
+
+
+def _forms(xy, df):
+    X, y = xy
+    return {
+        "arrays": ((X, y), "(X, y) arrays"),
+        "frame": (df, "a whole pandas DataFrame"),
+        "pandas": ((df.drop(columns="target"), df["target"]), "(X, y) with y the labels"),
+        "dataset": (torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(y)), "a torch Dataset"),
+        "xarray": (xr.Dataset({"x": (("s", "f"), X), "y": ("s", y)}), "an xarray.Dataset"),
+    }
+
+
+@pytest.mark.parametrize("form", ["arrays", "frame", "pandas", "dataset"])
+def test_a_sample_dim_that_the_data_would_ignore_is_refused(form, xy, df, tmp_path):
+    """``sample_dim=`` was dropped silently for data whose samples are its first axis."""
+    data, kind = _forms(xy, df)[form]
+    label = {"label": "target"} if form == "frame" else {}
+    refused(_linear(), data, tmp_path, TypeError, "sample_dim='time'", kind, "first axis", sample_dim="time", **label)
+
+
+@pytest.mark.parametrize("form", ["arrays", "frame", "xarray"])
+def test_storage_options_that_the_data_would_ignore_are_refused_without_their_values(form, xy, df, tmp_path):
+    """``storage_options=`` open a Zarr path or URL; for data in memory they were dropped silently.  The refusal
+    names their keys, never their values (which may hold credentials)."""
+    data, kind = _forms(xy, df)[form]
+    label = {"label": "target"} if form == "frame" else {}
+    options = {"anon": False, "secret": "SECRETsecret123"}
+    message = refused(
+        _linear(), data, tmp_path, TypeError, "['anon', 'secret']", kind, **label, storage_options=options
+    )
+    assert "SECRETsecret123" not in message
+    assert _plan(_linear(), data, tmp_path, storage_options={}, **label).train.n == 200  # (an empty mapping: none)
+
+
+def test_sample_dim_and_storage_options_are_taken_where_they_apply(xy, df, tmp_path):
+    """An xarray Dataset takes ``sample_dim``, a Zarr URL both (``file://`` included); a local path with no
+    scheme takes ``sample_dim`` and refuses fsspec options (Zarr opens it without fsspec and refused them, in its
+    own words)."""
+    ds = _forms(xy, df)["xarray"][0]
+    assert _plan(_linear(), ds, tmp_path, label="y", sample_dim="s").train.n == 200
+    path = tmp_path / "data.zarr"
+    ds.to_zarr(path, zarr_format=3, consolidated=False)
+    url = f"file://{path}"
+    planned = _plan(_linear(), url, tmp_path, label="y", sample_dim="s", storage_options={"auto_mkdir": False})
+    assert planned.train.n == 200
+    assert planned.train.source.storage_options == {"auto_mkdir": False}
+    assert _plan(_linear(), str(path), tmp_path, label="y", sample_dim="s").train.n == 200
+    refused(
+        _linear(), path, tmp_path / "r", TypeError, "a local path", "file:///", label="y", storage_options={"anon": 1}
+    )
 
 
 # -- a DataLoader, and data of no supported kind ------------------------------------------------------------------

@@ -187,7 +187,9 @@ def fit(
         Variable and dimension names for xarray / Zarr data (inferred when unambiguous); for a pandas
         DataFrame, the feature columns (default: all but the label) and the label column.
     storage_options : dict, optional
-        fsspec options for a Zarr URL given as ``data``.
+        fsspec options for a Zarr URL given as ``data`` (refused, ``TypeError``, with data that would ignore
+        them: a path with no scheme, an open xarray Dataset, an Icechunk session, data in memory; so is
+        ``sample_dim`` with data whose samples are its first axis).
     shuffle : bool, default True
         Shuffle in-memory arrays, DataFrames and dicts of arrays once (seeded) before sharding; xarray and Zarr
         data keep their stored order (``validation=0.1`` holds out their last rows).

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ._arrays import _is_dask, _prepare_dict, _prepare_xy
+from ._data_options import check_options_apply
 from .errors import DataError
 from .prepared import PreparedData
 from .store import FSSPEC_SECRET_OPTIONS
@@ -206,8 +207,8 @@ def prepare_data(
 ) -> PreparedData:
     """Check ``data`` and describe it; reads at most a few rows (and the labels' range for checks).
 
-    ``features`` and ``label`` name columns or variables: of the training data (``what="data"``), data that
-    names none (arrays, dicts, torch Datasets) refuses them rather than ignore them.
+    ``features``, ``label``, ``sample_dim`` and ``storage_options`` given with training data (``what="data"``)
+    that would ignore them are refused (:func:`vcdask._data_options.check_options_apply`).
 
     ``batches="dict"`` (the caller has a ``train_step``) reads xarray / Zarr data as one input per
     variable instead of stacking the features into ``X``.  ``scheduler`` computes dask data's rows and range
@@ -219,7 +220,7 @@ def prepare_data(
     DataError
         Empty data, X/y length mismatch, unknown variables, ambiguous sample dimension.
     TypeError
-        An unsupported kind of input; ``features`` or ``label`` for training data that would ignore them.
+        An unsupported kind of input; an option for training data that would ignore it.
     """
     import xarray as xr
 
@@ -230,7 +231,9 @@ def prepare_data(
     if (loader := loader_error(data, what)) is not None:
         raise loader
     if what == "data":  # (validation data is read with the training's options, which arrays do not need)
-        _check_names_apply(data, features, label)
+        check_options_apply(
+            data, features=features, label=label, sample_dim=sample_dim, storage_options=storage_options
+        )
     if is_dataset(data):
         return prepare_dataset(data, collate_fn=collate_fn, what=what)
     frame = from_pandas(data, features, label, what)  # (a dask DataFrame: refused there, with what to pass)
@@ -283,64 +286,6 @@ def prepare_data(
         f"unsupported {what} type {type(data).__name__}; expected (X, y) arrays (numpy, torch or dask), a pandas "
         "DataFrame (with label=) or (DataFrame, Series), an xarray.Dataset, a Zarr path or URL, an Icechunk session "
         "or its store, a dict of equal-length arrays (with train_step=), or a map-style torch.utils.data.Dataset"
-    )
-
-
-#: Data that names no columns or variables, as a message says it is, and how to choose its inputs and labels.
-_UNNAMED = {
-    "pandas": (
-        "(X, y) with y the labels",
-        "Leave label= out: y holds the labels already (features= picks X's columns when X is a DataFrame); or "
-        "pass the whole DataFrame with label= (and features=)",
-    ),
-    "dataset": (
-        "a torch Dataset",
-        "Its items are what the model and the loss get: choose the inputs and the labels in its __getitem__ (or "
-        "in a Dataset that wraps it)",
-    ),
-    "dict": (
-        "a dict of arrays",
-        "Each batch holds every array of the dict, by key: pass only those to train on ({k: data[k] for k in "
-        "[...]}), and let train_step pick the inputs and the labels by key",
-    ),
-    "arrays": (
-        "(X, y) arrays",
-        "Choose the feature columns yourself, X[:, [0, 2, 5]], and give the labels as y; or pass a pandas "
-        "DataFrame with label= and features=",
-    ),
-}
-
-
-def _check_names_apply(data: Any, features: Any, label: Any) -> None:
-    """Refuse ``features=`` / ``label=`` that ``data`` would ignore: who thinks they chose columns would get another
-    model.  A whole DataFrame, an xarray Dataset, a Zarr or Icechunk location use both; ``(DataFrame, y)`` uses
-    ``features`` (``X``'s columns), not ``label``; arrays, dicts and torch Datasets neither.  Data of no supported
-    kind is left to :func:`prepare_data`'s own refusal."""
-    import xarray as xr
-
-    from .frames import is_frame
-    from .torch_data import is_dataset
-
-    given = {name: v for name, v in (("features", features), ("label", label)) if v is not None}
-    pair = isinstance(data, (tuple, list)) and len(data) == 2
-    kind = None
-    if pair and any(type(a).__module__.startswith("pandas") for a in data):
-        kind = "pandas"
-        if is_frame(data[0]):
-            given.pop("features", None)
-    elif is_dataset(data):
-        kind = "dataset"
-    elif isinstance(data, Mapping) and not isinstance(data, xr.Dataset):
-        kind = "dict"
-    elif pair:
-        kind = "arrays"
-    if kind is None or not given:
-        return
-    (what, fix), it = _UNNAMED[kind], "them" if len(given) > 1 else "it"
-    raise TypeError(
-        f"{' and '.join(f'{k}={v!r}' for k, v in given.items())}: {' and '.join(given)} name{'s' if it == 'it' else ''}"
-        f" columns or variables, of a whole pandas DataFrame, an xarray.Dataset, a Zarr path or URL or an Icechunk "
-        f"session; the data is {what}, which would ignore {it}. {fix}"
     )
 
 
