@@ -33,6 +33,7 @@ from vcdask.jobs import (
     run_job,
     score,
 )
+from vcdask.jobs._preflight import fit_kwargs
 from vcdask.jobs._run import _compare, _release
 from vcdask.spec import load_spec
 
@@ -142,6 +143,11 @@ def test_a_good_job_file_is_read_with_paths_from_its_directory(job_dir):
         ),
         ("train.zarr", "missing.zarr", r"job\.yaml: data\.path: no such file: .*missing\.zarr"),
         ("{path: train.zarr, features: x, label: y}", "train.csv", r"job\.yaml: data\.label: a csv file needs label:"),
+        (
+            "{path: train.zarr, features: x, label: y}",
+            "{path: train.csv, label: target, sample_dim: row}",
+            r"job\.yaml: data\.sample_dim: a csv file's samples are its rows: leave sample_dim out",
+        ),
         ("max_epochs: 2", "max_epochs: 2, resilience: {deadline: soon}", r"job\.yaml: fit\.resilience: "),
         # a job waits for its run (it scores and releases it): wait: false would fail only after training began
         (
@@ -363,6 +369,24 @@ def test_a_store_or_data_that_does_not_answer_is_a_failure_not_a_bad_job_file(jo
         assert not isinstance(info.value, JobFileError) and info.value.__cause__ is errors.pop(0)
     with pytest.raises(JobFileError, match=r"job\.yaml: data: cannot read .*train\.csv as csv: gone"):
         _read(job, "data", job.data)  # not there: exit 2
+
+
+def test_a_csv_files_storage_options_read_it_and_are_not_given_to_fit(job_dir):
+    """pandas reads a CSV URL with the job's storage_options; fit gets the DataFrame, which would ignore them
+    (fit refuses storage_options with data in memory).  The preflight runs fit's checks with the job's keywords."""
+    url = f"file://{job_dir / 'train.csv'}"
+    text = f"""
+    model: mymodels:make
+    data: {{path: '{url}', label: target, storage_options: {{auto_mkdir: false}}}}
+    validation: 0.25
+    store: store
+    fit: {{max_epochs: 1}}
+    """
+    job = load_job(_write(job_dir, text))
+    assert job.data.storage_options == {"auto_mkdir": False}
+    prepared = preflight(job)
+    assert len(prepared.data) == 240
+    assert "storage_options" not in fit_kwargs(prepared)
 
 
 def test_run_job_with_a_bad_job_file_reports_exit_2(job_dir):

@@ -243,6 +243,8 @@ def _data(path: Path, name: str, value: str | dict, base: Path, like: DataRef | 
         raise JobFileError(path, f"{name}.path" if isinstance(value, dict) else name, f"no such file: {location}")
     if fmt in ("csv", "parquet") and like is None and ref.label is None:
         raise JobFileError(path, f"{name}.label", f"a {fmt} file needs label: (the name of the target column)")
+    if fmt in ("csv", "parquet") and ref.sample_dim is not None:
+        raise JobFileError(path, f"{name}.sample_dim", f"a {fmt} file's samples are its rows: leave sample_dim out")
     if like is not None:  # validation: fit takes one set of variable names and storage options
         for attr in ("features", "label", "sample_dim", "storage_options"):
             mine = getattr(ref, attr)

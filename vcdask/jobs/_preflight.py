@@ -93,7 +93,7 @@ def fit_kwargs(prepared: Prepared) -> dict[str, Any]:
         value = getattr(ref, name)
         if value is not None:
             options[name] = list(value) if name == "features" and ref.format != "zarr" else value
-    if ref.storage_options:
+    if ref.storage_options and ref.format == "zarr":  # (a CSV / Parquet file's: pandas read it, fit gets a DataFrame)
         options["storage_options"] = ref.storage_options
     return {**options, "validation": prepared.validation, "store": prepared.store}
 
