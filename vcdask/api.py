@@ -169,7 +169,9 @@ def fit(
     store : str, path or ParamStore, optional
         The parameter store; default the local directory ``./vcdask-runs``.  The run writes to branch ``run_id``.
     seed : int, default 0
-        Seeds the shuffle and the held-out split: an integer >= 0.
+        An integer >= 0: seeds the shuffle, the held-out split, each epoch's order of shards and each task's
+        batch order and dropout (torch's generator, put back after the task; see "Seeds" in the user guide's
+        "How a run works" for what trains alike to the bit).
     commit_every : int or "auto", default 1
         Commit a version every this many merges (epoch ends always commit).  ``"auto"``: every merge,
         except that results already queued behind a merge share its commit (up to 8): a merge thread

@@ -23,6 +23,7 @@ import torch
 
 from . import _held, config, overlap
 from . import batches as _batches
+from ._seeds import derived_seeds, task_rng
 from ._worker_spec import run_spec
 from .compress import EncodedUpdate, encode
 from .cost import instance_here
@@ -226,34 +227,36 @@ def train_shard(
     t_read = time.perf_counter()
     inner = InnerOptimizer(spec, model, precision, epoch, position)  # fresh, or this worker's kept state
     train_step = spec.train_step or SupervisedStep(_held.loss_on(spec, device))  # (a loss module: on the device)
-    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 10_007 + shard * 101 + attempt)
-
-    train_mode(model, spec.eval_modules)  # (the layers the user froze, a batch norm's statistics, stay frozen)
-    ahead = 0  # steps trained from the worker's own W_c before the merged version came (overlap="delta")
-    # (at most this many: then the task waits for it, so most of its steps are taken from the merged version)
-    most_ahead = overlap.most_ahead(spec.local_epochs * (per_pass if limit is None else limit))
-    losses: list[torch.Tensor] = []
-    stamps = [time.perf_counter()]
-    rows = _batches.on_device(rows, device)  # (once for all local epochs, where batches are cut on the device)
-    for _ in range(spec.local_epochs):
-        for batch, _n in _batches.batches(spec, rows, device, spec.batch_size, generator=g, limit=limit):
-            if pending is not None and (pending.ready() or len(losses) >= most_ahead):  # train on from the merge
-                t_wait = time.perf_counter()
-                if (base := _corrected(model, pending)) is None:
-                    return _abandoned(run_id, epoch, shard, attempt)
-                (base_version, base_step), pending, ahead = base, None, len(losses)
-                wait = time.perf_counter() - t_wait
-            with precision.autocast():
-                loss = train_step(model, batch)
-            inner.step(loss)
-            losses.append(loss.detach())
-            stamps.append(time.perf_counter())
-    del rows  # (a GPU shard's copy goes now, not after the upload)
-    if pending is not None:  # trained before the merge came: wait for it (the only wait of such a task)
-        t_wait = time.perf_counter()
-        if (base := _corrected(model, pending)) is None:
-            return _abandoned(run_id, epoch, shard, attempt)
-        (base_version, base_step), wait, ahead = base, time.perf_counter() - t_wait, len(losses)
+    # the batch order, and the model's own draws (dropout): from (seed, epoch, shard, attempt) (vcdask._seeds)
+    order_seed, torch_seed = derived_seeds(spec.seed, epoch, shard, attempt)
+    g = torch.Generator().manual_seed(order_seed)
+    with task_rng(torch_seed, device):
+        train_mode(model, spec.eval_modules)  # (the layers the user froze, a batch norm's statistics, stay frozen)
+        ahead = 0  # steps trained from the worker's own W_c before the merged version came (overlap="delta")
+        # (at most this many: then the task waits for it, so most of its steps are taken from the merged version)
+        most_ahead = overlap.most_ahead(spec.local_epochs * (per_pass if limit is None else limit))
+        losses: list[torch.Tensor] = []
+        stamps = [time.perf_counter()]
+        rows = _batches.on_device(rows, device)  # (once for all local epochs, where batches are cut on the device)
+        for _ in range(spec.local_epochs):
+            for batch, _n in _batches.batches(spec, rows, device, spec.batch_size, generator=g, limit=limit):
+                if pending is not None and (pending.ready() or len(losses) >= most_ahead):  # train on from the merge
+                    t_wait = time.perf_counter()
+                    if (base := _corrected(model, pending)) is None:
+                        return _abandoned(run_id, epoch, shard, attempt)
+                    (base_version, base_step), pending, ahead = base, None, len(losses)
+                    wait = time.perf_counter() - t_wait
+                with precision.autocast():
+                    loss = train_step(model, batch)
+                inner.step(loss)
+                losses.append(loss.detach())
+                stamps.append(time.perf_counter())
+        del rows  # (a GPU shard's copy goes now, not after the upload)
+        if pending is not None:  # trained before the merge came: wait for it (the only wait of such a task)
+            t_wait = time.perf_counter()
+            if (base := _corrected(model, pending)) is None:
+                return _abandoned(run_id, epoch, shard, attempt)
+            (base_version, base_step), wait, ahead = base, time.perf_counter() - t_wait, len(losses)
     train_loss = float(torch.stack(losses).float().mean()) if losses else float("nan")
     first_loss = float(losses[0]) if losses else float("nan")  # at the task's base (vcdask.diagnose)
     inner.done(finite=math.isfinite(train_loss))

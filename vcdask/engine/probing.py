@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .._seeds import derived_seeds, task_rng
 from .following import can_grow
 
 if TYPE_CHECKING:
@@ -28,6 +29,9 @@ __all__ = ["PROBE_ROWS", "ProbeModel", "training_probe"]
 #: Rows each probe scores: the first ones of the validation set (robust merging), of the update's shard
 #: (the guard's own steps), or spread over the first rows of every shard (the training-loss probe).
 PROBE_ROWS = 256
+
+#: Set apart the probe's seeds from the tasks' (``(seed, epoch, shard, attempt)``, epochs from 1).
+_PROBE = 0
 
 
 class ProbeModel:
@@ -131,17 +135,20 @@ class ProbeModel:
         load_into(self.model, base)
         train_mode(self.model, getattr(self.spec, "eval_modules", ()))  # as the workers train it
         optimizer = self.spec.optimizer(list(self.model.parameters()))  # (a list, as the workers give it)
-        g = torch.Generator().manual_seed(self.spec.seed)
+        # (its own seeds: the process's global generator, which the caller of fit may own, is left as it was)
+        order_seed, torch_seed = derived_seeds(self.spec.seed, _PROBE, shard)
+        g = torch.Generator().manual_seed(order_seed)
         done = 0
-        while done < steps:
-            for batch, _ in self._batches(rows, self.spec.batch_size, g):
-                loss = self.step(self.model, batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                done += 1
-                if done == steps:
-                    break
+        with task_rng(torch_seed):
+            while done < steps:
+                for batch, _ in self._batches(rows, self.spec.batch_size, g):
+                    loss = self.step(self.model, batch)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    done += 1
+                    if done == steps:
+                        break
         return flatten(self.model)
 
 
