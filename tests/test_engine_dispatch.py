@@ -53,6 +53,18 @@ def test_attempts_failures_and_resume():
     assert sorted(s for e, s in handed if e == 3) == [0, 1, 2, 3]
 
 
+def test_a_resumed_run_hands_out_what_is_left_in_the_order_it_would_have():
+    """Each epoch's order comes from the seed and the epoch alone: a run resumed in epoch 2 hands out the rest of
+    epoch 2, and every later epoch, as the run it resumes would have (one random stream shifted every later
+    order; nothing was trained twice or skipped, but the run was not the run it would have been)."""
+    whole = _drain(Dispatcher(n_shards=6, max_epochs=4, seed=3))
+    merged = {1: set(range(6)), 2: {s for _, s in whole[6:8]}}  # stopped after 8 merges
+    r = Dispatcher(n_shards=6, max_epochs=4, seed=3)
+    r.restore(merged, {}, last_epoch=2)
+    assert _drain(r) == whole[8:]
+    assert Dispatcher(6, 4, seed=3).order(2) != Dispatcher(6, 4, seed=3).order(3)  # (each epoch its own order)
+
+
 def test_placement_with_no_usable_worker_is_none():
     """Every connected worker excluded or draining: no placement (``workers=[]`` would be no restriction
     to Dask, and the copy would go to the excluded worker); the shard is parked, once, in order."""

@@ -16,7 +16,7 @@ __all__ = ["Dispatcher"]
 class Dispatcher:
     """The shard queues of one run.
 
-    Each epoch's shards are queued in a seeded random order when dispatch reaches that epoch.
+    Each epoch's shards are queued in a seeded random order (:meth:`order`) when dispatch reaches that epoch.
     A freed worker is given a shard it trained before when one is queued (it caches those rows:
     the paper's "sticky files").
 
@@ -28,7 +28,7 @@ class Dispatcher:
     def __init__(self, n_shards: int, max_epochs: int, seed: int):
         self.n_shards = n_shards
         self.max_epochs = max_epochs
-        self.rng = random.Random(seed)
+        self.seed = seed
         self.queue: dict[int, list[int]] = {}
         self.epoch = 0  # the epoch dispatch has reached
         self.attempts: dict[tuple[int, int], int] = {}  # copies submitted (they name their keys)
@@ -44,17 +44,19 @@ class Dispatcher:
         self.issued: dict[int, int] = {}
         self.non_finite: dict[int, dict[str, set[int]]] = {}  # shard -> worker -> epochs its update was NaN/inf
 
-    def _order(self) -> list[int]:
+    def order(self, epoch: int) -> list[int]:
+        """``epoch``'s shards in their seeded order: from the seed and the epoch alone, so that a resumed run
+        hands out what is left of an epoch, and every later epoch, in the order the run would have."""
         order = list(range(self.n_shards))
-        self.rng.shuffle(order)
+        random.Random(f"vcdask.order:{self.seed}:{epoch}").shuffle(order)
         return order
 
     def restore(self, merged: dict[int, set[int]], attempts: dict[tuple[int, int], int], last_epoch: int) -> None:
-        """Queue what a resumed run has left of epochs ``1..last_epoch`` (attempt numbers go on)."""
+        """Queue what a resumed run has left of epochs ``1..last_epoch`` (attempt numbers go on), in each
+        epoch's own order (:meth:`order`)."""
         self.attempts = dict(attempts)
         for epoch in range(1, last_epoch + 1):
-            todo = [s for s in range(self.n_shards) if s not in merged.get(epoch, ())]
-            self.rng.shuffle(todo)
+            todo = [s for s in self.order(epoch) if s not in merged.get(epoch, ())]
             self.queue[epoch] = todo
             self.issued[epoch] = self.n_shards - len(todo)  # merged before: their places are taken
 
@@ -72,7 +74,7 @@ class Dispatcher:
                 return None
             self.epoch += 1
             if self.epoch not in self.queue:  # (a resumed run has its earlier queues already)
-                self.queue[self.epoch] = self._order()
+                self.queue[self.epoch] = self.order(self.epoch)
         queue = self.queue[self.epoch]
         pick = next((s for s in queue if worker is not None and self.home.get(s) == worker), queue[0])
         queue.remove(pick)
