@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ._ints import is_real
+from ._step_checks import check_backward, check_layout_kept, check_loss, state_layout, warn_no_gradient
 from .device import cpu_copy
 from .errors import DataError
 from .metrics import check_metric_names
@@ -147,42 +148,60 @@ def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_
     """Run the steps once on a probe batch (on the CPU, as a copy of the model there); return the metric names.
 
     A model on an accelerator whose steps fail on the CPU copy is tried once more on a copy on its own device
-    (steps written for it, that move the batch there with ``.cuda()``).
+    (steps written for it, that move the batch there with ``.cuda()``).  Gradients the train step's loss leaves on
+    ``model`` itself (a step over the model captured from outside, refused) are cleared again.
 
     Raises
     ------
     DataError
-        A step fails on the probe batch, the train step returns something that is not a scalar loss, or its loss
-        does not backpropagate (or the step computed gradients itself: ``loss.backward()``).
+        A step fails on the probe batch; the train step returns something that is not a scalar loss, or a loss that
+        is NaN or infinite, does not backpropagate or gives none of the probe's trainable parameters a gradient (a
+        model captured from outside), or the step computed gradients itself (``loss.backward()``); the train step
+        adds, removes or reshapes a parameter or buffer of the model (:mod:`vcdask._step_checks`).
     TypeError
         ``eval_step`` returns something other than a dict of numbers.
     ValueError
         ``eval_step``'s names would replace columns of ``FitResult.epochs`` (:func:`vcdask.metrics.check_metric_names`).
+
+    Warns
+    -----
+    UserWarning
+        Some trainable parameters got no gradient from the train step's loss while others did (a submodule
+        captured from outside, ``head = model[2]``), naming them.
     """
     frozen = eval_modules(model)  # (trained as the workers will train it)
+    clear = [p for p in model.parameters() if p.grad is None]
     try:
-        names = _check_steps_on(train_mode(cpu_copy(model), frozen), sample, train_step, eval_step)
-    except DataError:
-        if all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers())):
-            raise
-        names = _check_steps_on(train_mode(copy.deepcopy(model), frozen), sample, train_step, eval_step)
+        try:
+            names, missing = _check_steps_on(train_mode(cpu_copy(model), frozen), sample, train_step, eval_step)
+        except DataError:
+            if all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers())):
+                raise
+            names, missing = _check_steps_on(train_mode(copy.deepcopy(model), frozen), sample, train_step, eval_step)
+    finally:
+        for p in clear:  # (a step over the model captured from outside backpropagated into it)
+            p.grad = None
+    warn_no_gradient(missing)
     return check_metric_names(names, "eval_step", loss=True)
 
 
-def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None) -> list[str]:
+def _check_steps_on(
+    probe: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None
+) -> tuple[list[str], list[str]]:
+    """The metric names, and the trainable parameters the train step's loss gave no gradient, of the steps on
+    ``probe`` (a copy of the model)."""
     for p in probe.parameters():
         p.grad = None
+    layout = state_layout(probe)
     try:
         loss = train_step(probe, sample)
     except Exception as e:
         raise DataError(f"train_step fails on a batch of the training data: {type(e).__name__}: {e}") from e
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        grad = "" if not isinstance(loss, torch.Tensor) or loss.requires_grad else " that requires grad"
-        raise DataError(f"train_step must return a scalar loss tensor{grad}, got {what}")
-    _check_backward(probe, loss)
+    check_layout_kept(layout, probe)
+    check_loss(loss, probe)
+    missing = check_backward(probe, loss)
     if eval_step is None:
-        return ["loss"]
+        return ["loss"], missing
     probe.eval()
     try:
         with torch.no_grad():
@@ -199,23 +218,7 @@ def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, e
         if math.isinf(f):
             raise DataError(f"eval_step's {name!r} is infinite on a probe batch")
         names.append(name)
-    return names
-
-
-def _check_backward(probe: torch.nn.Module, loss: torch.Tensor) -> None:
-    """The train step's loss backpropagates, as the task's step will do it; a step that computed gradients itself
-    (``loss.backward()``: on the workers every step failed, 'Trying to backward through the graph a second time')
-    is refused, saying what vcdask does after it."""
-    hint = (
-        "train_step(model, batch) returns the loss and vcdask does the rest of the step: zero the gradients, "
-        "backward (under the run's precision), clip (clip_grad_norm=) and the optimizer step"
-    )
-    if any(p.grad is not None for p in probe.parameters()):
-        raise DataError(f"train_step computes gradients itself (loss.backward() in the step): {hint}; return the loss")
-    try:
-        loss.backward()
-    except Exception as e:
-        raise DataError(f"train_step's loss cannot be backpropagated: {type(e).__name__}: {e}; {hint}") from e
+    return names, missing
 
 
 def probe_batch(prepared: PreparedData, x_dtype: torch.dtype) -> Any:
