@@ -26,7 +26,13 @@ def _prepare_xy(data: Any, what: str, scheduler: Any = None) -> PreparedData:
     """``(X, y)`` arrays (numpy, torch or dask): checked, their first rows read (and the labels' range, of
     integer labels), dask's where ``scheduler`` computes (see :func:`vcdask.data.prepare_data`)."""
     if len(data) != 2:
-        raise DataError(f"{what} as a sequence must be (X, y), got {len(data)} items")
+        several = (
+            "; for several inputs, pass a dict of equal-length arrays, {'a': X1, 'b': X2, 'y': y}, with "
+            "train_step=fn(model, batch) that reads them (model(batch['a'], batch['b']) against batch['y'])"
+            if len(data) > 2
+            else ""
+        )
+        raise DataError(f"{what} as a sequence must be (X, y), got {len(data)} items{several}")
     X, y = data
     if _is_dask(X) or _is_dask(y):
         import dask.array as da

@@ -125,7 +125,16 @@ def prepare_dataset(data: Any, *, collate_fn=None, what: str = "data"):
     try:
         sample = source.batch(range(min(4, n)))
     except Exception as e:
-        raise DataError(f"{what}: cannot make a batch of the dataset's first items: {type(e).__name__}: {e}") from e
+        sizes = collate_fn is None and "equal size" in str(e)  # (default_collate's torch.stack of unequal items)
+        hint = (
+            "; items of different sizes (sequences of different lengths) need fit(..., collate_fn=fn(items) -> "
+            "batch) that pads them to one size (torch.nn.utils.rnn.pad_sequence), or items of one size"
+            if sizes
+            else ""
+        )
+        raise DataError(
+            f"{what}: cannot make a batch of the dataset's first items: {type(e).__name__}: {e}{hint}"
+        ) from e
     prepared = PreparedData(None, n=n, form="dataset", sample=sample)
     prepared.source = source  # type: ignore[assignment]  # a DatasetSource reads where the data lives too
     if isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[1], torch.Tensor):
