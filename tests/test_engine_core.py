@@ -449,6 +449,24 @@ def test_a_worker_excluded_for_rejections_names_the_last_one_while_the_run_waits
     assert str(fail.failure).startswith(f"NoWorkersError: run {RUN} had no usable worker for 30 s") and why in str(
         fail.failure
     )
+    assert "training" not in str(fail.failure)  # (rejected for their norm, not NaN)
+
+
+def test_workers_excluded_for_nan_from_the_start_name_the_training_as_the_likelier_cause():
+    """A learning rate the training diverges at: every update NaN from the first version, the only worker
+    excluded, and the run waited ``no_worker_timeout`` (300 s by default), then failed naming the worker alone.
+    It still waits (a broken device sends NaN too, and a good worker may join), but the pause and the error say
+    the training is the likelier cause.  Not said once something merged (test_the_only_worker_sending_one_shard_
+    back_nan...), nor for rejections of another kind (test_a_worker_excluded_for_rejections...)."""
+    s = Script(n_shards=2, workers=("a",), max_attempts=4, max_worker_failures=3, no_worker_timeout=30.0)
+    key = keys(s(m.Poll()))[0]
+    _nan_from_a(s, key, s.state.tasks.records[key].shard, times=3)
+    s(m.Poll())
+    assert "nothing was merged: the likelier cause is the training" in s.state.no_workers
+    s.clock.advance(31.0)
+    [fail] = [fx for fx in s(m.Poll()) if isinstance(fx, m.Fail)]
+    assert str(fail.failure).startswith(f"NoWorkersError: run {RUN} had no usable worker for 30 s")
+    assert "a learning rate it diverges at: fit's lr=" in str(fail.failure)
 
 
 def test_with_no_worker_connected_one_copy_goes_out_unrestricted_for_an_adaptive_cluster_to_see():
@@ -833,6 +851,7 @@ def test_the_only_worker_sending_one_shard_back_nan_is_blamed_once_and_the_shard
         s.merge(s.finish_task(key, "a"), accept=False, fault="non-finite")
         s(m.Poll())
     assert record.rejected == 3 and record.excluded
+    assert "no usable worker" in s.state.no_workers and "training" not in s.state.no_workers  # (it merged a shard)
 
 
 def test_the_only_worker_that_has_merged_nothing_is_blamed_for_each_nan_of_the_same_copy():

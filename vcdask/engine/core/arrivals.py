@@ -13,8 +13,9 @@ from ...updates import update_gone
 from .. import policy
 from ..inflight import TaskRecord
 from .dispatching import fill, submit_validation
-from .failures import close_epochs, rejected, retry_or_give_up, store_back, validate_head
+from .failures import close_epochs, retry_or_give_up, store_back, validate_head
 from .messages import Cancel, DropUpdate, Merge, Read
+from .rejections import rejected
 from .state import RunState
 
 if TYPE_CHECKING:

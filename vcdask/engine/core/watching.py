@@ -21,6 +21,7 @@ from .. import policy
 from .dispatching import submit_shard, submit_validation, validation_deadline
 from .failures import fail, move_queued_off, overdue
 from .messages import Cancel
+from .rejections import diverging
 from .state import RunState
 
 __all__ = ["check_workers", "deadlines", "nothing_left", "preempt", "settle", "started"]
@@ -53,6 +54,8 @@ def check_workers(state: RunState) -> None:
         return
     states = state.pool.unusable()
     cause = state.pool.cause()  # (e.g. "every worker is paused by Dask's memory manager (...)")
+    if (likely := diverging(state)) is not None:  # (the workers sent NaN from the first version on)
+        cause = f"{cause}; {likely}"
     timeout = state.res.no_worker_timeout
     if state.idle_since is None:
         state.idle_since = now
