@@ -24,7 +24,7 @@ from .errors import DataError
 from .metrics import class_axis, class_ids, one_logit
 from .preflight import describe_output, model_dtype
 
-__all__ = ["binary_classifier", "model_outputs", "predicted", "probabilities"]
+__all__ = ["binary_classifier", "check_class_scores", "model_outputs", "predicted", "probabilities"]
 
 # One lock per model predicted with in place: a prediction sets the model's modules to eval mode and sets each
 # back after, so two at once on one model (a threaded model server) would see each other's modes (dropout on,
@@ -164,9 +164,51 @@ def binary_classifier(spec: Any) -> bool:
     return not spec.classification and one_logit(spec.loss)
 
 
+def check_class_scores(out: torch.Tensor, spec: Any) -> None:
+    """Refuse to read class ids from the outputs ``out`` of a run that trained a ``train_step`` on integer labels
+    unless they hold scores per class for those labels: a class axis (:func:`vcdask.metrics.class_axis`) of more
+    than one column (and, for a spec that records its labels' range, ``label_range``, one beyond the largest id).
+
+    The default step checked this before the run (its labels lie in ``[0, number of outputs)``); a ``train_step``'s
+    loss is its own, and integer labels are not always class ids: a count regression (``poisson_nll_loss`` on
+    counts, one output), several integer targets (outputs in the labels' shape), a binary classifier of one logit
+    trained on 0/1 integers.  Class ids read from such outputs were silently wrong (the arg-max of one column is
+    0; a threshold at 0 of a count's log-rate is 1), and so would be the outputs themselves for the last.
+
+    Raises
+    ------
+    TypeError
+        The outputs are not scores per class for the labels (what to call instead named).
+    """
+    if not spec.classification or getattr(spec, "train_step", None) is None:
+        return
+    labels = _label_shape(out, spec)
+    axis = class_axis(out.shape, labels)
+    largest = (getattr(spec, "label_range", None) or (0, 0))[1]  # (a spec that records its labels' range)
+    if axis is not None and out.shape[axis] > max(1, largest):
+        return
+    per_row, label_row = tuple(out.shape[1:]), tuple(labels[1:])
+    seen = f", class ids up to {largest}" if largest else ""
+    raise TypeError(
+        f"this run trained with a train_step on integer labels, but its outputs (shape {per_row} per row, against "
+        f"labels of shape {label_row}{seen}) are not scores per class for them (one column per class, more than "
+        "one), so predict and predict_proba cannot read classes from them (a regression on integer targets, such "
+        "as counts, or one logit per label?). For the outputs, call the model yourself (result.model.eval(); with "
+        "torch.no_grad(): out = result.model(torch.as_tensor(X))), or train on float labels (y.astype('float32')): "
+        "predict then returns the outputs as they are"
+    )
+
+
 def predicted(out: torch.Tensor, spec: Any) -> np.ndarray:
     """What :meth:`FitResult.predict` returns for the outputs ``out``: a classifier's class ids (int64, shaped as
-    the labels, :func:`vcdask.metrics.class_ids`), else the outputs as they are."""
+    the labels, :func:`vcdask.metrics.class_ids`), else the outputs as they are.
+
+    Raises
+    ------
+    TypeError
+        A ``train_step``'s run on integer labels whose outputs are not scores per class (:func:`check_class_scores`).
+    """
+    check_class_scores(out, spec)
     if spec.classification or binary_classifier(spec):
         return class_ids(out, _label_shape(out, spec)).numpy()
     return out.numpy()
@@ -176,7 +218,14 @@ def probabilities(out: torch.Tensor, spec: Any) -> np.ndarray:
     """What :meth:`FitResult.predict_proba` returns for a classifier's outputs ``out``: the softmax along the
     class axis (:func:`vcdask.metrics.class_axis`: the last, or axis 1 of a classifier per position's); for one
     logit per sample, the columns P(class 0), P(class 1) of its sigmoid; for several logits per sample (several
-    binary labels), the sigmoid of each."""
+    binary labels), the sigmoid of each.
+
+    Raises
+    ------
+    TypeError
+        A ``train_step``'s run on integer labels whose outputs are not scores per class (:func:`check_class_scores`).
+    """
+    check_class_scores(out, spec)
     out = out.float()
     if spec.classification:
         axis = class_axis(out.shape, _label_shape(out, spec))

@@ -156,7 +156,8 @@ class FitResult:
         DataError
             The model cannot take the rows, or a DataFrame or Dataset lacks a feature the run trained on.
         TypeError
-            An unsupported input, or a run with dict batches (a custom ``train_step``).
+            An unsupported input, a run with dict batches (a custom ``train_step``), or a ``train_step``'s run on
+            integer labels whose outputs are not scores per class for them (a count regression): call :attr:`model`.
         ValueError
             ``device`` names no kind of device; ``RuntimeError``: one this process does not have.
 
@@ -188,7 +189,7 @@ class FitResult:
         ------
         TypeError
             The run is a regression (its labels were floats, its loss not ``binary_cross_entropy_with_logits``):
-            use :meth:`predict`.
+            use :meth:`predict`; or a ``train_step``'s run on integer labels whose outputs are not scores per class.
         """
         from .predict import binary_classifier, model_outputs, probabilities
 
