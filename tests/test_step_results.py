@@ -1,6 +1,8 @@
 """What a run with a custom step gives back: ``predict`` of a ``train_step`` trained on integer labels that are not
-class ids (a count regression) gave class ids read from one output (all 1).  The predict path is called directly;
-a real fit on a threaded cluster."""
+class ids (a count regression) gave class ids read from one output (all 1), and a custom metric's direction, read
+from its name, took ``perplexity`` as higher-is-better (a target reached at the first epoch, patience keeping the
+worst epoch).  The predict path and the one rule of direction are called directly; a few real fits on a threaded
+cluster."""
 
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ import torch
 import torch.nn.functional as F
 
 import vcdask
+from vcdask.engine import policy
+from vcdask.engine.events import EventLog
+from vcdask.engine.ledger import Ledger
 from vcdask.predict import predicted, probabilities
+from vcdask.preflight import check_target
 
 
 def _step(model, batch):  # (a train_step: the fake specs below only need one)
@@ -116,3 +122,118 @@ def test_predict_of_a_count_regression_on_integer_labels_says_to_call_the_model(
     with torch.no_grad():
         expected = result.model(torch.as_tensor(X[:4])).numpy()
     np.testing.assert_allclose(result.predict(X[:4]), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "lower"),
+    [
+        ("perplexity", True),
+        ("val_perplexity", True),
+        ("ppl", True),
+        ("val/ppl", True),
+        ("valPPL", True),
+        ("nll", True),
+        ("test_wer", True),
+        ("cer", True),
+        ("bpc", True),
+        ("kl", True),
+        ("kl_div", True),
+        ("kl_divergence", True),
+        ("word_error_rate", True),
+        ("edit_distance", True),
+        ("loss/val", True),
+        ("val_loss_epoch", True),
+        ("loss_2", True),
+        ("MeanSquaredError", True),
+        ("neg_log_likelihood", True),
+        ("brier_score", True),
+        ("power", False),  # "wer" is a word, not an ending
+        ("answer_match", False),
+        ("neg_mean_squared_error", False),  # scikit-learn's scorers: negated, to maximise
+        ("log_likelihood", False),
+        ("f1_macro", False),
+        ("bleu", False),
+    ],
+)
+def test_the_common_lower_is_better_names_improve_downwards(name, lower):
+    assert policy.lower_is_better(name) is lower
+    assert policy.known_direction(name) or name in ("power", "answer_match")
+    assert policy.improved(name, 0.4, 0.5) is lower and policy.reached(name, 0.5, 0.4) is lower
+
+
+def test_patience_on_perplexity_keeps_its_lowest_epoch():
+    """The reviewer's run: perplexity 8.5, 6.2, 4.2 stopped at epoch 2 with epoch 1 as the best."""
+    events = EventLog(types.SimpleNamespace(log_event=lambda *_: None), "r")
+    ledger = Ledger(1, 6, validated=True, target={"perplexity": 2.0}, events=events, patience=1, monitor="perplexity")
+    stop = None
+    for epoch, value in enumerate([8.5, 6.2, 4.2, 2.9, 3.1], start=1):
+        ledger.record(epoch, 0, 0, "merged", accepted=True, train_loss=1.0, new_version=epoch)
+        ledger.note_merged(epoch, 0, seconds=1.0, step=epoch)
+        ledger.validate(epoch, {"perplexity": value})
+        stop = ledger.close_epochs()
+        if stop is not None:
+            break
+    assert epoch == 5 and stop.startswith("early stopping: perplexity has not improved for 1 epochs")
+    assert ledger.best["epoch"] == 4 and ledger.best["value"] == 2.9
+
+
+def test_a_target_on_a_name_of_unknown_direction_is_warned_of():
+    with pytest.warns(UserWarning, match="cannot tell from the name 'my_metric' which way it improves") as record:
+        assert check_target({"my_metric": 2.0}, ["my_metric"], {}) == {"my_metric": 2.0}
+    message = str(record[0].message)
+    assert "is reached once my_metric is at least 2" in message and "'my_metric_loss'" in message
+
+
+@pytest.mark.parametrize("name", ["perplexity", "accuracy", "val_f1", "top1_error", "loss"])
+def test_a_target_on_a_name_of_known_direction_is_not_warned_of(name, recwarn):
+    check_target({name: 0.5}, [name], {})
+    check_target({"my_metric": 0.5})  # (Stopping's check of the form alone: the pre-flight warns, once)
+    assert not recwarn.list
+
+
+def _digits_like(n: int = 80) -> tuple[np.ndarray, np.ndarray]:
+    X = np.random.default_rng(0).normal(size=(n, 6)).astype("float32")
+    return X, (X[:, 0] > 0).astype("int64") + (X[:, 1] > 0).astype("int64")
+
+
+def _ce_step(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _perplexity_step(model, batch):
+    loss = F.cross_entropy(model(batch[0]), batch[1])
+    return {"perplexity": torch.exp(loss), "spread": loss * 0 + 1.0}
+
+
+def test_a_perplexity_target_is_not_reached_at_a_higher_perplexity(threaded_client, tmp_path):
+    """target={"perplexity": 1e-6} was "reached" at the first epoch (perplexity about 3 >= 1e-6)."""
+    result = vcdask.fit(
+        torch.nn.Linear(6, 3),
+        _digits_like(),
+        train_step=_ce_step,
+        eval_step=_perplexity_step,
+        target={"perplexity": 1e-6},
+        validation=0.25,
+        client=threaded_client,
+        store=tmp_path / "s",
+        max_epochs=2,
+        progress=False,
+    )
+    assert list(result.epochs.index) == [1, 2] and not (result.stop_reason or "").startswith("target")
+
+
+def test_a_target_on_an_eval_steps_name_of_unknown_direction_is_said_at_the_fit_call(threaded_client, tmp_path):
+    with pytest.warns(UserWarning, match="cannot tell from the name 'spread'") as record:
+        vcdask.fit(
+            torch.nn.Linear(6, 3),
+            _digits_like(),
+            train_step=_ce_step,
+            eval_step=_perplexity_step,
+            target={"spread": 5.0},
+            validation=0.25,
+            client=threaded_client,
+            store=tmp_path / "s",
+            max_epochs=1,
+            progress=False,
+        )
+    assert record[0].filename == __file__

@@ -24,6 +24,7 @@ from ._ints import is_real
 from ._stack import user_level
 from .device import cpu_copy
 from .dtype_kinds import check_input_dtypes, string_labels_error
+from .engine.policy import known_direction
 from .errors import DataError
 from .metrics import metric_bounds, unwrapped
 from .trainable import check_trainable
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HALF_DTYPES",
+    "check_direction",
     "check_materialized",
     "check_model",
     "check_model_precision",
@@ -320,6 +322,11 @@ def check_target(
     ValueError
         A metric the run does not compute (the valid ones named), a goal that is not a number, or one out of its
         metric's range, which the run could never reach (``{"accuracy": 95}``: a fraction, 0.95).
+
+    Warns
+    -----
+    UserWarning
+        With ``metric_names``: a metric whose direction its name does not tell (:func:`check_direction`).
     """
     if target is None:
         return None
@@ -338,7 +345,24 @@ def check_target(
             raise ValueError(
                 f"target {{{name!r}: {goal:g}}} can never be reached: {name} lies in [{low:g}, {high:g}]{percent}"
             )
+        if valid is not None:  # (the pre-flight's call, once a run's names are known: once per fit)
+            check_direction(name, f"target {{{name!r}: {goal:g}}} is reached once {name} is at least {goal:g}")
     return {k: float(v) for k, v in target.items()}
+
+
+def check_direction(name: str, means: str) -> None:
+    """Warn that metric ``name`` (an ``eval_step``'s, or a function of ``metrics=``) is taken as improving upwards
+    for want of a name whose direction vcdask knows (:func:`vcdask.engine.policy.known_direction`); ``means``:
+    what that makes of the option that names it."""
+    if not known_direction(name):
+        warnings.warn(
+            f"{means}: vcdask cannot tell from the name {name!r} which way it improves, and takes it as higher is "
+            "better (for targets, early stopping and best_version). If lower is better, name it to end in 'loss' "
+            f"or 'error' (e.g. {name + '_loss'!r}: the key your eval_step returns, or your metrics= dict's); if "
+            f"higher is better, end it in 'score' ({name + '_score'!r}) to say so",
+            UserWarning,
+            stacklevel=user_level(),
+        )
 
 
 def _probe(model: torch.nn.Module, sample_X: Any) -> torch.Tensor | None:

@@ -7,6 +7,7 @@ and returns the decision, so every rule of the engine can be tested without a cl
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +25,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COLD_START_SECONDS",
+    "HIGHER_IS_BETTER",
     "LOWER_IS_BETTER",
+    "LOWER_IS_BETTER_WORDS",
     "NEVER_STARTED",
+    "QUALIFIERS",
     "Overdue",
     "after_failure",
     "base_wait",
@@ -34,6 +38,8 @@ __all__ = [
     "exclusion",
     "fits_notice",
     "improved",
+    "known_direction",
+    "lower_is_better",
     "overdue",
     "reached",
     "staleness_limit",
@@ -67,8 +73,31 @@ NOTICE_MARGIN = 5.0
 #: validate_every="auto": validations may take at most this share of the time the run's shard tasks took
 VALIDATION_SHARE = 0.05
 #: Name endings of the metrics that improve downwards (a ``target`` is reached when the value is at most
-#: the goal): ``loss``, ``val_loss``, ``logloss``, ``mse``, ``rmse``, ``mae``, ``error``, ``val_error`` ...
-LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse", "mape", "error")
+#: the goal): ``loss``, ``val_loss``, ``logloss``, ``mse``, ``rmse``, ``mae``, ``error``, ``val_error``,
+#: ``word_error_rate``, ``perplexity``, ``kl_divergence``, ``edit_distance``, ``poisson_deviance`` ...
+LOWER_IS_BETTER = (
+    *("loss", "mse", "mae", "rmse", "mape", "msle", "error", "error_rate", "perplexity", "divergence"),
+    *("kl_div", "deviance", "distance", "brier_score", "regret"),
+)
+#: Short names that improve downwards, as a name's last word (``val_ppl``, ``test/wer``), not as its ending
+#: (``power`` does not end in ``wer``): negative log-likelihood, perplexity, word / character / translation error
+#: rates, bits per character / dimension / byte, Kullback-Leibler divergence, calibration error, Frechet
+#: inception distance, equal error rate, Brier score, continuous ranked probability score, mean absolute scaled error.
+LOWER_IS_BETTER_WORDS = frozenset(
+    ("nll", "ppl", "wer", "cer", "ter", "bpc", "bpd", "bpb", "kl", "kld", "ece", "fid", "eer", "brier", "crps", "mase")
+)
+#: Name endings (and last words) of metrics known to improve upwards: their direction is not a guess
+#: (:func:`known_direction`); every name vcdask does not know improves upwards too, but by default.
+HIGHER_IS_BETTER = (
+    *("accuracy", "score", "precision", "recall", "likelihood", "elbo", "reward", "similarity", "correlation"),
+    *("kappa", "specificity", "sensitivity", "auroc", "acc", "auc", "f1", "r2", "iou", "miou", "dice", "bleu"),
+    *("rouge", "chrf", "meteor", "map", "ndcg", "mrr", "mcc", "psnr", "ssim", "top1", "top5"),
+)
+#: Trailing words that qualify a metric without changing its direction (``loss/val``, ``val_loss_epoch``,
+#: ``f1_macro``, ``loss_2``: numbers too); a leading ``neg`` or ``negative`` word flips it, as scikit-learn's
+#: scorers negate a loss to maximise it (``neg_mean_squared_error`` improves upwards, ``neg_log_likelihood``
+#: downwards).
+QUALIFIERS = frozenset("val valid validation test eval train epoch step avg mean macro micro weighted".split())
 
 
 def deadline(res: Resilience, shard_seconds: Sequence[float], tasks_per_slot: int, cold: bool = False) -> float:
@@ -215,9 +244,14 @@ def reached(name: str, goal: float, value: float | None) -> bool:
 
 
 def lower_is_better(name: str) -> bool:
-    """Whether metric ``name`` improves downwards: its name ends in one of :data:`LOWER_IS_BETTER`
-    (losses and errors: ``loss``, ``val_loss``, ``rmse``, ``mae``, ``error`` ...); the one rule vcdask
-    uses for a metric's direction (targets, early stopping, ``best_version``, releases, plots).
+    """Whether metric ``name`` improves downwards; the one rule vcdask uses for a metric's direction (targets,
+    early stopping, ``best_version``, releases, plots).
+
+    The name is read as words (split at anything but letters and digits, and where camelCase changes case), less
+    trailing qualifiers (:data:`QUALIFIERS`: ``val``, ``epoch``, ``macro``, numbers ...); it improves downwards when
+    they end in one of :data:`LOWER_IS_BETTER` (losses and errors: ``loss``, ``val_loss``, ``rmse``, ``error``,
+    ``perplexity`` ...) or its last word is one of :data:`LOWER_IS_BETTER_WORDS` (``nll``, ``ppl``, ``wer`` ...);
+    a leading ``neg`` / ``negative`` word turns a known direction round (``neg_mean_squared_error``: upwards).
 
     An argument list at the end of the name is not part of its ending: a :func:`functools.partial` is named
     by its function and arguments (:func:`vcdask.metrics.metric_name`), and ``"scaled_error(scale=1.0)"`` or
@@ -227,8 +261,36 @@ def lower_is_better(name: str) -> bool:
     --------
     >>> lower_is_better("val_loss"), lower_is_better("scaled_error(scale=1.0)"), lower_is_better("topk(k=3)")
     (True, True, False)
+    >>> lower_is_better("val/ppl"), lower_is_better("power"), lower_is_better("neg_mean_squared_error")
+    (True, False, False)
     """
-    return _function_name(name).lower().endswith(LOWER_IS_BETTER)
+    return _direction(name)[0]
+
+
+def known_direction(name: str) -> bool:
+    """Whether :func:`lower_is_better` knows metric ``name``'s direction from its name, rather than taking it as
+    improving upwards for want of a known ending (``"loss"``, ``"accuracy"``, ``"f1_macro"``: known;
+    ``"my_metric"``: not)."""
+    return _direction(name)[1]
+
+
+def _direction(name: str) -> tuple[bool, bool]:
+    """``(lower is better, known)`` for metric ``name`` (:func:`lower_is_better`)."""
+    words = _words(_function_name(name))
+    flip = len(words) > 1 and words[0] in ("neg", "negative")
+    words = words[1:] if flip else words
+    while len(words) > 1 and (words[-1] in QUALIFIERS or words[-1].isdigit()):
+        words = words[:-1]
+    joined, last = "_".join(words), words[-1] if words else ""
+    lower = joined.endswith(LOWER_IS_BETTER) or last in LOWER_IS_BETTER_WORDS
+    known = lower or joined.endswith(HIGHER_IS_BETTER) or last in HIGHER_IS_BETTER
+    return known and lower is not flip, known  # (a name not known improves upwards, ``neg`` or not)
+
+
+def _words(name: str) -> list[str]:
+    """``name``'s words, lower case: split at anything but a letter or digit, and where camelCase starts a word
+    (``"valPPL"``: ``["val", "ppl"]``; ``"MeanSquaredError"``: ``["mean", "squared", "error"]``)."""
+    return [w for w in re.split(r"[^0-9a-z]+", re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()) if w]
 
 
 def _function_name(name: str) -> str:
