@@ -106,6 +106,28 @@ def test_a_non_finite_train_loss_on_the_probe_batch_is_refused_naming_it(xy, tmp
     )
 
 
+def test_the_default_steps_non_finite_loss_is_refused_naming_the_models_bad_values(xy, tmp_path):
+    """The default step too: a model holding a NaN passed the whole pre-flight and the run failed on the cluster
+    after ``no_worker_timeout``; a loss that gives NaN on the data likewise."""
+    model = _net()
+    with torch.no_grad():
+        model[2].bias[1] = float("nan")
+    refused(model, xy, tmp_path / "a", DataError, "non-finite values (NaN/inf) in ['2.bias']", "initialize them")
+
+    def log_of_negative(out, y):
+        return torch.log(out.sum() - out.sum() - 1.0)
+
+    refused(
+        _net(),
+        xy,
+        tmp_path / "b",
+        DataError,
+        "the loss of the model's outputs is nan",
+        "torch.log(p + eps)",
+        loss=log_of_negative,
+    )
+
+
 def test_a_step_that_adds_a_submodule_is_refused_naming_it(xy, tmp_path):
     def build(m, batch):  # Keras-style: built on first call, after fit took the model's layout
         if not hasattr(m, "extra"):

@@ -167,6 +167,17 @@ def check_model(
             "samples: with reduction='none', pass reduction='mean' (the default) or 'sum'; a function of yours "
             "returns the batch's mean (its .mean()) as a tensor"
         )
+    if what == "training":  # (NaN: every update of the run is rejected until it fails, blaming its workers)
+        from ._step_checks import check_finite_loss
+
+        bad = [] if torch.isfinite(value).all() else [n for n, t in model.state_dict().items() if not _finite(t)]
+        if bad:  # (the model's own numbers, named)
+            raise DataError(
+                f"the model holds non-finite values (NaN/inf) in {bad[:5]}{' ...' if len(bad) > 5 else ''}: its "
+                "outputs and every update would be NaN; initialize them again (or load a checkpoint saved before "
+                "they diverged)"
+            )
+        check_finite_loss(value, "the loss of the model's outputs")
     for name, fn in (metrics or {}).items():  # (a metric that fails here failed the run's first validation)
         try:
             float(fn(out.float(), y))
@@ -244,3 +255,7 @@ def _shape(shape: tuple[int, ...]) -> str:
     """A batch shape with its sample axis as ``n``: ``(4, 1) -> "(n, 1)"`` (and ``_N`` anywhere as ``n``)."""
     dims = ["n", *("n" if d == _N else str(d) for d in shape[1:])]
     return "(" + ", ".join(dims) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex()) or bool(torch.isfinite(t).all())
