@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 import vcdask
+from vcdask._targets import check_target
 from vcdask.engine import policy
 from vcdask.engine.events import EventLog
 from vcdask.engine.ledger import Ledger
 from vcdask.predict import predicted, probabilities
-from vcdask.preflight import check_target
 
 
 def _step(model, batch):  # (a train_step: the fake specs below only need one)
@@ -237,3 +237,24 @@ def test_a_target_on_an_eval_steps_name_of_unknown_direction_is_said_at_the_fit_
             progress=False,
         )
     assert record[0].filename == __file__
+
+
+def test_a_monitor_of_unknown_direction_is_warned_of_once_named_or_followed_by_patience(tmp_path, recwarn):
+    """``monitor=`` (or the default one that ``patience`` follows) keeps its highest value when its name does not
+    say which way it improves; a monitor that is also the target's is warned of once, by the target."""
+    from vcdask.options import plan
+
+    def _plan(name, **stopping):
+        common = {"train_step": _ce_step, "eval_step": _perplexity_step, "validation": 0.25}
+        model, data = torch.nn.Linear(6, 3), _digits_like()
+        return plan(model, data, store=tmp_path / name, stopping=vcdask.Stopping(**stopping), **common)
+
+    with pytest.warns(UserWarning, match=r"monitor='spread' \(early stopping and best_version\)"):
+        _plan("a", monitor="spread")
+    with pytest.warns(UserWarning, match="cannot tell from the name 'spread'") as record:
+        _plan("b", monitor="spread", target={"spread": 5.0})
+    assert len(record) == 1
+    recwarn.clear()
+    _plan("c", monitor="perplexity", patience=2)
+    _plan("d")  # (the default monitor, perplexity here, followed by nothing but best_version)
+    assert not [w for w in recwarn if "cannot tell" in str(w.message)]

@@ -257,9 +257,10 @@ def fit(
     monitor : str, optional
         The validation metric early stopping and ``FitResult.best_version`` follow; default the
         ``target``'s metric, else the first of ``metrics`` (``"accuracy"`` / ``"mae"`` by default).
-        Names ending in loss, mse, rmse, mae, mape or error improve downwards, a ``functools.partial``'s by its
-        function's name (``"scaled_error(scale=2.0)"``: downwards) (:func:`vcdask.engine.policy.lower_is_better`),
-        others upwards.  Needs validation data
+        Names that say lower is better improve downwards (ending in loss, error, mse, mae, perplexity, nll,
+        wer ...; a ``functools.partial``'s by its function's name, ``"scaled_error(scale=2.0)"``:
+        :func:`vcdask.engine.policy.lower_is_better`), others upwards; one whose direction vcdask does not know
+        is warned of when ``monitor`` names it or ``patience`` follows it.  Needs validation data
         (``validation=``) unless ``patience`` or a ``target`` is given (10% is held out then).
     wait : bool, default True
         False: return the run's :class:`~vcdask.RunHandle` as soon as the data is staged and the

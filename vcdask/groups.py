@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import torch
 
 from ._ints import check_bool, is_real, positive_int
+from ._targets import check_target
 from .compress import check_compression
 from .device import check_device, check_precision
 from .holdout import check_early_stopping
 from .inner import check_optimizer_state, check_schedule
 from .merge import MergeRule, get_rule
-from .preflight import check_target
 
 if TYPE_CHECKING:
     from .lr_schedules import RunSchedule

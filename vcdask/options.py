@@ -24,6 +24,7 @@ from ._computing import DataComputing
 from ._ints import check_bool, is_real, positive_int
 from ._pickle_check import check_picklable
 from ._plan_checks import check_groups, check_label_kind, check_same_form, check_step_options
+from ._targets import check_direction, check_target
 from .cluster import check_client
 from .cost import check_prices
 from .data import DataError, PreparedData, prepare_data
@@ -35,7 +36,7 @@ from .merge import Auto, MergeRule, get_rule
 from .metrics import check_accuracy, check_metric_names, class_axis, class_ids, metric_name, one_logit, unwrapped
 from .optimizers import check_inner_optimizer, resolve_optimizer
 from .overlap import check_overlap
-from .preflight import HALF_DTYPES, check_model, check_probe_cost, check_run, check_target, model_dtype
+from .preflight import HALF_DTYPES, check_model, check_probe_cost, check_run, model_dtype
 from .resilience import NEEDS_VALIDATION, Resilience
 from .staging import split
 from .steps import SupervisedStep, check_steps, probe_batch
@@ -365,6 +366,8 @@ def plan(
         patience, monitor = check_early_stopping(
             stopping.patience, stopping.monitor, target, reported, validated is not None
         )
+        if monitor is not None and monitor not in (target or {}) and (stopping.monitor or patience):
+            check_direction(monitor, f"monitor={monitor!r} (early stopping and best_version) keeps its highest value")
         planned = RunPlan(
             model=model,
             train=prepared,
