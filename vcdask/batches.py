@@ -9,6 +9,7 @@ made in a background thread while the current one trains.
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 from collections import OrderedDict
@@ -147,8 +148,28 @@ def _class_ids(batch: Any, spec) -> Any:
         and not batch[1].is_floating_point()
         and batch[1].dtype != torch.int64
     ):
-        return (batch[0], batch[1].long()) if isinstance(batch, tuple) else [batch[0], batch[1].long()]
+        return _with_labels(batch, batch[1].long())
     return batch
+
+
+def _with_labels(batch: tuple | list, y: torch.Tensor) -> Any:
+    """``batch`` (``(x, y)``) with ``y`` for its labels, of its own type: a namedtuple keeps its fields (the step
+    reads ``batch.y``), a list or tuple subclass stays one (a plain one where it cannot be made)."""
+    if type(batch) is tuple:
+        return batch[0], y
+    if isinstance(batch, tuple):
+        if hasattr(batch, "_replace"):
+            return batch._replace(**{batch._fields[1]: y})  # type: ignore[attr-defined]
+        try:
+            return type(batch)((batch[0], y))
+        except TypeError:
+            return batch[0], y
+    try:
+        clone = copy.copy(batch)
+        clone[1] = y
+        return clone
+    except TypeError:
+        return [batch[0], y]
 
 
 def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:

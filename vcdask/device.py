@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import itertools
 import re
-from collections.abc import Iterator, Mapping
+import types
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -128,17 +130,133 @@ def describe(device: torch.device) -> str:
 
 
 def to(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
-    """``batch`` (a tensor, or tuples, lists and dicts of them) on ``device``; floating tensors take
-    ``dtype`` when given.  Copies from pinned memory do not block."""
-    if isinstance(batch, torch.Tensor):
-        if dtype is not None and batch.is_floating_point() and batch.dtype != dtype:
+    """``batch`` on ``device``, every container in it of its own type; floating tensors take ``dtype`` when given.
+    Copies from pinned memory do not block.
+
+    A batch is what a ``collate_fn`` makes: tensors in tuples, lists and dicts (walked first, fast), or in
+    namedtuples, other ``Mapping`` types (an ``OrderedDict``, a ``UserDict``), dataclasses (frozen too) and
+    ``types.SimpleNamespace``, rebuilt as torch's own ``default_collate`` and ``pin_memory`` rebuild them, so
+    ``batch.x`` works in the step as it did on the caller's batch.  An object with a ``.to`` method of its own
+    (a Hugging Face ``BatchEncoding``, a ``PackedSequence``, a ``TensorDict``) moves itself with
+    ``obj.to(device)``, as Lightning's ``move_data_to_device`` moves it: its tensors keep their dtypes.  Strings,
+    numbers and other leaves are returned as they are.
+
+    Raises
+    ------
+    TypeError
+        An object that holds tensors in its attributes but is none of these (vcdask can neither move it nor
+        rebuild it, and its tensors would stay on the CPU of a GPU worker): the message names its type and
+        the remedy.
+    """
+    cls = type(batch)
+    if cls is torch.Tensor:
+        if dtype is not None and batch.dtype != dtype and batch.is_floating_point():
             batch = batch.to(dtype)
         return batch.to(device, non_blocking=batch.is_pinned())
-    if isinstance(batch, Mapping):
+    if cls is dict:
         return {k: to(v, device, dtype) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to(v, device, dtype) for v in batch)
+    if cls is tuple:
+        return tuple([to(v, device, dtype) for v in batch])
+    if cls is list:
+        return [to(v, device, dtype) for v in batch]
+    return _to_other(batch, device, dtype)
+
+
+_LEAVES = (str, bytes, int, float, complex, type(None))
+
+
+def _to_other(batch: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """:func:`to` for what is not a plain tensor, tuple, list or dict."""
+    if isinstance(batch, _LEAVES) or isinstance(batch, type):
+        return batch
+    if isinstance(batch, torch.Tensor):  # a subclass (a Parameter): as a tensor
+        if dtype is not None and batch.dtype != dtype and batch.is_floating_point():
+            batch = batch.to(dtype)
+        return batch.to(device, non_blocking=batch.is_pinned())
+    move = getattr(batch, "to", None)
+    if callable(move):
+        moved = move(device)
+        return batch if moved is None else moved  # (a .to that moves in place returns nothing)
+    if isinstance(batch, Mapping):
+        return _mapping(batch, {k: to(v, device, dtype) for k, v in batch.items()})
+    if isinstance(batch, tuple):
+        items = [to(v, device, dtype) for v in batch]
+        if hasattr(batch, "_fields"):  # a namedtuple: its fields are its arguments
+            return type(batch)(*items)
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return tuple(items)
+    if isinstance(batch, list):
+        return _list(batch, [to(v, device, dtype) for v in batch])
+    if dataclasses.is_dataclass(batch):
+        return _dataclass(batch, device, dtype)
+    if isinstance(batch, types.SimpleNamespace):  # its attributes are its items
+        clone = copy.copy(batch)
+        clone.__dict__.update({k: to(v, device, dtype) for k, v in vars(batch).items()})
+        return clone
+    held = _tensor_attributes(batch)
+    if held:
+        raise TypeError(
+            f"a batch holds a {type(batch).__module__}.{type(batch).__qualname__} with tensors in its attributes "
+            f"({', '.join(held)}), which vcdask can neither move to the worker's device ({device}) nor rebuild: "
+            "return a tuple, dict, namedtuple, dataclass or SimpleNamespace of tensors from collate_fn (or give the "
+            "class a "
+            ".to(device) method that returns it on that device)"
+        )
     return batch
+
+
+def _mapping(m: Mapping, items: dict) -> Any:
+    """``m``'s type holding ``items``: a copy updated (a mutable mapping may carry more than its items), else one
+    made from them; a plain dict where the type can do neither (as torch's ``pin_memory`` does)."""
+    try:
+        if isinstance(m, MutableMapping):
+            clone = copy.copy(m)
+            clone.update(items)
+            return clone
+        return type(m)(items)  # type: ignore[call-arg]
+    except TypeError:
+        return items
+
+
+def _list(seq: list, items: list) -> Any:
+    """A list subclass's copy holding ``items``; a plain list where it cannot be copied."""
+    try:
+        clone = copy.copy(seq)
+        clone[:] = items
+        return clone
+    except TypeError:
+        return items
+
+
+def _dataclass(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """A copy of dataclass ``obj`` whose fields (``init=False`` ones too) are on ``device``: set on a shallow copy,
+    frozen or not, so ``__post_init__`` does not run a second time on values it already made."""
+    clone = copy.copy(obj)
+    for f in dataclasses.fields(obj):
+        if hasattr(obj, f.name):  # (an init=False field without a default may be unset)
+            object.__setattr__(clone, f.name, to(getattr(obj, f.name), device, dtype))
+    return clone
+
+
+def _tensor_attributes(obj: Any) -> list[str]:
+    """The attributes of ``obj`` (its ``__dict__`` and slots) holding a tensor, or a tuple, list or dict of them."""
+    names = dict(getattr(obj, "__dict__", None) or {})
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                names[name] = getattr(obj, name)
+
+    def holds(v: Any) -> bool:
+        if isinstance(v, (tuple, list)):
+            return any(isinstance(i, torch.Tensor) for i in v)
+        if isinstance(v, dict):
+            return any(isinstance(i, torch.Tensor) for i in v.values())
+        return isinstance(v, torch.Tensor)
+
+    return [name for name, v in names.items() if holds(v)]
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
