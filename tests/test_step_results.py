@@ -36,6 +36,7 @@ def _spec(**fields):
         "loss": F.cross_entropy,
         "label_shape": (),
         "train_step": _step,
+        "label_range": None,
     }
     return types.SimpleNamespace(**{**base, **fields})
 
@@ -87,6 +88,12 @@ def _counts(n: int = 96) -> tuple[np.ndarray, np.ndarray]:
     return X, generator.poisson(np.exp(0.5 * X[:, 0] + 1.0))
 
 
+def _poisson_step_of_two(model, batch):
+    x, y = batch
+    out = model(x)
+    return F.poisson_nll_loss(out[:, 0], y.float(), log_input=True) + out[:, 1].pow(2).mean()
+
+
 def _poisson_step(model, batch):
     x, y = batch
     return F.poisson_nll_loss(model(x).squeeze(-1), y.float(), log_input=True)
@@ -109,6 +116,18 @@ def test_predict_of_a_count_regression_on_integer_labels_says_to_call_the_model(
         result.predict(X[:4])
     with pytest.raises(TypeError, match="not scores per class"):
         result.predict_proba(X[:4])
+    # two outputs (a mean and a dispersion) against counts up to their largest: the spec's label range says so
+    two = vcdask.fit(
+        torch.nn.Linear(5, 2),
+        (X, counts),
+        train_step=_poisson_step_of_two,
+        client=threaded_client,
+        store=tmp_path / "two",
+        max_epochs=1,
+        progress=False,
+    )
+    with pytest.raises(TypeError, match=f"class ids up to {counts.max()}"):
+        two.predict(X[:4])
     # the remedy the message gives: float labels, and predict returns the model's outputs
     result = vcdask.fit(
         torch.nn.Linear(5, 1),

@@ -167,7 +167,7 @@ def binary_classifier(spec: Any) -> bool:
 def check_class_scores(out: torch.Tensor, spec: Any) -> None:
     """Refuse to read class ids from the outputs ``out`` of a run that trained a ``train_step`` on integer labels
     unless they hold scores per class for those labels: a class axis (:func:`vcdask.metrics.class_axis`) of more
-    than one column (and, for a spec that records its labels' range, ``label_range``, one beyond the largest id).
+    than one column, and one beyond the largest id (the spec's ``label_range``; a run written before it: the column).
 
     The default step checked this before the run (its labels lie in ``[0, number of outputs)``); a ``train_step``'s
     loss is its own, and integer labels are not always class ids: a count regression (``poisson_nll_loss`` on
@@ -184,7 +184,7 @@ def check_class_scores(out: torch.Tensor, spec: Any) -> None:
         return
     labels = _label_shape(out, spec)
     axis = class_axis(out.shape, labels)
-    largest = (getattr(spec, "label_range", None) or (0, 0))[1]  # (a spec that records its labels' range)
+    largest = (spec.label_range or (0, 0))[1]
     if axis is not None and out.shape[axis] > max(1, largest):
         return
     per_row, label_row = tuple(out.shape[1:]), tuple(labels[1:])

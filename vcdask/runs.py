@@ -167,6 +167,7 @@ def _stage(plan: RunPlan, run_id: str, c, train: Any, val: Any) -> RunSpec:
         validation=val,
         metrics=plan.metrics,
         classification=plan.train.classification,
+        label_range=plan.train.label_range,
         x_dtype=plan.x_dtype,
         max_epochs=plan.max_epochs,
         merge=for_run(plan.rule, in_flight=in_flight),  # (the default rule: one in flight, no outer step)

@@ -91,6 +91,7 @@ class RunSpec:
     merge_in_flight: int | None = None  # fit's default rule: the tasks in flight it is for (None: the user's rule)
     label_shape: tuple[int, ...] | None = None  # a sample's label (vcdask.metrics.label_shape): predict's class axis
     eval_modules: tuple[str, ...] = ()  # frozen submodules in eval mode, trained so (steps.eval_modules): topmost
+    label_range: tuple[int, int] | None = None  # integer labels' (min, max): predict reads class ids up to max only
 
     @property
     def spec_path(self) -> str:
