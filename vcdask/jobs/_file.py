@@ -220,9 +220,36 @@ def _check_schema(path: Path, raw: Any) -> None:
         raise JobFileError(path, name, "missing (required)")
     top = str(e.absolute_path[0]) if e.absolute_path else ""
     described = job_schema()["properties"].get(top, {}).get("description", "") if top in ONE_OF else ""
-    problem = f"{e.instance!r} is not valid here" if e.validator == "oneOf" else e.message
-    problem += _number_text_hint(e.instance, where) if e.validator == "type" else ""
+    if "storage_options" in e.absolute_path or _holds_options(e.instance):  # (may hold credentials: never shown)
+        problem = _expected(e.schema) + "; its value is not shown, as it may hold credentials"
+    else:
+        problem = f"{e.instance!r} is not valid here" if e.validator == "oneOf" else e.message
+        problem += _number_text_hint(e.instance, where) if e.validator == "type" else ""
     raise JobFileError(path, where, f"{problem}. {described}".strip() if described else problem)
+
+
+def _holds_options(value: Any) -> bool:
+    """Whether ``value`` holds a ``storage_options`` entry (at any depth), whose values may be credentials."""
+    if isinstance(value, dict):
+        return "storage_options" in value or any(_holds_options(v) for v in value.values())
+    return isinstance(value, list) and any(_holds_options(v) for v in value)
+
+
+def _expected(schema: Any) -> str:
+    """What the schema ``schema`` expects, in words (``"must be a mapping"``), for a refusal that shows no value."""
+    words = {
+        "object": "a mapping",
+        "array": "a list",
+        "string": "a string",
+        "number": "a number",
+        "integer": "an integer",
+        "boolean": "true or false",
+    }
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [kinds] if isinstance(kinds, str) else kinds or []
+    if kinds:
+        return "must be " + " or ".join(words.get(k, k) for k in kinds)
+    return "is not valid here"
 
 
 def _location(location: str, base: Path) -> str:
@@ -249,7 +276,8 @@ def _data(path: Path, name: str, value: str | dict, base: Path, like: DataRef | 
         for attr in ("features", "label", "sample_dim", "storage_options"):
             mine = getattr(ref, attr)
             if mine and mine != getattr(like, attr):
-                raise JobFileError(path, f"{name}.{attr}", f"must match data.{attr} ({getattr(like, attr)!r})")
+                shown = "" if attr == "storage_options" else f" ({getattr(like, attr)!r})"  # (never its values)
+                raise JobFileError(path, f"{name}.{attr}", f"must match data.{attr}{shown}")
         ref = DataRef(location, fmt, like.features, like.label, like.sample_dim, like.storage_options)
     return ref
 

@@ -29,8 +29,9 @@ from distributed import WorkerPlugin
 
 from ..errors import InvalidLocationError, StoreAccessDeniedError, StoreCredentialsError, StoreError
 from ._base import ParamStore
-from ._object import _ALIASES, CONFIG_SECRET, is_secret_config_key
+from ._object import _ALIASES, CONFIG_SECRET
 from ._schemes import BACKENDS, scheme_of
+from ._secret_options import FSSPEC_SECRET_OPTIONS, is_secret_config_key
 from ._secrets import _EnvVar, _key, forget_credentials, lookup_credentials, redact, remember, remembered
 
 logger = logging.getLogger(__name__)
@@ -49,29 +50,6 @@ __all__ = [
     "share_credentials",
     "store_holds_secrets",
 ]
-
-#: fsspec storage-option names that carry a secret (s3fs, gcsfs, adlfs and HTTP spellings).
-FSSPEC_SECRET_OPTIONS = frozenset(
-    {
-        "key",
-        "secret",
-        "token",
-        "access_key_id",
-        "secret_access_key",
-        "session_token",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "account_key",
-        "sas_token",
-        "client_secret",
-        "password",
-        "credential",
-        "connection_string",
-        "bearer_token",
-        "service_account_key",
-    }
-)
 
 
 def _location(store_or_location: ParamStore | str | os.PathLike) -> str:
@@ -139,6 +117,11 @@ class StoreCredentials(WorkerPlugin):
     send only the *names* of environment variables that each worker reads in its own environment.
     Most users call :func:`share_credentials`, which also registers them on the scheduler.
 
+    Dask's DEBUG logging (``distributed.core``, ``distributed.scheduler``, ``distributed.worker``) may print
+    the plugin's pickled message, secrets included, and botocore's prints request headers such as
+    ``X-Amz-Security-Token``: keep those loggers above DEBUG where logs are kept, or send no secret (``env``,
+    or credentials the machines have: an instance role, the environment).
+
     Parameters
     ----------
     location : str
@@ -187,7 +170,9 @@ def share_credentials(
     They travel over the cluster's connections (use TLS on an untrusted network) and stay in the
     memory of the scheduler and the workers; they are never written into the store nor put in
     task arguments.  Prefer credentials the workers already have (environment, an AWS profile,
-    an instance role) where you can: then nothing needs sharing.
+    an instance role) where you can: then nothing needs sharing.  They travel inside a
+    :class:`StoreCredentials` plugin, which Dask's DEBUG logging (``distributed.core`` ...) may print;
+    ``env`` sends only the names of environment variables.
 
     Parameters
     ----------

@@ -14,6 +14,7 @@ from urllib.parse import unquote, urlsplit
 
 from ..errors import InvalidLocationError, StoreAccessDeniedError, StoreError, StoreNotFoundError
 from ._errors import quiet_logs
+from ._secret_options import mask_userinfo
 
 __all__ = ["LocalBackend"]
 
@@ -159,8 +160,9 @@ def local_path(location: str) -> str:
         return location
     url = urlsplit(location)
     if url.netloc not in ("", "localhost"):
+        shown = mask_userinfo(location)  # (user:secret@host: never echoed)
         raise InvalidLocationError(
-            f"the file URL {location!r} names the host {url.netloc!r}; a local store's URL names no host or "
+            f"the file URL {shown!r} names the host {urlsplit(shown).netloc!r}; a local store's URL names no host or "
             "'localhost' (file:///abs/path, file://localhost/abs/path): give a path on this machine"
         )
     if url.query or url.fragment or location.endswith(("?", "#")):

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from ..errors import InvalidLocationError, StoreUnreachableError
+from ._secret_options import has_userinfo, is_secret_config_key, mask_userinfo, userinfo_paths
 
 __all__ = ["CONFIG_SECRET", "AzureBackend", "GCSBackend", "S3Backend", "is_secret_config_key"]
 
@@ -28,6 +29,13 @@ _ALIASES = {
 
 
 def _split(location: str, what: str) -> tuple[str, str]:
+    if has_userinfo(location):  # (its netloc would be the bucket, secret and all, and every message would show it)
+        raise InvalidLocationError(
+            f"the store location {mask_userinfo(location)!r} holds credentials before its {what} "
+            f"(user:secret@{what}); a location is written into run specs, reports and messages: give the "
+            f"credentials as the store's secret options (which never travel), in the environment or a profile, "
+            f"and the location as {urlsplit(location).scheme}://{what}/prefix"
+        )
     parts = urlsplit(location)
     if not parts.netloc:
         raise InvalidLocationError(f"{location!r} names no {what}; expected {parts.scheme}://{what}/prefix")
@@ -36,23 +44,8 @@ def _split(location: str, what: str) -> tuple[str, str]:
 
 #: The prefix of the storage option that holds one secret entry of ``config`` (GCS, Azure): such an
 #: entry is kept apart, as a secret option (``config.azure_client_secret``), so that it never travels.
+#: Which entries are secrets: :func:`is_secret_config_key` (in :mod:`._secret_options`).
 CONFIG_SECRET = "config."
-#: A ``config`` key holding one of these words is a secret (object_store's credential keys all do:
-#: ``google_service_account_key``, ``azure_storage_account_key``, ``azure_storage_sas_key``,
-#: ``azure_storage_token``, ``azure_client_secret`` ...) ...
-_SECRET_WORDS = ("key", "secret", "token", "sas", "password", "credential")
-#: ... except these, which name a file (they travel, as ``service_account_file`` does).
-_FILE_KEYS = frozenset({"google_application_credentials", "azure_federated_token_file", "federated_token_file"})
-
-
-def is_secret_config_key(key: str) -> bool:
-    """Whether the ``config`` entry ``key`` (an object_store configuration key) holds a secret.
-
-    The rule: a key whose name holds ``key``, ``secret``, ``token``, ``sas``, ``password`` or ``credential``
-    is a secret, unless it names a file (``google_application_credentials``, ``azure_federated_token_file``).
-    """
-    k = key.lower()
-    return k not in _FILE_KEYS and any(word in k for word in _SECRET_WORDS)
 
 
 def _split_config(location: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -82,6 +75,13 @@ def _joined_config(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_options(location: str, options: dict[str, Any], valid: set[str]) -> dict[str, Any]:
+    with_userinfo = userinfo_paths(options)
+    if with_userinfo:  # (an endpoint is public: it is pickled with the store and shown by describe())
+        raise InvalidLocationError(
+            f"the storage option(s) {with_userinfo} for {location!r} are URLs with credentials in them "
+            "(user:secret@host): endpoints travel with the store and appear in its messages; give the "
+            "credentials as the store's secret options, in the environment or a profile, and the URL without them"
+        )
     out = {_ALIASES.get(k, k): v for k, v in options.items()}
     unknown = sorted(
         k

@@ -14,6 +14,7 @@ from ._backend import StoreBackend
 from ._local import LocalBackend
 from ._memory import MemoryBackend
 from ._object import AzureBackend, GCSBackend, S3Backend
+from ._secret_options import mask_userinfo
 
 __all__ = ["BACKENDS", "MODES", "backend_for", "scheme_of"]
 
@@ -82,7 +83,7 @@ def backend_for(location: str | os.PathLike, mode: str, storage_options: dict[st
     backend_cls: type[StoreBackend] | None = BACKENDS.get(scheme)
     if backend_cls is None:
         raise InvalidLocationError(
-            f"unsupported store location scheme {scheme!r} in {location!r}; "
+            f"unsupported store location scheme {scheme!r} in {mask_userinfo(location)!r}; "
             f"supported schemes: {sorted(BACKENDS)} (or a local path)"
         )
     return backend_cls(location, storage_options)
