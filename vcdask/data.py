@@ -35,7 +35,8 @@ from ._arrays import _is_dask, _prepare_dict, _prepare_xy
 from ._data_options import check_options_apply
 from .errors import DataError
 from .prepared import PreparedData
-from .store import FSSPEC_SECRET_OPTIONS
+from .store._secret_options import has_userinfo, mask_userinfo, secret_paths
+from .store._session_secrets import session_credentials
 from .variables import dict_vars, infer_sample_dim, infer_vars
 
 __all__ = ["DataError", "DataSource", "PreparedData", "Shards", "prepare_data"]
@@ -301,26 +302,50 @@ def _stack(ds, features, dim):
 
 
 def _zarr_source(data: Any, storage_options) -> DataSource | None:
+    """The source of a Zarr location or an Icechunk session / store (None for other data).  Refused
+    (:class:`DataError`, naming where and never what): a URL with credentials in it, secret ``storage_options``
+    (at any depth), and an Icechunk session whose pickle would carry its repository's credentials."""
     import os
 
     if isinstance(data, os.PathLike):
         data = os.fspath(data)
     if isinstance(data, str):
-        secret = sorted(set(storage_options or {}) & FSSPEC_SECRET_OPTIONS)
+        if has_userinfo(data):
+            raise DataError(
+                f"the data location {mask_userinfo(data)!r} holds credentials (user:secret@host): {_NO_SECRETS}, "
+                f"and the location is in both. {_OWN_CREDENTIALS}, and give the URL without them"
+            )
+        secret = secret_paths(storage_options or {})
         if secret:
             raise DataError(
-                f"storage_options for {data!r} hold credentials ({secret}): vcdask never writes secrets into "
-                "a run's spec or its tasks' arguments. Give the workers (and the scheduler) credentials of "
-                "their own: environment variables (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY ...), a profile or "
-                "an instance role (profile=... is fine here), and pass only non-secret options such as "
-                "endpoint_url"
+                f"storage_options for {data!r} hold credentials ({secret}), named here by their keys only: "
+                f"{_NO_SECRETS}. {_OWN_CREDENTIALS} (profile=... is fine here), and pass only non-secret options "
+                "such as endpoint_url"
             )
         return DataSource(_absolute(data), (), "", "", 0, dict(storage_options or {}))
     mod = type(data).__module__
     if mod.startswith("icechunk"):
+        held = session_credentials(data)
+        if held:
+            raise DataError(
+                f"the Icechunk session given as data holds {' and '.join(held)}: Icechunk pickles them with it, and "
+                f"{_NO_SECRETS}. Open its repository with credentials that each worker (and the scheduler) finds "
+                "itself, e.g. icechunk.s3_storage(..., from_env=True) with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+                "a profile or an instance role on the cluster (gcs_storage / azure_storage(..., from_env=True) "
+                "alike); or pass the data's location (a URL, with storage_options such as endpoint_url); or have it "
+                "copied into the run's store: xr.open_zarr(session.store, consolidated=False, chunks=None), read "
+                "here and staged"
+            )
         store = data.store if hasattr(data, "snapshot_id") else data  # a Session or its store
         return DataSource(None, (), "", "", 0, {}, store)
     return None
+
+
+_NO_SECRETS = "vcdask never writes secrets into a run's spec or its tasks' arguments"
+_OWN_CREDENTIALS = (
+    "Give the workers (and the scheduler) credentials of their own: environment variables (AWS_ACCESS_KEY_ID / "
+    "AWS_SECRET_ACCESS_KEY ...), a profile or an instance role"
+)
 
 
 def _absolute(url: str) -> str:
