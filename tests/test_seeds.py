@@ -109,3 +109,17 @@ def test_the_demo_model_leaves_the_callers_generator():
     a, b = digits_cnn(3), digits_cnn(3)
     assert torch.equal(torch.get_rng_state(), before)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.gpu
+def test_task_rng_on_cuda_seeds_the_tasks_device_and_puts_it_back():
+    """A CUDA task's dropout draws from its device's generator: seeded for the task, put back after (and the CPU's
+    too); ``torch.manual_seed`` would have reseeded every GPU of the process and put back one."""
+    device = torch.device("cuda", 0)
+    torch.cuda.manual_seed(11)
+    before, cpu = torch.cuda.get_rng_state(0), torch.get_rng_state()
+    with task_rng(5, device):
+        inside = torch.rand(3, device=device)
+    assert torch.equal(torch.cuda.get_rng_state(0), before) and torch.equal(torch.get_rng_state(), cpu)
+    with task_rng(5, torch.device("cuda")):  # (no index: the current device)
+        assert torch.equal(torch.rand(3, device=device), inside)

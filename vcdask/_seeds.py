@@ -30,13 +30,30 @@ def derived_seeds(seed: int, *parts: int, n: int = 2) -> tuple[int, ...]:
 
 @contextlib.contextmanager
 def task_rng(seed: int, device: Any = None) -> Iterator[None]:
-    """torch's global generator (the CPU's, and ``device``'s when it is a CUDA device) seeded with ``seed`` inside
-    the block, as it was after it."""
+    """torch's generators a task draws from seeded with ``seed`` inside the block, as they were after it: the CPU's,
+    and ``device``'s own when it is a CUDA device (that one device's: ``torch.manual_seed`` would reseed every GPU
+    of the process, and put back only one) or MPS.  Tasks of one process share these generators: with several
+    threads a worker's tasks interleave their draws, and their putting back."""
     import torch
 
-    devices = []
-    if device is not None and getattr(device, "type", None) == "cuda":
-        devices = [device.index if device.index is not None else torch.cuda.current_device()]
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+    kind = getattr(device, "type", None)
+    cpu = torch.get_rng_state()
+    if kind == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        own = torch.cuda.get_rng_state(index)
+    elif kind == "mps":
+        own = torch.mps.get_rng_state()
+    torch.default_generator.manual_seed(seed)
+    if kind == "cuda":
+        with torch.cuda.device(index):
+            torch.cuda.manual_seed(seed)
+    elif kind == "mps":
+        torch.mps.manual_seed(seed)
+    try:
         yield
+    finally:
+        torch.set_rng_state(cpu)
+        if kind == "cuda":
+            torch.cuda.set_rng_state(own, index)
+        elif kind == "mps":
+            torch.mps.set_rng_state(own)
