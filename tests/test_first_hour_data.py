@@ -298,3 +298,13 @@ def test_a_lagged_feature_named_as_the_labels_is_taken(tmp_path):
     refused(_Squeezed(2), (df.astype("float32"), df[["sales"]]), tmp_path / "float32", DataError, "column 'sales'")
     counts = df.assign(sales=np.arange(120))  # int64 labels, their column's float copy among the features
     refused(_Squeezed(2), (counts.astype("float64"), counts["sales"]), tmp_path / "int", DataError, "column 'sales'")
+
+
+def test_storage_options_for_a_validation_url_beside_data_in_memory_are_taken(xy, df, tmp_path):
+    """The validation data is read with the training's storage_options: an open Dataset to train on and a Zarr URL to
+    validate on take them (they were refused as ignored by the training data)."""
+    ds = _forms(xy, df)["xarray"][0]
+    ds.isel(s=slice(0, 40)).to_zarr(tmp_path / "val.zarr", zarr_format=3, consolidated=False)
+    url = f"file://{tmp_path / 'val.zarr'}"
+    planned = _plan(_linear(), ds, tmp_path, label="y", validation=url, storage_options={"auto_mkdir": False})
+    assert planned.validation.n == 40

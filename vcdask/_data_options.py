@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["check_options_apply", "data_kind"]
+__all__ = ["check_options_apply", "check_storage_options", "data_kind"]
 
 #: Each kind of data as a message names it.
 _KINDS = {
@@ -74,17 +74,13 @@ def data_kind(data: Any) -> str | None:
     return "arrays" if pair else None
 
 
-def check_options_apply(
-    data: Any, *, features: Any = None, label: Any = None, sample_dim: Any = None, storage_options: Any = None
-) -> None:
+def check_options_apply(data: Any, *, features: Any = None, label: Any = None, sample_dim: Any = None) -> None:
     """Refuse an option that ``data`` would ignore, with a :class:`TypeError` naming it and the remedy.
 
     A whole DataFrame, an xarray Dataset, a Zarr location and an Icechunk session use ``features`` and ``label``;
     ``(DataFrame, y)`` uses ``features`` (``X``'s columns), not ``label``; arrays, dicts and torch Datasets neither.
-    ``sample_dim`` applies to xarray, Zarr and Icechunk data (others have their samples first), ``storage_options``
-    to a Zarr URL only (an empty mapping is no option; Zarr itself refuses them for a path with no scheme).  Data
-    of no supported kind is left to :func:`vcdask.data.prepare_data`'s own refusal.  A refusal names
-    ``storage_options``' keys, never their values (which may hold credentials).
+    ``sample_dim`` applies to xarray, Zarr and Icechunk data (others have their samples first).  Data of no supported
+    kind is left to :func:`vcdask.data.prepare_data`'s own refusal.
     """
     from .frames import is_frame
 
@@ -109,14 +105,22 @@ def check_options_apply(
             "are its first axis (its rows, or its items), so it would ignore it. Leave sample_dim out, and put the "
             "samples first (np.moveaxis(X, axis, 0)) if they are not"
         )
-    if storage_options and kind not in _OPENS:
-        named = (
-            f"keys {sorted(map(str, storage_options))}"
-            if isinstance(storage_options, Mapping)
-            else f"a {type(storage_options).__name__}"
-        )
-        raise TypeError(
-            f"storage_options ({named}): storage_options are fsspec options for opening a Zarr URL given as data "
-            f"(s3://..., file://...); the data is {_KINDS[kind]}, which would ignore them. Leave storage_options "
-            "out, or pass the Zarr URL as data with them"
-        )
+
+
+def check_storage_options(data: Any, storage_options: Any, validation: Any = None) -> None:
+    """Refuse ``storage_options`` that neither the training data nor the validation data (read with the training's
+    options) would use: only a Zarr URL does (an empty mapping is no option; Zarr itself refuses them for a path
+    with no scheme).  The refusal names their keys, never their values (which may hold credentials)."""
+    kind = data_kind(data)
+    if not storage_options or kind is None or kind in _OPENS or data_kind(validation) in _OPENS:
+        return
+    named = (
+        f"keys {sorted(map(str, storage_options))}"
+        if isinstance(storage_options, Mapping)
+        else f"a {type(storage_options).__name__}"
+    )
+    raise TypeError(
+        f"storage_options ({named}): storage_options are fsspec options for opening a Zarr URL given as data or "
+        f"validation (s3://..., file://...); the data is {_KINDS[kind]}, which would ignore them. Leave "
+        "storage_options out, or pass the Zarr URL with them"
+    )

@@ -208,8 +208,9 @@ def prepare_data(
 ) -> PreparedData:
     """Check ``data`` and describe it; reads at most a few rows (and the labels' range for checks).
 
-    ``features``, ``label``, ``sample_dim`` and ``storage_options`` given with training data (``what="data"``)
-    that would ignore them are refused (:func:`vcdask._data_options.check_options_apply`).
+    ``features``, ``label`` and ``sample_dim`` given with training data (``what="data"``) that would ignore them
+    are refused (:func:`vcdask._data_options.check_options_apply`; ``storage_options``: by ``plan``, which knows
+    the validation data too).
 
     ``batches="dict"`` (the caller has a ``train_step``) reads xarray / Zarr data as one input per
     variable instead of stacking the features into ``X``.  ``scheduler`` computes dask data's rows and range
@@ -232,9 +233,7 @@ def prepare_data(
     if (loader := loader_error(data, what)) is not None:
         raise loader
     if what == "data":  # (validation data is read with the training's options, which arrays do not need)
-        check_options_apply(
-            data, features=features, label=label, sample_dim=sample_dim, storage_options=storage_options
-        )
+        check_options_apply(data, features=features, label=label, sample_dim=sample_dim)
     if is_dataset(data):
         return prepare_dataset(data, collate_fn=collate_fn, what=what)
     frame = from_pandas(data, features, label, what)  # (a dask DataFrame: refused there, with what to pass)

@@ -21,6 +21,7 @@ import torch
 
 from . import config
 from ._computing import DataComputing
+from ._data_options import check_storage_options
 from ._ints import check_bool, is_real, positive_int
 from ._pickle_check import check_picklable
 from ._plan_checks import check_groups, check_label_kind, check_same_form, check_step_options
@@ -156,12 +157,8 @@ def resolve_metrics(metrics, classification: bool, binary: bool = False) -> dict
             else:
                 raise ValueError(f"unknown metric {m!r}; available: {sorted(METRICS)} (or a callable)")
         check_metric_names(n for n, _ in named)
-    return {name: functools.partial(fn, logits=True) if binary and _error(fn) else fn for name, fn in named}
-
-
-def _error(fn: Callable) -> bool:
-    """Whether ``fn`` is vcdask's :func:`mae` or :func:`mse`."""
-    return fn is mae or fn is mse
+    # (vcdask's own mae and mse of a binary classifier: of its class ids)
+    return {name: functools.partial(fn, logits=True) if binary and fn in (mae, mse) else fn for name, fn in named}
 
 
 def binary_classifier(prepared: PreparedData, loss: Callable) -> bool:
@@ -296,6 +293,7 @@ def plan(
         names = {"features": features, "label": label, "sample_dim": sample_dim, "storage_options": storage_options}
         names.update(batches="dict" if train_step is not None else "xy", collate_fn=collate_fn)
         names.update(scheduler=computing.scheduler)
+        check_storage_options(data, storage_options, validation)  # (what the validation data reads with them too)
         prepared = prepare_data(data, **names)
         x_dtype = model_dtype(model)
         cast_to = None if x_dtype in HALF_DTYPES else x_dtype  # (a half-precision model: check_run says what to do)
