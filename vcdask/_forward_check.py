@@ -167,17 +167,16 @@ def check_model(
             "samples: with reduction='none', pass reduction='mean' (the default) or 'sum'; a function of yours "
             "returns the batch's mean (its .mean()) as a tensor"
         )
-    if what == "training":  # (NaN: every update of the run is rejected until it fails, blaming its workers)
-        from ._step_checks import check_finite_loss
-
-        bad = [] if torch.isfinite(value).all() else [n for n, t in model.state_dict().items() if not _finite(t)]
-        if bad:  # (the model's own numbers, named)
-            raise DataError(
-                f"the model holds non-finite values (NaN/inf) in {bad[:5]}{' ...' if len(bad) > 5 else ''}: its "
-                "outputs and every update would be NaN; initialize them again (or load a checkpoint saved before "
-                "they diverged)"
-            )
-        check_finite_loss(value, "the loss of the model's outputs")
+    # A NaN loss on these few rows, in eval mode, proves nothing alone (a loss masked to rows these are not, batch
+    # statistics a bad checkpoint's running_var spoils in eval mode only: training goes on); parameters holding
+    # NaN/inf give every update NaN, and the run would fail on the cluster after no_worker_timeout, blaming workers.
+    bad = [] if torch.isfinite(value).all() else [n for n, p in model.named_parameters() if not _finite(p)]
+    if bad and what == "training":
+        raise DataError(
+            f"the model's parameters hold non-finite values (NaN/inf) in {bad[:5]}{' ...' if len(bad) > 5 else ''}: "
+            "its outputs and every update would be NaN; initialize them again (or load a checkpoint saved before "
+            "they diverged)"
+        )
     for name, fn in (metrics or {}).items():  # (a metric that fails here failed the run's first validation)
         try:
             float(fn(out.float(), y))
