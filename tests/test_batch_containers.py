@@ -116,6 +116,47 @@ class Tags(list):
     pass
 
 
+class MovableEncoding(Encoding):
+    """A ``UserDict`` with ``.to(device)`` of its own, as a Hugging Face ``BatchFeature``: it casts nothing."""
+
+    def to(self, device):
+        return MovableEncoding({k: v.to(device) for k, v in self.items()}, note=self.note)
+
+
+class DeviceBound(UserDict):
+    """A mapping that keeps every value on its own device, as a ``TensorDict`` does: only its ``.to`` moves it."""
+
+    def __init__(self, data=None, device=CPU):
+        self.device = device
+        super().__init__(data)
+
+    def __setitem__(self, k, v):
+        self.data[k] = v.to(self.device)
+
+    def to(self, device):
+        return DeviceBound(self.data, device)
+
+
+class Units:
+    """Metadata with an unrelated ``.to`` (a unit conversion, as pint's or astropy's)."""
+
+    def __init__(self, x=None, converted=None):
+        self.unit, self.x, self.converted = "m", x, converted
+
+    def to(self, unit):
+        if self.converted is None:
+            raise ValueError(f"cannot convert {self.unit} to {unit}")
+        return self.converted
+
+
+@dataclasses.dataclass
+class UnitsBatch:
+    x: torch.Tensor
+
+    def to(self, unit):
+        raise TypeError(f"not a unit: {unit}")
+
+
 def f64(*shape):
     return torch.zeros(*shape, dtype=torch.float64)
 
@@ -248,6 +289,72 @@ def test_an_object_without_tensors_is_left_as_it_is():
     assert to((obj,), META)[0] is obj
 
 
+def test_an_object_whose_tensors_need_no_move_nor_cast_is_left_as_it_is():
+    on_cpu = Opaque(torch.zeros(2), [torch.zeros(2, dtype=torch.long)])
+    assert to((on_cpu,), CPU, torch.float32)[0] is on_cpu  # (a collate_fn's own class trains on a CPU worker)
+    assert to(on_cpu, CPU) is on_cpu
+    on_meta = Opaque(torch.zeros(2, device=META), {"m": torch.zeros(2, dtype=torch.long, device=META)})
+    assert to([on_meta], META, torch.float32)[0] is on_meta
+
+
+def test_an_object_whose_tensors_need_a_cast_is_refused():
+    with pytest.raises(TypeError, match=r"Opaque with tensors in its attributes \(x\)") as e:
+        to(Opaque(f64(2), torch.zeros(2, dtype=torch.long)), CPU, torch.float32)
+    assert "or cast to torch.float32" in str(e.value)
+
+
+# --- to: objects with a .to of their own and a dtype; a .to of another kind --------------------------------------
+
+
+def test_a_mapping_with_its_own_to_is_moved_and_cast():
+    enc = MovableEncoding({"x": f64(2), "mask": torch.ones(2, dtype=torch.long)}, note="mine")
+    out = to(enc, META, torch.float32)
+    assert type(out) is MovableEncoding and out.note == "mine"
+    assert out.x.device == META and out.x.dtype == torch.float32
+    assert out.mask.device == META and out.mask.dtype == torch.long
+    assert to(MovableEncoding({"x": torch.zeros(2)}), META, torch.float64).x.dtype == torch.float64
+
+
+def test_a_mapping_that_keeps_its_values_on_its_device_moves_itself_first():
+    out = to(DeviceBound({"x": f64(2), "ids": torch.zeros(2, dtype=torch.long)}), META, torch.float32)
+    assert type(out) is DeviceBound and out.device == META
+    assert out["x"].device == META and out["x"].dtype == torch.float32 and out["ids"].device == META
+
+
+def test_a_packed_sequence_is_cast_and_other_objects_keep_their_dtypes():
+    packed = torch.nn.utils.rnn.pack_sequence([f64(3), f64(2)])
+    out = to(packed, META, torch.float32)
+    assert type(out) is torch.nn.utils.rnn.PackedSequence
+    assert out.data.device == META and out.data.dtype == torch.float32 and out.batch_sizes.device == CPU
+    ids = torch.nn.utils.rnn.pack_sequence([torch.ones(3, dtype=torch.long), torch.ones(2, dtype=torch.long)])
+    assert to(ids, META, torch.float32).data.dtype == torch.long
+    own = to(Movable(f64(2), f64(2)), META, torch.float32)  # (its own .to casts nothing; vcdask cannot rebuild it)
+    assert own.x.device == META and own.x.dtype == torch.float64
+
+
+def test_an_object_with_an_unrelated_to_is_handled_as_one_without_it():
+    meta = Units()
+    assert to((f64(2), meta), META, torch.float32)[1] is meta
+    with pytest.raises(TypeError, match=r"Units with tensors in its attributes \(x\)") as e:
+        to(Units(torch.zeros(2)), META)
+    assert "its own .to(device) raised ValueError: cannot convert m to meta" in str(e.value)
+    assert isinstance(e.value.__cause__, ValueError)
+    with pytest.raises(TypeError, match=r"its own .to\(device\) returned a builtins.float"):
+        to(Units(torch.zeros(2), converted=2.5), META)  # (a conversion that returned a magnitude)
+    assert to(Units(converted=2.5), META).unit == "m"
+    out = to(UnitsBatch(f64(2)), META, torch.float32)  # a dataclass: moved as one
+    assert type(out) is UnitsBatch and out.x.device == META and out.x.dtype == torch.float32
+
+
+def test_a_to_that_runs_out_of_memory_is_not_taken_for_another_kind_of_to():
+    class Big(Movable):
+        def to(self, device):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        to(Big(torch.zeros(2), torch.zeros(2)), META)
+
+
 # --- _class_ids keeps the batch's type ---------------------------------------------------------------------------
 
 
@@ -303,6 +410,8 @@ COLLATES = {
     "dataclass": _collated(Batch),
     "frozen_dataclass": _collated(FrozenBatch),
     "own_to": _collated(Movable),
+    "mapping_own_to": _collated(lambda x, y: MovableEncoding({"x": x, "y": y})),
+    "plain_object": _collated(Opaque),
     "simple_namespace": _collated(lambda x, y: types.SimpleNamespace(x=x, y=y)),
 }
 
@@ -315,7 +424,8 @@ def _step(model, batch):
 @pytest.mark.parametrize("kind", list(COLLATES))
 def test_each_container_kind_trains_read_by_attribute(kind, tmp_path, threaded_client):
     torch.manual_seed(0)
-    dtype = torch.float32 if kind == "own_to" else torch.float64  # (an object's own .to casts nothing)
+    # (an object's own .to casts nothing; a plain object is kept only when nothing in it must move or be cast)
+    dtype = torch.float32 if kind in ("own_to", "plain_object") else torch.float64
     data = Rows(dtype, named=kind == "namedtuple")
     result = vcdask.fit(
         torch.nn.Linear(D, 3),
@@ -352,10 +462,11 @@ def test_namedtuple_items_train_with_the_default_step(tmp_path, threaded_client)
 def test_a_batch_that_cannot_be_moved_is_refused_before_the_run(tmp_path):
     refused(
         torch.nn.Linear(D, 3),
-        Rows(),
+        Rows(torch.float64),  # (its x must be cast to the model's float32)
         tmp_path,
         TypeError,
-        "test_batch_containers.Opaque with tensors in its attributes (x, y)",
+        "test_batch_containers.Opaque with tensors in its attributes (x)",
+        "or cast to torch.float32",
         "return a tuple, dict, namedtuple, dataclass or SimpleNamespace of tensors from collate_fn",
         collate_fn=_collated(Opaque),
         train_step=_step,

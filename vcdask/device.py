@@ -135,18 +135,19 @@ def to(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> An
 
     A batch is what a ``collate_fn`` makes: tensors in tuples, lists and dicts (walked first, fast), or in
     namedtuples, other ``Mapping`` types (an ``OrderedDict``, a ``UserDict``), dataclasses (frozen too) and
-    ``types.SimpleNamespace``, rebuilt as torch's own ``default_collate`` and ``pin_memory`` rebuild them, so
-    ``batch.x`` works in the step as it did on the caller's batch.  An object with a ``.to`` method of its own
-    (a Hugging Face ``BatchEncoding``, a ``PackedSequence``, a ``TensorDict``) moves itself with
-    ``obj.to(device)``, as Lightning's ``move_data_to_device`` moves it: its tensors keep their dtypes.  Strings,
-    numbers and other leaves are returned as they are.
+    ``types.SimpleNamespace``, rebuilt as torch's ``default_collate`` and ``pin_memory`` rebuild them (``batch.x``
+    works in the step).  An object with a ``.to`` of its own moves itself (``obj.to(device)``, as in Lightning's
+    ``move_data_to_device``); a ``Mapping`` (a ``BatchFeature``, a ``TensorDict``) is then walked to cast it, a
+    namedtuple (a ``PackedSequence``) has its floating fields cast, any other (a tensorclass, your own class) keeps
+    its dtypes (vcdask cannot make it again; its ``.to(dtype)`` may cast integers too).  A ``.to`` that raises or
+    returns another kind of thing (a unit's ``.to(unit)``) is no move.  Leaves (strings, numbers) are returned as
+    they are, and so is any other object whose tensors are all on ``device``, in the dtype asked for.
 
     Raises
     ------
     TypeError
-        An object that holds tensors in its attributes but is none of these (vcdask can neither move it nor
-        rebuild it, and its tensors would stay on the CPU of a GPU worker): the message names its type and
-        the remedy.
+        An object holding tensors in its attributes that must move or be cast but that is none of these (vcdask
+        can neither move nor rebuild it; they would stay on a GPU worker's CPU): naming its type and the remedy.
     """
     cls = type(batch)
     if cls is torch.Tensor:
@@ -173,10 +174,13 @@ def _to_other(batch: Any, device: torch.device, dtype: torch.dtype | None) -> An
         if dtype is not None and batch.dtype != dtype and batch.is_floating_point():
             batch = batch.to(dtype)
         return batch.to(device, non_blocking=batch.is_pinned())
+    failed = None
     move = getattr(batch, "to", None)
     if callable(move):
-        moved = move(device)
-        return batch if moved is None else moved  # (a .to that moves in place returns nothing)
+        moved, failed = _own_to(batch, move, device)
+        if failed is None and not isinstance(moved, Mapping):
+            return _cast_fields(moved, dtype)
+        batch = moved  # (a Mapping moved by its own .to is walked to cast it; one whose .to failed, to move it)
     if isinstance(batch, Mapping):
         return _mapping(batch, {k: to(v, device, dtype) for k, v in batch.items()})
     if isinstance(batch, tuple):
@@ -195,16 +199,44 @@ def _to_other(batch: Any, device: torch.device, dtype: torch.dtype | None) -> An
         clone = copy.copy(batch)
         clone.__dict__.update({k: to(v, device, dtype) for k, v in vars(batch).items()})
         return clone
-    held = _tensor_attributes(batch)
+    held = _unmoved_attributes(batch, device, dtype)
     if held:
+        cast = f" or cast to {dtype}" if dtype is not None else ""
+        why = f"raised {type(failed).__name__}: {failed}" if isinstance(failed, Exception) else failed
+        why = f"; its own .to(device) {why}" if failed is not None else ""
         raise TypeError(
             f"a batch holds a {type(batch).__module__}.{type(batch).__qualname__} with tensors in its attributes "
-            f"({', '.join(held)}), which vcdask can neither move to the worker's device ({device}) nor rebuild: "
-            "return a tuple, dict, namedtuple, dataclass or SimpleNamespace of tensors from collate_fn (or give the "
-            "class a "
-            ".to(device) method that returns it on that device)"
-        )
-    return batch
+            f"({', '.join(held)}), which vcdask can neither move to the worker's device ({device}){cast} nor "
+            "rebuild: return a tuple, dict, namedtuple, dataclass or SimpleNamespace of tensors from collate_fn (or "
+            f"give the class a .to(device) method that returns it on that device){why}"
+        ) from (failed if isinstance(failed, Exception) else None)
+    return batch  # (its tensors, if any, are where they must be, in the dtype asked for)
+
+
+def _own_to(batch: Any, move: Any, device: torch.device) -> tuple[Any, Exception | str | None]:
+    """``batch.to(device)`` and ``None``, or ``batch`` and why that is no move: what it raised (a unit's
+    ``.to(unit)``), or what it returned if neither ``None`` (a move in place) nor an object of ``batch``'s kind."""
+    try:
+        moved = move(device)
+    except torch.OutOfMemoryError:  # (a move that ran out of memory)
+        raise
+    except Exception as e:  # noqa: BLE001 - a .to of another kind (a unit's): handled as an object without one
+        return batch, e
+    if moved is None:  # (a .to that moves in place returns nothing)
+        return batch, None
+    if isinstance(moved, type(batch)) or (isinstance(batch, type(moved)) and type(moved) not in (object, *_LEAVES)):
+        return moved, None  # (or a base class's: a BatchFeature subclass's .to may return a BatchFeature)
+    return batch, f"returned a {type(moved).__module__}.{type(moved).__qualname__}"
+
+
+def _cast_fields(moved: Any, dtype: torch.dtype | None) -> Any:
+    """``moved`` (moved by its own ``.to``) with floating fields in ``dtype`` if a namedtuple (a ``PackedSequence``),
+    made by ``_replace``, not its constructor (which may check them); any other object as it is."""
+    if dtype is None or not (isinstance(moved, tuple) and hasattr(moved, "_fields") and hasattr(moved, "_replace")):
+        return moved
+    fields = zip(moved._fields, moved, strict=True)
+    cast = {k: v.to(dtype) for k, v in fields if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    return moved._replace(**cast) if cast else moved
 
 
 def _mapping(m: Mapping, items: dict) -> Any:
@@ -240,8 +272,9 @@ def _dataclass(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any
     return clone
 
 
-def _tensor_attributes(obj: Any) -> list[str]:
-    """The attributes of ``obj`` (its ``__dict__`` and slots) holding a tensor, or a tuple, list or dict of them."""
+def _unmoved_attributes(obj: Any, device: torch.device, dtype: torch.dtype | None) -> list[str]:
+    """The attributes of ``obj`` (its ``__dict__`` and slots) holding a tensor, or a tuple, list or dict of them,
+    that is not on ``device`` or is floating and not of ``dtype`` (when given)."""
     names = dict(getattr(obj, "__dict__", None) or {})
     for klass in type(obj).__mro__:
         slots = klass.__dict__.get("__slots__", ())
@@ -249,14 +282,14 @@ def _tensor_attributes(obj: Any) -> list[str]:
             if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
                 names[name] = getattr(obj, name)
 
-    def holds(v: Any) -> bool:
-        if isinstance(v, (tuple, list)):
-            return any(isinstance(i, torch.Tensor) for i in v)
-        if isinstance(v, dict):
-            return any(isinstance(i, torch.Tensor) for i in v.values())
-        return isinstance(v, torch.Tensor)
+    def unmoved(t: Any) -> bool:
+        cast = dtype is not None and isinstance(t, torch.Tensor) and t.dtype != dtype and t.is_floating_point()
+        return isinstance(t, torch.Tensor) and (cast or not same_device(t.device, device))
 
-    return [name for name, v in names.items() if holds(v)]
+    def held(v: Any) -> Any:
+        return v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else (v,)
+
+    return [name for name, v in names.items() if any(unmoved(t) for t in held(v))]
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
