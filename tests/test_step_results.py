@@ -82,6 +82,40 @@ def test_the_default_steps_one_logit_classifier_is_unchanged():
     np.testing.assert_array_equal(predicted(logits, spec), [1, 0])
 
 
+def _logit_spec(label_shape=(), label_range=(0, 1)):
+    return _spec(label_shape=label_shape, label_range=label_range, loss=F.binary_cross_entropy_with_logits)
+
+
+def test_a_train_steps_logits_for_labels_of_0_and_1_are_read_as_the_default_steps_are():
+    """A binary classifier of one logit (BCE with logits on 0/1 integers) and a multi-label one (one logit per
+    label) were refused as "not scores per class": they predict class 1 where the logit is above 0, as the default
+    step's one-logit classifier does, and their probabilities are the sigmoid's ([1 - p, p] for one logit)."""
+    generator = torch.Generator().manual_seed(0)
+    for out, labels in [(torch.randn(6, 1, generator=generator), ()), (torch.randn(6, 2, generator=generator), (2,))]:
+        default = _spec(train_step=None, classification=False, loss=F.binary_cross_entropy_with_logits)
+        default.label_shape = labels  # (the default step's run of one logit per label, on float labels)
+        for label_range in [(0, 1), (0, 0)]:
+            spec = _logit_spec(labels, label_range)
+            ids = predicted(out, spec)
+            assert ids.dtype == np.int64 and ids.shape == (6, *labels)
+            np.testing.assert_array_equal(ids, (out > 0).long().reshape(6, *labels).numpy())
+            np.testing.assert_array_equal(ids, predicted(out, default))
+            np.testing.assert_allclose(probabilities(out, spec), probabilities(out, default), rtol=1e-6)
+    p = torch.sigmoid(out[:, 0])  # (one logit: two columns, as scikit-learn's predict_proba)
+    np.testing.assert_allclose(probabilities(out[:, :1], _logit_spec()), torch.stack([1 - p, p], 1).numpy(), 1e-6)
+    np.testing.assert_allclose(probabilities(out, _logit_spec((2,))), torch.sigmoid(out).numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("label_range", [(0, 3), (-1, 1), None], ids=["counts", "signs", "unrecorded"])
+def test_one_output_per_label_beyond_0_and_1_is_still_refused(label_range):
+    """A count regression (one output against counts up to 3) is no classifier of logits."""
+    for shape, labels in [((6, 1), ()), ((6,), ()), ((6, 2), (2,))]:
+        out = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        for read in (predicted, probabilities):
+            with pytest.raises(TypeError, match="not scores per class"):
+                read(out, _logit_spec(labels, label_range))
+
+
 def _counts(n: int = 96) -> tuple[np.ndarray, np.ndarray]:
     generator = np.random.default_rng(0)
     X = generator.normal(size=(n, 5)).astype("float32")
@@ -143,6 +177,29 @@ def test_predict_of_a_count_regression_on_integer_labels_says_to_call_the_model(
     np.testing.assert_allclose(result.predict(X[:4]), expected, rtol=1e-6)
 
 
+def _bce_step(model, batch):
+    x, y = batch
+    return F.binary_cross_entropy_with_logits(model(x).reshape(y.shape), y.float())
+
+
+@pytest.mark.parametrize("outputs", [1, 2], ids=["one-logit", "multi-label"])
+def test_predict_of_a_train_steps_classifier_of_logits_on_0_1_labels(threaded_client, tmp_path, outputs):
+    """The reviewer's runs: refused with TypeError (before: accuracy 0.965 and 0.963)."""
+    X = np.random.default_rng(0).normal(size=(256, 5)).astype("float32")
+    y = (X[:, :2] > 0).astype("int64") if outputs == 2 else (X[:, 0] > 0).astype("int64")
+    torch.manual_seed(0)
+    common = {"client": threaded_client, "store": tmp_path / "s", "max_epochs": 3, "lr": 0.1, "progress": False}
+    result = vcdask.fit(torch.nn.Linear(5, outputs), (X, y), train_step=_bce_step, **common)
+    ids, proba = result.predict(X), result.predict_proba(X)
+    assert ids.shape == y.shape and ids.dtype == np.int64 and (ids == y).mean() > 0.9
+    assert proba.shape == (256, 2)  # (one logit: P(0), P(1); two labels: P(1) of each)
+    if outputs == 1:
+        np.testing.assert_allclose(proba.sum(1), 1.0, rtol=1e-6)
+        np.testing.assert_array_equal(ids, (proba[:, 1] > 0.5).astype("int64"))
+    else:
+        np.testing.assert_array_equal(ids, (proba > 0.5).astype("int64"))
+
+
 @pytest.mark.parametrize(
     ("name", "lower"),
     [
@@ -178,6 +235,40 @@ def test_the_common_lower_is_better_names_improve_downwards(name, lower):
     assert policy.lower_is_better(name) is lower
     assert policy.known_direction(name) or name in ("power", "answer_match")
     assert policy.improved(name, 0.4, 0.5) is lower and policy.reached(name, 0.5, 0.4) is lower
+
+
+@pytest.mark.parametrize(
+    ("name", "lower"),
+    [
+        *((n, False) for n in ("neg_f1", "neg_precision", "neg_recall", "neg_accuracy", "neg_auc", "negative_recall")),
+        ("neg_loss", True),  # a contrastive loss on negative samples
+        ("neg_sampling_loss", True),
+        ("negative_log_likelihood", True),  # a negated likelihood is a loss
+        ("NegLogLikelihood", True),
+        ("neg_elbo", True),
+        *((n, False) for n in sorted(policy.NEGATED_SCORERS)),  # scikit-learn's, to maximise
+        ("test_neg_mean_squared_error", False),  # (as cross_validate reports it)
+        ("train_neg_log_loss", False),
+    ],
+)
+def test_neg_turns_round_only_scikit_learns_negated_losses(name, lower):
+    """``neg`` flipped every known name: ``neg_f1`` (the negative class's F1) improved downwards, so
+    target={"neg_f1": 0.95} was reached at 0.949, and ``neg_loss`` upwards."""
+    assert policy.lower_is_better(name) is lower and policy.known_direction(name)
+    assert policy.reached(name, 0.95, 0.949) is lower
+
+
+def test_negated_scorers_are_scikit_learns():
+    metrics = pytest.importorskip("sklearn.metrics")
+    assert {n for n in metrics.get_scorer_names() if n.startswith("neg_")} <= policy.NEGATED_SCORERS
+
+
+@pytest.mark.parametrize("name", ["mAP", "val_mAP", "mAP50", "mIoU", "val_mIoU", "rougeL", "rouge1", "F1Score"])
+def test_camel_case_names_of_known_metrics_are_known(name, recwarn):
+    """Split at camelCase only, ``mAP`` was ``m``, ``ap`` and ``mIoU`` ``m``, ``io``, ``u``: a target was warned of."""
+    assert policy.known_direction(name) and not policy.lower_is_better(name)
+    check_target({name: 0.5}, [name], {})
+    assert not recwarn.list
 
 
 def test_patience_on_perplexity_keeps_its_lowest_epoch():

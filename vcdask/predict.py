@@ -24,7 +24,7 @@ from .errors import DataError
 from .metrics import class_axis, class_ids, one_logit
 from .preflight import describe_output, model_dtype
 
-__all__ = ["binary_classifier", "check_class_scores", "model_outputs", "predicted", "probabilities"]
+__all__ = ["binary_classifier", "check_class_scores", "label_logits", "model_outputs", "predicted", "probabilities"]
 
 # One lock per model predicted with in place: a prediction sets the model's modules to eval mode and sets each
 # back after, so two at once on one model (a threaded model server) would see each other's modes (dropout on,
@@ -164,16 +164,30 @@ def binary_classifier(spec: Any) -> bool:
     return not spec.classification and one_logit(spec.loss)
 
 
+def label_logits(out: torch.Tensor, spec: Any) -> bool:
+    """Whether ``out`` are a ``train_step``'s logits, one per label, for integer labels of 0 and 1 (the spec's
+    ``label_range``): outputs in the labels' shape, or ``(n, 1)`` against ``(n,)``; a binary classifier of one logit
+    or a multi-label one trained with ``binary_cross_entropy_with_logits`` on 0/1 integers.  They are read as the
+    default step's one-logit runs' are (:func:`binary_classifier`): class 1 where above 0, the sigmoid."""
+    if not spec.classification or getattr(spec, "train_step", None) is None:
+        return False
+    lo, hi = spec.label_range or (-1, -1)
+    axis = class_axis(out.shape, _label_shape(out, spec))
+    return 0 <= lo and hi <= 1 and (axis is None or out.shape[axis] == 1)
+
+
 def check_class_scores(out: torch.Tensor, spec: Any) -> None:
     """Refuse to read class ids from the outputs ``out`` of a run that trained a ``train_step`` on integer labels
     unless they hold scores per class for those labels: a class axis (:func:`vcdask.metrics.class_axis`) of more
-    than one column, and one beyond the largest id (the spec's ``label_range``; a run written before it: the column).
+    than one column, and one beyond the largest id (the spec's ``label_range``; a run written before it: the column),
+    or for labels of 0 and 1, one logit per label (:func:`label_logits`).
 
     The default step checked this before the run (its labels lie in ``[0, number of outputs)``); a ``train_step``'s
     loss is its own, and integer labels are not always class ids: a count regression (``poisson_nll_loss`` on
-    counts, one output), several integer targets (outputs in the labels' shape), a binary classifier of one logit
-    trained on 0/1 integers.  Class ids read from such outputs were silently wrong (the arg-max of one column is
-    0; a threshold at 0 of a count's log-rate is 1), and so would be the outputs themselves for the last.
+    counts, one output), several integer targets (outputs in the labels' shape).  Class ids read from such outputs
+    were silently wrong (the arg-max of one column is 0; a threshold at 0 of a count's log-rate is 1).  On labels of
+    0 and 1 only, one output per label is a binary or multi-label classifier's logit (a count regression on 0/1
+    labels is not told apart from it).
 
     Raises
     ------
@@ -185,7 +199,7 @@ def check_class_scores(out: torch.Tensor, spec: Any) -> None:
     labels = _label_shape(out, spec)
     axis = class_axis(out.shape, labels)
     largest = (spec.label_range or (0, 0))[1]
-    if axis is not None and out.shape[axis] > max(1, largest):
+    if (axis is not None and out.shape[axis] > max(1, largest)) or label_logits(out, spec):
         return
     per_row, label_row = tuple(out.shape[1:]), tuple(labels[1:])
     seen = f", class ids up to {largest}" if largest else ""
@@ -218,7 +232,8 @@ def probabilities(out: torch.Tensor, spec: Any) -> np.ndarray:
     """What :meth:`FitResult.predict_proba` returns for a classifier's outputs ``out``: the softmax along the
     class axis (:func:`vcdask.metrics.class_axis`: the last, or axis 1 of a classifier per position's); for one
     logit per sample, the columns P(class 0), P(class 1) of its sigmoid; for several logits per sample (several
-    binary labels), the sigmoid of each.
+    binary labels), the sigmoid of each (a default step's run of :func:`binary_classifier`, or a ``train_step``'s
+    of :func:`label_logits`).
 
     Raises
     ------
@@ -227,7 +242,7 @@ def probabilities(out: torch.Tensor, spec: Any) -> np.ndarray:
     """
     check_class_scores(out, spec)
     out = out.float()
-    if spec.classification:
+    if spec.classification and not label_logits(out, spec):
         axis = class_axis(out.shape, _label_shape(out, spec))
         return torch.softmax(out, dim=-1 if axis is None else axis).numpy()
     p = torch.sigmoid(out)
