@@ -633,6 +633,23 @@ def test_two_scheduled_runs_release_only_when_better(job_dir, cluster, capsys):
     assert lines[2].startswith(second["run_id"]) and lines[2].endswith("tag nightly-1  released rival-2")
     assert lines[3].startswith(first["run_id"]) and lines[3].endswith("fresh  released nightly-1")
 
+    # 7. a release that scores NaN (a model an old release merged badly) is beaten by any candidate that scores a
+    # number: it blocked every later release, each job ending "not better"; the record and report hold null, not NaN
+    broken = vcdask.load(prepared.store, version=second["version"])
+    with torch.no_grad():
+        next(broken.parameters()).fill_(float("nan"))
+    prepared.store.create_branch("broken", second["version"])
+    prepared.store.tag("broken-1", prepared.store.commit(broken, branch="broken"))
+    text = JOB.replace("tag_prefix: nightly-}", "tag_prefix: broken-}").replace("start: last-release\n", "")
+    text = text.replace("metric: accuracy", "metric: loss")  # (NaN outputs: a loss of NaN; an accuracy of class 0)
+    nan_job = _write(job_dir, text, "broken.yaml")  # (a fresh model: a start from broken-1 is refused, named)
+    prepared = preflight(load_job(nan_job))
+    report = {}
+    assert _compare(prepared, report, second["run_id"], second["version"], spec, scores, 1, "broken-1") == 0
+    assert report["released"] is True and "is a number, broken-1's is nan" in report["reason"]
+    record = prepared.store.files.get(f"{second['run_id']}/job.json").decode()
+    assert "NaN" not in record and json.loads(record)["release"]["baseline"] is None
+
 
 def test_csv_data_with_a_held_out_fraction_on_a_threaded_scheduler(job_dir):
     """The pandas path, in-process: a CSV file as a DataFrame with label=, validation=0.25, a loss rule (min)."""

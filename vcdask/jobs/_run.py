@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -102,7 +103,7 @@ def _run_job(path: str | os.PathLike, interrupts: Interrupts) -> JobOutcome:
     where = job.report if job is not None else _report_path(Path(path).absolute())
     if where is not None:
         try:
-            _write_whole(where, json.dumps(report, indent=2, default=str) + "\n")
+            _write_whole(where, _json(report, indent=2) + "\n")
         except OSError as e:  # (the pre-flight checked the place: it changed since)
             logger.error("could not write the report to %s: %s", where, e)
             if error is None:
@@ -233,8 +234,12 @@ def _compare(
         "scores": all_scores,
         "tag": None,
     }
-    if last is not None:
-        baseline = all_scores["release"][rule.metric]
+    baseline = all_scores["release"][rule.metric] if last is not None else math.nan
+    if last is not None and math.isfinite(candidate) and not math.isfinite(baseline):
+        # (a release that scores no number, e.g. NaN from a model an old release merged badly, is beaten by any that
+        # does: compared, it would block every later release, each job ending "not better")
+        why = f"{rule.metric} {candidate:.6g} is a number, {last}'s is {baseline}"
+    elif last is not None:
         gain = rule.improvement(candidate, baseline)
         if not rule.beats(candidate, baseline):
             report.update(
@@ -317,7 +322,23 @@ def _load_release(job: Job, store: Any, tag: str) -> Any:
 
 def _record(store: Any, run_id: str, report: dict[str, Any]) -> None:
     """Keep the job's record beside the run (``runs/<run_id>/job.json``): ``vcdask runs`` shows it."""
-    store.files.put(f"{run_id}/job.json", json.dumps(report, default=str).encode())
+    store.files.put(f"{run_id}/job.json", _json(report).encode())
+
+
+def _json(report: dict[str, Any], indent: int | None = None) -> str:
+    """``report`` as JSON that every reader takes: a NaN or infinite number is null (bare ``NaN`` is not JSON:
+    ``JSON.parse`` refuses the file, jq reads null anyway)."""
+
+    def finite(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps(finite(report), indent=indent, default=str, allow_nan=False)
 
 
 def _now() -> str:
