@@ -1,31 +1,36 @@
 """What the pre-flight checks of a ``train_step`` look at on its probe copy of the model, beside running it
-(:func:`vcdask.steps.check_steps`): what the step returns, that its loss is finite and backpropagates into the
-model it was given, and that it leaves the model's ``state_dict()`` layout as it found it.
+(:func:`vcdask.steps.check_steps`): what the step returns, that its loss is finite (on the probe batch, or else
+on more rows of the data: ``check_steps`` reads them) and backpropagates into the model it was given, and that it
+leaves the model's ``state_dict()`` layout as it found it.
 
 Each is a mistake that passed the pre-flight and then trained wrong or failed on the cluster: a step over a model
 captured from outside trained nothing and the run "succeeded"; a NaN loss failed the run minutes later, blaming
 the worker; a step that added a submodule had every update rejected as a layout mismatch.
+
+What they do not look at: trainable parameters that get no gradient while others do.  From one batch that cannot
+tell a submodule captured from outside (``head = model[2]``) from a legitimate model: the experts a batch does not
+route to, layers dropped at random, a head only ``eval_step`` uses, a teacher run under ``torch.no_grad()``; a
+warning for them came and went between fits and broke test suites run with ``-W error``.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from ._stack import user_level
 from .errors import DataError
 
 __all__ = [
     "check_backward",
-    "check_finite_loss",
     "check_layout_kept",
     "check_loss",
+    "finite",
+    "is_loss",
+    "refuse_non_finite",
     "state_layout",
-    "warn_no_gradient",
 ]
 
 #: What vcdask does after the step, for the messages of a step that does some of it itself.
@@ -73,9 +78,9 @@ def check_layout_kept(before: Mapping[str, Any], model: torch.nn.Module) -> None
 
 def check_loss(loss: Any, model: torch.nn.Module) -> None:
     """Refuse what a train step returned on ``model`` (its probe copy) unless it is a scalar loss tensor with a
-    gradient and a finite value; a step that computed gradients itself (``loss.backward()``: on the workers every
-    step failed, 'Trying to backward through the graph a second time') is said to be one first, whatever it
-    returned (``loss.detach()`` or ``loss.item()`` after its backward).
+    gradient (its value is not looked at here: :func:`finite`); a step that computed gradients itself
+    (``loss.backward()``: on the workers every step failed, 'Trying to backward through the graph a second time')
+    is said to be one first, whatever it returned (``loss.detach()`` or ``loss.item()`` after its backward).
 
     Raises
     ------
@@ -84,8 +89,7 @@ def check_loss(loss: Any, model: torch.nn.Module) -> None:
     """
     if any(p.grad is not None for p in model.parameters()):  # (before the checks below: the cause of a detached loss)
         raise DataError(f"train_step computes gradients itself (loss.backward() in the step): {_REST}; return the loss")
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
-        check_finite_loss(loss, "train_step's loss")
+    if is_loss(loss):
         return
     if isinstance(loss, torch.Tensor):
         what = f"a tensor of shape {tuple(loss.shape)}"
@@ -109,28 +113,40 @@ def check_loss(loss: Any, model: torch.nn.Module) -> None:
     raise DataError(f"train_step must return a scalar loss tensor{grad}, got {what}{hint}")
 
 
-def check_finite_loss(loss: torch.Tensor, what: str = "the loss") -> None:
-    """Refuse a loss (``what``, for the message) that is NaN or infinite on the probe batch: every update of such a
-    run is non-finite, and the run fails on the cluster minutes later, blaming its workers.
+def is_loss(loss: Any) -> bool:
+    """Whether a train step's ``loss`` is what it must return: a scalar tensor with a gradient."""
+    return isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad
+
+
+def finite(loss: torch.Tensor) -> bool:
+    """Whether the value of ``loss`` (a scalar tensor) is finite."""
+    return math.isfinite(float(loss.detach().float()))
+
+
+def refuse_non_finite(values: list[float], rows: int) -> NoReturn:
+    """Refuse a train step whose loss is non-finite (``values``) on the probe batch and on ``rows`` more rows of
+    the training data spread over it, a few batches of them: every update of such a run is non-finite, and the
+    run fails on the cluster minutes later, blaming its workers.  (On the probe batch alone it is not refused: a
+    masked loss, a mean over the labelled rows only, is NaN on first rows that hold none.)
 
     Raises
     ------
     DataError
-        Naming the value, where it was computed and what to look at.
+        Naming the values, where they were computed and what to look at.
     """
-    value = float(loss.detach().float())
-    if math.isfinite(value):
-        return
     raise DataError(
-        f"{what} is {value} on a probe batch of the training data (its first rows): a non-finite loss gives "
+        f"train_step's loss is {values[0]} on a probe batch of the training data (its first rows), and non-finite "
+        f"on {rows} more rows across it too ({_few([str(v) for v in values[1:]])}): a non-finite loss gives "
         "non-finite updates, which the run rejects until it fails; look for a log or a division of 0 in the loss "
         "(torch.log(p + eps), a mean over no elements) or for non-finite parameters in the model"
     )
 
 
-def check_backward(model: torch.nn.Module, loss: torch.Tensor) -> list[str]:
-    """Backpropagate the train step's ``loss`` as the task's step will; return the trainable parameters of
-    ``model`` (its probe copy), by name, that got no gradient from it (:func:`warn_no_gradient` says them).
+def check_backward(model: torch.nn.Module, loss: torch.Tensor) -> None:
+    """Backpropagate the train step's ``loss`` as the task's step will, into ``model`` (its probe copy).
+
+    Some trainable parameters without a gradient, while others get one, are left alone (see the module's
+    docstring: from one batch they cannot be told from a legitimate model's).
 
     Raises
     ------
@@ -142,32 +158,13 @@ def check_backward(model: torch.nn.Module, loss: torch.Tensor) -> list[str]:
         loss.backward()
     except Exception as e:
         raise DataError(f"train_step's loss cannot be backpropagated: {type(e).__name__}: {e}; {_REST}") from e
-    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    missing = [name for name, p in trainable if p.grad is None]
-    if trainable and len(missing) == len(trainable):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if trainable and all(p.grad is None for p in trainable):
         raise DataError(
             "train_step's loss does not depend on the model given to train_step: none of its trainable parameters "
             "got a gradient, and the run would train nothing. Use the model argument, not a model captured from "
             "outside: def train_step(model, batch): x, y = batch; return loss_fn(model(x), y)"
         )
-    return missing
-
-
-def warn_no_gradient(names: list[str]) -> None:
-    """Warn that the trainable parameters ``names`` got no gradient from the train step's loss on the probe batch
-    (others did): a submodule captured from outside (``head = model[2]``) trains nothing; an unused branch is
-    left as it is."""
-    if not names:
-        return
-    warnings.warn(
-        f"train_step's loss gives no gradient to the trainable parameter{'s' if len(names) > 1 else ''} "
-        f"{_few(names)} of the model given to it, on a probe batch of the training data: they will not train. If "
-        "the step uses a submodule captured from outside (head = model[2]; head(...)), use the model argument's "
-        "own (model[2](...)); if they are unused on this batch only, or on purpose, freeze them "
-        "(requires_grad_(False)) or ignore this warning",
-        UserWarning,
-        stacklevel=user_level(),  # (fit's caller)
-    )
 
 
 def _few(names: list[str], n: int = 4) -> str:

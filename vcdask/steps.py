@@ -11,8 +11,11 @@ without gradients); the default step reports the loss and the ``metrics`` of the
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
+import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +23,16 @@ import numpy as np
 import torch
 
 from ._ints import is_real
-from ._step_checks import check_backward, check_layout_kept, check_loss, state_layout, warn_no_gradient
-from .device import cpu_copy
+from ._step_checks import (
+    check_backward,
+    check_layout_kept,
+    check_loss,
+    finite,
+    is_loss,
+    refuse_non_finite,
+    state_layout,
+)
+from .device import cpu_copy, to
 from .errors import DataError
 from .metrics import check_metric_names
 
@@ -149,47 +160,42 @@ def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_
 
     A model on an accelerator whose steps fail on the CPU copy is tried once more on a copy on its own device
     (steps written for it, that move the batch there with ``.cuda()``).  Gradients the train step's loss leaves on
-    ``model`` itself (a step over the model captured from outside, refused) are cleared again.
+    ``model`` itself (a step over the model captured from outside, refused) are cleared again.  A train step's loss
+    that is NaN or infinite on the probe batch (its first rows: a masked loss over no labelled row) is tried again
+    on up to :data:`MORE_ROWS` rows spread over the data ``sample`` came from (:func:`probe_batch`), and refused
+    only when it is non-finite on all of them; where those rows cannot be read cheaply (dask arrays), not at all.
 
     Raises
     ------
     DataError
         A step fails on the probe batch; the train step returns something that is not a scalar loss, or a loss that
-        is NaN or infinite, does not backpropagate or gives none of the probe's trainable parameters a gradient (a
-        model captured from outside), or the step computed gradients itself (``loss.backward()``); the train step
-        adds, removes or reshapes a parameter or buffer of the model (:mod:`vcdask._step_checks`).
+        is NaN or infinite on the probe batch and on more rows of the data, does not backpropagate or gives none of
+        the probe's trainable parameters a gradient (a model captured from outside), or the step computed gradients
+        itself (``loss.backward()``); the train step adds, removes or reshapes a parameter or buffer of the model
+        (:mod:`vcdask._step_checks`).  Trainable parameters without a gradient while others get one are not
+        looked at (they cannot be told from an unrouted expert, a dropped layer, a head for ``eval_step``).
     TypeError
         ``eval_step`` returns something other than a dict of numbers.
     ValueError
         ``eval_step``'s names would replace columns of ``FitResult.epochs`` (:func:`vcdask.metrics.check_metric_names`).
-
-    Warns
-    -----
-    UserWarning
-        Some trainable parameters got no gradient from the train step's loss while others did (a submodule
-        captured from outside, ``head = model[2]``), naming them.
     """
     frozen = eval_modules(model)  # (trained as the workers will train it)
     clear = [p for p in model.parameters() if p.grad is None]
     try:
         try:
-            names, missing = _check_steps_on(train_mode(cpu_copy(model), frozen), sample, train_step, eval_step)
+            names = _check_steps_on(train_mode(cpu_copy(model), frozen), sample, train_step, eval_step)
         except DataError:
             if all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers())):
                 raise
-            names, missing = _check_steps_on(train_mode(copy.deepcopy(model), frozen), sample, train_step, eval_step)
+            names = _check_steps_on(train_mode(copy.deepcopy(model), frozen), sample, train_step, eval_step)
     finally:
         for p in clear:  # (a step over the model captured from outside backpropagated into it)
             p.grad = None
-    warn_no_gradient(missing)
     return check_metric_names(names, "eval_step", loss=True)
 
 
-def _check_steps_on(
-    probe: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None
-) -> tuple[list[str], list[str]]:
-    """The metric names, and the trainable parameters the train step's loss gave no gradient, of the steps on
-    ``probe`` (a copy of the model)."""
+def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None) -> list[str]:
+    """The metric names of the steps on ``probe`` (a copy of the model)."""
     for p in probe.parameters():
         p.grad = None
     layout = state_layout(probe)
@@ -199,9 +205,11 @@ def _check_steps_on(
         raise DataError(f"train_step fails on a batch of the training data: {type(e).__name__}: {e}") from e
     check_layout_kept(layout, probe)
     check_loss(loss, probe)
-    missing = check_backward(probe, loss)
+    if not finite(loss):
+        loss = _loss_on_more_rows(probe, sample, train_step, layout, loss)
+    check_backward(probe, loss)
     if eval_step is None:
-        return ["loss"], missing
+        return ["loss"]
     probe.eval()
     try:
         with torch.no_grad():
@@ -218,21 +226,124 @@ def _check_steps_on(
         if math.isinf(f):
             raise DataError(f"eval_step's {name!r} is infinite on a probe batch")
         names.append(name)
-    return names, missing
+    return names
+
+
+def _loss_on_more_rows(
+    probe: torch.nn.Module, sample: Any, train_step: Callable, layout: dict, loss: torch.Tensor
+) -> torch.Tensor:
+    """The train step's loss on more rows of the training data, a few batches spread over it, where ``loss`` (on
+    the probe batch ``sample``) is not finite: the first finite one; ``loss`` itself where those rows cannot be read
+    here or the step does not give a loss on them (the run reports its own failures).
+
+    Raises
+    ------
+    DataError
+        The loss is non-finite on all of them too (:func:`vcdask._step_checks.refuse_non_finite`).
+    """
+    reads = _more_batches(sample)
+    if reads is None:  # (not refused on the first rows alone: the run's pause names the training when all are NaN)
+        return loss
+    values, rows = [float(loss.detach().float())], 0
+    for read in reads:
+        try:
+            batch, n = read()
+            other = train_step(probe, batch)
+        except Exception:  # noqa: BLE001 - unread rows, or a step failing on them: no evidence either way
+            return loss
+        check_layout_kept(layout, probe)
+        if not is_loss(other):
+            return loss
+        if finite(other):
+            return other
+        values.append(float(other.detach().float()))
+        rows += n
+    refuse_non_finite(values, rows)
+
+
+#: At most this many rows of the training data, read in :data:`MORE_BATCHES` batches spread over it, are tried
+#: when the train step's loss is non-finite on the probe batch (its first rows).
+MORE_ROWS = 256
+MORE_BATCHES = 4
+
+#: The data each recent :func:`probe_batch` came from, by the batch's id (the batch kept: its id stays its own):
+#: ``(batch, weak reference to the PreparedData, x_dtype)``, the last few only.
+_PROBED: dict[int, tuple[Any, Any, torch.dtype]] = {}
+_PROBED_LOCK = threading.Lock()
 
 
 def probe_batch(prepared: PreparedData, x_dtype: torch.dtype) -> Any:
-    """A few rows of the data as the batch a custom step will get (on CPU)."""
-    if prepared.form == "dataset":
-        from .device import to
+    """A few rows of the data as the batch a custom step will get (on CPU); :func:`check_steps` reads more rows of
+    ``prepared`` as it does when the train step's loss is non-finite on them."""
+    rows = prepared.sample if prepared.form in ("dataset", "dict") else (prepared.sample_X, prepared.sample_y)
+    batch = _batch(prepared, x_dtype, rows)
+    with _PROBED_LOCK:
+        _PROBED[id(batch)] = (batch, weakref.ref(prepared), x_dtype)
+        while len(_PROBED) > 8:
+            del _PROBED[next(iter(_PROBED))]
+    return batch
 
-        return to(prepared.sample, torch.device("cpu"), x_dtype)
+
+def _batch(prepared: PreparedData, x_dtype: torch.dtype, rows: Any) -> Any:
+    """``rows`` of ``prepared`` (a Dataset's collated batch, a dict of arrays, or ``(X, y)``) as a batch on CPU."""
+    if prepared.form == "dataset":
+        return to(rows, torch.device("cpu"), x_dtype)
 
     def tensor(a) -> torch.Tensor:
         t = torch.as_tensor(np.ascontiguousarray(a))
         return t.to(x_dtype) if t.is_floating_point() else t
 
     if prepared.form == "dict":
-        return {k: tensor(a) for k, a in prepared.sample.items()}
-    y = tensor(prepared.sample_y)
-    return tensor(prepared.sample_X), y.long() if prepared.classification else y
+        return {k: tensor(a) for k, a in rows.items()}
+    X, y = rows
+    y = tensor(y)
+    return tensor(X), y.long() if prepared.classification else y
+
+
+def _more_batches(sample: Any) -> list[Callable[[], tuple[Any, int]]] | None:
+    """Readers of up to :data:`MORE_ROWS` rows of the data the probe batch ``sample`` came from, in
+    :data:`MORE_BATCHES` batches spread over it, read as :func:`probe_batch` read it: each gives a batch and its
+    number of rows.  None where ``sample`` is not a probe batch of data still alive, or its rows cannot be read
+    cheaply here (:func:`_row_reader`)."""
+    with _PROBED_LOCK:
+        entry = _PROBED.get(id(sample))
+    if entry is None or entry[0] is not sample:
+        return None
+    _, ref, x_dtype = entry
+    prepared = ref()
+    read = None if prepared is None else _row_reader(prepared)
+    if prepared is None or read is None:
+        return None
+    n = prepared.n
+    size = max(min(2, n), min(MORE_ROWS // MORE_BATCHES, n // MORE_BATCHES))
+    starts = sorted({round(i * (n - size) / (MORE_BATCHES - 1)) for i in range(MORE_BATCHES)})
+    return [functools.partial(_read_batch, prepared, x_dtype, read, a, a + size) for a in starts]
+
+
+def _read_batch(prepared: PreparedData, x_dtype: torch.dtype, read: Callable, start: int, stop: int) -> tuple[Any, int]:
+    return _batch(prepared, x_dtype, read(start, stop)), stop - start
+
+
+def _row_reader(prepared: PreparedData) -> Callable[[int, int], Any] | None:
+    """How to read rows ``[start, stop)`` of ``prepared``'s data, as :func:`_batch` takes them: a Dataset's items,
+    collated; a Zarr store's rows, where it lives; in-memory arrays' rows.  None for dask arrays: computing them
+    is work for the cluster, not for the pre-flight."""
+    source, form = prepared.source, prepared.form
+    if form == "dataset":
+        return None if source is None else lambda a, b: source.batch(range(a, b))
+    if source is not None:
+        opened: dict[str, Any] = {}
+
+        def read(a: int, b: int) -> Any:
+            if "ds" not in opened:  # (opened once, on the first read)
+                opened["ds"] = source.open()
+            ds = opened["ds"]
+            return source.read_columns(a, b, ds) if form == "dict" else source.read(a, b, ds)
+
+        return read
+    arrays = dict(prepared.columns or {}) if form == "dict" else {"X": prepared.X, "y": prepared.y}
+    if not arrays or not all(isinstance(a, np.ndarray) for a in arrays.values()):
+        return None
+    if form == "dict":
+        return lambda a, b: {k: v[a:b] for k, v in arrays.items()}
+    return lambda a, b: (arrays["X"][a:b], arrays["y"][a:b])
