@@ -316,7 +316,8 @@ def plan(
             check_accuracy([n for n, fn in metric_fns.items() if fn is accuracy], loss_fn, prepared.classification)
         else:
             loss_fn, metric_fns, cast_x = resolve_loss(loss, prepared.classification), {}, False
-            metric_names = tuple(check_steps(model, probe_batch(prepared, x_dtype), train_step, eval_step))
+            sample = probe_batch(prepared, x_dtype)
+            metric_names = tuple(check_steps(model, sample, train_step, eval_step, (prepared, x_dtype)))
         target = check_target(stopping.target, [m for m in metric_names if m != "loss"], metric_fns)
         screens = [n for n in NEEDS_VALIDATION if getattr(resilience, n) is not None]
         if screens and validation is None:

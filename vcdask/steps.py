@@ -14,8 +14,6 @@ import copy
 import functools
 import itertools
 import math
-import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -155,15 +153,22 @@ def evaluate(spec, model: torch.nn.Module, batches: Iterable[tuple[Any, int]], p
         return {name: s / total for name, s in sums.items()} if total else {}
 
 
-def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None) -> list[str]:
+def check_steps(
+    model: torch.nn.Module,
+    sample: Any,
+    train_step: Callable,
+    eval_step: Callable | None,
+    data: tuple[PreparedData, torch.dtype] | None = None,
+) -> list[str]:
     """Run the steps once on a probe batch (on the CPU, as a copy of the model there); return the metric names.
 
     A model on an accelerator whose steps fail on the CPU copy is tried once more on a copy on its own device
     (steps written for it, that move the batch there with ``.cuda()``).  Gradients the train step's loss leaves on
     ``model`` itself (a step over the model captured from outside, refused) are cleared again.  A train step's loss
     that is NaN or infinite on the probe batch (its first rows: a masked loss over no labelled row) is tried again
-    on up to :data:`MORE_ROWS` rows spread over the data ``sample`` came from (:func:`probe_batch`), and refused
-    only when it is non-finite on all of them; where those rows cannot be read cheaply (dask arrays), not at all.
+    on up to :data:`MORE_ROWS` rows spread over ``data`` (the ``PreparedData`` and the inputs' dtype ``sample``
+    came from, :func:`probe_batch`), and refused only when it is non-finite on all of them; where those rows
+    cannot be read cheaply (dask arrays), or without ``data``, not at all.
 
     Raises
     ------
@@ -183,18 +188,24 @@ def check_steps(model: torch.nn.Module, sample: Any, train_step: Callable, eval_
     clear = [p for p in model.parameters() if p.grad is None]
     try:
         try:
-            names = _check_steps_on(train_mode(cpu_copy(model), frozen), sample, train_step, eval_step)
+            names = _check_steps_on(train_mode(cpu_copy(model), frozen), sample, train_step, eval_step, data)
         except DataError:
             if all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers())):
                 raise
-            names = _check_steps_on(train_mode(copy.deepcopy(model), frozen), sample, train_step, eval_step)
+            names = _check_steps_on(train_mode(copy.deepcopy(model), frozen), sample, train_step, eval_step, data)
     finally:
         for p in clear:  # (a step over the model captured from outside backpropagated into it)
             p.grad = None
     return check_metric_names(names, "eval_step", loss=True)
 
 
-def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, eval_step: Callable | None) -> list[str]:
+def _check_steps_on(
+    probe: torch.nn.Module,
+    sample: Any,
+    train_step: Callable,
+    eval_step: Callable | None,
+    data: tuple[PreparedData, torch.dtype] | None,
+) -> list[str]:
     """The metric names of the steps on ``probe`` (a copy of the model)."""
     for p in probe.parameters():
         p.grad = None
@@ -206,7 +217,7 @@ def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, e
     check_layout_kept(layout, probe)
     check_loss(loss, probe)
     if not finite(loss):
-        loss = _loss_on_more_rows(probe, sample, train_step, layout, loss)
+        loss = _loss_on_more_rows(probe, data, train_step, layout, loss)
     check_backward(probe, loss)
     if eval_step is None:
         return ["loss"]
@@ -230,10 +241,10 @@ def _check_steps_on(probe: torch.nn.Module, sample: Any, train_step: Callable, e
 
 
 def _loss_on_more_rows(
-    probe: torch.nn.Module, sample: Any, train_step: Callable, layout: dict, loss: torch.Tensor
+    probe: torch.nn.Module, data: tuple[PreparedData, torch.dtype] | None, train_step: Callable, layout: dict, loss: Any
 ) -> torch.Tensor:
     """The train step's loss on more rows of the training data, a few batches spread over it, where ``loss`` (on
-    the probe batch ``sample``) is not finite: the first finite one; ``loss`` itself where those rows cannot be read
+    the probe batch) is not finite: the first finite one; ``loss`` itself where those rows cannot be read
     here or the step does not give a loss on them (the run reports its own failures).
 
     Raises
@@ -241,7 +252,7 @@ def _loss_on_more_rows(
     DataError
         The loss is non-finite on all of them too (:func:`vcdask._step_checks.refuse_non_finite`).
     """
-    reads = _more_batches(sample)
+    reads = None if data is None else _more_batches(*data)
     if reads is None:  # (not refused on the first rows alone: the run's pause names the training when all are NaN)
         return loss
     values, rows = [float(loss.detach().float())], 0
@@ -266,22 +277,12 @@ def _loss_on_more_rows(
 MORE_ROWS = 256
 MORE_BATCHES = 4
 
-#: The data each recent :func:`probe_batch` came from, by the batch's id (the batch kept: its id stays its own):
-#: ``(batch, weak reference to the PreparedData, x_dtype)``, the last few only.
-_PROBED: dict[int, tuple[Any, Any, torch.dtype]] = {}
-_PROBED_LOCK = threading.Lock()
-
 
 def probe_batch(prepared: PreparedData, x_dtype: torch.dtype) -> Any:
-    """A few rows of the data as the batch a custom step will get (on CPU); :func:`check_steps` reads more rows of
-    ``prepared`` as it does when the train step's loss is non-finite on them."""
+    """A few rows of the data as the batch a custom step will get (on CPU); :func:`check_steps`, given
+    ``(prepared, x_dtype)``, reads more rows as it does when the train step's loss is non-finite on them."""
     rows = prepared.sample if prepared.form in ("dataset", "dict") else (prepared.sample_X, prepared.sample_y)
-    batch = _batch(prepared, x_dtype, rows)
-    with _PROBED_LOCK:
-        _PROBED[id(batch)] = (batch, weakref.ref(prepared), x_dtype)
-        while len(_PROBED) > 8:
-            del _PROBED[next(iter(_PROBED))]
-    return batch
+    return _batch(prepared, x_dtype, rows)
 
 
 def _batch(prepared: PreparedData, x_dtype: torch.dtype, rows: Any) -> Any:
@@ -300,19 +301,12 @@ def _batch(prepared: PreparedData, x_dtype: torch.dtype, rows: Any) -> Any:
     return tensor(X), y.long() if prepared.classification else y
 
 
-def _more_batches(sample: Any) -> list[Callable[[], tuple[Any, int]]] | None:
-    """Readers of up to :data:`MORE_ROWS` rows of the data the probe batch ``sample`` came from, in
-    :data:`MORE_BATCHES` batches spread over it, read as :func:`probe_batch` read it: each gives a batch and its
-    number of rows.  None where ``sample`` is not a probe batch of data still alive, or its rows cannot be read
-    cheaply here (:func:`_row_reader`)."""
-    with _PROBED_LOCK:
-        entry = _PROBED.get(id(sample))
-    if entry is None or entry[0] is not sample:
-        return None
-    _, ref, x_dtype = entry
-    prepared = ref()
-    read = None if prepared is None else _row_reader(prepared)
-    if prepared is None or read is None:
+def _more_batches(prepared: PreparedData, x_dtype: torch.dtype) -> list[Callable[[], tuple[Any, int]]] | None:
+    """Readers of up to :data:`MORE_ROWS` rows of ``prepared``, in :data:`MORE_BATCHES` batches spread over it,
+    read as :func:`probe_batch` reads it: each gives a batch and its number of rows.  None where its rows cannot be
+    read cheaply here (:func:`_row_reader`)."""
+    read = _row_reader(prepared)
+    if read is None:
         return None
     n = prepared.n
     size = max(min(2, n), min(MORE_ROWS // MORE_BATCHES, n // MORE_BATCHES))
