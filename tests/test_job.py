@@ -649,6 +649,9 @@ def test_two_scheduled_runs_release_only_when_better(job_dir, cluster, capsys):
     assert report["released"] is True and "is a number, broken-1's is nan" in report["reason"]
     record = prepared.store.files.get(f"{second['run_id']}/job.json").decode()
     assert "NaN" not in record and json.loads(record)["release"]["baseline"] is None
+    # a job that starts from the broken release is refused naming its start, not its model
+    with pytest.raises(JobFileError, match=r"broken\.yaml: start: rejected by vcdask\.fit: the model's parameters"):
+        preflight(load_job(_write(job_dir, text + "start: {tag: broken-1}\n", "broken.yaml")))
 
 
 def test_csv_data_with_a_held_out_fraction_on_a_threaded_scheduler(job_dir):

@@ -101,8 +101,10 @@ def fit_kwargs(prepared: Prepared) -> dict[str, Any]:
 def _blamed(prepared: Prepared, kwargs: dict[str, Any], error: Exception) -> str:
     """The job file's field a refusal of ``fit`` is about: ``fit`` for its options; for a refusal of the data,
     the data's field (``data.features``, ``data.label``, ``data``) when the training data alone is refused so,
-    ``validation`` when the refusal names the validation data, ``model`` when it is about what the model makes
-    of the training data (it cannot take its rows, its outputs do not fit the labels), else the data's field."""
+    ``validation`` when the refusal names the validation data, ``start`` when it is about the values the model was
+    loaded with (non-finite parameters of the release it starts from), ``model`` when it is about what the model
+    makes of the training data (it cannot take its rows, its outputs do not fit the labels), else the data's
+    field."""
     from ..data import DataError, prepare_data
 
     if not isinstance(error, DataError):
@@ -122,6 +124,8 @@ def _blamed(prepared: Prepared, kwargs: dict[str, Any], error: Exception) -> str
     message = str(error)
     if prepared.validation is not None and "validation" in message:  # fit's checks name the validation data
         return "validation"
+    if prepared.start is not None and "non-finite" in message and "model" in message:
+        return "start"  # (the values the model was loaded with: the release or version it starts from)
     return "model" if "model" in message else _data_field(message)
 
 
