@@ -249,6 +249,11 @@ def test_the_common_lower_is_better_names_improve_downwards(name, lower):
         *((n, False) for n in sorted(policy.NEGATED_SCORERS)),  # scikit-learn's, to maximise
         ("test_neg_mean_squared_error", False),  # (as cross_validate reports it)
         ("train_neg_log_loss", False),
+        # an error negated by its user, short: upwards (as at 9b6c936); a loss negated stays a loss
+        *((n, False) for n in ("neg_mse", "neg_rmse", "neg_mae", "negative_mse", "Negative_MSE", "val_neg_mse")),
+        ("neg_error_rate", False),
+        ("negative_loss", True),
+        ("neg_loglik", True),
     ],
 )
 def test_neg_turns_round_only_scikit_learns_negated_losses(name, lower):

@@ -11,6 +11,7 @@ __all__ = [
     "HIGHER_IS_BETTER",
     "LOWER_IS_BETTER",
     "LOWER_IS_BETTER_WORDS",
+    "NEGATED_ERRORS",
     "NEGATED_SCORERS",
     "QUALIFIERS",
     "known_direction",
@@ -48,6 +49,10 @@ NEGATED_SCORERS = frozenset(
     "mean_absolute_percentage_error mean_squared_log_error root_mean_squared_log_error log_loss brier_score "
     "mean_poisson_deviance mean_gamma_deviance negative_likelihood_ratio".split()
 )
+#: Errors that a leading ``neg`` / ``negative`` negates (``neg_mse``, ``negative_mae``: upwards); a negated loss
+#: stays a loss (``neg_loss``, ``neg_sampling_loss``: a contrastive loss of the negative samples; downwards), and
+#: so does a negated likelihood.
+NEGATED_ERRORS = ("mse", "rmse", "mae", "mape", "msle", "rmsle", "error", "error_rate")
 #: Trailing words that qualify a metric without changing its direction (``loss/val``, ``val_loss_epoch``,
 #: ``f1_macro``, ``loss_2``: numbers too).
 QUALIFIERS = frozenset("val valid validation test eval train epoch step avg mean macro micro weighted".split())
@@ -75,6 +80,8 @@ def lower_is_better(name: str) -> bool:
     (True, False, False)
     >>> lower_is_better("neg_f1"), lower_is_better("neg_sampling_loss"), known_direction("val_mAP")
     (False, True, True)
+    >>> lower_is_better("neg_mse"), lower_is_better("negative_rmse"), lower_is_better("neg_loglik")
+    (False, False, True)
     """
     return _direction(name)[0]
 
@@ -101,6 +108,9 @@ def _read(words: list[str]) -> tuple[bool, bool]:
     joined = "_".join(words)
     if any(joined == n or joined.endswith("_" + n) for n in NEGATED_SCORERS):
         return False, True
+    lead = next((i for i, w in enumerate(words) if w not in QUALIFIERS), len(words))  # (val_neg_mse)
+    if len(words) > lead + 1 and words[lead] in ("neg", "negative") and joined.endswith(NEGATED_ERRORS):
+        return False, True  # (neg_mse, negative_rmse: an error negated, as scikit-learn's scorers negate theirs)
     lasts = {words[-1], words[-1].rstrip("0123456789")} if words else set()  # (``mAP50``: map50, map)
     lower = joined.endswith(LOWER_IS_BETTER) or bool(lasts & LOWER_IS_BETTER_WORDS)
     return lower, lower or joined.endswith(HIGHER_IS_BETTER) or bool(lasts & {"ap", *HIGHER_IS_BETTER})
