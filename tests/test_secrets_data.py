@@ -92,7 +92,8 @@ def test_non_secret_nested_options_are_kept():
         "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000", "region_name": "us-east-1"},
         "config_kwargs": {"s3": {"addressing_style": "path"}},
         "s3_additional_kwargs": {"ServerSideEncryption": "AES256"},
-        "headers": {"Accept": "*/*"},
+        "headers": {"Accept": "*/*", "x-amz-server-side-encryption-aws-kms-key-id": "arn:aws:kms:r:1:key/k"},
+        "aws_sse_kms_key_id": "arn:aws:kms:r:1:key/k",  # (which key encrypts: an identifier)
     }
     assert _zarr_source(URL, options).storage_options == options
     assert _zarr_source(f"simplecache::{URL}", {"s3": {"anon": True}}).storage_options == {"s3": {"anon": True}}
@@ -119,6 +120,21 @@ def test_non_secret_nested_options_are_kept():
 def test_a_data_url_with_credentials_is_refused_masked(url, options, shown, tmp_path):
     message = refused(_linear(), url, tmp_path, DataError, shown, "holds credentials", storage_options=options)
     assert SECRET not in message and KEY_ID not in message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "abfs://container@account.dfs.core.windows.net/data.zarr",  # (adlfs's own form: the container, the account)
+        "az://container@account.blob.core.windows.net/data.zarr",
+        "sftp://alice@127.0.0.1/data.zarr",  # (a user name, no password)
+    ],
+)
+def test_a_name_before_the_host_where_it_names_a_container_or_a_user_is_no_credential(url):
+    """These were refused as 'holding credentials', masking the container's name; a password there still is one."""
+    assert _zarr_source(url, {"anon": True}).storage_options == {"anon": True}
+    with pytest.raises(DataError, match="holds credentials"):
+        _zarr_source(url.replace("@", f":{SECRET}@", 1), None)
 
 
 # -- Icechunk sessions --------------------------------------------------------------------------------------------

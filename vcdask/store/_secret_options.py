@@ -85,9 +85,12 @@ def is_secret_config_key(key: str) -> bool:
     """Whether the ``config`` entry ``key`` (an object_store configuration key) holds a secret.
 
     The rule: a key whose name holds ``key``, ``secret``, ``token``, ``sas``, ``password`` or ``credential``
-    is a secret, unless it names a file (``google_application_credentials``, ``azure_federated_token_file``).
+    is a secret, unless it names a file (``google_application_credentials``, ``azure_federated_token_file``) or
+    the KMS key that encrypts the objects (``aws_sse_kms_key_id``, a header ``...-aws-kms-key-id``).
     """
     k = key.lower()
+    if ("kms" in k or "encryption" in k) and k.endswith(("key_id", "key-id", "keyid", "key_arn", "key-arn")):
+        return False  # (which KMS key encrypts the objects: an identifier, x-amz-server-side-encryption-aws-kms-key-id)
     return k not in _FILE_KEYS and any(word in k for word in _SECRET_WORDS)
 
 
@@ -104,18 +107,25 @@ def is_secret_option(name: str) -> bool:
     return n.startswith(_WORD_RULE_PREFIXES) and is_secret_config_key(n)
 
 
+#: Schemes whose ``name@host`` names a container or a user, not a credential (a ``name:password@`` still is).
+NAMED_USERINFO = frozenset({"abfs", "abfss", "az", "adl", "sftp", "ssh"})
+
+
 def has_userinfo(url: str) -> bool:
     """Whether ``url`` (or a part of a chained URL) carries credentials before its host: ``user:password@``.
 
     Also a netloc with a colon not followed by a port only (``s3://KEY:SEC/RET@bucket``: a secret holding a
-    ``/`` cuts the netloc short of its ``@``).
+    ``/`` cuts the netloc short of its ``@``).  A name alone before the ``@`` is one (``https://TOKEN@host``), but
+    for the schemes where it names a container or a user (:data:`NAMED_USERINFO`: ``abfs://container@account...``,
+    ``sftp://alice@host``).
     """
     for part in url.split("::"):
         m = _SCHEME.match(part)
         if m is None:
             continue
         netloc = re.split(r"[/?#]", part[m.end() :], maxsplit=1)[0]
-        if "@" in netloc:
+        named = m.group(1).lower() in NAMED_USERINFO
+        if "@" in netloc and (not named or ":" in netloc.rpartition("@")[0]):
             return True
         host, colon, port = netloc.rpartition(":")
         if colon and not (port.isdigit() or port == "" or host.endswith("]") or netloc.endswith("]")):
