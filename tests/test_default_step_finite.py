@@ -1,7 +1,8 @@
 """The default step's pre-flight and non-finite numbers (``vcdask._forward_check.check_model``): a model whose
 parameters hold NaN/inf is refused, naming them (it passed the whole pre-flight, and the run failed on the cluster
-after ``no_worker_timeout``, blaming its workers); a NaN loss on the probe rows alone is not (a loss masked to other
-rows; a BatchNorm whose running variance an old release spoiled gives NaN in eval mode only, and trains)."""
+after ``no_worker_timeout``, blaming its workers), and so is a loss that is NaN in train mode on more rows too; a
+NaN loss on the probe rows alone is not (a loss masked to other rows; a BatchNorm whose running variance an old
+release spoiled gives NaN in eval mode only, and trains)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,16 @@ def test_a_model_whose_parameters_hold_nan_is_refused_naming_them(xy, tmp_path):
     with torch.no_grad():
         model[2].bias[1] = float("nan")
     refused(model, xy, tmp_path, DataError, "parameters hold non-finite values (NaN/inf) in ['2.bias']", "initialize")
+
+
+def test_a_loss_nan_on_every_row_is_refused_naming_the_rows_tried(xy, tmp_path):
+    """It ran: NaN gradients failed the run after no_worker_timeout (300 s), finite ones trained NaN silently."""
+
+    def sqrt_of_negative(out, target):
+        return torch.sqrt(-(out - out.detach()).abs().sum(1) - 1.0).mean()
+
+    refused(_net(), xy, tmp_path, DataError, "the loss of the model's outputs is nan", "more rows across it too",
+            loss=sqrt_of_negative)  # fmt: skip
 
 
 def test_a_nan_loss_on_the_probe_rows_alone_is_not_refused(xy, tmp_path):

@@ -168,15 +168,20 @@ def check_model(
             "returns the batch's mean (its .mean()) as a tensor"
         )
     # A NaN loss on these few rows, in eval mode, proves nothing alone (a loss masked to rows these are not, batch
-    # statistics a bad checkpoint's running_var spoils in eval mode only: training goes on); parameters holding
-    # NaN/inf give every update NaN, and the run would fail on the cluster after no_worker_timeout, blaming workers.
-    bad = [] if torch.isfinite(value).all() else [n for n, p in model.named_parameters() if not _finite(p)]
-    if bad and what == "training":
-        raise DataError(
-            f"the model's parameters hold non-finite values (NaN/inf) in {bad[:5]}{' ...' if len(bad) > 5 else ''}: "
-            "its outputs and every update would be NaN; initialize them again (or load a checkpoint saved before "
-            "they diverged)"
-        )
+    # statistics a bad checkpoint's running_var spoils in eval mode only: training goes on): refused when the
+    # parameters hold NaN/inf, or when the loss is NaN in train mode on more rows too; else every update would be
+    # NaN, and the run would fail on the cluster after no_worker_timeout, blaming its workers.
+    if what == "training" and not torch.isfinite(value).all():
+        bad = [n for n, p in model.named_parameters() if not _finite(p)]
+        if bad:
+            raise DataError(
+                f"the model's parameters hold non-finite values (NaN/inf) in {bad[:5]}{' ...' if len(bad) > 5 else ''}"
+                ": its outputs and every update would be NaN; initialize them again (or load a checkpoint saved before "
+                "they diverged)"
+            )
+        from .steps import check_default_loss
+
+        check_default_loss(model, (prepared, x_dtype), loss)  # (in train mode, on more rows too)
     for name, fn in (metrics or {}).items():  # (a metric that fails here failed the run's first validation)
         try:
             float(fn(out.float(), y))

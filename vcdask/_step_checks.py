@@ -123,9 +123,9 @@ def finite(loss: torch.Tensor) -> bool:
     return math.isfinite(float(loss.detach().float()))
 
 
-def refuse_non_finite(values: list[float], rows: int) -> NoReturn:
-    """Refuse a train step whose loss is non-finite (``values``) on the probe batch and on ``rows`` more rows of
-    the training data spread over it, a few batches of them: every update of such a run is non-finite, and the
+def refuse_non_finite(values: list[float], rows: int, what: str = "train_step's loss") -> NoReturn:
+    """Refuse a train step whose loss (``what``) is non-finite (``values``) on the probe batch and on ``rows`` more
+    rows of the training data spread over it, a few batches of them: every update of such a run is non-finite, and the
     run fails on the cluster minutes later, blaming its workers.  (On the probe batch alone it is not refused: a
     masked loss, a mean over the labelled rows only, is NaN on first rows that hold none.)
 
@@ -135,7 +135,7 @@ def refuse_non_finite(values: list[float], rows: int) -> NoReturn:
         Naming the values, where they were computed and what to look at.
     """
     raise DataError(
-        f"train_step's loss is {values[0]} on a probe batch of the training data (its first rows), and non-finite "
+        f"{what} is {values[0]} on a probe batch of the training data (its first rows), and non-finite "
         f"on {rows} more rows across it too ({_few([str(v) for v in values[1:]])}): a non-finite loss gives "
         "non-finite updates, which the run rejects until it fails; look for a log or a division of 0 in the loss "
         "(torch.log(p + eps), a mean over no elements) or for non-finite parameters in the model"

@@ -240,8 +240,32 @@ def _check_steps_on(
     return names
 
 
+def check_default_loss(model: torch.nn.Module, data: tuple[PreparedData, torch.dtype], loss: Callable) -> None:
+    """The default step's ``loss``, non-finite on the probe rows in eval mode (:func:`vcdask._forward_check.
+    check_model`): tried again, in train mode as the workers train, on the probe rows and on more rows spread
+    over the data (:func:`_loss_on_more_rows`); refused only where it is non-finite on all of them (a loss over some
+    rows only is NaN on first rows that hold none; a BatchNorm spoiled for eval mode trains).
+
+    Raises
+    ------
+    DataError
+        The loss is non-finite on every batch tried.
+    """
+    step = SupervisedStep(loss)
+    probe = train_mode(cpu_copy(model), eval_modules(model))
+    prepared, x_dtype = data
+    first = step(probe, probe_batch(prepared, x_dtype))  # (with gradients: a loss, as _loss_on_more_rows takes it)
+    if not finite(first):
+        _loss_on_more_rows(probe, data, step, state_layout(probe), first, "the loss of the model's outputs")
+
+
 def _loss_on_more_rows(
-    probe: torch.nn.Module, data: tuple[PreparedData, torch.dtype] | None, train_step: Callable, layout: dict, loss: Any
+    probe: torch.nn.Module,
+    data: tuple[PreparedData, torch.dtype] | None,
+    train_step: Callable,
+    layout: dict,
+    loss: Any,
+    what: str = "train_step's loss",
 ) -> torch.Tensor:
     """The train step's loss on more rows of the training data, a few batches spread over it, where ``loss`` (on
     the probe batch) is not finite: the first finite one; ``loss`` itself where those rows cannot be read
@@ -269,7 +293,7 @@ def _loss_on_more_rows(
             return other
         values.append(float(other.detach().float()))
         rows += n
-    refuse_non_finite(values, rows)
+    refuse_non_finite(values, rows, what)
 
 
 #: At most this many rows of the training data, read in :data:`MORE_BATCHES` batches spread over it, are tried
