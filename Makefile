@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast lint docs env clean
+.PHONY: demo test test-fast test-min lint docs env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,5 +53,16 @@ $(VENV)/.docs-installed: pyproject.toml constraints.txt $(VENV)/.installed
 docs: $(VENV)/.docs-installed
 	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
 
+# The dependency floors pyproject.toml declares, pinned (constraints-min.txt), in a venv of their own: the fast
+# tests and the demo on them. Not in CI (another environment: a few minutes to install); run it when a floor, or
+# what vcdask imports from a dependency, changes.
+VENV_MIN ?= .venv-min
+test-min:
+	test -x $(VENV_MIN)/bin/python || $(PYTHON) -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/pip install --quiet "$(TORCH)"
+	$(VENV_MIN)/bin/pip install --quiet -c constraints-min.txt -e ".[test]"
+	$(VENV_MIN)/bin/python -m pytest -m "not slow and not chaos and not cluster"
+	$(VENV_MIN)/bin/vcdask demo
+
 clean:
-	rm -rf $(VENV) vcdask-runs .pytest_cache docs/_build docs/generated
+	rm -rf $(VENV) $(VENV_MIN) vcdask-runs .pytest_cache docs/_build docs/generated
