@@ -137,6 +137,22 @@ def test_a_name_before_the_host_where_it_names_a_container_or_a_user_is_no_crede
         _zarr_source(url.replace("@", f":{SECRET}@", 1), None)
 
 
+@pytest.mark.parametrize(
+    ("url", "names"),
+    [
+        (f"https://account.blob.core.windows.net/c/data.zarr?sv=2022-11-02&sp=r&sig={SECRET}", "['sig']"),
+        (f"https://127.0.0.1:9/b/data.zarr?X-Amz-Credential={KEY_ID}&X-Amz-Signature={SECRET}", "Signature"),
+        (f"simplecache::https://127.0.0.1:9/data.zarr?token={SECRET}", "['token']"),
+    ],
+    ids=["azure-sas", "s3-presigned", "chained-token"],
+)
+def test_a_data_url_signed_in_its_query_is_refused_naming_the_parameters_only(url, names, tmp_path):
+    """A SAS or presigned URL's signature went into the run's spec with the location (and to every worker)."""
+    message = refused(_linear(), url, tmp_path, DataError, "credentials in its query", names)
+    assert SECRET not in message and KEY_ID not in message
+    assert _zarr_source("https://127.0.0.1:9/data.zarr?version=3&format=zarr", None) is not None  # (a plain query)
+
+
 # -- Icechunk sessions --------------------------------------------------------------------------------------------
 def _fetch_credentials():  # (icechunk pickles it by reference: a function of this module)
     return icechunk.S3StaticCredentials(access_key_id=KEY_ID, secret_access_key=SECRET)

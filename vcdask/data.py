@@ -35,7 +35,7 @@ from ._arrays import _is_dask, _prepare_dict, _prepare_xy
 from ._data_options import check_options_apply
 from .errors import DataError
 from .prepared import PreparedData
-from .store._secret_options import has_userinfo, mask_userinfo, secret_paths
+from .store._secret_options import has_userinfo, mask_userinfo, secret_paths, secret_query
 from .store._session_secrets import session_credentials
 from .variables import dict_vars, infer_sample_dim, infer_vars
 
@@ -302,7 +302,8 @@ def _stack(ds, features, dim):
 
 def _zarr_source(data: Any, storage_options) -> DataSource | None:
     """The source of a Zarr location or an Icechunk session / store (None for other data).  Refused
-    (:class:`DataError`, naming where and never what): a URL with credentials in it, secret ``storage_options``
+    (:class:`DataError`, naming where and never what): a URL with credentials in it (before its host, or a signed
+    URL's query), secret ``storage_options``
     (at any depth), and an Icechunk session whose pickle would carry its repository's credentials."""
     import os
 
@@ -313,6 +314,11 @@ def _zarr_source(data: Any, storage_options) -> DataSource | None:
             raise DataError(
                 f"the data location {mask_userinfo(data)!r} holds credentials (user:secret@host): {_NO_SECRETS}, "
                 f"and the location is in both. {_OWN_CREDENTIALS}, and give the URL without them"
+            )
+        if query := secret_query(data):  # (a SAS or a presigned URL: the signature is the credential)
+            raise DataError(
+                f"the data location holds credentials in its query ({query}, named here by their names only): "
+                f"{_NO_SECRETS}, and the location is in both. {_OWN_CREDENTIALS}, and give the URL without them"
             )
         secret = secret_paths(storage_options or {})
         if secret:

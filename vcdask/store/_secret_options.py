@@ -21,6 +21,7 @@ __all__ = [
     "is_secret_option",
     "mask_userinfo",
     "secret_paths",
+    "secret_query",
     "userinfo_paths",
 ]
 
@@ -182,3 +183,37 @@ def secret_paths(options: Any, prefix: str = "") -> list[str]:
             found.add(f"{path}.{value[0]}")
     # (an entry inside a secret one is named by the outer one only)
     return sorted(p for p in found if not any(p.startswith(q + ".") for q in found))
+
+
+#: Query parameters of a URL that carry a secret: a signed URL's signature and credentials (S3 presigned, GCS
+#: signed, an Azure SAS's ``sig``), a token or a key.
+SECRET_QUERY = frozenset(
+    {
+        "sig",
+        "signature",
+        "x-amz-signature",
+        "x-amz-credential",
+        "x-amz-security-token",
+        "x-goog-signature",
+        "x-goog-credential",
+        "token",
+        "access_token",
+        "api_key",
+        "apikey",
+        "key",
+        "password",
+    }
+)
+
+
+def secret_query(url: str) -> list[str]:
+    """The names of ``url``'s query parameters (any part of a chained URL) that carry a secret
+    (:data:`SECRET_QUERY`), never their values: ``["sig"]`` for an Azure SAS URL."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    names: list[str] = []
+    for part in url.split("::"):
+        if _SCHEME.match(part):
+            query = parse_qsl(urlsplit(part).query, keep_blank_values=True)
+            names += [k for k, _ in query if k.lower() in SECRET_QUERY]
+    return names
