@@ -81,3 +81,20 @@ def core_spec(run_id: str = "run-core", **fields):
         resilience=vcdask.Resilience(),
     )
     return dataclasses.replace(spec, **fields)
+
+
+def predict_spec(**fields):
+    """The fields of a RunSpec that :mod:`vcdask.predict` reads: a classifier of the default step on labels of
+    one value per sample, but for ``fields``."""
+    base = {
+        "batch_form": "xy",
+        "feature_names": (),
+        "classification": True,
+        "x_dtype": torch.float32,
+        "cast_x": True,
+        "loss": torch.nn.functional.cross_entropy,
+        "label_shape": (),
+        "train_step": None,
+        "label_range": None,
+    }
+    return SimpleNamespace(**{**base, **fields})

@@ -5,28 +5,14 @@ dtype, each layer's mode).  No cluster: the metrics, the pre-flight and the pred
 from __future__ import annotations
 
 import functools
-import types
 
 import numpy as np
 import pytest
 import torch
 from refusal_helpers import refused
+from spec_helpers import predict_spec
 
 BCE_LOGITS = torch.nn.functional.binary_cross_entropy_with_logits
-
-
-def _spec(**fields):
-    """The fields of a RunSpec that predict reads."""
-    base = {
-        "batch_form": "xy",
-        "feature_names": (),
-        "classification": True,
-        "x_dtype": torch.float32,
-        "cast_x": True,
-        "loss": torch.nn.functional.cross_entropy,
-        "label_shape": (),
-    }
-    return types.SimpleNamespace(**{**base, **fields})
 
 
 def test_accuracy_of_one_logit_per_label_thresholds_it_at_zero():
@@ -56,22 +42,22 @@ def test_a_classifier_per_position_reads_its_classes_along_axis_1():
     labels[:, 0] = (ids[:, 0] + 1) % 3  # one position in six wrong
     assert accuracy(out, labels) == pytest.approx(5 / 6)
     assert mae(out, labels) == pytest.approx(float((ids - labels).abs().float().mean()))
-    spec = _spec(label_shape=(6,))
+    spec = predict_spec(label_shape=(6,))
     np.testing.assert_array_equal(predicted(out, spec), ids.numpy())
     proba = probabilities(out, spec)
     assert proba.shape == (5, 3, 6)
     np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-6)
     np.testing.assert_array_equal(proba.argmax(axis=1), ids.numpy())
-    old = _spec(label_shape=None)  # a run recorded before label_shape: a classifier's labels have one axis less
+    old = predict_spec(label_shape=None)  # a run recorded before label_shape: a classifier's labels have one axis less
     np.testing.assert_array_equal(predicted(out, old), ids.numpy())
     flat = torch.randn(4, 3, generator=generator)  # (n, C): the last axis, as before
-    np.testing.assert_array_equal(predicted(flat, _spec()), flat.argmax(dim=-1).numpy())
+    np.testing.assert_array_equal(predicted(flat, predict_spec()), flat.argmax(dim=-1).numpy())
     # a language model's (n, T, V) outputs against (n, T) labels (its loss flattens them): only the last axis
     # leaves the labels' shape, so it holds the classes
     tokens = torch.randn(5, 4, 7, generator=generator)
     next_ids = tokens.argmax(dim=-1)
     assert accuracy(tokens, next_ids) == 1.0
-    np.testing.assert_array_equal(predicted(tokens, _spec(label_shape=(4,))), next_ids.numpy())
+    np.testing.assert_array_equal(predicted(tokens, predict_spec(label_shape=(4,))), next_ids.numpy())
 
 
 def test_a_binary_classifier_predicts_class_ids_shaped_as_its_labels_and_their_probabilities():
@@ -82,7 +68,7 @@ def test_a_binary_classifier_predicts_class_ids_shaped_as_its_labels_and_their_p
     logits = torch.tensor([[2.0], [-1.0], [0.0]])
     weighted = functools.partial(BCE_LOGITS, pos_weight=torch.tensor([2.0]))  # (a partial was not seen as one)
     for loss in (BCE_LOGITS, torch.nn.BCEWithLogitsLoss(), weighted, functools.partial(weighted, reduction="sum")):
-        spec = _spec(classification=False, loss=loss, label_shape=())
+        spec = predict_spec(classification=False, loss=loss, label_shape=())
         assert binary_classifier(spec)
         ids = predicted(logits, spec)
         assert ids.dtype == np.int64 and ids.tolist() == [1, 0, 0]  # (n,) labels: (n,) ids
@@ -90,12 +76,16 @@ def test_a_binary_classifier_predicts_class_ids_shaped_as_its_labels_and_their_p
         assert proba.shape == (3, 2)
         np.testing.assert_allclose(proba[:, 1], torch.sigmoid(logits).flatten().numpy(), rtol=1e-6)
         np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-6)
-    assert predicted(logits, _spec(classification=False, loss=BCE_LOGITS, label_shape=(1,))).tolist() == [[1], [0], [0]]
+    assert predicted(logits, predict_spec(classification=False, loss=BCE_LOGITS, label_shape=(1,))).tolist() == [
+        [1],
+        [0],
+        [0],
+    ]
     several = torch.tensor([[1.0, -1.0], [-2.0, 3.0]])  # two binary labels a sample: the sigmoid of each
-    spec = _spec(classification=False, loss=BCE_LOGITS, label_shape=(2,))
+    spec = predict_spec(classification=False, loss=BCE_LOGITS, label_shape=(2,))
     assert predicted(several, spec).tolist() == [[1, 0], [0, 1]]
     np.testing.assert_allclose(probabilities(several, spec), torch.sigmoid(several).numpy(), rtol=1e-6)
-    regression = _spec(classification=False, loss=torch.nn.functional.mse_loss, label_shape=())
+    regression = predict_spec(classification=False, loss=torch.nn.functional.mse_loss, label_shape=())
     assert not binary_classifier(regression)
     assert predicted(logits, regression).dtype == np.float32  # a regression's outputs, as they are
 
@@ -159,13 +149,13 @@ def test_integer_labels_with_a_last_axis_of_size_1_are_read_as_labels_without_it
     labels = torch.tensor([[1], [1], [2], [2]])  # predicted 1, 0, 2, 0: 2 of 4 right
     assert accuracy(out, labels) == 0.5
     assert mae(out, labels) == pytest.approx((0 + 1 + 0 + 2) / 4)
-    spec = _spec(label_shape=(1,))
+    spec = predict_spec(label_shape=(1,))
     assert predicted(out, spec).tolist() == [[1], [0], [2], [0]]  # shaped as the labels
     np.testing.assert_allclose(probabilities(out, spec), torch.softmax(out, dim=-1).numpy(), rtol=1e-6)
     per_position = torch.randn(5, 3, 6, generator=torch.Generator().manual_seed(0))  # (n, C, T) against (n, T, 1)
     ids = per_position.argmax(dim=1)
     assert accuracy(per_position, ids[..., None]) == 1.0
-    assert predicted(per_position, _spec(label_shape=(6, 1))).tolist() == ids[..., None].tolist()
+    assert predicted(per_position, predict_spec(label_shape=(6, 1))).tolist() == ids[..., None].tolist()
 
     def squeezed(out, target):
         return torch.nn.functional.cross_entropy(out, target.squeeze(-1))
@@ -188,13 +178,13 @@ def test_predict_casts_rows_to_the_models_dtype_now(tmp_path):
     rows = np.random.default_rng(2).normal(size=(5, 3)).astype("float32")
     for dtype, out_dtype in ((torch.float64, torch.float64), (torch.bfloat16, torch.float32)):
         model.to(dtype)
-        out = model_outputs(model, _spec(), rows)
+        out = model_outputs(model, predict_spec(), rows)
         assert out.dtype == out_dtype
         with torch.no_grad():
             expected = model(torch.from_numpy(rows).to(dtype)).float()
         torch.testing.assert_close(out.float(), expected)
     tokens = torch.nn.Sequential(torch.nn.Embedding(10, 2), torch.nn.Flatten())  # integer rows kept integer
-    assert model_outputs(tokens, _spec(cast_x=False), np.array([[1, 2], [3, 4]])).shape == (2, 4)
+    assert model_outputs(tokens, predict_spec(cast_x=False), np.array([[1, 2], [3, 4]])).shape == (2, 4)
 
 
 def test_predict_restores_each_layers_mode():
@@ -213,7 +203,7 @@ def test_predict_restores_each_layers_mode():
     model.train()
     model[1].eval()
     before = [m.training for m in model.modules()]
-    model_outputs(model, _spec(), np.ones((6, 3), np.float32), batch_size=4)
+    model_outputs(model, predict_spec(), np.ones((6, 3), np.float32), batch_size=4)
     assert [m.training for m in model.modules()] == before == [True, True, False, True, True]
     assert seen == [False, False]
 

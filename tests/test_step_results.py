@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from spec_helpers import predict_spec
 
 import vcdask
 from vcdask._targets import check_target
@@ -27,18 +28,7 @@ def _step(model, batch):  # (a train_step: the fake specs below only need one)
 
 def _spec(**fields):
     """The fields of a RunSpec that predict reads: a run with a train_step on integer labels."""
-    base = {
-        "batch_form": "xy",
-        "feature_names": (),
-        "classification": True,
-        "x_dtype": torch.float32,
-        "cast_x": True,
-        "loss": F.cross_entropy,
-        "label_shape": (),
-        "train_step": _step,
-        "label_range": None,
-    }
-    return types.SimpleNamespace(**{**base, **fields})
+    return predict_spec(**{"train_step": _step, **fields})
 
 
 @pytest.mark.parametrize(
