@@ -37,16 +37,15 @@ _NAMES_FIX = {
     "DataFrame with label= and features=",
 }
 
-#: The kinds ``sample_dim=`` and ``storage_options=`` apply to.
+#: The kinds ``sample_dim=`` applies to (``storage_options=``: ``"location"`` alone, a Zarr URL).
 _HAS_DIMS = ("xarray", "location", "path", "icechunk")
-_OPENS = ("location",)
 
 
 def data_kind(data: Any) -> str | None:
     """The kind of training data as far as its options go: ``"location"`` (a Zarr URL), ``"path"`` (a local path
-    with no scheme), ``"icechunk"``,
-    ``"xarray"``, ``"frame"``, ``"pandas"`` (a pair with a pandas part), ``"dataset"``, ``"dict"``, ``"arrays"``
-    (another pair), or None for data of no supported kind (:func:`vcdask.data.prepare_data` refuses it)."""
+    with no scheme), ``"icechunk"``, ``"xarray"``, ``"frame"``, ``"pandas"`` (a pair with a pandas part),
+    ``"dataset"``, ``"dict"``, ``"arrays"`` (another pair), or None for data of no supported kind
+    (:func:`vcdask.data.prepare_data` refuses it)."""
     import os
 
     import xarray as xr
@@ -112,7 +111,7 @@ def check_storage_options(data: Any, storage_options: Any, validation: Any = Non
     options) would use: only a Zarr URL does (an empty mapping is no option; Zarr itself refuses them for a path
     with no scheme).  The refusal names their keys, never their values (which may hold credentials)."""
     kind = data_kind(data)
-    if not storage_options or kind is None or kind in _OPENS or data_kind(validation) in _OPENS:
+    if not storage_options or kind in (None, "location") or data_kind(validation) == "location":
         return
     named = (
         f"keys {sorted(map(str, storage_options))}"
